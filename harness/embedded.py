@@ -1,0 +1,299 @@
+"""The embedded default: a tiny random-weight Qwen2 model, its tokenizer and LoRA adapters.
+
+Built locally and deterministically (no hub downloads exist here). Two choices matter:
+
+* ``initializer_range`` is 0.2, not Qwen2's 0.02: with 0.02 the model just repeats its last
+  token, so corrupted KV would not change its output and the oracle would be blind. With
+  0.2 the continuation depends on the whole context.
+* Weights come from numpy's legacy ``RandomState`` (its stream is frozen by numpy's
+  compatibility policy) and are written in the safetensors layout by hand, so the bytes — and
+  the content hash recorded in every finding — do not depend on torch, transformers or
+  safetensors versions.
+
+Shape: 2 layers, hidden 128, 2 attention heads (head_dim 64; the CPU backend rejects 16),
+1 KV head, vocab 512, 32768 positions (so 8192-token prompts from the vLLM reports fit in a
+16384-token context).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import struct
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from traces.errors import BadInput
+
+BUILD_VERSION = 1
+MODEL_NAME = "tiny-qwen2"
+ADAPTERS = ("a", "b", "c")  # three adapters: with max_loras=2, using all three forces swaps
+LORA_RANK = 8
+
+VOCAB = 512
+HIDDEN = 128
+LAYERS = 2
+HEADS = 2
+KV_HEADS = 1
+HEAD_DIM = HIDDEN // HEADS
+INTERMEDIATE = 256
+MAX_POSITIONS = 32768
+INIT_STD = 0.2
+
+# Content hash of a correct build (see tests/test_embedded.py): a change here is a change of the
+# embedded default and must bump BUILD_VERSION.
+EXPECTED_HASH = "d609bcffbf541ada"
+MANIFEST = "kvfuzz-model.json"
+
+
+@dataclass(frozen=True)
+class EmbeddedModel:
+    root: Path
+    model_dir: Path
+    adapters: dict[str, Path]
+    content_hash: str
+
+
+def cache_root() -> Path:
+    env = os.environ.get("KVFUZZ_CACHE")
+    base = Path(env) if env else Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvfuzz"
+    return base / "models" / f"{MODEL_NAME}-v{BUILD_VERSION}"
+
+
+# -- writing ------------------------------------------------------------------------------
+
+
+def _write_safetensors(path: Path, tensors: dict[str, "object"]) -> None:
+    """Minimal safetensors writer (F32 only): 8-byte header length, JSON header, raw data."""
+    import numpy as np
+
+    header: dict[str, object] = {}
+    blobs: list[bytes] = []
+    offset = 0
+    for name in sorted(tensors):
+        arr = np.ascontiguousarray(tensors[name], dtype="<f4")
+        data = arr.tobytes()
+        header[name] = {"dtype": "F32", "shape": list(arr.shape), "data_offsets": [offset, offset + len(data)]}
+        blobs.append(data)
+        offset += len(data)
+    header["__metadata__"] = {"format": "pt"}
+    raw = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
+    raw += b" " * (-len(raw) % 8)  # align the data section to 8 bytes
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for b in blobs:
+            f.write(b)
+
+
+def _write_json(path: Path, obj: object) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def _model_tensors(seed: int) -> dict[str, object]:
+    import numpy as np
+
+    rs = np.random.RandomState(seed)
+
+    def normal(*shape: int) -> object:
+        return (rs.standard_normal(size=shape) * INIT_STD).astype("<f4")
+
+    t: dict[str, object] = {"model.embed_tokens.weight": normal(VOCAB, HIDDEN)}
+    for i in range(LAYERS):
+        p = f"model.layers.{i}."
+        t[p + "self_attn.q_proj.weight"] = normal(HEADS * HEAD_DIM, HIDDEN)
+        t[p + "self_attn.q_proj.bias"] = np.zeros(HEADS * HEAD_DIM, "<f4")
+        t[p + "self_attn.k_proj.weight"] = normal(KV_HEADS * HEAD_DIM, HIDDEN)
+        t[p + "self_attn.k_proj.bias"] = np.zeros(KV_HEADS * HEAD_DIM, "<f4")
+        t[p + "self_attn.v_proj.weight"] = normal(KV_HEADS * HEAD_DIM, HIDDEN)
+        t[p + "self_attn.v_proj.bias"] = np.zeros(KV_HEADS * HEAD_DIM, "<f4")
+        t[p + "self_attn.o_proj.weight"] = normal(HIDDEN, HEADS * HEAD_DIM)
+        t[p + "mlp.gate_proj.weight"] = normal(INTERMEDIATE, HIDDEN)
+        t[p + "mlp.up_proj.weight"] = normal(INTERMEDIATE, HIDDEN)
+        t[p + "mlp.down_proj.weight"] = normal(HIDDEN, INTERMEDIATE)
+        t[p + "input_layernorm.weight"] = np.ones(HIDDEN, "<f4")
+        t[p + "post_attention_layernorm.weight"] = np.ones(HIDDEN, "<f4")
+    t["model.norm.weight"] = np.ones(HIDDEN, "<f4")
+    t["lm_head.weight"] = normal(VOCAB, HIDDEN)
+    return t
+
+
+def _adapter_tensors(seed: int) -> dict[str, object]:
+    import numpy as np
+
+    rs = np.random.RandomState(seed)
+    dims = {"q_proj": (HIDDEN, HEADS * HEAD_DIM), "k_proj": (HIDDEN, KV_HEADS * HEAD_DIM),
+            "v_proj": (HIDDEN, KV_HEADS * HEAD_DIM), "o_proj": (HEADS * HEAD_DIM, HIDDEN)}
+    t: dict[str, object] = {}
+    for i in range(LAYERS):
+        for proj, (d_in, d_out) in dims.items():
+            p = f"base_model.model.model.layers.{i}.self_attn.{proj}."
+            # B is random too (peft's init_lora_weights=False): a zero B would be a no-op adapter.
+            t[p + "lora_A.weight"] = (rs.standard_normal((LORA_RANK, d_in)) * 0.05).astype("<f4")
+            t[p + "lora_B.weight"] = (rs.standard_normal((d_out, LORA_RANK)) * INIT_STD).astype("<f4")
+    return t
+
+
+def _config() -> dict[str, object]:
+    return {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "vocab_size": VOCAB,
+        "hidden_size": HIDDEN,
+        "intermediate_size": INTERMEDIATE,
+        "num_hidden_layers": LAYERS,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS,
+        "head_dim": HEAD_DIM,
+        "hidden_act": "silu",
+        "max_position_embeddings": MAX_POSITIONS,
+        "initializer_range": INIT_STD,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": LAYERS,
+        "attention_dropout": 0.0,
+        "torch_dtype": "float32",
+        "use_cache": True,
+        "bos_token_id": 2,
+        "eos_token_id": 1,
+    }
+
+
+def _tokenizer() -> dict[str, object]:
+    # Word-level: token i is the literal "<ti>"; kvfuzz always sends token ids, the tokenizer
+    # only has to exist (and detokenize) for vLLM's server and output processing.
+    vocab = {f"<t{i}>": i for i in range(VOCAB)}
+    specials = [
+        {"id": i, "content": f"<t{i}>", "single_word": False, "lstrip": False, "rstrip": False,
+         "normalized": False, "special": True}
+        for i in range(4)
+    ]
+    return {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": specials,
+        "normalizer": None,
+        "pre_tokenizer": {"type": "WhitespaceSplit"},
+        "post_processor": None,
+        "decoder": None,
+        "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<t0>"},
+    }
+
+
+def _tokenizer_config() -> dict[str, object]:
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "unk_token": "<t0>",
+        "eos_token": "<t1>",
+        "bos_token": "<t2>",
+        "pad_token": "<t3>",
+        "model_max_length": MAX_POSITIONS,
+        "clean_up_tokenization_spaces": False,
+        "chat_template": "{% for m in messages %}{{ m['content'] }} {% endfor %}",
+    }
+
+
+def _adapter_config() -> dict[str, object]:
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": LORA_RANK,
+        "lora_alpha": 2 * LORA_RANK,
+        "lora_dropout": 0.0,
+        "target_modules": ["k_proj", "o_proj", "q_proj", "v_proj"],
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "modules_to_save": None,
+        "use_rslora": False,
+        "use_dora": False,
+        "base_model_name_or_path": None,
+        "inference_mode": True,
+    }
+
+
+def content_hash(root: Path) -> str:
+    """SHA-256 over every file's relative path and bytes (the manifest excluded)."""
+    h = hashlib.sha256()
+    for p in sorted(root.rglob("*")):
+        if p.is_file() and p.name != MANIFEST:
+            h.update(p.relative_to(root).as_posix().encode() + b"\0")
+            h.update(p.read_bytes())
+            h.update(b"\0")
+    return h.hexdigest()[:16]
+
+
+def _build_into(root: Path) -> str:
+    model_dir = root / "model"
+    model_dir.mkdir(parents=True)
+    _write_safetensors(model_dir / "model.safetensors", _model_tensors(seed=20261122))
+    _write_json(model_dir / "config.json", _config())
+    _write_json(model_dir / "generation_config.json", {"bos_token_id": 2, "eos_token_id": 1})
+    _write_json(model_dir / "tokenizer.json", _tokenizer())
+    _write_json(model_dir / "tokenizer_config.json", _tokenizer_config())
+    for k, name in enumerate(ADAPTERS):
+        d = root / "adapters" / name
+        d.mkdir(parents=True)
+        _write_safetensors(d / "adapter_model.safetensors", _adapter_tensors(seed=1000 + k))
+        _write_json(d / "adapter_config.json", _adapter_config())
+    digest = content_hash(root)
+    _write_json(root / MANIFEST, {"name": MODEL_NAME, "build_version": BUILD_VERSION, "content_hash": digest,
+                                   "adapters": list(ADAPTERS)})
+    return digest
+
+
+def _load(root: Path) -> EmbeddedModel | None:
+    try:
+        manifest = json.loads((root / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    adapters = {a: root / "adapters" / a for a in ADAPTERS}
+    if not (root / "model" / "model.safetensors").exists() or not all(p.exists() for p in adapters.values()):
+        return None
+    return EmbeddedModel(root=root, model_dir=root / "model", adapters=adapters,
+                         content_hash=str(manifest.get("content_hash")))
+
+
+def build(root: Path | None = None, *, force: bool = False, verify: bool = False) -> EmbeddedModel:
+    """Build the embedded default into ``root`` (default: the cache) unless already there.
+
+    The build happens in a temporary sibling directory that is renamed into place, so a
+    concurrent or interrupted build never leaves a half-written model behind.
+    """
+    root = Path(root) if root else cache_root()
+    if not force:
+        existing = _load(root)
+        if existing is not None:
+            if verify and content_hash(root) != existing.content_hash:
+                raise BadInput("embedded model files changed since they were built; rebuild with "
+                               "`kvfuzz model build --force`", source=str(root))
+            return existing
+    root.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}.", dir=root.parent))
+    try:
+        _build_into(tmp)
+        if root.exists():
+            shutil.rmtree(root)
+        os.replace(tmp, root)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    model = _load(root)
+    assert model is not None
+    return model
+
+
+def resolve_adapter(spec: str, model: EmbeddedModel | None) -> Path:
+    """``embedded:NAME`` -> the embedded adapter's directory; anything else is a path."""
+    if spec.startswith("embedded:"):
+        name = spec.split(":", 1)[1]
+        if model is None or name not in model.adapters:
+            raise BadInput(f"unknown embedded adapter {name!r} (have {list(ADAPTERS)})", field="engine.lora.adapters")
+        return model.adapters[name]
+    return Path(spec)

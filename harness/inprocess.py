@@ -1,0 +1,454 @@
+"""Drive vLLM's ``LLMEngine`` in this process, one engine step at a time.
+
+Each trace event is applied before a named engine step, so a replay is deterministic: the
+same trace gives the same schedule, the same block ids and the same tokens. Between runs the
+engine is brought back to a clean slate (prefix cache reset, free-block queue in id order, KV
+tensors zeroed, LoRA slots emptied), so run N does not inherit run N-1's block layout or
+stale KV — which would otherwise make fault-induced corruption differ run to run.
+
+vLLM and torch are imported lazily, on ``start()``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from traces import (
+    CancelEvent,
+    EngineConfig,
+    Environment,
+    EventRecord,
+    History,
+    RequestRecord,
+    SendEvent,
+    StepRecord,
+    Trace,
+    expand,
+)
+from traces.errors import BadInput, InfraError
+
+from . import toggles as toggle_registry
+from .embedded import EmbeddedModel, resolve_adapter
+
+log = logging.getLogger("kvfuzz.harness")
+
+# A trace whose requests have not finished after this many steps beyond the plan is hung.
+DEFAULT_MAX_IDLE_STEPS = 100_000
+
+
+def _prepare_env() -> None:
+    # The EngineCore must live in this process so step() is synchronous and our patches and
+    # stat hooks reach the scheduler and the worker.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    # kvfuzz routes vLLM's records itself (route_vllm_logs); vLLM must not install its own
+    # stdout handler, which it would otherwise re-install at engine creation.
+    os.environ["VLLM_CONFIGURE_LOGGING"] = "0"
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def route_vllm_logs(log_file: Path | None) -> None:
+    """Send vLLM's log records to a file (or silence them below WARNING) so the CLI's display
+    stays readable; the file is what a bug report needs."""
+    vlog = logging.getLogger("vllm")
+    for h in list(vlog.handlers):
+        vlog.removeHandler(h)
+    if log_file is not None:
+        log_file.parent.mkdir(parents=True, exist_ok=True)
+        fh = logging.FileHandler(log_file)
+        fh.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        vlog.addHandler(fh)
+        vlog.setLevel(logging.INFO)
+    else:
+        vlog.addHandler(logging.NullHandler())
+        vlog.setLevel(logging.ERROR)
+    vlog.propagate = False
+
+
+def engine_args(config: EngineConfig, model_path: str, *, device: str = "cpu") -> dict[str, Any]:
+    """EngineArgs keyword arguments for a trace's engine configuration (same for GPU)."""
+    args: dict[str, Any] = dict(
+        model=model_path,
+        dtype=config.dtype,
+        block_size=config.block_size,
+        max_model_len=config.max_model_len,
+        enable_prefix_caching=config.enable_prefix_caching,
+        enable_chunked_prefill=config.enable_chunked_prefill,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        seed=config.seed,
+        disable_log_stats=False,
+        # CPU: eager is required in practice; on GPU the extra_args may turn graphs back on.
+        enforce_eager=True,
+    )
+    if config.kv_cache_bytes is not None:
+        args["kv_cache_memory_bytes"] = config.kv_cache_bytes
+    if config.lora.enabled:
+        args.update(enable_lora=True, max_loras=config.lora.max_loras, max_lora_rank=config.lora.max_lora_rank)
+    args.update(config.extra_args)
+    return args
+
+
+class InProcessEngine:
+    """One in-process vLLM engine for one ``EngineConfig``."""
+
+    kind = "inprocess"
+
+    def __init__(self, config: EngineConfig, *, device: str = "cpu", log_file: Path | None = None):
+        self.config = config
+        self.device = device
+        self.log_file = log_file
+        self._llm: Any = None
+        self._embedded: EmbeddedModel | None = None
+        self._model_path: str | None = None
+        self._lora_requests: dict[str, Any] = {}
+        self._step_capture: dict[str, Any] = {}
+        self.start_seconds: float | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> "InProcessEngine":
+        if self._llm is not None:
+            return self
+        _prepare_env()
+        t0 = time.perf_counter()
+        self._model_path = self._resolve_model()
+        try:
+            from vllm import EngineArgs
+            from vllm.lora.request import LoRARequest
+            from vllm.v1.engine.llm_engine import LLMEngine
+        except ImportError as e:
+            raise InfraError(f"vLLM is not installed ({e}); install kvfuzz[cpu] or kvfuzz[gpu]") from None
+        route_vllm_logs(self.log_file)
+        # Toggles are installed (inactive) before the engine exists: some patch classes that
+        # the engine instantiates.
+        toggle_registry.install(self.config.toggles)
+        try:
+            self._llm = LLMEngine.from_engine_args(EngineArgs(**engine_args(self.config, self._model_path,
+                                                                            device=self.device)))
+        except ValueError as e:
+            # vLLM validates its configuration with ValueError (e.g. a KV cache too small for
+            # max_model_len): that is the trace's engine section being wrong, not the machine.
+            raise BadInput(f"vLLM rejected the engine configuration: {e}".splitlines()[0], field="engine") from e
+        except Exception as e:
+            raise InfraError(f"vLLM engine failed to start: {type(e).__name__}: {e}".splitlines()[0]) from e
+        for i, (name, spec) in enumerate(sorted(self.config.lora.adapters.items()), start=1):
+            path = resolve_adapter(spec, self._embedded)
+            if not path.exists():
+                raise BadInput(f"adapter {name!r}: no such directory {path}", field="engine.lora.adapters")
+            self._lora_requests[name] = LoRARequest(name, i, str(path))
+        self._install_hooks()
+        self.start_seconds = time.perf_counter() - t0
+        return self
+
+    def close(self) -> None:
+        if self._llm is not None:
+            try:
+                self._llm.engine_core.shutdown()
+            except Exception:  # shutting down a broken engine must not mask the real error
+                log.debug("engine shutdown failed", exc_info=True)
+            self._llm = None
+            import gc
+
+            gc.collect()
+
+    def __enter__(self) -> "InProcessEngine":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _resolve_model(self) -> str:
+        from . import embedded
+
+        if self.config.model == "embedded:tiny-qwen2" or self.config.lora.adapters and any(
+            v.startswith("embedded:") for v in self.config.lora.adapters.values()
+        ):
+            self._embedded = embedded.build()
+        if self.config.model == "embedded:tiny-qwen2":
+            assert self._embedded is not None
+            return str(self._embedded.model_dir)
+        if self.config.model.startswith("embedded:"):
+            raise BadInput(f"unknown embedded model {self.config.model!r} (have embedded:tiny-qwen2)",
+                           field="engine.model")
+        p = Path(self.config.model)
+        if (p.is_absolute() or self.config.model.startswith(".")) and not p.exists():
+            raise BadInput(f"model directory {p} does not exist", field="engine.model")
+        return self.config.model
+
+    @property
+    def model_hash(self) -> str | None:
+        return self._embedded.content_hash if self._embedded and self.config.model.startswith("embedded:") else None
+
+    def compatible(self, config: EngineConfig) -> bool:
+        return config.key() == self.config.key()
+
+    # -- observation hooks -------------------------------------------------------------------
+    def _core(self) -> Any:
+        return self._llm.engine_core.engine_core  # EngineCore (in-process)
+
+    def _install_hooks(self) -> None:
+        client = self._llm.engine_core
+        scheduler = self._core().scheduler
+        capture = self._step_capture
+        orig_get_output = client.get_output
+        orig_schedule = scheduler.schedule
+
+        def get_output() -> Any:
+            out = orig_get_output()
+            capture["stats"] = getattr(out, "scheduler_stats", None)
+            return out
+
+        def schedule(*args: Any, **kwargs: Any) -> Any:
+            so = orig_schedule(*args, **kwargs)
+            partial = []
+            for rid in so.num_scheduled_tokens:
+                req = scheduler.requests.get(rid)
+                if req is not None and getattr(req, "is_prefill_chunk", False):
+                    partial.append(rid)
+            capture["scheduled"] = dict(so.num_scheduled_tokens)
+            capture["partial"] = partial
+            capture["preempted"] = list(so.preempted_req_ids or ())
+            return so
+
+        client.get_output = get_output
+        scheduler.schedule = schedule
+
+    # -- clean slate -------------------------------------------------------------------------
+    def clean_slate(self) -> None:
+        """Return the engine to the state of a fresh start (no requests, empty prefix cache,
+        free blocks in id order, zeroed KV, no resident adapters)."""
+        llm = self._llm
+        if llm.has_unfinished_requests():
+            llm.abort_request(list(self._core().scheduler.requests), internal=True)
+            for _ in range(1000):
+                if not llm.has_unfinished_requests():
+                    break
+                llm.step()
+        if not llm.reset_prefix_cache():
+            raise InfraError("could not reset the prefix cache: blocks still in use after all requests ended")
+        from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue
+
+        pool = self._core().scheduler.kv_cache_manager.block_pool
+        pool.free_block_queue = FreeKVCacheBlockQueue([b for b in pool.blocks if not b.is_null])
+        for b in pool.blocks:
+            if b.is_null:
+                b.prev_free_block = b.next_free_block = None
+
+        def zero_kv(worker: Any) -> int:
+            runner = getattr(worker, "model_runner", worker)
+            n = 0
+            for t in getattr(runner, "kv_caches", []) or []:
+                if t is not None:
+                    t.zero_()
+                    n += 1
+            return n
+
+        llm.collective_rpc(zero_kv)
+        if self.config.lora.enabled:
+            for lora_id in list(llm.list_loras()):
+                llm.remove_lora(lora_id)
+
+    # -- replay ------------------------------------------------------------------------------
+    def replay(
+        self,
+        trace: Trace,
+        *,
+        arm: str = "default",
+        run_index: int = 0,
+        toggles: Iterable[str] | None = None,
+        max_steps: int | None = None,
+    ) -> History:
+        """Run ``trace`` once from a clean slate and record its history."""
+        if self._llm is None:
+            self.start()
+        if not self.compatible(trace.engine):
+            raise BadInput("trace engine configuration differs from the running engine's", field="engine")
+        names = list(trace.engine.toggles if toggles is None else toggles)
+        self.clean_slate()
+        with toggle_registry.activate(names):
+            return self._replay(trace, arm=arm, run_index=run_index, toggles=names, max_steps=max_steps)
+
+    def _replay(self, trace: Trace, *, arm: str, run_index: int, toggles: list[str],
+                max_steps: int | None) -> History:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        llm = self._llm
+        mps = trace.engine.ms_per_step
+        hist = History(trace_id=trace.trace_id(), engine="inprocess", arm=arm, run_index=run_index,
+                       toggles=toggles)
+        # Absolute-time events in trace order within a step; relative cancels checked each step.
+        timed: list[tuple[int, int, SendEvent | CancelEvent]] = []
+        relative: list[tuple[int, CancelEvent]] = []
+        for i, ev in enumerate(trace.events):
+            if isinstance(ev, CancelEvent) and ev.at.after_tokens is not None:
+                relative.append((i, ev))
+            else:
+                timed.append((ev.at.step_or(mps), i, ev))
+        timed.sort(key=lambda x: (x[0], x[1]))
+        last_planned = timed[-1][0] if timed else 0
+        budget = max_steps if max_steps is not None else last_planned + self._step_budget(trace)
+
+        recs: dict[str, RequestRecord] = {}
+        internal: dict[str, str] = {}  # vLLM internal id -> our request id
+        live: set[str] = set()
+        scheduled_once: set[str] = set()
+        t0 = time.perf_counter()
+        step = 0
+        cursor = 0
+        pending_rel = list(relative)
+
+        def now_ms() -> float:
+            return (time.perf_counter() - t0) * 1000.0
+
+        def cancel(i: int, ev: CancelEvent, planned_step: int | None) -> None:
+            rec = recs.get(ev.request_id)
+            effective = ev.request_id in live
+            hist.events.append(EventRecord(index=i, kind="cancel", request_id=ev.request_id,
+                                           planned_step=planned_step, actual_step=step,
+                                           planned_offset_ms=ev.at.offset_ms, actual_offset_ms=now_ms(),
+                                           effective=effective))
+            if effective and rec is not None:
+                llm.abort_request([ev.request_id])
+                live.discard(ev.request_id)
+                rec.cancelled = True
+                rec.cancel_step = step
+                rec.cancel_ms = now_ms()
+                rec.finish_reason = "abort"
+
+        while True:
+            # 1) events due before this step
+            while cursor < len(timed) and timed[cursor][0] <= step:
+                planned, i, ev = timed[cursor]
+                cursor += 1
+                if isinstance(ev, SendEvent):
+                    params = SamplingParams(temperature=0.0, max_tokens=ev.max_tokens, logprobs=2,
+                                            ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+                    tokens = expand(ev.prompt)
+                    lora = self._lora_requests.get(ev.adapter) if ev.adapter else None
+                    if ev.adapter and lora is None:
+                        raise BadInput(f"unknown adapter {ev.adapter!r}", field=f"events[{i}].adapter")
+                    iid = llm.add_request(ev.request_id, {"prompt_token_ids": tokens}, params, lora_request=lora)
+                    internal[iid] = ev.request_id
+                    live.add(ev.request_id)
+                    recs[ev.request_id] = RequestRecord(
+                        request_id=ev.request_id, adapter=ev.adapter, prompt_len=len(tokens),
+                        max_tokens=ev.max_tokens, sent_step=step, planned_offset_ms=ev.at.offset_ms,
+                        sent_ms=now_ms())
+                    hist.events.append(EventRecord(index=i, kind="send", request_id=ev.request_id,
+                                                   planned_step=planned, actual_step=step,
+                                                   planned_offset_ms=ev.at.offset_ms, actual_offset_ms=now_ms()))
+                else:
+                    cancel(i, ev, planned)
+            # 2) relative cancels whose condition holds
+            still = []
+            for i, ev in pending_rel:
+                rec = recs.get(ev.request_id)
+                due = (rec is not None and ev.request_id in scheduled_once
+                       and len(rec.token_ids) >= (ev.at.after_tokens or 0)
+                       and (ev.at.step is None or step >= ev.at.step))
+                finished = rec is not None and ev.request_id not in live
+                if due or finished:
+                    cancel(i, ev, ev.at.step)
+                else:
+                    still.append((i, ev))
+            pending_rel = still
+
+            if not llm.has_unfinished_requests():
+                if cursor >= len(timed):
+                    for i, ev in pending_rel:  # their request never ran long enough
+                        cancel(i, ev, ev.at.step)
+                    break
+                step = max(step, timed[cursor][0])  # idle: jump the clock to the next event
+                continue
+            if step >= budget:
+                hist.crashed = True
+                hist.crash_detail = f"hang: requests unfinished after {step} engine steps"
+                llm.abort_request(sorted(live))
+                break
+
+            # 3) one engine step
+            self._step_capture.clear()
+            try:
+                outputs = llm.step()
+            except Exception as e:
+                hist.crashed = True
+                hist.crash_detail = f"engine step {step} raised {type(e).__name__}: {e}"
+                break
+            self._record_step(hist, recs, step, internal, scheduled_once)
+            for out in outputs:
+                rid = out.request_id
+                rec = recs.get(rid)
+                if rec is None or rec.cancelled:
+                    continue
+                comp = out.outputs[0] if out.outputs else None
+                if comp is not None:
+                    if comp.token_ids and rec.first_token_step is None:
+                        rec.first_token_step = step
+                        rec.first_token_ms = now_ms()
+                    rec.token_ids.extend(comp.token_ids)
+                    for pos in comp.logprobs or []:
+                        top = sorted(pos.items(), key=lambda kv: kv[1].rank)[:2]
+                        rec.logprobs.append([(int(t), float(lp.logprob)) for t, lp in top])
+                if out.finished:
+                    rec.finish_reason = (comp.finish_reason if comp is not None else None) or "stop"
+                    rec.finished_step = step
+                    rec.finished_ms = now_ms()
+                    rec.num_cached_tokens = getattr(out, "num_cached_tokens", None)
+                    live.discard(rid)
+            step += 1
+
+        hist.requests = recs
+        hist.wall_seconds = time.perf_counter() - t0
+        return hist
+
+    def _step_budget(self, trace: Trace) -> int:
+        # Generous: every token of every request in its own step, plus preemption recompute.
+        total = sum(e.prompt.length + e.max_tokens for e in trace.sends)
+        return min(DEFAULT_MAX_IDLE_STEPS, 4 * total + 1000)
+
+    def _record_step(self, hist: History, recs: dict[str, RequestRecord], step: int, internal: dict[str, str],
+                     scheduled_once: set[str]) -> None:
+        cap = self._step_capture
+        stats = cap.get("stats")
+        ext = lambda rid: internal.get(rid, rid)  # noqa: E731
+        scheduled = {ext(r): n for r, n in (cap.get("scheduled") or {}).items()}
+        scheduled_once.update(scheduled)
+        rec = StepRecord(step=step, scheduled=scheduled,
+                         partial_prefills=[ext(r) for r in cap.get("partial") or []],
+                         preempted=[ext(r) for r in cap.get("preempted") or []])
+        if stats is not None:
+            rec.running = stats.num_running_reqs
+            rec.waiting = stats.num_waiting_reqs
+            rec.kv_usage = round(float(stats.kv_cache_usage), 6)
+            pcs = stats.prefix_cache_stats
+            if pcs is not None:
+                rec.prefix_queries = int(pcs.queries)
+                rec.prefix_hits = int(pcs.hits)
+            rec.lora_running = {k: int(v) for k, v in (stats.running_lora_adapters or {}).items()}
+            rec.evictions = len(stats.kv_cache_eviction_events or [])
+        for r in rec.preempted:
+            if r in recs:
+                recs[r].num_preemptions += 1
+        hist.steps.append(rec)
+
+    # -- references ----------------------------------------------------------------------------
+    def run_alone(self, send: SendEvent, *, max_tokens: int | None = None) -> RequestRecord:
+        """``send`` alone on a clean slate with every toggle off: the reference output."""
+        one = Trace(engine=self.config.model_copy(update={"toggles": []}),
+                    events=[send.model_copy(update={"at": send.at.model_copy(update={"step": 0, "offset_ms": None}),
+                                                   "max_tokens": max_tokens or send.max_tokens})])
+        h = self.replay(one, arm="reference", toggles=[])
+        if h.crashed:
+            raise InfraError(f"reference run for {send.request_id!r} failed: {h.crash_detail}")
+        return h.requests[send.request_id]
+
+    # -- environment ---------------------------------------------------------------------------
+    def environment(self) -> Environment:
+        from .environment import describe
+
+        return describe(engine="inprocess", config=self.config, device=self.device, model_hash=self.model_hash)

@@ -1,0 +1,70 @@
+"""Run a trace K times (per arm) and compute its references: the recording the oracle checks."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from traces import Environment, History, RequestRecord, SendEvent, Trace, expand
+
+from .base import Engine
+
+
+class ReferenceStore:
+    """Memoised references: each request alone on a clean cache, keyed by (engine config,
+    adapter, prompt tokens). The longest run is kept; a shorter request uses its prefix
+    (greedy decoding makes the first N tokens of a longer run the N-token answer)."""
+
+    def __init__(self) -> None:
+        self._memo: dict[tuple[str, str | None, str], RequestRecord] = {}
+        self.computed = 0
+        self.hits = 0
+
+    @staticmethod
+    def key(engine: Engine, send: SendEvent) -> tuple[str, str | None, str]:
+        digest = hashlib.sha256(repr(expand(send.prompt)).encode()).hexdigest()[:20]
+        return (engine.config.key(), send.adapter, digest)
+
+    def get(self, engine: Engine, send: SendEvent) -> RequestRecord:
+        k = self.key(engine, send)
+        have = self._memo.get(k)
+        if have is not None and len(have.token_ids) >= send.max_tokens:
+            self.hits += 1
+            return have.model_copy(update={"request_id": send.request_id})
+        rec = engine.run_alone(send)
+        self.computed += 1
+        self._memo[k] = rec
+        return rec.model_copy(update={"request_id": send.request_id})
+
+    def __len__(self) -> int:
+        return len(self._memo)
+
+
+@dataclass
+class Recording:
+    trace: Trace
+    histories: list[History]
+    references: dict[str, RequestRecord]
+    environment: Environment
+    arms: dict[str, list[str]] = field(default_factory=dict)
+
+
+def record(engine: Engine, trace: Trace, *, runs: int = 3, arms: dict[str, list[str]] | None = None,
+           store: ReferenceStore | None = None,
+           on_run: Callable[[History], None] | None = None) -> Recording:
+    """Replay ``trace`` ``runs`` times in each arm (arm name -> toggles; default: the trace's
+    own toggles), then compute a reference for every request."""
+    arms = arms or {"default": list(trace.engine.toggles)}
+    histories: list[History] = []
+    for arm, toggles in arms.items():
+        for k in range(runs):
+            h = engine.replay(trace, arm=arm, run_index=k, toggles=toggles)
+            histories.append(h)
+            if on_run:
+                on_run(h)
+    store = store if store is not None else ReferenceStore()
+    references = {s.request_id: store.get(engine, s) for s in trace.sends}
+    env = engine.environment()
+    env.toggles = sorted({t for ts in arms.values() for t in ts})
+    return Recording(trace=trace, histories=histories, references=references, environment=env, arms=arms)

@@ -1,0 +1,23 @@
+"""Fault and fix toggles: named, versioned patches of vLLM internals.
+
+A toggle is installed once per process (``install``) and then gated by the process-wide
+active set, so the in-process engine can run a reference with every fault off and the next
+run with a fault on, without restarting. In a server, the plugin (``plugin.py``) installs and
+activates the toggles named in ``KVFUZZ_TOGGLES`` in every vLLM process.
+"""
+
+from .registry import (
+    ENV_VAR,
+    REGISTRY,
+    Toggle,
+    ToggleError,
+    active,
+    activate,
+    get,
+    install,
+    is_active,
+    status,
+)
+
+__all__ = ["ENV_VAR", "REGISTRY", "Toggle", "ToggleError", "activate", "active", "get", "install",
+           "is_active", "status"]

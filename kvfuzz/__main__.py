@@ -1,0 +1,3 @@
+from kvfuzz.cli import main
+
+main()

@@ -1,0 +1,101 @@
+"""Rich terminal display for campaigns: a live panel while running, a table at the end."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+CLASS_STYLE = {"corruption": "bold red", "engine-crash": "bold magenta", "error": "red",
+               "numeric-near-tie": "yellow", "truncation": "dim", "ok": "green"}
+
+
+class CampaignDisplay:
+    def __init__(self, console: Console, *, budget_s: float | None, max_traces: int | None):
+        self.console = console
+        self.budget_s = budget_s
+        self.max_traces = max_traces
+        self.start = time.monotonic()
+        self._status = "starting"
+        self._state: Any = None
+        self._last: Any = None
+        self._coverage: Counter[str] = Counter()
+        self._live: Live | None = None
+
+    def __enter__(self) -> "CampaignDisplay":
+        # A live panel only on a terminal; CI logs get one line per finding instead.
+        if self.console.is_terminal:
+            self._live = Live(self._render(), console=self.console, refresh_per_second=4, transient=True)
+            self._live.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._live is not None:
+            self._live.__exit__(*exc)  # type: ignore[arg-type]
+            self._live = None
+
+    def status(self, text: str) -> None:
+        self._status = text
+        if self._live is not None:
+            self._live.update(self._render())
+        else:
+            self.console.print(f"[dim]{text}[/dim]")
+
+    def update(self, outcome: Any, state: Any) -> None:
+        self._state = state
+        self._last = outcome
+        if outcome.finding is not None and self._live is None:
+            f = outcome.finding
+            self.console.print(f"finding {f.id}: {f.worst_class()} ({f.signature()}) in trace {outcome.index}")
+        if self._live is not None:
+            self._live.update(self._render())
+
+    def _render(self) -> Panel:
+        elapsed = time.monotonic() - self.start
+        s = self._state
+        grid = Table.grid(padding=(0, 2))
+        grid.add_column(style="bold")
+        grid.add_column()
+        grid.add_row("status", self._status)
+        limit = []
+        if self.budget_s:
+            limit.append(f"{elapsed:.0f}/{self.budget_s:.0f} s")
+        if self.max_traces:
+            limit.append(f"{s.traces if s else 0}/{self.max_traces} traces")
+        grid.add_row("progress", ", ".join(limit) or f"{elapsed:.0f} s")
+        if s is not None:
+            rate = s.traces / elapsed * 60 if elapsed > 0 else 0.0
+            grid.add_row("traces", f"{s.traces}  ({rate:.1f}/min)")
+            found = Text()
+            for cls, n in sorted(s.by_class.items()):
+                found.append(f"{cls}: {n}  ", style=CLASS_STYLE.get(cls, ""))
+            grid.add_row("findings", found if s.by_class else Text("none", style="green"))
+        if self._last is not None:
+            t = self._last.trace
+            grid.add_row("last trace", f"#{self._last.index}: {len(t.sends)} requests, "
+                                       f"{len(t.cancels)} cancels, {self._last.seconds:.1f} s")
+        return Panel(Group(grid), title="kvfuzz run", border_style="cyan")
+
+    def summary(self, state: Any, out: Path) -> None:
+        table = Table(title="kvfuzz campaign", show_header=True, header_style="bold")
+        table.add_column("metric")
+        table.add_column("value", justify="right")
+        table.add_row("seed", str(state.seed))
+        table.add_row("traces run", str(state.traces))
+        table.add_row("seconds", f"{state.seconds:.1f}")
+        rate = state.traces / state.seconds * 60 if state.seconds else 0.0
+        table.add_row("traces / minute", f"{rate:.1f}")
+        table.add_row("findings", str(state.findings))
+        for cls, n in sorted(state.by_class.items()):
+            table.add_row(f"  {cls}", Text(str(n), style=CLASS_STYLE.get(cls, "")))
+        self.console.print(table)
+        where = out / "findings"
+        self.console.print(f"findings written to: {where.resolve()}" + ("" if state.findings else " (none)"))
+        self.console.print(f"campaign state: {(out / 'campaign.json').resolve()}")

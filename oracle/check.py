@@ -1,0 +1,126 @@
+"""The checker: histories + references in, one verdict per request per arm out.
+
+Pure functions over recorded data (Jepsen-style: record first, check afterwards), so the same
+checker serves the in-process engine, a managed server, a URL, and finding files replayed
+years later.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from traces import Divergence, History, RequestRecord, SendEvent, Trace
+from traces.finding import DIVERGENT_CLASSES, SEVERITY
+
+from .diff import Comparison, compare
+from .stats import wilson
+
+ENGINE = "<engine>"  # pseudo request id for an engine crash that hit no live request
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """A first divergence where the reference's top-1/top-2 logprob margin is below
+    ``near_tie`` is floating-point noise territory (``numeric-near-tie``), above it a
+    ``corruption``. See docs/oracle.md for how the default was chosen."""
+
+    near_tie: float = 1e-3
+
+
+@dataclass
+class RunVerdict:
+    cls: str
+    comparison: Comparison | None = None
+    detail: str | None = None
+
+
+def classify_run(send: SendEvent, ref: RequestRecord | None, rec: RequestRecord | None, hist: History,
+                 th: Thresholds) -> RunVerdict:
+    finished = rec is not None and (rec.finish_reason is not None or rec.cancelled)
+    if hist.crashed and not finished:
+        return RunVerdict("engine-crash", detail=hist.crash_detail)
+    if rec is None:
+        return RunVerdict("error", detail="request has no record in the history")
+    if rec.error:
+        return RunVerdict("error", detail=rec.error)
+    if ref is None:
+        return RunVerdict("error", detail="no reference output")
+    cmp = compare(ref, rec, send.max_tokens)
+    if cmp.kind == "same":
+        return RunVerdict("ok", cmp)
+    if cmp.kind == "prefix":
+        why = "cancelled" if rec.cancelled else f"ended after {cmp.compared} tokens ({rec.finish_reason})"
+        return RunVerdict("truncation", cmp, detail=why)
+    if cmp.ref_margin is not None and cmp.ref_margin < th.near_tie:
+        return RunVerdict("numeric-near-tie", cmp,
+                          detail=f"reference margin {cmp.ref_margin:.3g} < {th.near_tie:g} at token {cmp.first_divergence}")
+    m = "unknown" if cmp.ref_margin is None else f"{cmp.ref_margin:.3g}"
+    return RunVerdict("corruption", cmp,
+                      detail=f"token {cmp.first_divergence}: reference {cmp.ref_token}, got {cmp.got_token} "
+                             f"(reference margin {m})")
+
+
+@dataclass
+class _Acc:
+    send: SendEvent
+    verdicts: list[RunVerdict] = field(default_factory=list)
+    sequences: list[tuple[int, ...]] = field(default_factory=list)
+
+
+def check(trace: Trace, histories: list[History], references: dict[str, RequestRecord],
+          thresholds: Thresholds | None = None) -> list[Divergence]:
+    """Verdicts for every request of ``trace`` in every arm present in ``histories``."""
+    th = thresholds or Thresholds()
+    by_arm: dict[str, list[History]] = defaultdict(list)
+    for h in histories:
+        by_arm[h.arm].append(h)
+    out: list[Divergence] = []
+    for arm, hs in by_arm.items():
+        accs = {s.request_id: _Acc(s) for s in trace.sends}
+        crash_only: list[History] = []
+        for h in hs:
+            touched = False
+            for rid, acc in accs.items():
+                rec = h.requests.get(rid)
+                v = classify_run(acc.send, references.get(rid), rec, h, th)
+                touched |= v.cls == "engine-crash"
+                acc.verdicts.append(v)
+                if rec is not None and not rec.cancelled and v.cls != "engine-crash":
+                    acc.sequences.append(tuple(rec.token_ids))
+            if h.crashed and not touched:
+                crash_only.append(h)
+        for rid, acc in accs.items():
+            out.append(_aggregate(rid, arm, acc, references.get(rid)))
+        if crash_only:
+            lo, hi = wilson(len(crash_only), len(hs))
+            out.append(Divergence(request_id=ENGINE, class_="engine-crash", arm=arm, runs_diverged=len(crash_only),
+                                  runs=len(hs), rate_low=lo, rate_high=hi,
+                                  detail=crash_only[0].crash_detail))
+    return out
+
+
+def _aggregate(rid: str, arm: str, acc: _Acc, ref: RequestRecord | None) -> Divergence:
+    vs = acc.verdicts
+    worst = min(vs, key=lambda v: SEVERITY[v.cls])
+    diverged = [v for v in vs if v.cls in DIVERGENT_CLASSES]
+    firsts = [v.comparison.first_divergence for v in diverged
+              if v.comparison is not None and v.comparison.first_divergence is not None]
+    first = min(firsts) if firsts else None
+    margin = None
+    if first is not None:
+        for v in diverged:
+            if v.comparison and v.comparison.first_divergence == first:
+                margin = v.comparison.ref_margin
+                break
+    lo, hi = wilson(len(diverged), len(vs))
+    return Divergence(
+        request_id=rid, class_=worst.cls, arm=arm, first_divergence=first, runs_diverged=len(diverged),
+        runs=len(vs), margin=margin, variants=max(1, len(set(acc.sequences))), rate_low=lo, rate_high=hi,
+        detail=worst.detail,
+    )
+
+
+def divergent(verdicts: list[Divergence], *, include_near_ties: bool = True) -> list[Divergence]:
+    keep = set(DIVERGENT_CLASSES) - (set() if include_near_ties else {"numeric-near-tie"})
+    return [v for v in verdicts if v.class_ in keep]

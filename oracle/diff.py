@@ -1,0 +1,58 @@
+"""Token-level comparison of one observed request against its reference."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from traces import RequestRecord
+
+
+@dataclass(frozen=True)
+class Comparison:
+    # same: identical over the expected span; prefix: a shorter stream that agrees with the
+    # reference as far as it goes (cancelled or cut short: truncation, not divergence);
+    # diverged: some produced token differs.
+    kind: Literal["same", "prefix", "diverged"]
+    compared: int  # number of positions compared
+    first_divergence: int | None = None
+    # Reference top-1 minus top-2 logprob at the first divergent position (None: unknown).
+    ref_margin: float | None = None
+    # The same margin in the observed run, when it carried logprobs.
+    run_margin: float | None = None
+    ref_token: int | None = None
+    got_token: int | None = None
+
+
+def first_divergence(ref: list[int], got: list[int]) -> int | None:
+    """Index of the first position where both have a token and they differ."""
+    for i, (a, b) in enumerate(zip(ref, got)):
+        if a != b:
+            return i
+    return None
+
+
+def margin_at(rec: RequestRecord, i: int) -> float | None:
+    if i < len(rec.logprobs) and len(rec.logprobs[i]) >= 2:
+        return float(rec.logprobs[i][0][1]) - float(rec.logprobs[i][1][1])
+    return None
+
+
+def compare(ref: RequestRecord, got: RequestRecord, expected_len: int) -> Comparison:
+    """Compare ``got`` to ``ref`` over the first ``expected_len`` tokens (the request's
+    max_tokens). A reference longer than the request is fine: greedy decoding makes the
+    first N tokens of a longer reference the reference for an N-token request."""
+    ref_tokens = ref.token_ids[:expected_len]
+    got_tokens = got.token_ids[:expected_len]
+    i = first_divergence(ref_tokens, got_tokens)
+    if i is not None:
+        return Comparison("diverged", compared=min(len(ref_tokens), len(got_tokens)), first_divergence=i,
+                          ref_margin=margin_at(ref, i), run_margin=margin_at(got, i),
+                          ref_token=ref_tokens[i], got_token=got_tokens[i])
+    if len(got_tokens) < len(ref_tokens):
+        return Comparison("prefix", compared=len(got_tokens))
+    if len(got_tokens) > len(ref_tokens):
+        # The reference itself was cut short (e.g. a reference run failed part way): we can
+        # only vouch for the common part.
+        return Comparison("same", compared=len(ref_tokens))
+    return Comparison("same", compared=len(got_tokens))

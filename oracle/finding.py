@@ -1,0 +1,26 @@
+"""Assemble a Finding from a recording and its verdicts."""
+
+from __future__ import annotations
+
+import datetime as _dt
+
+from traces import Divergence, Environment, Finding, History, RequestRecord, Trace
+
+from .check import divergent
+
+
+def make_finding(trace: Trace, histories: list[History], references: dict[str, RequestRecord],
+                 verdicts: list[Divergence], environment: Environment,
+                 arms: dict[str, list[str]] | None = None) -> Finding:
+    f = Finding(
+        trace=trace,
+        environment=environment,
+        references={k: v for k, v in references.items() if any(s.request_id == k for s in trace.sends)},
+        runs=histories,
+        divergences=divergent(verdicts),
+        verdicts=verdicts,
+        arms=arms or {h.arm: list(h.toggles) for h in histories},
+        created=_dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
+    )
+    f.id = f.compute_id()
+    return f

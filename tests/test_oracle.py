@@ -1,0 +1,95 @@
+"""Oracle logic on constructed histories (pure; no engine)."""
+
+import pytest
+
+from oracle import ENGINE, Thresholds, check, compare, wilson
+from traces import At, GenPrompt, History, RequestRecord, SendEvent, Trace
+
+
+def rec(rid, tokens, margins=None, **kw):
+    margins = margins or [1.0] * len(tokens)
+    lps = [[(t, -0.1), (t + 1, -0.1 - m)] for t, m in zip(tokens, margins)]
+    return RequestRecord(request_id=rid, token_ids=list(tokens), logprobs=lps, finish_reason=kw.pop("finish_reason", "length"), **kw)
+
+
+def trace(n=1, max_tokens=4):
+    return Trace(events=[SendEvent(request_id=f"r{i}", at=At(step=0), prompt=GenPrompt(length=8, seed=i),
+                                   max_tokens=max_tokens) for i in range(n)])
+
+
+def hist(requests, run=0, **kw):
+    return History(trace_id="t", engine="inprocess", run_index=run, requests={r.request_id: r for r in requests}, **kw)
+
+
+REF = rec("r0", [1, 2, 3, 4], margins=[2.0, 0.0005, 1.5, 0.5])
+
+
+def verdict(runs, ref=REF, th=Thresholds(near_tie=1e-3)):
+    (v,) = [d for d in check(trace(), runs, {"r0": ref}, th) if d.request_id == "r0"]
+    return v
+
+
+def test_identical_is_ok():
+    v = verdict([hist([rec("r0", [1, 2, 3, 4])]) for _ in range(3)])
+    assert v.class_ == "ok" and v.runs_diverged == 0 and v.runs == 3 and v.variants == 1
+
+
+def test_cancelled_prefix_is_truncation_not_divergence():
+    v = verdict([hist([rec("r0", [1, 2], cancelled=True, finish_reason="abort")])])
+    assert v.class_ == "truncation" and v.runs_diverged == 0
+
+
+def test_divergence_with_large_margin_is_corruption():
+    v = verdict([hist([rec("r0", [1, 2, 9, 9])]), hist([rec("r0", [1, 2, 3, 4])], run=1)])
+    assert v.class_ == "corruption"
+    assert v.first_divergence == 2 and v.margin == pytest.approx(1.5)
+    assert v.runs_diverged == 1 and v.runs == 2 and v.variants == 2
+
+
+def test_divergence_at_a_near_tie_is_numeric():
+    v = verdict([hist([rec("r0", [1, 7, 3, 4])])])
+    assert v.class_ == "numeric-near-tie" and v.first_divergence == 1
+
+
+@pytest.mark.parametrize("margin,expected", [(0.000999, "numeric-near-tie"), (0.001, "corruption"), (0.0011, "corruption")])
+def test_threshold_boundary(margin, expected):
+    ref = rec("r0", [1, 2, 3, 4], margins=[margin, 1, 1, 1])
+    assert verdict([hist([rec("r0", [5, 2, 3, 4])])], ref=ref).class_ == expected
+
+
+def test_cancelled_but_wrong_is_still_a_divergence():
+    v = verdict([hist([rec("r0", [1, 2, 8], cancelled=True, finish_reason="abort")])])
+    assert v.class_ == "corruption"
+
+
+def test_errors_and_crashes():
+    assert verdict([hist([rec("r0", [], error="HTTP 500: boom", finish_reason=None)])]).class_ == "error"
+    crashed = hist([rec("r0", [1], finish_reason=None)], crashed=True, crash_detail="server died")
+    v = verdict([crashed])
+    assert v.class_ == "engine-crash" and "server died" in v.detail
+
+
+def test_crash_that_hit_no_request_is_reported_on_the_engine():
+    h = hist([rec("r0", [1, 2, 3, 4])], crashed=True, crash_detail="died after the last request")
+    vs = check(trace(), [h], {"r0": REF})
+    assert any(d.request_id == ENGINE and d.class_ == "engine-crash" for d in vs)
+
+
+def test_only_the_victim_is_named():
+    t = trace(n=2)
+    ref = {"r0": REF, "r1": rec("r1", [5, 6, 7, 8])}
+    h = hist([rec("r0", [1, 2, 3, 4]), rec("r1", [5, 6, 0, 0])])
+    vs = {d.request_id: d.class_ for d in check(t, [h], ref)}
+    assert vs == {"r0": "ok", "r1": "corruption"}
+
+
+def test_compare_uses_reference_prefix_for_shorter_requests():
+    assert compare(rec("x", [1, 2, 3, 4, 5, 6]), rec("x", [1, 2, 3]), expected_len=3).kind == "same"
+
+
+def test_wilson():
+    lo, hi = wilson(3, 3)
+    assert 0.43 < lo < 0.44 and hi == 1.0
+    assert wilson(0, 10)[0] == 0.0
+    lo, hi = wilson(5, 10)
+    assert lo == pytest.approx(1 - hi)

@@ -1,0 +1,41 @@
+"""kvfuzz's versioned data: traces (what to send), histories (what happened), findings.
+
+Importing this package needs neither torch nor vLLM.
+"""
+
+from .errors import BadInput, InfraError, KvfuzzError
+from .finding import DIVERGENT_CLASSES, ControlResult, Divergence, Environment, Finding, Minimization
+from .history import EventRecord, History, RequestRecord, StepRecord
+from .io import atomic_write_text, load_any, load_finding, load_trace, parse_finding, parse_trace, save
+from .prompts import expand
+from .trace import (
+    EMBEDDED_MODEL,
+    SCHEMA_VERSION,
+    At,
+    CancelEvent,
+    EngineConfig,
+    GenPrompt,
+    Lineage,
+    LoraSettings,
+    SendEvent,
+    TokenPrompt,
+    Trace,
+)
+
+
+def json_schemas() -> dict[str, dict]:
+    """JSON Schemas of the trace and finding formats (``kvfuzz schema``)."""
+    return {
+        "trace": Trace.model_json_schema(),
+        "finding": Finding.model_json_schema(by_alias=True),
+    }
+
+
+__all__ = [
+    "At", "BadInput", "CancelEvent", "ControlResult", "DIVERGENT_CLASSES", "Divergence",
+    "EMBEDDED_MODEL", "EngineConfig", "Environment", "EventRecord", "Finding", "GenPrompt",
+    "History", "InfraError", "KvfuzzError", "Lineage", "LoraSettings", "Minimization",
+    "RequestRecord", "SCHEMA_VERSION", "SendEvent", "StepRecord", "TokenPrompt", "Trace",
+    "atomic_write_text", "expand", "json_schemas", "load_any", "load_finding", "load_trace",
+    "parse_finding", "parse_trace", "save",
+]

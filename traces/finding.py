@@ -1,0 +1,115 @@
+"""The finding: a trace, the runs that exposed a divergence, the references, and the verdicts.
+
+Findings are what kvfuzz hands to people: attached to bug reports, replayed by ``kvfuzz
+replay`` and ``kvfuzz gate``, minimized by ``kvfuzz minimize``. They are plain JSON data.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .history import History, RequestRecord
+from .trace import SCHEMA_VERSION, Trace
+
+# Verdict classes, most severe first. "ok" and "truncation" are verdicts, not divergences.
+DivergenceClass = Literal["engine-crash", "error", "corruption", "numeric-near-tie", "truncation", "ok"]
+DIVERGENT_CLASSES: tuple[str, ...] = ("engine-crash", "error", "corruption", "numeric-near-tie")
+SEVERITY: dict[str, int] = {c: i for i, c in enumerate(["engine-crash", "error", "corruption", "numeric-near-tie", "truncation", "ok"])}
+
+
+class _Data(BaseModel):
+    model_config = ConfigDict(extra="forbid", ser_json_inf_nan="constants", populate_by_name=True)
+
+
+class Environment(_Data):
+    kvfuzz_version: str
+    vllm_version: str | None = None
+    torch_version: str | None = None
+    python: str | None = None
+    platform: str | None = None
+    device: str = "cpu"
+    engine: Literal["inprocess", "server", "url"] = "inprocess"
+    model: str | None = None
+    model_hash: str | None = None
+    toggles: list[str] = Field(default_factory=list)
+    engine_flags: dict[str, Any] = Field(default_factory=dict)
+
+
+class Divergence(_Data):
+    """One request's verdict across the runs of one arm."""
+
+    request_id: str
+    # "class" is a Python keyword; it is the JSON name.
+    class_: DivergenceClass = Field(alias="class")
+    arm: str = "default"
+    # Index of the first generated token that differs from the reference (None: no token diff).
+    first_divergence: int | None = None
+    runs_diverged: int = 0
+    runs: int = 0
+    # Reference top-1 minus top-2 logprob at the first divergent position.
+    margin: float | None = None
+    # Distinct token sequences observed across runs (over the compared span).
+    variants: int = 1
+    # Wilson 95% interval of the divergence rate runs_diverged / runs.
+    rate_low: float | None = None
+    rate_high: float | None = None
+    # Toggle that explains it (issue #4 attribution); None = unexplained.
+    explained_by: str | None = None
+    detail: str | None = None
+
+
+class ControlResult(_Data):
+    """A control arm re-run of the finding (serialized, batch-invariant, ...)."""
+
+    name: str
+    reproduced: bool
+    available: bool = True
+    detail: str | None = None
+    divergences: list[Divergence] = Field(default_factory=list)
+
+
+class Minimization(_Data):
+    original: str | None = None
+    original_requests: int = 0
+    requests: int = 0
+    replays: int = 0
+    signature: str | None = None
+
+
+class Finding(_Data):
+    schema_version: Literal[1] = SCHEMA_VERSION
+    kind: Literal["finding"] = "finding"
+    id: str = ""
+    created: str | None = None
+    trace: Trace
+    environment: Environment
+    references: dict[str, RequestRecord] = Field(default_factory=dict)
+    runs: list[History] = Field(default_factory=list)
+    divergences: list[Divergence] = Field(default_factory=list)
+    # Per-request verdicts including ok/truncation, for reports.
+    verdicts: list[Divergence] = Field(default_factory=list)
+    arms: dict[str, list[str]] = Field(default_factory=dict)  # arm name -> toggles
+    controls: list[ControlResult] = Field(default_factory=list)
+    minimization: Minimization | None = None
+    notes: dict[str, Any] = Field(default_factory=dict)
+
+    def signature(self) -> str:
+        """What makes two findings 'the same bug' for dedup and minimization:
+        the most severe class and the set of victim requests."""
+        worst = min((d.class_ for d in self.divergences), key=SEVERITY.__getitem__, default="ok")
+        victims = sorted({d.request_id for d in self.divergences if d.class_ == worst})
+        return f"{worst}:{','.join(victims)}"
+
+    def compute_id(self) -> str:
+        body = json.dumps(
+            {"trace": self.trace.trace_id(), "sig": self.signature(), "toggles": self.environment.toggles},
+            sort_keys=True,
+        )
+        return hashlib.sha256(body.encode()).hexdigest()[:12]
+
+    def worst_class(self) -> str:
+        return min((d.class_ for d in self.divergences), key=SEVERITY.__getitem__, default="ok")

@@ -1,0 +1,114 @@
+"""The history: what was sent, when, and what came back — recorded first, checked afterwards.
+
+A harness (in-process engine or HTTP server) writes one ``History`` per run of a trace; the
+oracle reads only histories. Everything here is plain data so a finding file can carry it.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# One position: the top-k (token, logprob) alternatives, best first (k = 2 by default).
+TopLogprobs = list[tuple[int, float]]
+
+
+class _Data(BaseModel):
+    model_config = ConfigDict(extra="forbid", ser_json_inf_nan="constants")
+
+
+class RequestRecord(_Data):
+    """One request's outcome in one run."""
+
+    request_id: str
+    adapter: str | None = None
+    prompt_len: int = 0
+    max_tokens: int = 0
+    token_ids: list[int] = Field(default_factory=list)
+    # Per generated position, the top-k alternatives; may be empty if the server gave none.
+    logprobs: list[TopLogprobs] = Field(default_factory=list)
+    finish_reason: str | None = None
+    cancelled: bool = False
+    # Error text (HTTP status + body, or engine exception) when the request failed.
+    error: str | None = None
+    http_status: int | None = None
+    # In-process clock (steps).
+    sent_step: int | None = None
+    first_token_step: int | None = None
+    cancel_step: int | None = None
+    finished_step: int | None = None
+    # Wall clock, milliseconds from the trace start (server harness; in-process also fills).
+    planned_offset_ms: float | None = None
+    sent_ms: float | None = None
+    first_token_ms: float | None = None
+    cancel_ms: float | None = None
+    finished_ms: float | None = None
+    num_cached_tokens: int | None = None
+    num_preemptions: int = 0
+
+
+class EventRecord(_Data):
+    """Where one trace event actually landed."""
+
+    index: int
+    kind: Literal["send", "cancel"]
+    request_id: str
+    planned_step: int | None = None
+    actual_step: int | None = None
+    planned_offset_ms: float | None = None
+    actual_offset_ms: float | None = None
+    # A cancel that found its request already finished did nothing.
+    effective: bool = True
+
+
+class StepRecord(_Data):
+    """Scheduler state after one engine step (in-process harness)."""
+
+    step: int
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    # request_id -> tokens scheduled this step
+    scheduled: dict[str, int] = Field(default_factory=dict)
+    # requests whose prefill was split and continues in a later step
+    partial_prefills: list[str] = Field(default_factory=list)
+    preempted: list[str] = Field(default_factory=list)
+    lora_running: dict[str, int] = Field(default_factory=dict)
+    evictions: int = 0
+
+
+class History(_Data):
+    trace_id: str
+    engine: Literal["inprocess", "server", "url"]
+    arm: str = "default"
+    run_index: int = 0
+    toggles: list[str] = Field(default_factory=list)
+    requests: dict[str, RequestRecord] = Field(default_factory=dict)
+    events: list[EventRecord] = Field(default_factory=list)
+    steps: list[StepRecord] = Field(default_factory=list)
+    # Prometheus samples scraped from a server's /metrics before and after the run.
+    metrics_before: dict[str, float] = Field(default_factory=dict)
+    metrics_after: dict[str, float] = Field(default_factory=dict)
+    wall_seconds: float = 0.0
+    # Set when the engine or server died or hung during the run.
+    crashed: bool = False
+    crash_detail: str | None = None
+
+
+_WALL_CLOCK = {"planned_offset_ms", "sent_ms", "first_token_ms", "cancel_ms", "finished_ms", "actual_offset_ms"}
+
+
+def step_view(h: History) -> dict:
+    """The history without wall-clock fields: what must be identical between two in-process
+    replays of the same trace (schedule, block usage, tokens, logprobs)."""
+    data = h.model_dump(mode="json", exclude={"wall_seconds", "metrics_before", "metrics_after"})
+    for r in data["requests"].values():
+        for k in _WALL_CLOCK:
+            r.pop(k, None)
+    for e in data["events"]:
+        for k in _WALL_CLOCK:
+            e.pop(k, None)
+    return data

@@ -1,0 +1,137 @@
+"""Loading and saving traces and findings: untrusted input in, atomic writes out."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from .errors import BadInput
+from .finding import Finding
+from .trace import SCHEMA_VERSION, Trace
+
+# Finding files come from strangers; a bound keeps a hostile file from exhausting memory.
+MAX_FILE_BYTES = 256 * 2**20
+
+
+def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
+    """Write via a temporary file in the same directory, fsync, rename: a reader (or a crash)
+    sees the old file or the new one, never half of one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def save(model: BaseModel, path: str | os.PathLike[str]) -> None:
+    atomic_write_text(path, model.model_dump_json(indent=2, by_alias=True) + "\n")
+
+
+def validation_message(err: ValidationError) -> tuple[str, str]:
+    """(field path, message) of the first pydantic error, in one line."""
+    first = err.errors()[0]
+    loc = ".".join(str(p) for p in first.get("loc", ()) if not str(p).startswith("function-"))
+    msg = first.get("msg", "invalid")
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, ") :]
+    # Union errors repeat the field once per member: keep the path readable.
+    loc = loc.replace(".TokenPrompt", "").replace(".GenPrompt", "")
+    return loc or "(root)", msg
+
+
+def read_json(path: str | os.PathLike[str]) -> Any:
+    p = Path(path)
+    if not p.exists():
+        raise BadInput("no such file", source=str(p))
+    if p.is_dir():
+        raise BadInput("is a directory, expected a JSON file", source=str(p))
+    if p.stat().st_size > MAX_FILE_BYTES:
+        raise BadInput(f"larger than {MAX_FILE_BYTES} bytes", source=str(p))
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise BadInput(f"not UTF-8 text ({e.reason} at byte {e.start})", source=str(p)) from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise BadInput(f"malformed JSON: {e.msg} (line {e.lineno}, column {e.colno})", source=str(p)) from None
+    except RecursionError:
+        raise BadInput("malformed JSON: nested too deeply", source=str(p)) from None
+
+
+def _check_version(data: Any, source: str) -> None:
+    if not isinstance(data, dict):
+        raise BadInput(f"expected a JSON object, got {type(data).__name__}", source=source)
+    v = data.get("schema_version", SCHEMA_VERSION)
+    if v != SCHEMA_VERSION:
+        raise BadInput(
+            f"unsupported schema_version {v!r} (this kvfuzz reads {SCHEMA_VERSION})",
+            source=source,
+            field="schema_version",
+        )
+
+
+def parse_trace(data: Any, source: str = "<trace>") -> Trace:
+    _check_version(data, source)
+    try:
+        return Trace.model_validate(data)
+    except ValidationError as e:
+        field, msg = validation_message(e)
+        raise BadInput(msg, source=source, field=field) from None
+
+
+def parse_finding(data: Any, source: str = "<finding>") -> Finding:
+    _check_version(data, source)
+    try:
+        return Finding.model_validate(data)
+    except ValidationError as e:
+        field, msg = validation_message(e)
+        raise BadInput(msg, source=source, field=field) from None
+
+
+def load_trace(path: str | os.PathLike[str]) -> Trace:
+    return parse_trace(read_json(path), str(path))
+
+
+def load_finding(path: str | os.PathLike[str]) -> Finding:
+    return parse_finding(read_json(path), str(path))
+
+
+def load_any(path: str | os.PathLike[str]) -> Trace | Finding:
+    """A kvfuzz finding, a kvfuzz trace, or a finding of the fuzzer behind vLLM #39146 et al."""
+    data = read_json(path)
+    source = str(path)
+    if isinstance(data, dict) and data.get("kind") == "finding":
+        return parse_finding(data, source)
+    if isinstance(data, dict) and "reproduction" in data or _looks_foreign(data):
+        from .foreign import parse_foreign
+
+        return parse_foreign(data, source)
+    return parse_trace(data, source)
+
+
+def _looks_foreign(data: Any) -> bool:
+    if not isinstance(data, dict):
+        return False
+    events = (data.get("trace") or {}).get("events") if isinstance(data.get("trace"), dict) else None
+    return isinstance(events, list) and any(isinstance(e, dict) and "action" in e for e in events)

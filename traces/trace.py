@@ -1,0 +1,214 @@
+"""The trace: an engine configuration plus a schedule of send / cancel events.
+
+A trace is data, versioned by ``schema_version``. It names *when* each event happens in two
+clocks: ``step`` (an engine step, exact for the in-process engine) and ``offset_ms`` (wall
+clock from the trace start, for HTTP servers). Either may be given; the harness that lacks
+one derives it from the other with ``EngineConfig.ms_per_step``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+SCHEMA_VERSION = 1
+
+# Embedded default model (see harness/embedded.py); a path or hub name selects another model.
+EMBEDDED_MODEL = "embedded:tiny-qwen2"
+
+
+class _Strict(BaseModel):
+    # extra="forbid": a misspelt field in a hand-written trace is an error, not silently ignored.
+    model_config = ConfigDict(extra="forbid", ser_json_inf_nan="constants")
+
+
+class LoraSettings(_Strict):
+    """LoRA serving settings. ``adapters`` maps adapter name -> path, or ``embedded:NAME``."""
+
+    enabled: bool = False
+    adapters: dict[str, str] = Field(default_factory=dict)
+    max_loras: int = Field(default=2, ge=1)
+    max_lora_rank: int = Field(default=8, ge=1)
+
+
+class EngineConfig(_Strict):
+    """Everything about the engine that can change a schedule or an output."""
+
+    model: str = EMBEDDED_MODEL
+    block_size: int = Field(default=32, ge=1)
+    max_model_len: int = Field(default=16384, ge=16)
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    max_num_seqs: int = Field(default=16, ge=1)
+    max_num_batched_tokens: int = Field(default=2048, ge=1)
+    # Explicit KV cache size. On CPU the default memory-fraction sizing fails (see notes);
+    # a small cache forces preemption, which is one of the things we fuzz.
+    kv_cache_bytes: int | None = Field(default=64 * 2**20, ge=1)
+    dtype: str = "float32"
+    seed: int = 0
+    lora: LoraSettings = Field(default_factory=LoraSettings)
+    # Toggle names applied to this engine (see harness/toggles); part of the config because a
+    # fault changes outputs exactly as a flag would.
+    toggles: list[str] = Field(default_factory=list)
+    # Pass-through engine arguments for deployments (e.g. attention_backend on GPU).
+    extra_args: dict[str, Any] = Field(default_factory=dict)
+    # Conversion between the two clocks when a trace gives only one of them.
+    ms_per_step: float = Field(default=10.0, gt=0)
+
+    def key(self) -> str:
+        """Stable hash of the fields that affect outputs (used to memoise references)."""
+        data = self.model_dump(mode="json", exclude={"toggles", "ms_per_step"})
+        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+
+class At(_Strict):
+    """When an event happens. ``after_tokens`` (cancels only) is relative to the target
+    request's life: cancel once it has produced that many tokens (0 = still in prefill)."""
+
+    step: int | None = Field(default=None, ge=0)
+    offset_ms: float | None = Field(default=None, ge=0)
+    after_tokens: int | None = Field(default=None, ge=0)
+
+    @model_validator(mode="after")
+    def _one_clock(self) -> "At":
+        if self.step is None and self.offset_ms is None and self.after_tokens is None:
+            raise ValueError("give at least one of step, offset_ms, after_tokens")
+        return self
+
+    def step_or(self, ms_per_step: float) -> int:
+        if self.step is not None:
+            return self.step
+        return int((self.offset_ms or 0.0) // ms_per_step)
+
+    def offset_or(self, ms_per_step: float) -> float:
+        if self.offset_ms is not None:
+            return self.offset_ms
+        return (self.step or 0) * ms_per_step
+
+
+class TokenPrompt(_Strict):
+    """An explicit prompt of token ids."""
+
+    token_ids: list[Annotated[int, Field(ge=0)]] = Field(min_length=1)
+
+    @property
+    def length(self) -> int:
+        return len(self.token_ids)
+
+
+class GenPrompt(_Strict):
+    """A prompt generated deterministically (see traces/prompts.py). Requests in one
+    ``prefix_group`` share their first ``prefix_len`` tokens."""
+
+    length: int = Field(ge=1)
+    prefix_group: str | None = None
+    prefix_len: int = Field(default=0, ge=0)
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _prefix_fits(self) -> "GenPrompt":
+        if self.prefix_len > self.length:
+            raise ValueError(f"prefix_len {self.prefix_len} exceeds length {self.length}")
+        if self.prefix_len and self.prefix_group is None:
+            raise ValueError("prefix_len needs a prefix_group")
+        return self
+
+
+Prompt = Union[TokenPrompt, GenPrompt]
+
+
+class SendEvent(_Strict):
+    kind: Literal["send"] = "send"
+    request_id: str = Field(min_length=1)
+    at: At
+    prompt: Prompt
+    adapter: str | None = None
+    max_tokens: int = Field(default=16, ge=1)
+    stream: bool = True
+
+    @field_validator("at")
+    @classmethod
+    def _no_relative_send(cls, at: At) -> At:
+        if at.after_tokens is not None:
+            raise ValueError("after_tokens is only meaningful for cancel events")
+        return at
+
+
+class CancelEvent(_Strict):
+    kind: Literal["cancel"] = "cancel"
+    request_id: str = Field(min_length=1)
+    at: At
+
+
+Event = Annotated[Union[SendEvent, CancelEvent], Field(discriminator="kind")]
+
+
+class Lineage(_Strict):
+    """Where a trace came from: its parent and the mutation operators applied (fuzzer/)."""
+
+    parent: str | None = None
+    operators: list[str] = Field(default_factory=list)
+    generator: str | None = None
+    seed: int | None = None
+
+
+class Trace(_Strict):
+    schema_version: Literal[1] = SCHEMA_VERSION
+    name: str | None = None
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    events: list[Event] = Field(default_factory=list)
+    lineage: Lineage = Field(default_factory=Lineage)
+    # Free-form notes (e.g. which vLLM report a regression trace models); not interpreted.
+    notes: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "Trace":
+        sends: dict[str, SendEvent] = {}
+        for i, ev in enumerate(self.events):
+            if isinstance(ev, SendEvent):
+                if ev.request_id in sends:
+                    raise ValueError(f"events[{i}].request_id: {ev.request_id!r} is sent twice")
+                sends[ev.request_id] = ev
+                if ev.adapter is not None:
+                    if not self.engine.lora.enabled:
+                        raise ValueError(
+                            f"events[{i}].adapter: {ev.adapter!r} used but engine.lora.enabled is false"
+                        )
+                    if ev.adapter not in self.engine.lora.adapters:
+                        raise ValueError(
+                            f"events[{i}].adapter: unknown adapter {ev.adapter!r} "
+                            f"(known: {sorted(self.engine.lora.adapters)})"
+                        )
+                need = ev.prompt.length + ev.max_tokens
+                if need > self.engine.max_model_len:
+                    raise ValueError(
+                        f"events[{i}].prompt: {ev.prompt.length} prompt + {ev.max_tokens} new tokens "
+                        f"exceed engine.max_model_len {self.engine.max_model_len}"
+                    )
+        for i, ev in enumerate(self.events):
+            if isinstance(ev, CancelEvent) and ev.request_id not in sends:
+                raise ValueError(f"events[{i}].request_id: cancel of unknown request {ev.request_id!r}")
+        return self
+
+    # -- convenience -------------------------------------------------------------------------
+    @property
+    def sends(self) -> list[SendEvent]:
+        return [e for e in self.events if isinstance(e, SendEvent)]
+
+    @property
+    def cancels(self) -> list[CancelEvent]:
+        return [e for e in self.events if isinstance(e, CancelEvent)]
+
+    def send(self, request_id: str) -> SendEvent:
+        for e in self.sends:
+            if e.request_id == request_id:
+                return e
+        raise KeyError(request_id)
+
+    def trace_id(self) -> str:
+        """Content hash of engine + events (names and lineage excluded)."""
+        data = self.model_dump(mode="json", include={"engine", "events"})
+        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:12]
