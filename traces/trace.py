@@ -19,6 +19,12 @@ SCHEMA_VERSION = 1
 # Embedded default model (see harness/embedded.py); a path or hub name selects another model.
 EMBEDDED_MODEL = "embedded:tiny-qwen2"
 
+# Upper bounds: finding files come from strangers; absurd numbers are bad input, not a
+# reason to allocate memory or wait forever.
+MAX_LEN = 2**21  # tokens
+MAX_STEP = 10**7
+MAX_OFFSET_MS = 24 * 3600 * 1000.0
+
 
 class _Strict(BaseModel):
     # extra="forbid": a misspelt field in a hand-written trace is an error, not silently ignored.
@@ -30,23 +36,23 @@ class LoraSettings(_Strict):
 
     enabled: bool = False
     adapters: dict[str, str] = Field(default_factory=dict)
-    max_loras: int = Field(default=2, ge=1)
-    max_lora_rank: int = Field(default=8, ge=1)
+    max_loras: int = Field(default=2, ge=1, le=1024)
+    max_lora_rank: int = Field(default=8, ge=1, le=1024)
 
 
 class EngineConfig(_Strict):
     """Everything about the engine that can change a schedule or an output."""
 
     model: str = EMBEDDED_MODEL
-    block_size: int = Field(default=32, ge=1)
-    max_model_len: int = Field(default=16384, ge=16)
+    block_size: int = Field(default=32, ge=1, le=4096)
+    max_model_len: int = Field(default=16384, ge=16, le=MAX_LEN)
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
-    max_num_seqs: int = Field(default=16, ge=1)
-    max_num_batched_tokens: int = Field(default=2048, ge=1)
+    max_num_seqs: int = Field(default=16, ge=1, le=65536)
+    max_num_batched_tokens: int = Field(default=2048, ge=1, le=MAX_LEN)
     # Explicit KV cache size. On CPU the default memory-fraction sizing fails (see notes);
     # a small cache forces preemption, which is one of the things we fuzz.
-    kv_cache_bytes: int | None = Field(default=64 * 2**20, ge=1)
+    kv_cache_bytes: int | None = Field(default=64 * 2**20, ge=1, le=2**44)
     dtype: str = "float32"
     seed: int = 0
     lora: LoraSettings = Field(default_factory=LoraSettings)
@@ -56,7 +62,7 @@ class EngineConfig(_Strict):
     # Pass-through engine arguments for deployments (e.g. attention_backend on GPU).
     extra_args: dict[str, Any] = Field(default_factory=dict)
     # Conversion between the two clocks when a trace gives only one of them.
-    ms_per_step: float = Field(default=10.0, gt=0)
+    ms_per_step: float = Field(default=10.0, gt=0, le=60_000)
 
     def key(self) -> str:
         """Stable hash of the fields that affect outputs (used to memoise references)."""
@@ -68,9 +74,9 @@ class At(_Strict):
     """When an event happens. ``after_tokens`` (cancels only) is relative to the target
     request's life: cancel once it has produced that many tokens (0 = still in prefill)."""
 
-    step: int | None = Field(default=None, ge=0)
-    offset_ms: float | None = Field(default=None, ge=0)
-    after_tokens: int | None = Field(default=None, ge=0)
+    step: int | None = Field(default=None, ge=0, le=MAX_STEP)
+    offset_ms: float | None = Field(default=None, ge=0, le=MAX_OFFSET_MS, allow_inf_nan=False)
+    after_tokens: int | None = Field(default=None, ge=0, le=MAX_LEN)
 
     @model_validator(mode="after")
     def _one_clock(self) -> "At":
@@ -92,7 +98,7 @@ class At(_Strict):
 class TokenPrompt(_Strict):
     """An explicit prompt of token ids."""
 
-    token_ids: list[Annotated[int, Field(ge=0)]] = Field(min_length=1)
+    token_ids: list[Annotated[int, Field(ge=0, lt=2**31)]] = Field(min_length=1, max_length=MAX_LEN)
 
     @property
     def length(self) -> int:
@@ -103,10 +109,10 @@ class GenPrompt(_Strict):
     """A prompt generated deterministically (see traces/prompts.py). Requests in one
     ``prefix_group`` share their first ``prefix_len`` tokens."""
 
-    length: int = Field(ge=1)
+    length: int = Field(ge=1, le=MAX_LEN)
     prefix_group: str | None = None
-    prefix_len: int = Field(default=0, ge=0)
-    seed: int = 0
+    prefix_len: int = Field(default=0, ge=0, le=MAX_LEN)
+    seed: int = Field(default=0, ge=0, lt=2**63)
 
     @model_validator(mode="after")
     def _prefix_fits(self) -> "GenPrompt":
@@ -126,7 +132,7 @@ class SendEvent(_Strict):
     at: At
     prompt: Prompt
     adapter: str | None = None
-    max_tokens: int = Field(default=16, ge=1)
+    max_tokens: int = Field(default=16, ge=1, le=MAX_LEN)
     stream: bool = True
 
     @field_validator("at")
