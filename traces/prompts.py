@@ -19,7 +19,8 @@ TOKEN_HIGH = 512
 _SPAN = TOKEN_HIGH - TOKEN_LOW
 
 
-@lru_cache(maxsize=4096)
+# Bounded: long prompts are ~200 KB as tuples; a campaign must keep memory flat.
+@lru_cache(maxsize=256)
 def _stream(key: str, n: int) -> tuple[int, ...]:
     out: list[int] = []
     counter = 0
