@@ -8,18 +8,24 @@ way. Target: p99 <= 2 ms.
 
     python benchmarks/send_accuracy.py [--repeats 3] [--out kvfuzz-bench] [--json results.json]
 
-Re-runnable; numbers measured while other jobs share the CPU are distorted (say so).
+Re-runnable; numbers measured while other jobs share the CPU are distorted (say so). The
+event-loop lag (how late a 1 ms timer fires during the replays) is printed as a witness: a lag
+tail of tens of milliseconds means this process was not getting the CPU, and the send figures
+measure the machine, not the client.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import os
 import random
 import statistics
 import time
 from pathlib import Path
 
+from harness import http_client as hc
 from harness.server import ServerEngine, ServerOptions
 from traces import At, CancelEvent, EngineConfig, GenPrompt, SendEvent, Trace
 
@@ -54,6 +60,32 @@ def bench_trace(n: int, seed: int, span_ms: float, cfg: EngineConfig) -> Trace:
     return Trace(engine=cfg, events=events, name=f"bench-{n}-{seed}")
 
 
+LAGS: list[float] = []
+
+
+def _monitor_loop_lag() -> None:
+    """Wrap the replayer so a 1 ms ticker records event-loop lateness during each replay."""
+    orig = hc.Replayer.run
+
+    async def run(self):  # type: ignore[no-untyped-def]
+        stop = False
+
+        async def tick() -> None:
+            while not stop:
+                t = time.perf_counter()
+                await asyncio.sleep(0.001)
+                LAGS.append((time.perf_counter() - t - 0.001) * 1000.0)
+
+        ticker = asyncio.create_task(tick())
+        try:
+            return await orig(self)
+        finally:
+            stop = True
+            await ticker
+
+    hc.Replayer.run = run  # type: ignore[method-assign]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=3, help="replays of each trace size")
@@ -61,6 +93,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = ap.parse_args()
 
+    _monitor_loop_lag()
     cfg = EngineConfig(kv_cache_bytes=64 * 2**20)
     eng = ServerEngine(cfg, options=ServerOptions(log_dir=args.out))
     t0 = time.perf_counter()
@@ -75,6 +108,7 @@ def main() -> None:
             send_err: list[float] = []
             cancel_err: list[float] = []
             walls = []
+            LAGS.clear()
             for rep in range(args.repeats):
                 trace = bench_trace(n, seed=1000 * n + rep, span_ms=span, cfg=cfg)
                 h = eng.replay(trace, run_index=rep)
@@ -96,9 +130,13 @@ def main() -> None:
                 "cancel_p50_ms": round(statistics.median(cancel_err), 3) if cancel_err else None,
                 "cancel_p99_ms": round(percentile(cancel_err, 0.99), 3) if cancel_err else None,
                 "run_wall_s_median": round(statistics.median(walls), 2),
+                "loop_lag_p50_ms": round(statistics.median(LAGS), 3),
+                "loop_lag_p99_ms": round(percentile(LAGS, 0.99), 3),
+                "loop_lag_max_ms": round(max(LAGS), 3),
             }
     finally:
         eng.close()
+    results["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
     text = json.dumps(results, indent=2)
     print(text)
     if args.json:

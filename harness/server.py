@@ -58,6 +58,10 @@ class ServerOptions:
     api_key: str | None = field(default=None, repr=False)
     start_timeout_s: float = DEFAULT_START_TIMEOUT_S
     request_timeout_s: float = 300.0
+    # Servers kept alive at once, one per toggle set (None: 2 on CPU — an idle server costs
+    # memory, not CPU, and saves a restart per arm switch; 1 on GPU, where each would claim
+    # its share of GPU memory).
+    max_servers: int | None = None
     # Directory for server logs (one file per server start).
     log_dir: Path = Path("kvfuzz-out")
 
@@ -314,9 +318,12 @@ class ServerEngine(_HttpEngineBase):
         self.options = options or ServerOptions()
         self.device = self.options.device
         self.request_timeout_s = self.options.request_timeout_s
+        # The current server, its target and toggles; idle ones wait in the pool (LRU order).
         self.server: ManagedServer | None = None
         self.target: hc.HttpTarget | None = None
         self.toggles: list[str] = list(config.toggles)
+        self._pool: dict[tuple[str, ...], tuple[ManagedServer, hc.HttpTarget]] = {}
+        self.max_servers = self.options.max_servers or (2 if self.options.device == "cpu" else 1)
         self.starts = 0
         self.start_seconds: list[float] = []
         self._model_path: str | None = None
@@ -362,6 +369,29 @@ class ServerEngine(_HttpEngineBase):
     def start(self) -> "ServerEngine":
         if self.server is not None and self.server.alive():
             return self
+        self._switch(self.toggles)
+        return self
+
+    def _switch(self, toggles: list[str]) -> None:
+        """Make the server for ``toggles`` current: reuse a live one from the pool, else start
+        one (stopping the least recently used if the pool is full)."""
+        key = tuple(sorted(toggles))
+        if key in self._pool:
+            srv, target = self._pool.pop(key)
+            self._pool[key] = (srv, target)  # most recently used last
+            self.server, self.target, self.toggles = srv, target, list(toggles)
+            return
+        while self._pool and len(self._pool) >= self.max_servers:
+            lru = next(iter(self._pool))
+            old, _ = self._pool.pop(lru)
+            old.stop()
+        self.server = self.target = None
+        self.toggles = list(toggles)
+        self._start_one()
+        assert self.server is not None and self.target is not None
+        self._pool[key] = (self.server, self.target)
+
+    def _start_one(self) -> None:
         if importlib.util.find_spec("vllm") is None:
             raise InfraError("vLLM is not installed; install kvfuzz[cpu] or kvfuzz[gpu]")
         if self._model_path is None:
@@ -372,14 +402,17 @@ class ServerEngine(_HttpEngineBase):
         log_path = Path(self.options.log_dir) / f"server-{self.starts}.log"
         env = server_env(os.environ, toggles=self.toggles, api_key=self.options.api_key)
         self.server = ManagedServer(self._cmd, env, log_path, port)
-        log.info("starting vLLM server on port %d (log %s)", port, log_path)
-        self.server.start(self.options.start_timeout_s)
-        self.start_seconds.append(self.server.start_seconds or 0.0)
-        self.target = hc.HttpTarget(self.server.base_url, self.config.model, api_key=self.options.api_key)
-        self._warm_up()
-        if hc.reset_prefix_cache(self.target) is None:
-            raise InfraError(f"the managed server has no /reset_prefix_cache (dev mode); log: {log_path}")
-        return self
+        log.info("starting vLLM server on port %d (toggles %s, log %s)", port, self.toggles, log_path)
+        try:
+            self.server.start(self.options.start_timeout_s)
+            self.start_seconds.append(self.server.start_seconds or 0.0)
+            self.target = hc.HttpTarget(self.server.base_url, self.config.model, api_key=self.options.api_key)
+            self._warm_up()
+            if hc.reset_prefix_cache(self.target) is None:
+                raise InfraError(f"the managed server has no /reset_prefix_cache (dev mode); log: {log_path}")
+        except BaseException:
+            self.server.stop()
+            raise
 
     def _warm_up(self) -> None:
         """One tiny request on the base model and on each adapter, one at a time: the first
@@ -402,15 +435,14 @@ class ServerEngine(_HttpEngineBase):
                                  f"(log: {self.server.log_path})")
 
     def close(self) -> None:
-        if self.server is not None:
-            self.server.stop()
-            self.server = None
-            self.target = None
-
-    def restart(self, toggles: Iterable[str]) -> None:
-        self.close()
-        self.toggles = list(toggles)
-        self.start()
+        servers = [srv for srv, _ in self._pool.values()]
+        if self.server is not None and self.server not in servers:
+            servers.append(self.server)
+        for srv in servers:
+            srv.stop()
+        self._pool.clear()
+        self.server = None
+        self.target = None
 
     def __enter__(self) -> "ServerEngine":
         return self.start()
@@ -428,8 +460,9 @@ class ServerEngine(_HttpEngineBase):
     # -- runs ----------------------------------------------------------------------------------
     def _ensure(self, toggles: list[str]) -> None:
         if self.server is None or sorted(toggles) != sorted(self.toggles):
-            self.restart(toggles)
-        elif not self.server.alive():
+            self._switch(toggles)
+        assert self.server is not None
+        if not self.server.alive():
             raise self._death("before the run")
 
     def _death(self, when: str) -> InfraError:

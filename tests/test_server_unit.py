@@ -243,3 +243,50 @@ def test_replay_against_nothing_reports_transport_errors():
     h, errors = hc.replay_trace(hc.HttpTarget(f"http://127.0.0.1:{port}", "m"), t, timeout_s=10)
     assert len(errors) == 2 and all("connection failed" in (r.error or "") for r in h.requests.values())
     assert h.metrics_before == {} and not h.crashed
+
+
+class _FakeServer:
+    def __init__(self, n):
+        self.n, self.stopped = n, False
+
+    def alive(self):
+        return not self.stopped
+
+    def stop(self):
+        self.stopped = True
+
+
+def test_server_pool_keeps_one_server_per_toggle_set(monkeypatch):
+    """Pure pool logic (no vLLM): switching arms reuses live servers, evicts the least
+    recently used one beyond max_servers, and close() stops every server."""
+    from harness.server import ServerEngine, ServerOptions
+
+    eng = ServerEngine(EngineConfig(), options=ServerOptions(max_servers=2))
+    started = []
+
+    def start_one():
+        srv = _FakeServer(len(started))
+        started.append((srv, list(eng.toggles)))
+        eng.server, eng.target = srv, hc.HttpTarget(f"http://127.0.0.1:{9000 + srv.n}", "m")
+
+    monkeypatch.setattr(eng, "_start_one", start_one)
+    eng.start()
+    eng._ensure(["x"])
+    eng._ensure([])
+    assert [t for _, t in started] == [[], ["x"]] and eng.server is started[0][0]
+    eng._ensure(["y"])  # pool full: the least recently used ("x") goes
+    assert [t for _, t in started] == [[], ["x"], ["y"]]
+    assert started[1][0].stopped and not started[0][0].stopped
+    assert sorted(eng._pool) == [(), ("y",)]
+    eng.close()
+    assert all(srv.stopped for srv, _ in started) and eng.server is None
+    gpu = ServerEngine(EngineConfig(), options=ServerOptions(device="cuda"))
+    assert gpu.max_servers == 1
+
+
+def test_run_rejects_unknown_engine_kind():
+    import subprocess
+
+    p = subprocess.run([sys.executable, "-m", "kvfuzz", "run", "--engine", "nope", "--traces", "1"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "--engine: unknown engine 'nope'" in p.stderr

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
+from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
@@ -147,6 +148,8 @@ def replay(
     session = Session(engine_kind=kind, device=device, runs=runs, thresholds=Thresholds(near_tie=near_tie),
                       log_file=out / "engine.log", base_url=base_url, api_key=api_key, model=model,
                       server_options=ServerOptions(device=device, extra_flags=list(server_arg or []), log_dir=out))
+    # Verdict tables are wide: in a log or pipe, do not squeeze them into 80 columns.
+    show = console if console.is_terminal else Console(width=160, soft_wrap=True)
     where = base_url if kind == "url" else {"inprocess": "in-process engine", "server": "managed vLLM server"}[kind]
     reproduced_any = False
     try:
@@ -158,7 +161,7 @@ def replay(
             verdicts = checked.verdicts
             reproduced = any(v.class_ in DIVERGENT_CLASSES for v in verdicts)
             reproduced_any |= reproduced
-            console.print(verdict_table(item, verdicts))
+            show.print(verdict_table(item, verdicts))
             agree = agreement(item, verdicts)
             env = checked.recording.environment
             notes = list(item.notes)
@@ -166,7 +169,7 @@ def replay(
             if ref_note and kind != "inprocess":
                 notes.append(ref_note)
             for line in ([agree] if agree else []) + notes:
-                console.print(f"  note: {line}", markup=False, highlight=False)
+                show.print(f"  note: {line}", markup=False, highlight=False)
             finding_path = None
             if checked.finding is not None:
                 f = checked.finding
@@ -187,9 +190,9 @@ def replay(
             summary_path = out / "replays" / f"{item.path.stem}.replay.json"
             atomic_write_text(summary_path, json.dumps(summary, indent=2) + "\n")
             status = "REPRODUCED" if reproduced else "not reproduced"
-            console.print(f"{item.path}: {status} (summary: {summary_path}"
-                          + (f", finding: {finding_path}" if finding_path else "") + ")", markup=False,
-                          highlight=False)
+            show.print(f"{item.path}: {status} (summary: {summary_path}"
+                       + (f", finding: {finding_path}" if finding_path else "") + ")", markup=False,
+                       highlight=False)
     finally:
         session.close()
     sys.stdout.flush()
