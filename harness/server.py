@@ -399,7 +399,11 @@ class ServerEngine(_HttpEngineBase):
         port = free_port()
         self._cmd = self.command(port)
         self.starts += 1
-        log_path = Path(self.options.log_dir) / f"server-{self.starts}.log"
+        log_dir = Path(self.options.log_dir)
+        n = 1  # a fresh file per start, also across engines sharing the directory
+        while (log_dir / f"server-{n}.log").exists():
+            n += 1
+        log_path = log_dir / f"server-{n}.log"
         env = server_env(os.environ, toggles=self.toggles, api_key=self.options.api_key)
         self.server = ManagedServer(self._cmd, env, log_path, port)
         log.info("starting vLLM server on port %d (toggles %s, log %s)", port, self.toggles, log_path)
