@@ -535,16 +535,16 @@ def list_models(target: HttpTarget) -> list[dict[str, Any]]:
         with _client() as c:
             r = c.get(target.url("/v1/models"), headers=target.headers())
     except httpx.HTTPError as e:
-        raise InfraError(f"{target.base_url} does not answer: {type(e).__name__}: {e}") from None
+        raise InfraError(f"{redact_url(target.base_url)} does not answer: {type(e).__name__}: {e}") from None
     if r.status_code in (401, 403):
-        raise InfraError(f"{target.base_url}/v1/models: HTTP {r.status_code} (wrong or missing API key: "
+        raise InfraError(f"{redact_url(target.base_url)}/v1/models: HTTP {r.status_code} (wrong or missing API key: "
                          f"--api-key or KVFUZZ_API_KEY)")
     if r.status_code != 200:
-        raise InfraError(f"{target.base_url}/v1/models: {error_text(r.status_code, r.content)}")
+        raise InfraError(f"{redact_url(target.base_url)}/v1/models: {error_text(r.status_code, r.content)}")
     try:
         return list(r.json().get("data") or [])
     except (ValueError, AttributeError):
-        raise InfraError(f"{target.base_url}/v1/models: not an OpenAI model list") from None
+        raise InfraError(f"{redact_url(target.base_url)}/v1/models: not an OpenAI model list") from None
 
 
 def reset_prefix_cache(target: HttpTarget, *, attempts: int = 50, wait_s: float = 0.1) -> bool | None:
@@ -555,7 +555,7 @@ def reset_prefix_cache(target: HttpTarget, *, attempts: int = 50, wait_s: float 
             try:
                 r = c.post(target.url("/reset_prefix_cache"), headers=target.headers())
             except httpx.HTTPError as e:
-                raise InfraError(f"{target.base_url} does not answer: {type(e).__name__}: {e}") from None
+                raise InfraError(f"{redact_url(target.base_url)} does not answer: {type(e).__name__}: {e}") from None
             if r.status_code in (404, 405, 401, 403):
                 return None
             if r.status_code == 200:
@@ -578,7 +578,7 @@ def wait_idle(target: HttpTarget, *, timeout_s: float = 30.0) -> bool:
             try:
                 r = c.get(target.url("/metrics"), headers=target.headers())
             except httpx.HTTPError as e:
-                raise InfraError(f"{target.base_url} does not answer: {type(e).__name__}: {e}") from None
+                raise InfraError(f"{redact_url(target.base_url)} does not answer: {type(e).__name__}: {e}") from None
             if r.status_code != 200:
                 return True
             n = prom.busy(prom.summarize(r.text))
@@ -587,6 +587,16 @@ def wait_idle(target: HttpTarget, *, timeout_s: float = 30.0) -> bool:
             if time.monotonic() > deadline:
                 return False
             time.sleep(0.05)
+
+
+def redact_url(url: str) -> str:
+    """The URL without user:password (for records and output)."""
+    u = urlsplit(url)
+    if u.username is None and u.password is None:
+        return url
+    host = u.hostname or ""
+    netloc = f"{host}:{u.port}" if u.port else host
+    return u._replace(netloc=netloc).geturl()
 
 
 def new_salt(kind: str) -> str:

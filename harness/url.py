@@ -31,6 +31,7 @@ class UrlEngine(_HttpEngineBase):
             raise BadInput(f"not an http(s) URL: {base_url!r}", field="--base-url")
         self.config = config
         self.base_url = base_url.rstrip("/")
+        self.shown_url = hc.redact_url(self.base_url)  # for messages: no user:password
         self._api_key = api_key
         self._model = model
         self.request_timeout_s = request_timeout_s
@@ -48,10 +49,10 @@ class UrlEngine(_HttpEngineBase):
             # Base models have no parent; LoRA adapters name theirs.
             bases = [str(m["id"]) for m in served if m.get("id") and not m.get("parent")]
             if not bases:
-                raise InfraError(f"{self.base_url}/v1/models lists no base model; pass --model")
+                raise InfraError(f"{self.shown_url}/v1/models lists no base model; pass --model")
             self._model = bases[0]
         elif self._model not in self.models:
-            raise BadInput(f"model {self._model!r} is not served at {self.base_url} (serves {self.models})",
+            raise BadInput(f"model {self._model!r} is not served at {self.shown_url} (serves {self.models})",
                            field="--model")
         self.target = hc.HttpTarget(self.base_url, self._model, api_key=self._api_key)
         self.reference_isolation = self._probe_isolation()
@@ -69,13 +70,13 @@ class UrlEngine(_HttpEngineBase):
         hist, errors = hc.replay_trace(self.target, self._alone_trace(self.config, probe, 1), engine="url",
                                        arm="probe", cache_salt=hc.new_salt("probe"), timeout_s=self.request_timeout_s)
         if errors:
-            raise InfraError(f"{self.base_url} does not answer: {errors[0]}")
+            raise InfraError(f"{self.shown_url} does not answer: {errors[0]}")
         rec = hist.requests["kvfuzz-probe"]
         if rec.error is None:
             return "cache_salt"
         if rec.http_status == 400 and "salt" in (rec.error or "").lower():
             return "none"
-        raise InfraError(f"{self.base_url}: a one-token completion failed: {rec.error}")
+        raise InfraError(f"{self.shown_url}: a one-token completion failed: {rec.error}")
 
     def close(self) -> None:
         self.target = None
@@ -92,9 +93,9 @@ class UrlEngine(_HttpEngineBase):
 
     def _check(self, hist: History, errors: list[str], what: str) -> None:
         if errors and all(r.error and r.error.startswith("connection failed") for r in hist.requests.values()):
-            raise InfraError(f"{self.base_url} stopped answering during {what}: {errors[0]}")
+            raise InfraError(f"{self.shown_url} stopped answering during {what}: {errors[0]}")
         if errors and not hc.health(self.base_url):
-            raise InfraError(f"{self.base_url} stopped answering during {what}: {errors[0]}")
+            raise InfraError(f"{self.shown_url} stopped answering during {what}: {errors[0]}")
 
     def replay(self, trace: Trace, *, arm: str = "default", run_index: int = 0,
                toggles: Iterable[str] | None = None) -> History:
@@ -133,7 +134,7 @@ class UrlEngine(_HttpEngineBase):
         from .environment import describe
 
         flags: dict[str, Any] = {
-            "base_url": self.base_url,
+            "base_url": self.shown_url,
             "served_model": self._model,
             "served_models": self.models,
             "reference_isolation": self.reference_isolation,

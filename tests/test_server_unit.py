@@ -290,3 +290,8 @@ def test_run_rejects_unknown_engine_kind():
     p = subprocess.run([sys.executable, "-m", "kvfuzz", "run", "--engine", "nope", "--traces", "1"],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "--engine: unknown engine 'nope'" in p.stderr
+
+
+def test_redact_url_drops_credentials():
+    assert hc.redact_url("http://u:pw@host:8000/v1") == "http://host:8000/v1"
+    assert hc.redact_url("https://host/x") == "https://host/x"

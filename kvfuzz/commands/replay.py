@@ -150,7 +150,9 @@ def replay(
                       server_options=ServerOptions(device=device, extra_flags=list(server_arg or []), log_dir=out))
     # Verdict tables are wide: in a log or pipe, do not squeeze them into 80 columns.
     show = console if console.is_terminal else Console(width=160, soft_wrap=True)
-    where = base_url if kind == "url" else {"inprocess": "in-process engine", "server": "managed vLLM server"}[kind]
+    from harness.http_client import redact_url
+
+    where = redact_url(base_url) if base_url is not None else {"inprocess": "in-process engine", "server": "managed vLLM server"}[kind]
     reproduced_any = False
     try:
         for n, item in enumerate(items, start=1):
