@@ -94,8 +94,10 @@ def run(
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
     kv_cache_mb: Annotated[int, typer.Option(min=1, help="KV cache size in MiB.")] = 24,
     near_tie: Annotated[float, typer.Option(help="Margin below which a divergence is a numeric near-tie.")] = 1e-3,
+    engine_kind: Annotated[str, typer.Option("--engine", help="inprocess (step-exact) or server (a managed vLLM OpenAI server).")] = "inprocess",
+    server_arg: Annotated[Optional[list[str]], typer.Option("--server-arg", help="Extra flag for the managed server (repeatable).")] = None,
 ) -> None:
-    """Fuzz the embedded default model on the in-process vLLM engine."""
+    """Fuzz the embedded default model on the in-process vLLM engine or a managed vLLM server."""
     from fuzzer import CampaignOptions, default_engine, run_campaign
     from kvfuzz.display import CampaignDisplay
     from kvfuzz.session import Session
@@ -107,16 +109,25 @@ def run(
         raise BadInput("must be positive", field="--budget")
     if device not in ("cpu", "cuda"):
         raise BadInput(f"unknown device {device!r} (cpu or cuda)", field="--device")
+    if engine_kind not in ("inprocess", "server"):
+        raise BadInput(f"unknown engine {engine_kind!r} (inprocess or server)", field="--engine")
     out.mkdir(parents=True, exist_ok=True)
     engine = default_engine(lora=lora, kv_cache_bytes=kv_cache_mb * 2**20)
     opts = CampaignOptions(seed=seed, budget_s=budget, max_traces=traces_n, runs=runs, out=out, engine=engine,
                            resume=resume)
-    session = Session(device=device, runs=runs, thresholds=Thresholds(near_tie=near_tie),
-                      log_file=out / "engine.log")
+    server_options = None
+    if engine_kind == "server":
+        from harness.server import ServerOptions
+
+        server_options = ServerOptions(device=device, extra_flags=list(server_arg or []), log_dir=out)
+    session = Session(engine_kind=engine_kind, device=device, runs=runs, thresholds=Thresholds(near_tie=near_tie),
+                      log_file=out / "engine.log", server_options=server_options)
     display = CampaignDisplay(console, budget_s=budget, max_traces=traces_n)
     try:
         with display:
-            display.status("starting vLLM engine (log: %s)" % (out / "engine.log"))
+            log_name = "engine.log" if engine_kind == "inprocess" else "server-1.log"
+            display.status("starting vLLM %s (log: %s)" % ("engine" if engine_kind == "inprocess" else "server",
+                                                           out / log_name))
             session.engine_for(engine)
             display.status("fuzzing")
             state = run_campaign(opts, lambda t: session.check(t).finding, display.update)

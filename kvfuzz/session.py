@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from harness.base import Engine
 from harness.runner import Recording, ReferenceStore, record
@@ -32,6 +33,11 @@ class Session:
     log_file: Path | None = None
     engine: Engine | None = None
     references: ReferenceStore = field(default_factory=ReferenceStore)
+    # engine_kind "server": harness.server.ServerOptions; "url": the server's address.
+    server_options: Any = None
+    base_url: str | None = None
+    api_key: str | None = field(default=None, repr=False)
+    model: str | None = None
 
     def engine_for(self, config: EngineConfig) -> Engine:
         if self.engine is not None and self.engine.compatible(config):
@@ -41,6 +47,17 @@ class Session:
             from harness.inprocess import InProcessEngine
 
             self.engine = InProcessEngine(config, device=self.device, log_file=self.log_file).start()
+        elif self.engine_kind == "server":
+            from harness.server import ServerEngine, ServerOptions
+
+            opts = self.server_options or ServerOptions(
+                device=self.device, log_dir=self.log_file.parent if self.log_file else Path("kvfuzz-out"))
+            self.engine = ServerEngine(config, options=opts).start()
+        elif self.engine_kind == "url":
+            from harness.url import UrlEngine
+
+            assert self.base_url is not None
+            self.engine = UrlEngine(config, self.base_url, api_key=self.api_key, model=self.model).start()
         else:
             raise ValueError(f"engine kind {self.engine_kind!r} is not available")
         # References depend on the engine configuration (the memo key includes it), so the
@@ -54,6 +71,9 @@ class Session:
         finding = None
         if divergent(verdicts):
             finding = make_finding(trace, rec.histories, rec.references, verdicts, rec.environment, rec.arms)
+            note = getattr(engine, "reference_note", None)
+            if note:
+                finding.notes["references"] = note
         return Checked(rec, verdicts, finding)
 
     def close(self) -> None:

@@ -6,13 +6,16 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ValidationError
 
 from .errors import BadInput
 from .finding import Finding
 from .trace import SCHEMA_VERSION, Trace
+
+if TYPE_CHECKING:
+    from .foreign import ForeignFinding
 
 # Finding files come from strangers; a bound keeps a hostile file from exhausting memory.
 MAX_FILE_BYTES = 256 * 2**20
@@ -117,7 +120,7 @@ def load_finding(path: str | os.PathLike[str]) -> Finding:
     return parse_finding(read_json(path), str(path))
 
 
-def load_any(path: str | os.PathLike[str]) -> Trace | Finding:
+def load_any(path: str | os.PathLike[str]) -> "Trace | Finding | ForeignFinding":
     """A kvfuzz finding, a kvfuzz trace, or a finding of the fuzzer behind vLLM #39146 et al."""
     data = read_json(path)
     source = str(path)

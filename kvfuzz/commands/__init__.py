@@ -3,7 +3,9 @@
 
 import importlib
 
-MODULES: list[str] = []
+MODULES: list[str] = [
+    "replay",
+]
 
 for _name in MODULES:
     importlib.import_module(f"{__name__}.{_name}")

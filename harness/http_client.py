@@ -1,0 +1,603 @@
+"""Replay a trace over HTTP against an OpenAI-compatible vLLM server (asyncio).
+
+Each send goes to ``/v1/completions`` at its ``offset_ms`` from the trace start, as a prompt
+of token ids, greedy (temperature 0), with top-2 logprobs and token ids instead of text. A
+cancel closes the request's connection at its offset, or — for a cancel relative to the
+request's life (``At.after_tokens``) — once the stream has delivered that many tokens. What
+was planned and what happened (send, first-token, cancel and finish times, HTTP status,
+error body, tokens, logprobs) lands in a ``History`` exactly like the in-process harness's.
+
+Timing: a send must cost as little as possible at its instant, so each request's bytes are
+serialized (with h11) before the trace starts and its TCP connection is opened up to
+``PRECONNECT_MS`` ahead; at the instant the client writes the whole request in one socket
+write and records that moment as the actual send time. Waiting sleeps until ~2 ms before
+the instant, then yields in a tight loop (event-loop timers are only millisecond-accurate).
+Responses are parsed with h11 (chunked SSE streams or JSON bodies). httpx serves the control
+calls (/health, /metrics, /v1/models, /reset_prefix_cache), where timing does not matter.
+
+No API key is ever stored in a record: it lives only in the request bytes and headers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import socket
+import ssl
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+import h11
+import httpx
+
+from traces import CancelEvent, EventRecord, History, RequestRecord, SendEvent, Trace, expand
+from traces.errors import InfraError
+
+from . import metrics as prom
+
+TOKEN_PREFIX = "token_id:"
+# The last ~2 ms before a planned instant are spent yielding in a loop: the event loop's
+# timers are only millisecond-accurate.
+SPIN_S = 0.002
+# A request's connection is opened this long before its send (those due early: before the
+# clock starts), so no send pays for a TCP connect.
+PRECONNECT_MS = 500.0
+READ_SIZE = 65536
+
+
+@dataclass
+class HttpTarget:
+    """Where and as whom to send. ``model`` serves base-model requests; an adapter request
+    names its adapter (``adapter_models`` maps a trace's adapter name to the served name,
+    identity by default)."""
+
+    base_url: str
+    model: str
+    api_key: str | None = field(default=None, repr=False)
+    adapter_models: dict[str, str] = field(default_factory=dict)
+
+    def headers(self) -> dict[str, str]:
+        h = {"content-type": "application/json"}
+        if self.api_key:
+            h["authorization"] = f"Bearer {self.api_key}"
+        return h
+
+    def model_for(self, adapter: str | None) -> str:
+        if adapter is None:
+            return self.model
+        return self.adapter_models.get(adapter, adapter)
+
+    def url(self, path: str) -> str:
+        return self.base_url.rstrip("/") + path
+
+    def endpoint(self) -> tuple[str, int, bool, str]:
+        """(host, port, tls, path prefix) of the base URL."""
+        u = urlsplit(self.base_url)
+        tls = u.scheme == "https"
+        if not u.hostname:
+            raise ValueError(f"no host in {self.base_url!r}")
+        return u.hostname, u.port or (443 if tls else 80), tls, u.path.rstrip("/")
+
+    def raw_request(self, path: str, body: bytes, extra_headers: dict[str, str] | None = None) -> bytes:
+        """A complete HTTP/1.1 POST; one connection per request (``Connection: close``), so a
+        cancel can drop exactly that request's connection."""
+        host, port, tls, prefix = self.endpoint()
+        default_port = 443 if tls else 80
+        headers = [("Host", host if port == default_port else f"{host}:{port}"),
+                   ("Content-Type", "application/json"), ("Accept", "application/json, text/event-stream"),
+                   ("Content-Length", str(len(body))), ("Connection", "close")]
+        if self.api_key:
+            headers.append(("Authorization", f"Bearer {self.api_key}"))
+        headers += list((extra_headers or {}).items())
+        c = h11.Connection(h11.CLIENT)
+        return (c.send(h11.Request(method="POST", target=prefix + path, headers=headers))  # type: ignore[operator]
+                + c.send(h11.Data(data=body)) + c.send(h11.EndOfMessage()))
+
+
+def completion_payload(send: SendEvent, model: str, *, stream: bool, cache_salt: str | None = None) -> dict[str, Any]:
+    """The /v1/completions body for one send (pure; unit-tested)."""
+    body: dict[str, Any] = {
+        "model": model,
+        "prompt": expand(send.prompt),
+        "max_tokens": send.max_tokens,
+        "temperature": 0.0,
+        "logprobs": 2,
+        "return_tokens_as_token_ids": True,
+        # The in-process harness ignores EOS too: every request runs to max_tokens, so a
+        # shorter output is a cancel or an error, never a stop token.
+        "ignore_eos": True,
+        "stream": stream,
+    }
+    if cache_salt:
+        body["cache_salt"] = cache_salt
+    return body
+
+
+def parse_token(tok: str) -> int:
+    if not isinstance(tok, str) or not tok.startswith(TOKEN_PREFIX):
+        raise ValueError(f"server returned token {tok!r}, not 'token_id:N' (is return_tokens_as_token_ids ignored?)")
+    return int(tok[len(TOKEN_PREFIX):])
+
+
+def parse_choice(choice: dict[str, Any]) -> tuple[list[int], list[list[tuple[int, float]]], str | None]:
+    """(token ids, top-2 logprobs per position, finish_reason) of one completion choice, or
+    of one streamed delta."""
+    lp = choice.get("logprobs") or {}
+    tokens = [parse_token(t) for t in (lp.get("tokens") or [])]
+    tops: list[list[tuple[int, float]]] = []
+    for pos in lp.get("top_logprobs") or []:
+        items = sorted(((parse_token(k), float(v)) for k, v in (pos or {}).items()), key=lambda kv: -kv[1])
+        tops.append(items[:2])
+    if not tokens and choice.get("text"):
+        raise ValueError("server returned text without token ids (logprobs missing)")
+    return tokens, tops, choice.get("finish_reason")
+
+
+def error_text(status: int, body: bytes | str) -> str:
+    text = body.decode("utf-8", "replace") if isinstance(body, bytes) else body
+    try:
+        msg = json.loads(text).get("error", {})
+        if isinstance(msg, dict) and msg.get("message"):
+            text = msg["message"]
+        elif isinstance(msg, str) and msg:
+            text = msg
+    except (ValueError, AttributeError):
+        pass
+    return f"HTTP {status}: {' '.join(str(text).split())[:500]}"
+
+
+def relative_floor_ms(at: Any, ms_per_step: float) -> float | None:
+    """Earliest wall-clock offset of a relative cancel that also names a time, else None."""
+    if at.offset_ms is not None:
+        return float(at.offset_ms)
+    if at.step is not None:
+        return at.step * ms_per_step
+    return None
+
+
+class TransportFailure(Exception):
+    """The connection failed (refused, reset, closed mid-response): the server may be gone."""
+
+
+class _RelativeCancel(Exception):
+    pass
+
+
+Conn = tuple[asyncio.StreamReader, asyncio.StreamWriter]
+
+
+class _Req:
+    """Per-request state during one replay."""
+
+    def __init__(self, index: int, send: SendEvent, planned_ms: float, stream: bool):
+        self.index = index
+        self.send = send
+        self.planned_ms = planned_ms
+        self.stream = stream
+        self.wire = b""
+        self.conn: asyncio.Task[Conn] | None = None
+        self.record = RequestRecord(request_id=send.request_id, adapter=send.adapter,
+                                    prompt_len=send.prompt.length, max_tokens=send.max_tokens,
+                                    planned_offset_ms=round(planned_ms, 3))
+        self.task: asyncio.Task[None] | None = None
+        self.done = False
+        self.cancel_reason: str | None = None
+        # Relative cancels on this request: (event index, after_tokens, floor offset ms or None).
+        self.relative: list[tuple[int, int, float | None]] = []
+
+
+class Replayer:
+    """One replay of one trace against one target."""
+
+    def __init__(self, target: HttpTarget, trace: Trace, *, engine: str, arm: str, run_index: int,
+                 toggles: list[str], cache_salt: str | None, timeout_s: float, lead_ms: float):
+        self.target = target
+        self.trace = trace
+        self.cache_salt = cache_salt
+        self.timeout_s = timeout_s
+        self.lead_ms = lead_ms
+        self.hist = History(trace_id=trace.trace_id(), engine=engine, arm=arm, run_index=run_index,  # type: ignore[arg-type]
+                            toggles=toggles)
+        self.t0 = time.perf_counter() + 3600.0  # set for real when the clock starts
+        self.reqs: dict[str, _Req] = {}
+        self.transport_errors: list[str] = []
+
+    def now_ms(self) -> float:
+        return (time.perf_counter() - self.t0) * 1000.0
+
+    async def sleep_until_ms(self, offset_ms: float, *, spin: bool = True) -> None:
+        deadline = self.t0 + offset_ms / 1000.0
+        delay = deadline - time.perf_counter() - (SPIN_S if spin else 0.0)
+        if delay > 0:
+            await asyncio.sleep(delay)
+        while spin and time.perf_counter() < deadline:
+            await asyncio.sleep(0)
+
+    # -- plan ----------------------------------------------------------------------------------
+    def plan(self) -> list[tuple[int, CancelEvent, float]]:
+        mps = self.trace.engine.ms_per_step
+        timed_cancels: list[tuple[int, CancelEvent, float]] = []
+        for i, ev in enumerate(self.trace.events):
+            if isinstance(ev, SendEvent):
+                self.reqs[ev.request_id] = _Req(i, ev, ev.at.offset_or(mps), ev.stream)
+        for i, ev in enumerate(self.trace.events):
+            if isinstance(ev, CancelEvent):
+                r = self.reqs[ev.request_id]
+                if ev.at.after_tokens is not None:
+                    r.relative.append((i, ev.at.after_tokens, relative_floor_ms(ev.at, mps)))
+                    # Counting tokens needs a stream; the engine sees the same request either way.
+                    r.stream = True
+                else:
+                    timed_cancels.append((i, ev, ev.at.offset_or(mps)))
+        for r in self.reqs.values():
+            body = completion_payload(r.send, self.target.model_for(r.send.adapter), stream=r.stream,
+                                      cache_salt=self.cache_salt)
+            r.wire = self.target.raw_request(
+                "/v1/completions", json.dumps(body, separators=(",", ":")).encode(),
+                {"X-Request-Id": f"kvfuzz-{r.send.request_id}-{secrets.token_hex(4)}"})
+        return timed_cancels
+
+    # -- connections ---------------------------------------------------------------------------
+    async def connect(self) -> Conn:
+        host, port, tls, _ = self.target.endpoint()
+        ctx = ssl.create_default_context() if tls else None
+        try:
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_connection(host, port, ssl=ctx, server_hostname=host if tls else None), timeout=10.0)
+        except (OSError, asyncio.TimeoutError) as e:
+            raise TransportFailure(f"cannot connect to {host}:{port}: {type(e).__name__}: {e}") from None
+        sock = writer.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return reader, writer
+
+    async def preconnect(self, r: _Req) -> Conn:
+        await self.sleep_until_ms(r.planned_ms - PRECONNECT_MS, spin=False)
+        return await self.connect()
+
+    # -- one request ---------------------------------------------------------------------------
+    async def run_request(self, r: _Req) -> None:
+        ev = EventRecord(index=r.index, kind="send", request_id=r.send.request_id,
+                         planned_offset_ms=round(r.planned_ms, 3))
+        rec = r.record
+        writer: asyncio.StreamWriter | None = None
+        try:
+            assert r.conn is not None
+            reader, writer = await r.conn
+            await self.sleep_until_ms(r.planned_ms)
+            if reader.at_eof():  # the peer dropped the idle connection: pay for a fresh one
+                writer.transport.abort()
+                reader, writer = await self.connect()
+            writer.write(r.wire)
+            rec.sent_ms = round(self.now_ms(), 3)
+            await self._consume(r, reader)
+        except asyncio.CancelledError:
+            if r.cancel_reason is None:
+                raise  # the whole replay is being torn down
+            self._mark_cancelled(r)
+        except _RelativeCancel:
+            self._mark_cancelled(r)
+        except (TransportFailure, OSError, h11.ProtocolError) as e:
+            msg = f"connection failed: {type(e).__name__}: {e}".strip().rstrip(":")
+            rec.error = msg
+            rec.finish_reason = "error"
+            self.transport_errors.append(f"{r.send.request_id}: {msg}")
+        except ValueError as e:  # malformed body / token format
+            rec.error = f"bad response: {e}"
+            rec.finish_reason = "error"
+        finally:
+            if writer is not None:
+                # abort(), not close(): a cancel must reach the server as a disconnect now.
+                writer.transport.abort()
+            ev.actual_offset_ms = rec.sent_ms
+            self.hist.events.append(ev)
+            r.done = True
+            if rec.finished_ms is None and not rec.cancelled:
+                rec.finished_ms = round(self.now_ms(), 3)
+
+    async def _consume(self, r: _Req, reader: asyncio.StreamReader) -> None:
+        """Read the response with h11: status, then an SSE stream or a JSON body."""
+        rec = r.record
+        conn = h11.Connection(h11.CLIENT)
+        # h11 parses a response only after it has seen its request go out.
+        conn.send(h11.Request(method="POST", target="/", headers=[("Host", "x"), ("Content-Length", "0")]))
+        conn.send(h11.EndOfMessage())
+        body = bytearray()
+        sse = bytearray()
+        status = 0
+        while True:
+            event = conn.next_event()
+            if event is h11.NEED_DATA:
+                conn.receive_data(await reader.read(READ_SIZE))  # b"" = EOF
+                continue
+            if isinstance(event, h11.Response):
+                status = rec.http_status = event.status_code
+                if status == 200 and r.stream:
+                    self._check_relative(r)  # after_tokens=0: the server took the request
+            elif isinstance(event, h11.Data):
+                if status != 200 or not r.stream:
+                    body += event.data
+                    continue
+                sse += event.data
+                while (nl := sse.find(b"\n")) >= 0:
+                    line = bytes(sse[:nl]).strip()
+                    del sse[: nl + 1]
+                    if self._sse_line(r, line):
+                        return
+            elif isinstance(event, h11.EndOfMessage):
+                break
+            elif isinstance(event, h11.ConnectionClosed):
+                raise TransportFailure("connection closed before the response ended")
+        if status != 200:
+            rec.error = error_text(status, bytes(body))
+            rec.finish_reason = "error"
+        elif not r.stream:
+            self._consume_json(r, json.loads(bytes(body)))
+        elif rec.finish_reason is None and rec.error is None:
+            raise TransportFailure("stream ended without a finish_reason")
+
+    def _sse_line(self, r: _Req, line: bytes) -> bool:
+        """Handle one SSE line; True when the stream is over."""
+        rec = r.record
+        if not line.startswith(b"data:"):
+            return False
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            return True
+        chunk = json.loads(data)
+        if "error" in chunk:
+            err = chunk["error"]
+            rec.error = f"stream error: {err.get('message', err) if isinstance(err, dict) else err}"
+            rec.finish_reason = "error"
+            return True
+        for choice in chunk.get("choices") or []:
+            tokens, tops, finish = parse_choice(choice)
+            self._append(r, tokens, tops)
+            if finish:
+                rec.finish_reason = finish
+                rec.finished_ms = round(self.now_ms(), 3)
+        if rec.finish_reason is None:
+            self._check_relative(r)
+        return False
+
+    def _consume_json(self, r: _Req, body: dict[str, Any]) -> None:
+        rec = r.record
+        if "error" in body:
+            rec.error = error_text(200, json.dumps(body))
+            rec.finish_reason = "error"
+            return
+        choices = body.get("choices") or []
+        if not choices:
+            raise ValueError("completion without choices")
+        tokens, tops, finish = parse_choice(choices[0])
+        self._append(r, tokens, tops)
+        rec.finish_reason = finish or "stop"
+        rec.finished_ms = round(self.now_ms(), 3)
+        usage = body.get("usage") or {}
+        details = usage.get("prompt_tokens_details") or {}
+        if isinstance(details, dict) and details.get("cached_tokens") is not None:
+            rec.num_cached_tokens = int(details["cached_tokens"])
+
+    def _mark_cancelled(self, r: _Req) -> None:
+        rec = r.record
+        rec.cancelled = True
+        rec.finish_reason = "abort"
+        rec.cancel_ms = round(self.now_ms(), 3)
+        rec.finished_ms = rec.cancel_ms
+
+    def _append(self, r: _Req, tokens: list[int], tops: list[list[tuple[int, float]]]) -> None:
+        rec = r.record
+        # A non-streamed response shows no first-token time, only its end.
+        if tokens and rec.first_token_ms is None and r.stream:
+            rec.first_token_ms = round(self.now_ms(), 3)
+        rec.token_ids.extend(tokens)
+        rec.logprobs.extend(tops)
+
+    def _check_relative(self, r: _Req) -> None:
+        n = len(r.record.token_ids)
+        for k, (i, after, floor) in enumerate(r.relative):
+            if n >= after:
+                if floor is not None and self.now_ms() < floor:
+                    continue  # the time part of the condition is left to relative_timer
+                self.hist.events.append(EventRecord(index=i, kind="cancel", request_id=r.send.request_id,
+                                                    planned_offset_ms=floor, actual_offset_ms=round(self.now_ms(), 3)))
+                r.relative.pop(k)
+                r.cancel_reason = "relative"
+                raise _RelativeCancel()
+
+    # -- cancels -------------------------------------------------------------------------------
+    async def run_cancel(self, i: int, ev: CancelEvent, planned_ms: float) -> None:
+        await self.sleep_until_ms(planned_ms)
+        r = self.reqs[ev.request_id]
+        # A cancel before its request was sent, or after it finished, does nothing (as in the
+        # in-process harness).
+        effective = r.record.sent_ms is not None and not r.done and r.task is not None
+        self.hist.events.append(EventRecord(index=i, kind="cancel", request_id=ev.request_id,
+                                            planned_offset_ms=round(planned_ms, 3),
+                                            actual_offset_ms=round(self.now_ms(), 3), effective=effective))
+        if effective and r.task is not None:
+            r.cancel_reason = "timed"
+            r.task.cancel()
+
+    async def relative_timer(self, r: _Req) -> None:
+        """Relative cancels whose token count was reached before their time floor."""
+        while r.relative and not r.done:
+            pending = [(i, a, f) for i, a, f in r.relative if f is not None]
+            if not pending:
+                return
+            i, after, floor = min(pending, key=lambda x: x[2] or 0.0)
+            await self.sleep_until_ms(floor or 0.0)
+            if r.done:
+                return
+            if len(r.record.token_ids) >= after and r.task is not None:
+                r.relative.remove((i, after, floor))
+                self.hist.events.append(EventRecord(index=i, kind="cancel", request_id=r.send.request_id,
+                                                    planned_offset_ms=floor, actual_offset_ms=round(self.now_ms(), 3)))
+                r.cancel_reason = "relative"
+                r.task.cancel()
+                return
+            await asyncio.sleep(0.001)
+
+    # -- the run ------------------------------------------------------------------------------
+    async def run(self) -> History:
+        timed_cancels = self.plan()
+        self.hist.metrics_before = await scrape(self.target)
+        # Connections due within PRECONNECT_MS of the start are opened before the clock starts.
+        self.t0 = time.perf_counter() + self.lead_ms / 1000.0
+        early = {rid for rid, r in self.reqs.items() if r.planned_ms < PRECONNECT_MS}
+        for rid, r in self.reqs.items():
+            r.conn = asyncio.create_task(self.connect() if rid in early else self.preconnect(r))
+        if early:
+            await asyncio.wait([self.reqs[rid].conn for rid in early])  # type: ignore[misc]
+        start = time.perf_counter()
+        self.t0 = start + self.lead_ms / 1000.0
+        tasks: list[asyncio.Task[None]] = []
+        for r in self.reqs.values():
+            r.task = asyncio.create_task(self.run_request(r))
+            tasks.append(r.task)
+            if any(f is not None for _, _, f in r.relative):
+                tasks.append(asyncio.create_task(self.relative_timer(r)))
+        tasks += [asyncio.create_task(self.run_cancel(i, ev, ms)) for i, ev, ms in timed_cancels]
+        last_planned = max([r.planned_ms for r in self.reqs.values()] + [ms for _, _, ms in timed_cancels] + [0.0])
+        budget = self.timeout_s + last_planned / 1000.0 + self.lead_ms / 1000.0
+        done, pending = await asyncio.wait(tasks, timeout=budget)
+        if pending:
+            self.hist.crashed = True
+            unfinished = sorted(r.send.request_id for r in self.reqs.values() if not r.done)
+            self.hist.crash_detail = (f"hang: {len(unfinished)} request(s) unfinished after {budget:.0f} s "
+                                      f"({', '.join(unfinished[:5])})")
+            for t in pending:
+                t.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+        for t in done:
+            if not t.cancelled() and t.exception() is not None:
+                raise t.exception()  # type: ignore[misc]
+        for r in self.reqs.values():
+            if r.conn is not None and not r.conn.done():
+                r.conn.cancel()
+            # A relative cancel whose request ended first did nothing.
+            for i, _after, floor in r.relative:
+                self.hist.events.append(EventRecord(index=i, kind="cancel", request_id=r.send.request_id,
+                                                    planned_offset_ms=floor, effective=False))
+        self.hist.wall_seconds = round(time.perf_counter() - start, 4)
+        if not self.transport_errors:
+            self.hist.metrics_after = await scrape(self.target)
+        self.hist.events.sort(key=lambda e: (e.actual_offset_ms if e.actual_offset_ms is not None else float("inf"),
+                                             e.index))
+        self.hist.requests = {rid: r.record for rid, r in self.reqs.items()}
+        return self.hist
+
+
+async def scrape(target: HttpTarget) -> dict[str, float]:
+    """/metrics summary, or {} when the server exposes none (not an error: a URL may hide it)."""
+    try:
+        async with httpx.AsyncClient(timeout=10.0, trust_env=False) as client:
+            r = await client.get(target.url("/metrics"), headers=target.headers())
+    except httpx.HTTPError:
+        return {}
+    if r.status_code != 200:
+        return {}
+    return prom.summarize(r.text)
+
+
+def replay_trace(target: HttpTarget, trace: Trace, *, engine: str = "server", arm: str = "default",
+                 run_index: int = 0, toggles: Iterable[str] = (), cache_salt: str | None = None,
+                 timeout_s: float = 300.0, lead_ms: float = 50.0) -> tuple[History, list[str]]:
+    """Replay ``trace`` once; returns the history and the transport errors seen (non-empty
+    when connections failed, e.g. because the server died)."""
+    rep = Replayer(target, trace, engine=engine, arm=arm, run_index=run_index, toggles=list(toggles),
+                   cache_salt=cache_salt, timeout_s=timeout_s, lead_ms=lead_ms)
+    hist = asyncio.run(rep.run())
+    return hist, rep.transport_errors
+
+
+# -- small synchronous calls used by the engines ------------------------------------------------
+
+
+def _client(timeout: float = 10.0) -> httpx.Client:
+    return httpx.Client(timeout=timeout, trust_env=False)
+
+
+def health(base_url: str, timeout: float = 2.0) -> bool:
+    try:
+        with _client(timeout) as c:
+            return c.get(base_url.rstrip("/") + "/health").status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def list_models(target: HttpTarget) -> list[dict[str, Any]]:
+    try:
+        with _client() as c:
+            r = c.get(target.url("/v1/models"), headers=target.headers())
+    except httpx.HTTPError as e:
+        raise InfraError(f"{redact_url(target.base_url)} does not answer: {type(e).__name__}: {e}") from None
+    if r.status_code in (401, 403):
+        raise InfraError(f"{redact_url(target.base_url)}/v1/models: HTTP {r.status_code} (wrong or missing API key: "
+                         f"--api-key or KVFUZZ_API_KEY)")
+    if r.status_code != 200:
+        raise InfraError(f"{redact_url(target.base_url)}/v1/models: {error_text(r.status_code, r.content)}")
+    try:
+        return list(r.json().get("data") or [])
+    except (ValueError, AttributeError):
+        raise InfraError(f"{redact_url(target.base_url)}/v1/models: not an OpenAI model list") from None
+
+
+def reset_prefix_cache(target: HttpTarget, *, attempts: int = 50, wait_s: float = 0.1) -> bool | None:
+    """POST /reset_prefix_cache (vLLM dev mode). True: reset. None: the endpoint does not exist
+    (or is not allowed). False: the server kept refusing (blocks still held)."""
+    with _client() as c:
+        for _ in range(attempts):
+            try:
+                r = c.post(target.url("/reset_prefix_cache"), headers=target.headers())
+            except httpx.HTTPError as e:
+                raise InfraError(f"{redact_url(target.base_url)} does not answer: {type(e).__name__}: {e}") from None
+            if r.status_code in (404, 405, 401, 403):
+                return None
+            if r.status_code == 200:
+                try:
+                    ok = bool(r.json().get("success", True))
+                except ValueError:
+                    ok = True
+                if ok:
+                    return True
+            time.sleep(wait_s)
+    return False
+
+
+def wait_idle(target: HttpTarget, *, timeout_s: float = 30.0) -> bool:
+    """Wait until /metrics shows no running or waiting request (cancelled streams are aborted
+    asynchronously by the server). True if idle (or no metrics), False on timeout."""
+    deadline = time.monotonic() + timeout_s
+    with _client() as c:
+        while True:
+            try:
+                r = c.get(target.url("/metrics"), headers=target.headers())
+            except httpx.HTTPError as e:
+                raise InfraError(f"{redact_url(target.base_url)} does not answer: {type(e).__name__}: {e}") from None
+            if r.status_code != 200:
+                return True
+            n = prom.busy(prom.summarize(r.text))
+            if n is None or n == 0:
+                return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+
+
+def redact_url(url: str) -> str:
+    """The URL without user:password (for records and output)."""
+    u = urlsplit(url)
+    if u.username is None and u.password is None:
+        return url
+    host = u.hostname or ""
+    netloc = f"{host}:{u.port}" if u.port else host
+    return u._replace(netloc=netloc).geturl()
+
+
+def new_salt(kind: str) -> str:
+    return f"kvfuzz-{kind}-{secrets.token_hex(12)}"

@@ -1,0 +1,146 @@
+"""The Engine protocol over a vLLM server kvfuzz does not manage (``--base-url``).
+
+kvfuzz cannot choose this server's flags or restart it: the trace's engine configuration is
+only a description, toggles cannot be applied, and the model name comes from ``/v1/models``
+unless given. The API key (``--api-key`` / ``KVFUZZ_API_KEY``) lives only in request headers.
+
+References must not reuse KV cached by the runs. In order of preference: the server's
+``POST /reset_prefix_cache`` (vLLM dev mode), else a fresh ``cache_salt`` per run and per
+reference (a salted request cannot hit blocks cached under another salt), else nothing —
+and the finding says so (``reference_note``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from traces import EngineConfig, Environment, History, RequestRecord, SendEvent, Trace
+from traces.errors import BadInput, InfraError
+
+from . import http_client as hc
+from .server import _HttpEngineBase
+
+
+class UrlEngine(_HttpEngineBase):
+    kind = "url"
+
+    def __init__(self, config: EngineConfig, base_url: str, *, api_key: str | None = None, model: str | None = None,
+                 request_timeout_s: float = 300.0):
+        if not base_url.startswith(("http://", "https://")):
+            raise BadInput(f"not an http(s) URL: {base_url!r}", field="--base-url")
+        self.config = config
+        self.base_url = base_url.rstrip("/")
+        self.shown_url = hc.redact_url(self.base_url)  # for messages: no user:password
+        self._api_key = api_key
+        self._model = model
+        self.request_timeout_s = request_timeout_s
+        self.target: hc.HttpTarget | None = None
+        self.models: list[str] = []
+        self.reference_isolation = "unknown"
+
+    def start(self) -> "UrlEngine":
+        if self.target is not None:
+            return self
+        probe = hc.HttpTarget(self.base_url, self._model or "", api_key=self._api_key)
+        served = hc.list_models(probe)
+        self.models = [str(m.get("id")) for m in served if m.get("id")]
+        if self._model is None:
+            # Base models have no parent; LoRA adapters name theirs.
+            bases = [str(m["id"]) for m in served if m.get("id") and not m.get("parent")]
+            if not bases:
+                raise InfraError(f"{self.shown_url}/v1/models lists no base model; pass --model")
+            self._model = bases[0]
+        elif self._model not in self.models:
+            raise BadInput(f"model {self._model!r} is not served at {self.shown_url} (serves {self.models})",
+                           field="--model")
+        self.target = hc.HttpTarget(self.base_url, self._model, api_key=self._api_key)
+        self.reference_isolation = self._probe_isolation()
+        return self
+
+    def _probe_isolation(self) -> str:
+        assert self.target is not None
+        if hc.reset_prefix_cache(self.target, attempts=3) is not None:
+            return "reset_prefix_cache"
+        # Does the server accept cache_salt? One token of a short prompt tells.
+        from traces import At, TokenPrompt
+
+        probe = SendEvent(request_id="kvfuzz-probe", at=At(offset_ms=0), prompt=TokenPrompt(token_ids=[16, 17, 18, 19]),
+                          max_tokens=1, stream=False)
+        hist, errors = hc.replay_trace(self.target, self._alone_trace(self.config, probe, 1), engine="url",
+                                       arm="probe", cache_salt=hc.new_salt("probe"), timeout_s=self.request_timeout_s)
+        if errors:
+            raise InfraError(f"{self.shown_url} does not answer: {errors[0]}")
+        rec = hist.requests["kvfuzz-probe"]
+        if rec.error is None:
+            return "cache_salt"
+        if rec.http_status == 400 and "salt" in (rec.error or "").lower():
+            return "none"
+        raise InfraError(f"{self.shown_url}: a one-token completion failed: {rec.error}")
+
+    def close(self) -> None:
+        self.target = None
+
+    def __enter__(self) -> "UrlEngine":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def compatible(self, config: EngineConfig) -> bool:
+        # One server whatever the trace says; its configuration is described, not applied.
+        return True
+
+    def _check(self, hist: History, errors: list[str], what: str) -> None:
+        if errors and all(r.error and r.error.startswith("connection failed") for r in hist.requests.values()):
+            raise InfraError(f"{self.shown_url} stopped answering during {what}: {errors[0]}")
+        if errors and not hc.health(self.base_url):
+            raise InfraError(f"{self.shown_url} stopped answering during {what}: {errors[0]}")
+
+    def replay(self, trace: Trace, *, arm: str = "default", run_index: int = 0,
+               toggles: Iterable[str] | None = None) -> History:
+        self.start()
+        names = list(trace.engine.toggles if toggles is None else toggles)
+        if names:
+            raise BadInput("toggles cannot be applied to a server kvfuzz does not manage (--base-url)",
+                           field="toggles")
+        salt = self._before_run()
+        hist, errors = self._http_replay(trace, arm=arm, run_index=run_index, toggles=[], cache_salt=salt)
+        self._check(hist, errors, f"run {run_index + 1}")
+        return hist
+
+    def _before_run(self) -> str | None:
+        assert self.target is not None
+        hc.wait_idle(self.target)
+        if self.reference_isolation == "reset_prefix_cache":
+            hc.reset_prefix_cache(self.target)
+            return None
+        if self.reference_isolation == "cache_salt":
+            return hc.new_salt("run")
+        return None
+
+    def run_alone(self, send: SendEvent, *, max_tokens: int | None = None) -> RequestRecord:
+        self.start()
+        salt = self._before_run()
+        one = self._alone_trace(self.config, send, max_tokens)
+        hist, errors = self._http_replay(one, arm="reference", run_index=0, toggles=[], cache_salt=salt)
+        self._check(hist, errors, f"the reference run of {send.request_id!r}")
+        rec = hist.requests[send.request_id]
+        if rec.error:
+            raise InfraError(f"reference run for {send.request_id!r} failed: {rec.error}")
+        return rec
+
+    def environment(self) -> Environment:
+        from .environment import describe
+
+        flags: dict[str, Any] = {
+            "base_url": self.shown_url,
+            "served_model": self._model,
+            "served_models": self.models,
+            "reference_isolation": self.reference_isolation,
+            "note": "server not managed by kvfuzz: the trace's engine configuration describes, not configures, it",
+        }
+        env = describe(engine="url", config=self.config, device="unknown", model_hash=None,
+                       flags={**self.config.model_dump(mode="json", exclude={"toggles"}), "server": flags})
+        env.model = self._model
+        return env

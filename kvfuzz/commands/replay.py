@@ -1,0 +1,201 @@
+"""``kvfuzz replay FILE...``: replay kvfuzz findings, kvfuzz traces and foreign findings (the
+format of the fuzzer behind vLLM #39146/#38606/#39589) and say, per request, whether the
+divergence reproduces — side by side with what the file expected.
+
+Exit codes: 0 no divergence reproduced, 1 a divergence reproduced, 2 bad input, 3
+infrastructure failure (engine/server would not start or died, the URL does not answer).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from kvfuzz.cli import app, console
+from traces import Divergence, Finding, Trace, atomic_write_text, load_any, save
+from traces.errors import BadInput
+from traces.finding import DIVERGENT_CLASSES
+from traces.foreign import ForeignFinding
+
+CLASS_STYLE = {"corruption": "bold red", "engine-crash": "bold magenta", "error": "red",
+               "numeric-near-tie": "yellow", "truncation": "dim", "ok": "green"}
+
+
+@dataclass
+class Item:
+    """One input file, normalised: the trace to replay, its arms, what it expected."""
+
+    path: Path
+    kind: str  # "finding", "trace", "foreign"
+    trace: Trace
+    arms: dict[str, list[str]] | None
+    # (arm, request id) pairs the file reports as diverged; None: the file expects nothing.
+    expected: set[tuple[str, str]] | None
+    notes: list[str] = field(default_factory=list)
+
+
+def load_item(path: Path) -> Item:
+    obj = load_any(path)
+    if isinstance(obj, Finding):
+        expected = {(d.arm, d.request_id) for d in obj.divergences}
+        return Item(path, "finding", obj.trace, dict(obj.arms) or None, expected)
+    if isinstance(obj, ForeignFinding):
+        return Item(path, "foreign", obj.trace, None, {("default", r) for r in obj.expected_diverged},
+                    notes=list(obj.notes))
+    assert isinstance(obj, Trace)
+    return Item(path, "trace", obj, None, None)
+
+
+def url_arms(item: Item) -> dict[str, list[str]] | None:
+    """Toggles cannot reach a server kvfuzz does not manage: keep the arms without toggles."""
+    arms = item.arms or {"default": list(item.trace.engine.toggles)}
+    kept = {a: t for a, t in arms.items() if not t}
+    dropped = sorted(set(arms) - set(kept))
+    if dropped:
+        item.notes.append(f"arms with toggles not replayed (a --base-url server cannot apply toggles): "
+                          f"{', '.join(dropped)}")
+    if not kept:
+        item.notes.append("replayed once without toggles instead")
+        return {"default": []}
+    return kept
+
+
+def verdict_table(item: Item, verdicts: list[Divergence]) -> Table:
+    show_expected = item.expected is not None
+    t = Table(title=f"{item.path.name}", show_header=True, header_style="bold", title_justify="left")
+    t.add_column("arm")
+    t.add_column("request")
+    if show_expected:
+        t.add_column("expected (file)")
+    t.add_column("verdict")
+    t.add_column("runs diverged", justify="right")
+    t.add_column("first diff", justify="right")
+    t.add_column("detail", overflow="fold")
+    for v in verdicts:
+        row: list[Any] = [v.arm, v.request_id]
+        if show_expected:
+            assert item.expected is not None
+            exp = (v.arm, v.request_id) in item.expected or (
+                item.kind == "foreign" and ("default", v.request_id) in item.expected)
+            got = v.class_ in DIVERGENT_CLASSES
+            row.append(Text("diverged" if exp else "clean",
+                            style=("bold" if exp == got else "bold yellow")))
+        row += [Text(v.class_, style=CLASS_STYLE.get(v.class_, "")), f"{v.runs_diverged}/{v.runs}",
+                "" if v.first_divergence is None else str(v.first_divergence), (v.detail or "")[:160]]
+        t.add_row(*row)
+    return t
+
+
+def agreement(item: Item, verdicts: list[Divergence]) -> str | None:
+    if item.expected is None:
+        return None
+    got = {(v.arm, v.request_id) for v in verdicts if v.class_ in DIVERGENT_CLASSES}
+    exp = item.expected
+    if item.kind == "foreign":  # one arm; compare request ids only
+        got_ids, exp_ids = {r for _, r in got}, {r for _, r in exp}
+    else:
+        got_ids, exp_ids = {f"{a}:{r}" for a, r in got}, {f"{a}:{r}" for a, r in exp}
+    both = sorted(got_ids & exp_ids)
+    missing = sorted(exp_ids - got_ids)
+    extra = sorted(got_ids - exp_ids)
+    parts = [f"expected {len(exp_ids)} diverged, reproduced {len(both)}"]
+    if missing:
+        parts.append(f"not reproduced: {', '.join(missing)}")
+    if extra:
+        parts.append(f"diverged but not expected: {', '.join(extra)}")
+    return "; ".join(parts)
+
+
+@app.command()
+def replay(
+    files: Annotated[list[Path], typer.Argument(help="kvfuzz findings, kvfuzz traces, or foreign finding files.")],
+    runs: Annotated[int, typer.Option(min=1, help="Runs of each trace (K).")] = 3,
+    engine: Annotated[str, typer.Option(help="inprocess or server (ignored with --base-url).")] = "inprocess",
+    base_url: Annotated[Optional[str], typer.Option(help="Replay against this running vLLM server.")] = None,
+    api_key: Annotated[Optional[str], typer.Option(envvar="KVFUZZ_API_KEY", show_envvar=True,
+                                                   help="API key of the --base-url server.")] = None,
+    model: Annotated[Optional[str], typer.Option(help="Model name at --base-url (default: from /v1/models).")] = None,
+    out: Annotated[Path, typer.Option(help="Output directory (replay summaries, new findings, server logs).")] = Path("kvfuzz-out"),
+    device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+    server_arg: Annotated[Optional[list[str]], typer.Option("--server-arg", help="Extra flag for the managed vLLM server (repeatable), e.g. --server-arg=--attention-backend=FLASHINFER.")] = None,
+    near_tie: Annotated[float, typer.Option(help="Margin below which a divergence is a numeric near-tie.")] = 1e-3,
+) -> None:
+    """Replay finding/trace files and report, per request, whether a divergence reproduces."""
+    from harness.server import ServerOptions
+    from kvfuzz.session import Session
+    from oracle import Thresholds
+
+    if base_url is not None:
+        kind = "url"
+    elif engine in ("inprocess", "server"):
+        kind = engine
+    else:
+        raise BadInput(f"unknown engine {engine!r} (inprocess or server)", field="--engine")
+    if device not in ("cpu", "cuda"):
+        raise BadInput(f"unknown device {device!r} (cpu or cuda)", field="--device")
+    # Every file is read before any engine starts: bad input fails fast, with exit 2.
+    items = [load_item(p) for p in files]
+    out.mkdir(parents=True, exist_ok=True)
+    session = Session(engine_kind=kind, device=device, runs=runs, thresholds=Thresholds(near_tie=near_tie),
+                      log_file=out / "engine.log", base_url=base_url, api_key=api_key, model=model,
+                      server_options=ServerOptions(device=device, extra_flags=list(server_arg or []), log_dir=out))
+    # Verdict tables are wide: in a log or pipe, do not squeeze them into 80 columns.
+    show = console if console.is_terminal else Console(width=160, soft_wrap=True)
+    from harness.http_client import redact_url
+
+    where = redact_url(base_url) if base_url is not None else {"inprocess": "in-process engine", "server": "managed vLLM server"}[kind]
+    reproduced_any = False
+    try:
+        for n, item in enumerate(items, start=1):
+            arms = url_arms(item) if kind == "url" else item.arms
+            print(f"replaying {item.path} ({n}/{len(items)}): {len(item.trace.sends)} requests, "
+                  f"{runs} run(s) per arm, on the {where}", flush=True)
+            checked = session.check(item.trace, runs=runs, arms=arms)
+            verdicts = checked.verdicts
+            reproduced = any(v.class_ in DIVERGENT_CLASSES for v in verdicts)
+            reproduced_any |= reproduced
+            show.print(verdict_table(item, verdicts))
+            agree = agreement(item, verdicts)
+            env = checked.recording.environment
+            notes = list(item.notes)
+            ref_note = getattr(session.engine, "reference_note", None)
+            if ref_note and kind != "inprocess":
+                notes.append(ref_note)
+            for line in ([agree] if agree else []) + notes:
+                show.print(f"  note: {line}", markup=False, highlight=False)
+            finding_path = None
+            if checked.finding is not None:
+                f = checked.finding
+                f.notes["replay_of"] = {"source": str(item.path), "kind": item.kind}
+                if item.kind == "foreign":
+                    f.notes["foreign"] = {"notes": item.notes}
+                finding_path = out / "findings" / f"{f.worst_class()}-{f.id}.json"
+                save(f, finding_path)
+            summary = {
+                "source": str(item.path), "kind": item.kind, "engine": kind, "runs": runs,
+                "reproduced": reproduced, "agreement": agree, "notes": notes,
+                "expected": sorted(f"{a}:{r}" for a, r in item.expected) if item.expected is not None else None,
+                "verdicts": [v.model_dump(mode="json", by_alias=True) for v in verdicts],
+                "environment": env.model_dump(mode="json"),
+                "finding": str(finding_path) if finding_path else None,
+                "created": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
+            }
+            summary_path = out / "replays" / f"{item.path.stem}.replay.json"
+            atomic_write_text(summary_path, json.dumps(summary, indent=2) + "\n")
+            status = "REPRODUCED" if reproduced else "not reproduced"
+            show.print(f"{item.path}: {status} (summary: {summary_path}"
+                       + (f", finding: {finding_path}" if finding_path else "") + ")", markup=False,
+                       highlight=False)
+    finally:
+        session.close()
+    sys.stdout.flush()
+    raise typer.Exit(1 if reproduced_any else 0)
