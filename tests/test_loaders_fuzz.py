@@ -23,7 +23,8 @@ KEYS = ["schema_version", "engine", "events", "kind", "request_id", "at", "step"
 trace_like = st.fixed_dictionaries(
     {"events": st.lists(st.dictionaries(st.sampled_from(KEYS), json_values, max_size=8), max_size=6)},
     optional={"schema_version": json_values, "engine": st.dictionaries(st.sampled_from(KEYS), json_values, max_size=6),
-              "kind": st.sampled_from(["finding", "trace", "x"]), "trace": json_values},
+              "kind": st.sampled_from(["finding", "trace", "x"]), "trace": json_values,
+              "reproduction": json_values, "server_flags": json_values},
 )
 
 
@@ -58,3 +59,21 @@ def test_arbitrary_bytes(tmp_path, raw):
         load_any(p)
     except BadInput:
         pass
+
+
+foreign_event = st.fixed_dictionaries(
+    {"action": st.sampled_from(["send", "cancel", "explode"]) | json_values},
+    optional={k: json_values | st.integers(-5, 20000) for k in
+              ("request_id", "offset_ms", "prompt_len", "prefix_len", "max_tokens", "stream", "adapter")},
+)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(events=st.lists(foreign_event, max_size=8), extra=json_values)
+def test_foreign_findings_raise_only_bad_input(tmp_path, events, extra):
+    p = tmp_path / "foreign.json"
+    p.write_text(json.dumps({"trace": {"events": events}, "reproduction": extra, "server_flags": extra}))
+    try:
+        load_any(p)
+    except BadInput as e:
+        assert str(e).startswith(str(p)) and "\n" not in str(e)

@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 
+def one_line(text: str) -> str:
+    """Escape control characters: field names and values come from untrusted files, and the
+    error must stay one line on the terminal."""
+    return "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in text)
+
+
 class KvfuzzError(Exception):
     code = 1
 
@@ -16,7 +22,7 @@ class BadInput(KvfuzzError):
         self.source = source
         self.field = field
         parts = [p for p in (source, field) if p]
-        super().__init__(": ".join(parts + [message]))
+        super().__init__(one_line(": ".join(parts + [message])))
 
 
 class InfraError(KvfuzzError):
