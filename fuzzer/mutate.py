@@ -105,24 +105,36 @@ def _room(engine: EngineConfig, max_tokens: int) -> int:
     return engine.max_model_len - max_tokens
 
 
-def _rebuild(trace: Trace, events: list[Event], *, engine: EngineConfig | None = None) -> Trace | None:
-    """A validated copy with new events, sorted by step (relative cancels right after their
-    send; the sort is stable, so a cancel listed before a retry in the same step stays first)."""
+def moved(at: At, dsteps: int, engine: EngineConfig) -> At:
+    """``at`` moved by ``dsteps`` steps in both clocks (a sub-step offset is kept)."""
+    step = at.step_or(engine.ms_per_step) + dsteps
+    if step < 0:
+        return at_step(0, engine).model_copy(update={"after_tokens": at.after_tokens})
+    return At(step=step, offset_ms=at.offset_or(engine.ms_per_step) + dsteps * engine.ms_per_step,
+              after_tokens=at.after_tokens)
+
+
+def both_clocks(at: At, engine: EngineConfig) -> At:
+    """Fill in whichever clock an absolute time lacks (a server trace gives offsets only)."""
+    if at.step is None and at.offset_ms is None:
+        return at
+    return at.model_copy(update={"step": at.step_or(engine.ms_per_step), "offset_ms": at.offset_or(engine.ms_per_step)})
+
+
+def _rebuild(trace: Trace, events: list[Event], *, engine: EngineConfig | None = None, sort: bool = True
+             ) -> Trace | None:
+    """A validated copy with new events, both clocks filled in, sorted by step. The sort is
+    stable and a relative cancel sorts at its send's step, so list order (a cancel before a
+    retry in the same step, a cancel right after its send) is kept among equals."""
     eng = engine or trace.engine
     mps = eng.ms_per_step
-    keyed = []
-    for i, e in enumerate(events):
-        s = step_of(e, trace)
-        if s is None:
-            send_step = next((x.at.step_or(mps) for x in events if isinstance(x, SendEvent)
-                              and x.request_id == e.request_id), 0)
-            keyed.append(((send_step, 1), i, e))
-        else:
-            keyed.append(((s, 0), i, e))
-    keyed.sort(key=lambda k: (k[0], k[1]))
+    events = [e.model_copy(update={"at": both_clocks(e.at, eng)}) for e in events]
+    if sort:
+        send_steps = {e.request_id: e.at.step_or(mps) for e in events if isinstance(e, SendEvent)}
+        events.sort(key=lambda e: send_steps.get(e.request_id, 0) if step_of(e, trace) is None else e.at.step_or(mps))
     data = trace.model_dump(mode="python", exclude={"events", "engine"})
     try:
-        return Trace(engine=eng, events=[k[2] for k in keyed], **data)
+        return Trace(engine=eng, events=events, **data)
     except ValidationError:
         return None
 
@@ -278,8 +290,8 @@ def op_block_boundary(trace: Trace, rng: random.Random) -> Trace | None:
     group = s.prompt.prefix_group or f"bb-{s.request_id}-{s.prompt.seed}"
     prompt = s.prompt.model_copy(update={"length": length, "prefix_group": group, "prefix_len": prefix})
     events: list[Event] = [e.model_copy(update={"prompt": prompt}) if e is s else e for e in trace.events]
-    sharers = [e for e in events if isinstance(e, SendEvent) and e is not s and isinstance(e.prompt, GenPrompt)
-               and e.prompt.prefix_group == group]
+    sharers = [e for e in events if isinstance(e, SendEvent) and e.request_id != s.request_id
+               and isinstance(e.prompt, GenPrompt) and e.prompt.prefix_group == group]
     if not sharers:
         # A prefix nobody shares tests nothing: add a sibling over the same prefix after Δ.
         t = _send_step(trace, s.request_id) + rng.choice((0, 1, 4, 16))
@@ -331,7 +343,8 @@ def op_small_kv(trace: Trace, rng: random.Random) -> Trace | None:
     size = floor + rng.choice((0, 1, 2, 4)) * 2**20
     if trace.engine.kv_cache_bytes is not None and size >= trace.engine.kv_cache_bytes:
         return None
-    return _rebuild(trace, list(trace.events), engine=trace.engine.model_copy(update={"kv_cache_bytes": size}))
+    return _rebuild(trace, list(trace.events), engine=trace.engine.model_copy(update={"kv_cache_bytes": size}),
+                    sort=False)
 
 
 @operator("cancel_timing", "A cancel placed relative to the request's life: 0 tokens (mid-prefill; the "
@@ -366,21 +379,16 @@ def op_shift(trace: Trace, rng: random.Random) -> Trace | None:
     timed = [(i, s) for i, e in enumerate(trace.events) if (s := step_of(e, trace)) is not None]
     if not timed:
         return None
-    delta = rng.choice((-8, -3, -2, -1, 1, 2, 3, 8, 32))
     i0, s0 = rng.choice(timed)
+    delta = rng.choice((-8, -3, -2, -1, 1, 2, 3, 8, 32))
+    if s0 + delta < 0:
+        delta = -delta  # a move clamped at step 0 would change nothing
     suffix = rng.random() < 0.4
     events: list[Event] = []
     for i, e in enumerate(trace.events):
         s = step_of(e, trace)
         move = s is not None and (i == i0 or (suffix and s >= s0))
-        if move:
-            assert s is not None
-            at = at_step(s + delta, eng)
-            if e.at.after_tokens is not None:
-                at = at.model_copy(update={"after_tokens": e.at.after_tokens})
-            events.append(e.model_copy(update={"at": at}))
-        else:
-            events.append(e)
+        events.append(e.model_copy(update={"at": moved(e.at, delta, eng)}) if move else e)
     return _rebuild(trace, events)
 
 
@@ -447,12 +455,12 @@ def mutate(trace: Trace, rng: random.Random, *, allow_engine_changes: bool = Fal
         names = choose_operators(rng, allow_engine_changes=allow_engine_changes, allowed=allowed)
         child = apply(trace, names, rng)
         if child is not None and len(child.events) <= MAX_EVENTS and child.trace_id() != trace.trace_id():
-            return _with_lineage(child, trace, names)
+            return with_lineage(child, trace, names)
     child = apply(trace, ["shift"], rng) or trace
-    return _with_lineage(child, trace, ["shift"])
+    return with_lineage(child, trace, ["shift"])
 
 
-def _with_lineage(child: Trace, parent: Trace, names: list[str]) -> Trace:
+def with_lineage(child: Trace, parent: Trace, names: list[str]) -> Trace:
     lin = Lineage(parent=parent.trace_id(), operators=names, generator=parent.lineage.generator,
                   seed=parent.lineage.seed)
     return child.model_copy(update={"lineage": lin, "name": f"mutant-{child.trace_id()}"})
