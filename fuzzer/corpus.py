@@ -133,18 +133,26 @@ class Item:
     novel: int
     chosen: int = 0
 
+    @property
+    def cost(self) -> int:
+        """Tokens the trace makes the engine process (prompts + generated)."""
+        return sum(s.prompt.length + s.max_tokens for s in self.trace.sends)
+
 
 @dataclass
 class Scheduler:
     """Picks the next corpus entry to mutate. Entries that brought novel buckets and own rare
     buckets weigh more; each time an entry is picked its weight decays, so fresh entries get
-    their turn (AFL's favoured entries + energy, in one weight)."""
+    their turn (AFL's favoured entries + energy, in one weight). Costly entries (many tokens
+    to prefill, e.g. after long_pressure) weigh less, as AFL favours fast inputs: the cost is
+    the trace's token count, not its measured time, so the choice stays reproducible."""
 
     items: list[Item] = field(default_factory=list)
 
     def weight(self, item: Item, cov: Coverage) -> float:
         fresh = 2.0 if item.chosen == 0 else 1.0
-        return fresh * (1.0 + item.novel) * (1.0 + cov.rarity(item.buckets)) / (1.0 + item.chosen) ** 0.5
+        merit = (1.0 + item.novel) * (1.0 + cov.rarity(item.buckets))
+        return fresh * merit / (1.0 + item.chosen) ** 0.5 / (1.0 + item.cost / 8192) ** 0.5
 
     def choose(self, rng: random.Random, cov: Coverage) -> Item:
         weights = [self.weight(i, cov) for i in self.items]

@@ -310,19 +310,47 @@ def op_block_boundary(trace: Trace, rng: random.Random) -> Trace | None:
     return _rebuild(trace, events)
 
 
-@operator("long_pressure", "KV-cache pressure: a request near max_model_len arrives late, while others "
-                           "hold blocks, so the scheduler must preempt and later resume (recompute) running "
-                           "requests — preemption resuming on reallocated blocks.", weight=0.8)
+def kv_capacity_tokens(engine: EngineConfig, bytes_per_token: int = 1024) -> int:
+    """About how many tokens the KV cache holds (exact for the embedded model's 1 KiB/token;
+    other models: assume 1.5 x max_model_len)."""
+    if engine.model == "embedded:tiny-qwen2" and engine.kv_cache_bytes:
+        return engine.kv_cache_bytes // bytes_per_token
+    return int(engine.max_model_len * 1.5)
+
+
+@operator("long_pressure", "KV-cache pressure: holder requests fill most of the cache and keep decoding, "
+                           "then a request near max_model_len arrives late. vLLM 0.32 admits a request only "
+                           "when its whole prompt fits (scheduler_reserve_full_isl), so the operator sizes the "
+                           "prompts to leave a few blocks free; the decode growth of everyone running then "
+                           "overflows the cache and the scheduler preempts and later resumes (recomputes) a "
+                           "request — preemption resuming on reallocated blocks.", weight=0.8)
 def op_long_pressure(trace: Trace, rng: random.Random) -> Trace | None:
     eng = trace.engine
-    max_tokens = rng.randint(2, 16)
+    bs = eng.block_size
+    blocks = kv_capacity_tokens(eng) // bs - 1  # one block is vLLM's null block
+    max_tokens = rng.choice((16, 32, 64))
     room = _room(eng, max_tokens)
-    length = max(1, int(room * rng.choice((0.5, 0.75, 0.9, 1.0))))
+    long_blocks = min(room // bs, int(blocks * rng.choice((0.5, 0.6, 0.66))))
+    n_hold = rng.randint(1, 3)
+    hold_tokens = rng.choice((64, 96, 128))  # each holder grows by 2-4 blocks while decoding
+    slack = rng.randint(1, n_hold + 1)      # blocks left free after the long prompt is admitted
+    hold_blocks = blocks - long_blocks - slack
+    if long_blocks < 1 or hold_blocks < n_hold:
+        return None
     last = _last_step(trace)
-    at = rng.randint(max(0, last - 4), last + 4)
+    step = rng.randint(max(0, last - 4), last + 4)
     events: list[Event] = list(trace.events)
-    events.append(SendEvent(request_id=fresh_id(trace, "long"), at=at_step(at, eng), max_tokens=max_tokens,
-                            prompt=GenPrompt(length=length, seed=rng.randrange(1 << 30))))
+    for j in range(n_hold):
+        nb = hold_blocks // n_hold + (1 if j < hold_blocks % n_hold else 0)
+        events.append(SendEvent(request_id=fresh_id(events, f"hold{j}"), at=at_step(step, eng),
+                                max_tokens=hold_tokens,
+                                prompt=GenPrompt(length=min(_room(eng, hold_tokens), nb * bs - rng.choice((0, 1))),
+                                                 seed=rng.randrange(1 << 30))))
+    # Late: once the holders' prefill is done (about one step per token budget) and they decode.
+    late = step + -(-hold_blocks * bs // eng.max_num_batched_tokens) + rng.randint(1, 4)
+    events.append(SendEvent(request_id=fresh_id(events, "long"), at=at_step(late, eng), max_tokens=max_tokens,
+                            prompt=GenPrompt(length=long_blocks * bs - rng.choice((0, 1)),
+                                             seed=rng.randrange(1 << 30))))
     return _rebuild(trace, events)
 
 

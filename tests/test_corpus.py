@@ -174,6 +174,11 @@ def test_scheduler_prefers_novel_rare_entries():
     # Picking decays the weight: a fresh entry with the same merit outweighs a worn one.
     worn, fresh = Item("w", generate(0), frozenset(), 1, chosen=50), Item("f", generate(0), frozenset(), 1)
     assert s.weight(fresh, cov) > 4 * s.weight(worn, cov)
+    # Same merit, 20x the tokens to prefill: picked less often.
+    from fuzzer.mutate import apply
+    heavy_trace = apply(generate(0, ENG), ["long_pressure"], random.Random(0))
+    heavy, light = Item("h", heavy_trace, frozenset(), 1), Item("l", generate(0, ENG), frozenset(), 1)
+    assert heavy.cost > 10 * light.cost and s.weight(light, cov) > 1.5 * s.weight(heavy, cov)
 
 
 def test_live_panel_shows_rate_corpus_coverage_and_findings(tmp_path):

@@ -6,7 +6,7 @@ import random
 import pytest
 
 from fuzzer import default_engine, generate
-from fuzzer.mutate import OPERATORS, apply, clocks_consistent, min_kv_bytes, mutate
+from fuzzer.mutate import OPERATORS, apply, clocks_consistent, kv_capacity_tokens, min_kv_bytes, mutate
 from traces import At, CancelEvent, GenPrompt, SendEvent, Trace, expand, parse_trace
 
 LORA = default_engine(lora=True)
@@ -100,12 +100,17 @@ def test_block_boundary_aligns_a_shared_prefix():
         assert len(sharers) >= 2
 
 
-def test_long_pressure_adds_a_late_request_near_max_length():
+def test_long_pressure_adds_a_late_request_near_max_length_over_full_kv():
+    cap = kv_capacity_tokens(LORA)
+    assert cap == LORA.kv_cache_bytes // 1024
     for i, t in enumerate(parents()):
         m = one("long_pressure", t, i)
         (long,) = [s for s in m.sends if s.request_id.startswith("long")]
+        holders = [s for s in m.sends if s.request_id.startswith("hold")]
         assert long.prompt.length >= (LORA.max_model_len - long.max_tokens) // 2
         assert long.at.step >= max(s.at.step for s in t.sends) - 4
+        assert all(h.at.step < long.at.step for h in holders)  # late: after the holders
+        assert sum(s.prompt.length + s.max_tokens for s in holders + [long]) > cap
 
 
 def test_small_kv_still_holds_one_max_length_request():
