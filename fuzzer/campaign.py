@@ -64,6 +64,8 @@ class CampaignOptions:
     p_fresh: float = 0.2
     # Allow operators that change the engine configuration (each change restarts the engine).
     allow_engine_changes: bool = False
+    # Restrict mutation to these operators (default: all that keep the engine).
+    operators: list[str] | None = None
     # Arms passed to the checker (recorded in the state so findings say what ran).
     arms: dict[str, list[str]] | None = None
 
@@ -95,6 +97,7 @@ class CampaignState:
     coverage: dict[str, int] = field(default_factory=dict)
     # [traces, seconds, buckets, findings] each time buckets or findings changed.
     coverage_log: list[list[float]] = field(default_factory=list)
+    operators: list[str] | None = None
     # How each iteration's trace was made: seed / fresh / mutant.
     sources: dict[str, int] = field(default_factory=dict)
 
@@ -131,13 +134,16 @@ def load_state(out: Path, opts: CampaignOptions) -> CampaignState:
         if state.mode != opts.mode:
             raise BadInput(f"cannot resume: campaign mode is {state.mode}, not {opts.mode}", source=str(path),
                            field="mode")
+        if state.operators != opts.operators:
+            raise BadInput(f"cannot resume: the campaign used operators {state.operators or 'all'}, "
+                           f"not {opts.operators or 'all'}", source=str(path), field="operators")
         if state.engine and state.engine != opts.engine.model_dump(mode="json"):
             raise BadInput("cannot resume: the engine options differ from the interrupted campaign's",
                            source=str(path), field="engine")
         state.complete = False
         return state
     return CampaignState(seed=opts.seed, engine=opts.engine.model_dump(mode="json"), runs=opts.runs,
-                         mode=opts.mode, arms=opts.arms, corpus_dir=str(opts.corpus_dir))
+                         mode=opts.mode, arms=opts.arms, corpus_dir=str(opts.corpus_dir), operators=opts.operators)
 
 
 def _histories(result: Any) -> list[History]:
@@ -215,7 +221,8 @@ class Campaign:
         if self.opts.mode == "feedback" and len(self.scheduler) and rng.random() >= self.opts.p_fresh:
             parent = self.scheduler.choose(rng, self.coverage)
             st.chosen[parent.id] = parent.chosen
-            return mutate(parent.trace, rng, allow_engine_changes=self.opts.allow_engine_changes), "mutant"
+            return mutate(parent.trace, rng, allow_engine_changes=self.opts.allow_engine_changes,
+                          allowed=self.opts.operators), "mutant"
         return generate(trace_seed(self.opts.seed, i), self.opts.engine, self.opts.gen), "fresh"
 
     def lineage(self, trace: Trace) -> list[dict[str, Any]]:

@@ -96,6 +96,8 @@ def run(
     feedback: Annotated[bool, typer.Option("--feedback/--no-feedback",
                                            help="Mutate corpus entries that reached new coverage buckets "
                                                 "(--no-feedback: plain random generation).")] = True,
+    operators: Annotated[Optional[str], typer.Option(help="Comma-separated mutation operators to use "
+                                                          "(default: all; see docs/fuzzer.md).")] = None,
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
     kv_cache_mb: Annotated[int, typer.Option(min=1, help="KV cache size in MiB.")] = 24,
     near_tie: Annotated[float, typer.Option(help="Margin below which a divergence is a numeric near-tie.")] = 1e-3,
@@ -118,8 +120,19 @@ def run(
         raise BadInput("is not a directory", source=str(corpus), field="--corpus")
     if resume and not (out / "campaign.json").exists():
         raise BadInput("nothing to resume: no campaign.json", source=str(out), field="--resume")
+    from fuzzer.mutate import OPERATORS
+
+    ops = None
+    if operators:
+        ops = [o.strip() for o in operators.split(",") if o.strip()]
+        unknown = [o for o in ops if o not in OPERATORS]
+        if unknown or not ops:
+            raise BadInput(f"unknown operator {unknown[0] if unknown else operators!r} "
+                           f"(known: {', '.join(OPERATORS)})", field="--operators")
     opts = CampaignOptions(seed=seed, budget_s=budget, max_traces=traces_n, runs=runs, out=out, engine=engine,
-                           resume=resume, corpus=corpus, mode="feedback" if feedback else "random")
+                           resume=resume, corpus=corpus, mode="feedback" if feedback else "random", operators=ops,
+                           # Naming an engine-changing operator (small_kv) is asking for restarts.
+                           allow_engine_changes=bool(ops) and any(OPERATORS[o].changes_engine for o in ops))
     session = Session(device=device, runs=runs, thresholds=Thresholds(near_tie=near_tie),
                       log_file=out / "engine.log")
     display = CampaignDisplay(console, budget_s=budget, max_traces=traces_n)
