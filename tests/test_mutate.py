@@ -186,3 +186,12 @@ def test_mutate_records_lineage_and_is_deterministic():
     assert grand.lineage.parent == a.trace_id()
     # Without permission no operator changes the engine (a restart per trace would be slow).
     assert all(mutate(t, random.Random(s)).engine == t.engine for s in range(50))
+
+
+def test_every_operator_is_documented_with_its_mechanism():
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "fuzzer.md").read_text()
+    for name, op in OPERATORS.items():
+        assert f"| `{name}` |" in doc, f"{name} missing from docs/fuzzer.md"
+        assert op.mechanism and len(op.mechanism) > 60
