@@ -89,6 +89,8 @@ class CampaignState:
     mode: str = "feedback"
     arms: dict[str, list[str]] | None = None
     corpus_dir: str | None = None
+    # Set once the corpus directory was read: a resumed campaign rebuilds from the state only.
+    corpus_ready: bool = False
     # Seed trace ids from the corpus directory, replayed first (iterations 0..len-1).
     seeds: list[str] = field(default_factory=list)
     # The scheduler: corpus entry ids in order of addition, and how often each was picked.
@@ -176,7 +178,7 @@ class Campaign:
         by_id = {s.trace.trace_id(): s for s in seeds}
         self.seed_traces: dict[str, Trace] = {k: s.trace for k, s in by_id.items()}
         st = self.state
-        if st.next_index == 0 and not st.corpus and not st.seeds:
+        if not st.corpus_ready:
             # Fresh campaign: entries measured on this very engine are trusted (their buckets
             # count at once); everything else is replayed first, like AFL's dry run.
             for tid, s in by_id.items():
@@ -186,6 +188,7 @@ class Campaign:
                 else:
                     st.seeds.append(tid)
             st.coverage = self.coverage.to_json()
+            st.corpus_ready = True  # from now on the state, not the directory, says what is in
             return
         for tid in st.corpus:  # resume: rebuild the scheduler exactly as it was
             trace, entry = self._lookup(tid)

@@ -85,16 +85,23 @@ def test_random_mode_generates_only_and_writes_no_corpus(tmp_path):
     assert seen.seen == [generate(trace_seed(3, i), ENG).trace_id() for i in range(3)]
 
 
-def test_resume_after_an_interruption_continues_the_exact_sequence(tmp_path):
+@pytest.mark.parametrize("crash_at", [0, 7])
+def test_resume_after_an_interruption_continues_the_exact_sequence(tmp_path, crash_at):
+    # Both campaigns start from the same corpus (a copy each: campaigns write into it).
+    import shutil
+
+    run_campaign(opts(tmp_path / "pre", 6), FakeChecker())
+    for name in ("a", "b"):
+        shutil.copytree(tmp_path / "pre" / "out" / "corpus", tmp_path / name / "corpus")
     straight = FakeChecker()
-    a = run_campaign(opts(tmp_path / "a", 20), straight)
-    first = FakeChecker(crash_at=7)
+    a = run_campaign(opts(tmp_path / "a", 20, corpus=tmp_path / "a" / "corpus"), straight)
+    first = FakeChecker(crash_at=crash_at)
     with pytest.raises(KeyboardInterrupt):
-        run_campaign(opts(tmp_path / "b", 20), first)
+        run_campaign(opts(tmp_path / "b", 20, corpus=tmp_path / "b" / "corpus"), first)
     state = json.loads((tmp_path / "b" / "out" / "campaign.json").read_text())
-    assert state["next_index"] == 7 and state["complete"] is False
+    assert state["next_index"] == crash_at and state["complete"] is False
     second = FakeChecker()
-    b = run_campaign(opts(tmp_path / "b", 20, resume=True), second)
+    b = run_campaign(opts(tmp_path / "b", 20, resume=True, corpus=tmp_path / "b" / "corpus"), second)
     assert first.seen + second.seen == straight.seen
     assert (b.corpus, b.chosen, b.coverage, b.next_index) == (a.corpus, a.chosen, a.coverage, 20)
 
