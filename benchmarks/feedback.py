@@ -131,7 +131,7 @@ def summary(results: dict) -> str:
         lines.append(f"\n### Fault `{fault}`: traces (seconds) to the first finding\n")
         lines.append("| seed | random | feedback |")
         lines.append("| --- | --- | --- |")
-        for seed in results["args"]["seeds"]:
+        for seed in results["args"].get("fault_seeds") or results["args"]["seeds"]:
             cells = []
             for mode in ("random", "feedback"):
                 x = next((r for r in runs if r["mode"] == mode and r["seed"] == seed), None)
@@ -144,6 +144,14 @@ def summary(results: dict) -> str:
             lines.append(f"\n{mode}: found in {len(found)}/{len(xs)} seeds"
                          + (f", median {statistics.median(found)} traces" if found else ""))
     return "\n".join(lines)
+
+
+def _save(out: Path | None, results: dict) -> None:
+    # After every campaign: a long benchmark interrupted halfway still leaves its figures.
+    if out:
+        from traces import atomic_write_text
+
+        atomic_write_text(out, json.dumps(results, indent=1) + "\n")
 
 
 def _warm_up(session, engine, fixes: list[str]) -> None:
@@ -165,9 +173,14 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=1, help="runs per trace (in-process replays are deterministic)")
     ap.add_argument("--kv-cache-mb", type=int, default=24)
     ap.add_argument("--skip-coverage", action="store_true")
+    ap.add_argument("--fault-seeds", type=int, nargs="+", default=None, help="seeds for fault runs (default: --seeds)")
+    ap.add_argument("--summary", type=Path, default=None, help="print the summary of a results file and exit")
     ap.add_argument("--work", type=Path, default=Path("/tmp/kvfuzz-bench-feedback"))
     ap.add_argument("--out", type=Path, default=None, help="write the raw results (JSON) here")
     args = ap.parse_args()
+    if args.summary:
+        print(summary(json.loads(args.summary.read_text())))
+        return
 
     from fuzzer import default_engine
     from harness.toggles import registry
@@ -191,23 +204,23 @@ def main() -> None:
                     r = campaign(session, engine, mode=mode, seed=seed, traces=args.traces, arms={"fixed": fixes},
                                  out=args.work / f"cov-{mode}-{seed}", runs=args.runs)
                     results["coverage"].append(r)
+                    _save(args.out, results)
                     print(f"coverage {mode} seed {seed}: {r['buckets']} buckets, {r['findings']} findings, "
                           f"{r['seconds']:.0f} s", flush=True)
         for fault in faults:
             runs = results["faults"].setdefault(fault, [])
-            for seed in args.seeds:
+            for seed in args.fault_seeds or args.seeds:
                 for mode in ("random", "feedback"):
                     r = campaign(session, engine, mode=mode, seed=seed, traces=args.fault_traces,
                                  arms={"fault": [fault, *fixes]}, out=args.work / f"{fault}-{mode}-{seed}",
                                  runs=args.runs, stop_at_finding=True)
                     runs.append(r)
+                    _save(args.out, results)
                     print(f"{fault} {mode} seed {seed}: first finding {r['first_finding']}", flush=True)
     finally:
         session.close()
     results["wall_seconds"] = round(time.monotonic() - t_start, 1)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(results, indent=1) + "\n")
+    _save(args.out, results)
     print()
     print(summary(results))
 

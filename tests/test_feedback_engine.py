@@ -24,6 +24,8 @@ def test_long_pressure_reaches_preemption(session, lora_engine_config):
     assert "preempt:0" not in sig and "req-preempted-n:0" not in sig, sorted(sig)
     assert any(b.startswith("req-preempted:") and b.endswith("+done") for b in sig)  # resumed and finished
     assert "kv-max:100" in sig
+    # Filling the cache reuses blocks the earlier requests left cached: prefix-cache evictions.
+    assert "evict:0" not in sig and sum(st.evictions for st in h.steps) > 0
 
 
 def test_cancel_phases_chunking_and_lora_swaps_are_seen(session, lora_engine_config):
