@@ -27,8 +27,8 @@ class _Stop(Exception):
     pass
 
 
-def campaign(session, engine, *, mode: str, seed: int, traces: int, arms: dict, out: Path, runs: int,
-             stop_at_finding: bool = False) -> dict:
+def campaign(session, engine, *, mode: str, seed: int, traces: int | None, arms: dict, out: Path, runs: int,
+             stop_at_finding: bool = False, budget_s: float | None = None) -> dict:
     from fuzzer import CampaignOptions, run_campaign
     from harness.runner import ReferenceStore
 
@@ -47,7 +47,7 @@ def campaign(session, engine, *, mode: str, seed: int, traces: int, arms: dict, 
             if stop_at_finding:
                 raise _Stop
 
-    opts = CampaignOptions(seed=seed, budget_s=None, max_traces=traces, runs=runs, out=out, engine=engine,
+    opts = CampaignOptions(seed=seed, budget_s=budget_s, max_traces=traces, runs=runs, out=out, engine=engine,
                            mode=mode, arms=arms)
     try:
         state = run_campaign(opts, lambda t: session.check(t, runs=runs, arms=arms), on)
@@ -55,7 +55,7 @@ def campaign(session, engine, *, mode: str, seed: int, traces: int, arms: dict, 
     except _Stop:
         sources = json.loads((out / "campaign.json").read_text())["sources"]
     reach = {name: first_reach(sigs, p) for name, p in TARGETS.items()}
-    return {"mode": mode, "seed": seed, "rows": rows, "first_finding": first or None, "sources": sources,
+    return {"mode": mode, "seed": seed, "budget_s": budget_s, "rows": rows, "first_finding": first or None, "sources": sources,
             "first_reach": reach,
             "buckets": rows[-1][2] if rows else 0, "findings": rows[-1][3] if rows else 0,
             "seconds": rows[-1][1] if rows else 0.0}
@@ -92,7 +92,7 @@ def at_time(rows: list[list], s: float) -> int:
 def summary(results: dict) -> str:
     lines = []
     cov = results["coverage"]
-    n = results["args"]["traces"]
+    n = results["args"]["traces"] or max((len(r["rows"]) for r in cov), default=1)
     marks = sorted({max(1, n // 4), n // 2, 3 * n // 4, n})
     lines.append("### Coverage buckets (mean over seeds; fixes-only arm)\n")
     lines.append("| mode | " + " | ".join(f"after {m} traces" for m in marks) + " | wall s | traces/s | findings |")
@@ -163,7 +163,11 @@ def _warm_up(session, engine, fixes: list[str]) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--traces", type=int, default=40, help="traces per coverage campaign")
+    ap.add_argument("--traces", type=int, default=None, help="traces per coverage campaign (default 40 without --budget)")
+    ap.add_argument("--budget", type=float, default=None, help="seconds per coverage campaign")
+    ap.add_argument("--budget-from", type=Path, default=None,
+                    help="per seed, give each campaign the wall time the feedback campaign took in this results file")
+    ap.add_argument("--modes", nargs="+", default=["random", "feedback"], choices=["random", "feedback"])
     ap.add_argument("--fault-traces", type=int, default=30, help="trace cap per fault campaign")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--faults", nargs="*", default=None, help="fault toggles (default: every registered fault)")
@@ -178,6 +182,8 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=Path("/tmp/kvfuzz-bench-feedback"))
     ap.add_argument("--out", type=Path, default=None, help="write the raw results (JSON) here")
     args = ap.parse_args()
+    if args.traces is None and args.budget is None and args.budget_from is None:
+        args.traces = 40
     if args.summary:
         print(summary(json.loads(args.summary.read_text())))
         return
@@ -198,11 +204,16 @@ def main() -> None:
         session.engine_for(engine)
         _warm_up(session, engine, fixes)
         if not args.skip_coverage:
+            prior = json.loads(args.budget_from.read_text()) if args.budget_from else None
             for seed in args.seeds:
+                budget = args.budget
+                if prior:
+                    budget = next(r["seconds"] for r in prior["coverage"] if r["mode"] == "feedback" and r["seed"] == seed)
                 # Alternate which mode runs first, so neither always gets the warmer machine.
-                for mode in (("random", "feedback") if seed % 2 == 0 else ("feedback", "random")):
+                order = ("random", "feedback") if seed % 2 == 0 else ("feedback", "random")
+                for mode in (m for m in order if m in args.modes):
                     r = campaign(session, engine, mode=mode, seed=seed, traces=args.traces, arms={"fixed": fixes},
-                                 out=args.work / f"cov-{mode}-{seed}", runs=args.runs)
+                                 out=args.work / f"cov-{mode}-{seed}", runs=args.runs, budget_s=budget)
                     results["coverage"].append(r)
                     _save(args.out, results)
                     print(f"coverage {mode} seed {seed}: {r['buckets']} buckets, {r['findings']} findings, "
