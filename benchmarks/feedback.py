@@ -221,7 +221,7 @@ def main() -> None:
         for fault in faults:
             runs = results["faults"].setdefault(fault, [])
             for seed in args.fault_seeds or args.seeds:
-                for mode in ("random", "feedback"):
+                for mode in (m for m in ("random", "feedback") if m in args.modes):
                     r = campaign(session, engine, mode=mode, seed=seed, traces=args.fault_traces,
                                  arms={"fault": [fault, *fixes]}, out=args.work / f"{fault}-{mode}-{seed}",
                                  runs=args.runs, stop_at_finding=True)

@@ -60,8 +60,13 @@ class CampaignOptions:
     mode: Mode = "feedback"
     # Seeds from and grows this directory; default: <out>/corpus.
     corpus: Path | None = None
-    # In feedback mode, the share of iterations that still generate a fresh random trace.
+    # In feedback mode, the share of iterations that still generate a fresh random trace; while
+    # the corpus has fewer than ``explore_until`` entries, ``p_fresh_early`` (mutating the first
+    # one or two entries over and over is less diverse than random generation, and shallow bugs
+    # are found by random traces: docs/benchmarks.md).
     p_fresh: float = 0.2
+    p_fresh_early: float = 0.5
+    explore_until: int = 8
     # Allow operators that change the engine configuration (each change restarts the engine).
     allow_engine_changes: bool = False
     # Restrict mutation to these operators (default: all that keep the engine).
@@ -221,7 +226,8 @@ class Campaign:
                                source=str(self.corpus.path))
             return self.seed_traces[tid], "seed"
         rng = iteration_rng(self.opts.seed, i)
-        if self.opts.mode == "feedback" and len(self.scheduler) and rng.random() >= self.opts.p_fresh:
+        p_fresh = self.opts.p_fresh_early if len(self.scheduler) < self.opts.explore_until else self.opts.p_fresh
+        if self.opts.mode == "feedback" and len(self.scheduler) and rng.random() >= p_fresh:
             parent = self.scheduler.choose(rng, self.coverage)
             st.chosen[parent.id] = parent.chosen
             return mutate(parent.trace, rng, allow_engine_changes=self.opts.allow_engine_changes,
