@@ -28,7 +28,7 @@ class _Stop(Exception):
 
 
 def campaign(session, engine, *, mode: str, seed: int, traces: int | None, arms: dict, out: Path, runs: int,
-             stop_at_finding: bool = False, budget_s: float | None = None) -> dict:
+             stop_at_finding: bool = False, budget_s: float | None = None, explore_until: int = 0) -> dict:
     from fuzzer import CampaignOptions, run_campaign
     from harness.runner import ReferenceStore
 
@@ -48,7 +48,7 @@ def campaign(session, engine, *, mode: str, seed: int, traces: int | None, arms:
                 raise _Stop
 
     opts = CampaignOptions(seed=seed, budget_s=budget_s, max_traces=traces, runs=runs, out=out, engine=engine,
-                           mode=mode, arms=arms)
+                           mode=mode, arms=arms, explore_until=explore_until)
     try:
         state = run_campaign(opts, lambda t: session.check(t, runs=runs, arms=arms), on)
         sources = state.sources
@@ -167,6 +167,8 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=None, help="seconds per coverage campaign")
     ap.add_argument("--budget-from", type=Path, default=None,
                     help="per seed, give each campaign the wall time the feedback campaign took in this results file")
+    ap.add_argument("--explore-until", type=int, default=0,
+                    help="feedback: generate fresh traces half the time until the corpus has N entries")
     ap.add_argument("--modes", nargs="+", default=["random", "feedback"], choices=["random", "feedback"])
     ap.add_argument("--fault-traces", type=int, default=30, help="trace cap per fault campaign")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -213,7 +215,8 @@ def main() -> None:
                 order = ("random", "feedback") if seed % 2 == 0 else ("feedback", "random")
                 for mode in (m for m in order if m in args.modes):
                     r = campaign(session, engine, mode=mode, seed=seed, traces=args.traces, arms={"fixed": fixes},
-                                 out=args.work / f"cov-{mode}-{seed}", runs=args.runs, budget_s=budget)
+                                 out=args.work / f"cov-{mode}-{seed}", runs=args.runs, budget_s=budget,
+                                 explore_until=args.explore_until)
                     results["coverage"].append(r)
                     _save(args.out, results)
                     print(f"coverage {mode} seed {seed}: {r['buckets']} buckets, {r['findings']} findings, "
@@ -224,7 +227,7 @@ def main() -> None:
                 for mode in (m for m in ("random", "feedback") if m in args.modes):
                     r = campaign(session, engine, mode=mode, seed=seed, traces=args.fault_traces,
                                  arms={"fault": [fault, *fixes]}, out=args.work / f"{fault}-{mode}-{seed}",
-                                 runs=args.runs, stop_at_finding=True)
+                                 runs=args.runs, stop_at_finding=True, explore_until=args.explore_until)
                     runs.append(r)
                     _save(args.out, results)
                     print(f"{fault} {mode} seed {seed}: first finding {r['first_finding']}", flush=True)

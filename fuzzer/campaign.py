@@ -61,12 +61,12 @@ class CampaignOptions:
     # Seeds from and grows this directory; default: <out>/corpus.
     corpus: Path | None = None
     # In feedback mode, the share of iterations that still generate a fresh random trace; while
-    # the corpus has fewer than ``explore_until`` entries, ``p_fresh_early`` (mutating the first
-    # one or two entries over and over is less diverse than random generation, and shallow bugs
-    # are found by random traces: docs/benchmarks.md).
+    # the corpus has fewer than ``explore_until`` entries, ``p_fresh_early``. Off by default:
+    # measured with explore_until=8 it matched random on a shallow fault but gave up most of
+    # the coverage gain (docs/benchmarks.md, run 2).
     p_fresh: float = 0.2
     p_fresh_early: float = 0.5
-    explore_until: int = 8
+    explore_until: int = 0
     # Allow operators that change the engine configuration (each change restarts the engine).
     allow_engine_changes: bool = False
     # Restrict mutation to these operators (default: all that keep the engine).

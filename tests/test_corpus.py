@@ -203,3 +203,10 @@ def test_live_panel_shows_rate_corpus_coverage_and_findings(tmp_path):
     assert f"{st.traces}  (" in text and "/s)" in text
     assert f"{len(st.corpus)} entries" in text and f"{st.buckets} buckets" in text
     assert st.by_class and f"corruption: {st.by_class['corruption']}" in text
+
+
+def test_early_exploration_share_while_the_corpus_is_small(tmp_path):
+    eager = run_campaign(opts(tmp_path / "e", 10, explore_until=1000, p_fresh_early=1.0), FakeChecker())
+    assert eager.sources == {"fresh": 10}
+    default = run_campaign(opts(tmp_path / "d", 10), FakeChecker())
+    assert default.sources.get("mutant", 0) >= 5
