@@ -1,32 +1,49 @@
-"""The campaign driver loop: generate -> record (harness) -> check (oracle) -> write findings.
+"""The campaign driver loop: choose -> record (harness) -> check (oracle) -> learn -> write.
 
-State lives on disk (``campaign.json``, ``findings/``), written atomically after every trace,
-so a campaign killed at any moment loses nothing it had reported and ``--resume`` continues
-the same seed sequence.
+Each iteration either replays a seed from the corpus directory, mutates a corpus entry chosen
+by the scheduler (feedback mode), or generates a fresh random trace. The coverage buckets a
+trace reaches (fuzzer/feedback.py) decide whether it joins the corpus.
+
+State lives on disk (``campaign.json``, ``findings/``, the corpus directory), written
+atomically after every trace; ``campaign.json`` is the commit point. Every random decision of
+iteration ``i`` comes from an RNG seeded by (campaign seed, i), and the scheduler's state
+(corpus order, pick counts, coverage counts) is in ``campaign.json``, so ``--resume``
+continues exactly the trace sequence the interrupted campaign would have run.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import random
 import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Literal
 
-from traces import EngineConfig, Finding, Trace, atomic_write_text, save
+from traces import EngineConfig, Finding, History, Trace, atomic_write_text, save
 from traces.errors import BadInput
 
+from .corpus import Corpus, CorpusEntry, Item, Scheduler, Seed, measured_key, now
+from .feedback import Coverage, trace_signature
 from .generate import GenOptions, generate
+from .mutate import mutate
 
 CAMPAIGN_FILE = "campaign.json"
+Mode = Literal["feedback", "random"]
 
 
 def trace_seed(seed: int, index: int) -> int:
     """The i-th trace's seed: a pure function of (campaign seed, index), so a resumed
     campaign continues the same sequence."""
     return int.from_bytes(hashlib.sha256(f"kvfuzz/{seed}/{index}".encode()).digest()[:4], "little")
+
+
+def iteration_rng(seed: int, index: int) -> random.Random:
+    """The RNG for every decision of iteration ``index`` (parent choice, operators)."""
+    return random.Random(f"kvfuzz/schedule/{seed}/{index}")
 
 
 @dataclass
@@ -39,6 +56,27 @@ class CampaignOptions:
     engine: EngineConfig = field(default_factory=EngineConfig)
     gen: GenOptions | None = None
     resume: bool = False
+    # feedback: mutate novel corpus entries; random: plain generation (the baseline).
+    mode: Mode = "feedback"
+    # Seeds from and grows this directory; default: <out>/corpus.
+    corpus: Path | None = None
+    # In feedback mode, the share of iterations that still generate a fresh random trace; while
+    # the corpus has fewer than ``explore_until`` entries, ``p_fresh_early``. Off by default:
+    # measured with explore_until=8 it matched random on a shallow fault but gave up most of
+    # the coverage gain (docs/benchmarks.md, run 2).
+    p_fresh: float = 0.2
+    p_fresh_early: float = 0.5
+    explore_until: int = 0
+    # Allow operators that change the engine configuration (each change restarts the engine).
+    allow_engine_changes: bool = False
+    # Restrict mutation to these operators (default: all that keep the engine).
+    operators: list[str] | None = None
+    # Arms passed to the checker (recorded in the state so findings say what ran).
+    arms: dict[str, list[str]] | None = None
+
+    @property
+    def corpus_dir(self) -> Path:
+        return self.corpus if self.corpus is not None else self.out / "corpus"
 
 
 @dataclass
@@ -53,6 +91,26 @@ class CampaignState:
     engine: dict = field(default_factory=dict)
     runs: int = 3
     complete: bool = False
+    mode: str = "feedback"
+    arms: dict[str, list[str]] | None = None
+    corpus_dir: str | None = None
+    # Set once the corpus directory was read: a resumed campaign rebuilds from the state only.
+    corpus_ready: bool = False
+    # Seed trace ids from the corpus directory, replayed first (iterations 0..len-1).
+    seeds: list[str] = field(default_factory=list)
+    # The scheduler: corpus entry ids in order of addition, and how often each was picked.
+    corpus: list[str] = field(default_factory=list)
+    chosen: dict[str, int] = field(default_factory=dict)
+    coverage: dict[str, int] = field(default_factory=dict)
+    # [traces, seconds, buckets, findings] each time buckets or findings changed.
+    coverage_log: list[list[float]] = field(default_factory=list)
+    operators: list[str] | None = None
+    # How each iteration's trace was made: seed / fresh / mutant.
+    sources: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def buckets(self) -> int:
+        return len(self.coverage)
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__, indent=2, sort_keys=True) + "\n"
@@ -64,6 +122,9 @@ class TraceOutcome:
     trace: Trace
     finding: Finding | None
     seconds: float
+    source: str = "fresh"
+    novel: list[str] = field(default_factory=list)
+    buckets: frozenset[str] = frozenset()
 
 
 def load_state(out: Path, opts: CampaignOptions) -> CampaignState:
@@ -77,18 +138,161 @@ def load_state(out: Path, opts: CampaignOptions) -> CampaignState:
         if state.seed != opts.seed:
             raise BadInput(f"cannot resume: campaign seed is {state.seed}, --seed says {opts.seed}",
                            source=str(path), field="seed")
+        if state.mode != opts.mode:
+            raise BadInput(f"cannot resume: campaign mode is {state.mode}, not {opts.mode}", source=str(path),
+                           field="mode")
+        if state.operators != opts.operators:
+            raise BadInput(f"cannot resume: the campaign used operators {state.operators or 'all'}, "
+                           f"not {opts.operators or 'all'}", source=str(path), field="operators")
+        if state.engine and state.engine != opts.engine.model_dump(mode="json"):
+            raise BadInput("cannot resume: the engine options differ from the interrupted campaign's",
+                           source=str(path), field="engine")
         state.complete = False
         return state
-    return CampaignState(seed=opts.seed, engine=opts.engine.model_dump(mode="json"), runs=opts.runs)
+    return CampaignState(seed=opts.seed, engine=opts.engine.model_dump(mode="json"), runs=opts.runs,
+                         mode=opts.mode, arms=opts.arms, corpus_dir=str(opts.corpus_dir), operators=opts.operators)
 
 
-def run_campaign(opts: CampaignOptions, check_trace: Callable[[Trace], Finding | None],
-                 on_outcome: Callable[[TraceOutcome, CampaignState], None] | None = None) -> CampaignState:
+def _histories(result: Any) -> list[History]:
+    rec = getattr(result, "recording", None)
+    return list(rec.histories) if rec is not None else []
+
+
+def _finding(result: Any) -> Finding | None:
+    if result is None or isinstance(result, Finding):
+        return result
+    return getattr(result, "finding", None)
+
+
+class Campaign:
+    """One campaign's in-memory view of its state (corpus, scheduler, coverage)."""
+
+    def __init__(self, opts: CampaignOptions):
+        self.opts = opts
+        self.out = opts.out
+        self.corpus = Corpus(opts.corpus_dir)
+        self.state = load_state(self.out, opts)
+        self.coverage = Coverage.from_json(self.state.coverage)
+        self.scheduler = Scheduler()
+        self.measured = measured_key(opts.engine, opts.arms)
+        self._setup_corpus()
+
+    # -- corpus ------------------------------------------------------------------------------
+    def _setup_corpus(self) -> None:
+        seeds, self.skipped = self.corpus.seeds(self.opts.engine)
+        by_id = {s.trace.trace_id(): s for s in seeds}
+        self.seed_traces: dict[str, Trace] = {k: s.trace for k, s in by_id.items()}
+        st = self.state
+        if not st.corpus_ready:
+            # Fresh campaign: entries measured on this very engine are trusted (their buckets
+            # count at once); everything else is replayed first, like AFL's dry run.
+            for tid, s in by_id.items():
+                if s.entry is not None and s.entry.measured_on == self.measured and self.opts.mode == "feedback":
+                    self.coverage.add(s.entry.buckets)
+                    self._add_item(tid, s.trace, frozenset(s.entry.buckets), len(s.entry.novel))
+                else:
+                    st.seeds.append(tid)
+            st.coverage = self.coverage.to_json()
+            st.corpus_ready = True  # from now on the state, not the directory, says what is in
+            return
+        for tid in st.corpus:  # resume: rebuild the scheduler exactly as it was
+            trace, entry = self._lookup(tid)
+            buckets = frozenset(entry.buckets) if entry else frozenset()
+            self.scheduler.add(Item(tid, trace, buckets, len(entry.novel) if entry else 0, st.chosen.get(tid, 0)))
+
+    def _lookup(self, tid: str) -> tuple[Trace, CorpusEntry | None]:
+        entry = None
+        if self.corpus.entry_path(tid).exists():
+            entry = self.corpus.load_entry(tid)
+            return entry.trace, entry
+        if tid in self.seed_traces:
+            return self.seed_traces[tid], None
+        raise BadInput(f"cannot resume: corpus entry {tid} is missing", source=str(self.corpus.path))
+
+    def _add_item(self, tid: str, trace: Trace, buckets: frozenset[str], novel: int) -> None:
+        if tid in self.state.chosen:
+            return
+        self.scheduler.add(Item(tid, trace, buckets, novel))
+        self.state.corpus.append(tid)
+        self.state.chosen[tid] = 0
+
+    # -- one iteration -----------------------------------------------------------------------
+    def next_trace(self, i: int) -> tuple[Trace, str]:
+        st = self.state
+        if i < len(st.seeds):
+            tid = st.seeds[i]
+            if tid not in self.seed_traces:
+                raise BadInput(f"cannot resume: seed trace {tid} is no longer in the corpus",
+                               source=str(self.corpus.path))
+            return self.seed_traces[tid], "seed"
+        rng = iteration_rng(self.opts.seed, i)
+        p_fresh = self.opts.p_fresh_early if len(self.scheduler) < self.opts.explore_until else self.opts.p_fresh
+        if self.opts.mode == "feedback" and len(self.scheduler) and rng.random() >= p_fresh:
+            parent = self.scheduler.choose(rng, self.coverage)
+            st.chosen[parent.id] = parent.chosen
+            return mutate(parent.trace, rng, allow_engine_changes=self.opts.allow_engine_changes,
+                          allowed=self.opts.operators), "mutant"
+        return generate(trace_seed(self.opts.seed, i), self.opts.engine, self.opts.gen), "fresh"
+
+    def lineage(self, trace: Trace) -> list[dict[str, Any]]:
+        """The chain of ancestors in the corpus, nearest first: [{id, operators}, ...]."""
+        known = {it.id: it.trace for it in self.scheduler.items}
+        chain = []
+        cur = trace
+        for _ in range(1000):
+            pid = cur.lineage.parent
+            if pid is None:
+                break
+            chain.append({"parent": pid, "operators": list(cur.lineage.operators)})
+            if pid not in known:
+                break
+            cur = known[pid]
+        root = cur.lineage
+        if root.generator or root.seed is not None:
+            chain.append({"root": cur.trace_id(), "generator": root.generator, "seed": root.seed})
+        return chain
+
+    def learn(self, i: int, trace: Trace, source: str, buckets: frozenset[str]) -> list[str]:
+        novel = self.coverage.add(buckets)
+        self.state.coverage = self.coverage.to_json()
+        if self.opts.mode != "feedback":
+            return novel
+        tid = trace.trace_id()
+        if novel or source == "seed":
+            entry = CorpusEntry(id=tid, trace=trace, buckets=sorted(buckets), novel=novel, measured_on=self.measured,
+                                origin={"campaign_seed": self.opts.seed, "index": i, "source": source},
+                                created=now())
+            self.corpus.save(entry)
+            self._add_item(tid, trace, buckets, len(novel))
+        return novel
+
+    def record_finding(self, i: int, trace: Trace, source: str, finding: Finding) -> None:
+        st = self.state
+        finding.notes.setdefault("campaign", {"seed": self.opts.seed, "index": i, "mode": self.opts.mode,
+                                              "source": source})
+        finding.notes.setdefault("lineage", self.lineage(trace))
+        path = self.out / "findings" / f"{finding.worst_class()}-{finding.id}.json"
+        save(finding, path)
+        st.findings += 1
+        st.finding_files.append(str(path.relative_to(self.out)))
+        counts = Counter(st.by_class)
+        counts[finding.worst_class()] += 1
+        st.by_class = dict(counts)
+
+
+def run_campaign(opts: CampaignOptions, check_trace: Callable[[Trace], Any],
+                 on_outcome: Callable[[TraceOutcome, CampaignState], None] | None = None,
+                 on_start: Callable[["Campaign"], None] | None = None) -> CampaignState:
     """Run traces until the budget or trace count is used up. ``check_trace`` records and
-    checks one trace (harness + oracle) and returns a finding or None."""
+    checks one trace (harness + oracle) and returns a ``Checked`` (``.finding`` and
+    ``.recording.histories``; the histories feed coverage) — or just a finding or None, in
+    which case the campaign runs without coverage."""
     out = opts.out
     (out / "findings").mkdir(parents=True, exist_ok=True)
-    state = load_state(out, opts)
+    camp = Campaign(opts)
+    state = camp.state
+    if on_start:
+        on_start(camp)
     start = time.monotonic()
     base_seconds = state.seconds
     atomic_write_text(out / CAMPAIGN_FILE, state.to_json())
@@ -100,24 +304,28 @@ def run_campaign(opts: CampaignOptions, check_trace: Callable[[Trace], Finding |
             break
         i = state.next_index
         t0 = time.monotonic()
-        trace = generate(trace_seed(opts.seed, i), opts.engine, opts.gen)
-        finding = check_trace(trace)
+        trace, source = camp.next_trace(i)
+        result = check_trace(trace)
+        finding = _finding(result)
+        buckets = trace_signature(_histories(result), trace)
+        before = (state.buckets, state.findings)
+        novel = camp.learn(i, trace, source, buckets)
         if finding is not None:
-            finding.notes.setdefault("campaign", {"seed": opts.seed, "index": i})
-            path = out / "findings" / f"{finding.worst_class()}-{finding.id}.json"
-            save(finding, path)
-            state.findings += 1
-            state.finding_files.append(str(path.relative_to(out)))
-            counts = Counter(state.by_class)
-            counts[finding.worst_class()] += 1
-            state.by_class = dict(counts)
+            camp.record_finding(i, trace, source, finding)
         state.traces += 1
         state.next_index = i + 1
+        state.sources[source] = state.sources.get(source, 0) + 1
         state.seconds = round(base_seconds + time.monotonic() - start, 3)
+        if (state.buckets, state.findings) != before or i == 0:
+            state.coverage_log.append([state.traces, state.seconds, state.buckets, state.findings])
         atomic_write_text(out / CAMPAIGN_FILE, state.to_json())
         if on_outcome:
-            on_outcome(TraceOutcome(i, trace, finding, time.monotonic() - t0), state)
+            on_outcome(TraceOutcome(i, trace, finding, time.monotonic() - t0, source, novel, buckets), state)
     state.complete = True
     state.seconds = round(base_seconds + time.monotonic() - start, 3)
     atomic_write_text(out / CAMPAIGN_FILE, state.to_json())
     return state
+
+
+__all__ = ["CAMPAIGN_FILE", "Campaign", "CampaignOptions", "CampaignState", "Seed", "TraceOutcome",
+           "iteration_rng", "run_campaign", "trace_seed"]

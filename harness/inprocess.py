@@ -217,6 +217,20 @@ class InProcessEngine:
         client.get_output = get_output
         scheduler.schedule = schedule
 
+        # Prefix-cache evictions (a cached block reused for new content). vLLM reports them
+        # only with kv_cache_metrics sampling; count them exactly. The class method is looked
+        # up per call so a toggle patching it later still runs.
+        pool = scheduler.kv_cache_manager.block_pool
+        pool_cls = type(pool)
+
+        def evict(block: Any) -> bool:
+            evicted = pool_cls._maybe_evict_cached_block(pool, block)
+            if evicted:
+                capture["evicted"] = capture.get("evicted", 0) + 1
+            return evicted
+
+        pool._maybe_evict_cached_block = evict
+
     # -- clean slate -------------------------------------------------------------------------
     def clean_slate(self) -> None:
         """Return the engine to the state of a fresh start (no requests, empty prefix cache,
@@ -431,6 +445,7 @@ class InProcessEngine:
                 rec.prefix_hits = int(pcs.hits)
             rec.lora_running = {k: int(v) for k, v in (stats.running_lora_adapters or {}).items()}
             rec.evictions = len(stats.kv_cache_eviction_events or [])
+        rec.evictions = max(rec.evictions, int(cap.get("evicted", 0)))
         for r in rec.preempted:
             if r in recs:
                 recs[r].num_preemptions += 1

@@ -90,7 +90,14 @@ def run(
     runs: Annotated[int, typer.Option(min=1, help="Runs of each trace (K).")] = 3,
     out: Annotated[Path, typer.Option(help="Output directory.")] = Path("kvfuzz-out"),
     lora: Annotated[bool, typer.Option("--lora/--no-lora", help="Mix LoRA adapter requests in.")] = False,
-    resume: Annotated[bool, typer.Option(help="Continue the campaign in --out.")] = False,
+    resume: Annotated[bool, typer.Option(help="Continue the interrupted campaign in --out (same seed sequence).")] = False,
+    corpus: Annotated[Optional[Path], typer.Option(help="Corpus directory: seeds the campaign, novel traces join it "
+                                                       "(default: <out>/corpus).")] = None,
+    feedback: Annotated[bool, typer.Option("--feedback/--no-feedback",
+                                           help="Mutate corpus entries that reached new coverage buckets "
+                                                "(--no-feedback: plain random generation).")] = True,
+    operators: Annotated[Optional[str], typer.Option(help="Comma-separated mutation operators to use "
+                                                          "(default: all; see docs/fuzzer.md).")] = None,
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
     kv_cache_mb: Annotated[int, typer.Option(min=1, help="KV cache size in MiB.")] = 24,
     near_tie: Annotated[float, typer.Option(help="Margin below which a divergence is a numeric near-tie.")] = 1e-3,
@@ -113,8 +120,23 @@ def run(
         raise BadInput(f"unknown engine {engine_kind!r} (inprocess or server)", field="--engine")
     out.mkdir(parents=True, exist_ok=True)
     engine = default_engine(lora=lora, kv_cache_bytes=kv_cache_mb * 2**20)
+    if corpus is not None and corpus.exists() and not corpus.is_dir():
+        raise BadInput("is not a directory", source=str(corpus), field="--corpus")
+    if resume and not (out / "campaign.json").exists():
+        raise BadInput("nothing to resume: no campaign.json", source=str(out), field="--resume")
+    from fuzzer.mutate import OPERATORS
+
+    ops = None
+    if operators:
+        ops = [o.strip() for o in operators.split(",") if o.strip()]
+        unknown = [o for o in ops if o not in OPERATORS]
+        if unknown or not ops:
+            raise BadInput(f"unknown operator {unknown[0] if unknown else operators!r} "
+                           f"(known: {', '.join(OPERATORS)})", field="--operators")
     opts = CampaignOptions(seed=seed, budget_s=budget, max_traces=traces_n, runs=runs, out=out, engine=engine,
-                           resume=resume)
+                           resume=resume, corpus=corpus, mode="feedback" if feedback else "random", operators=ops,
+                           # Naming an engine-changing operator (small_kv) is asking for restarts.
+                           allow_engine_changes=bool(ops) and any(OPERATORS[o].changes_engine for o in ops))
     server_options = None
     if engine_kind == "server":
         from harness.server import ServerOptions
@@ -130,7 +152,7 @@ def run(
                                                            out / log_name))
             session.engine_for(engine)
             display.status("fuzzing")
-            state = run_campaign(opts, lambda t: session.check(t).finding, display.update)
+            state = run_campaign(opts, session.check, display.update)
     finally:
         session.close()
     display.summary(state, out)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +25,6 @@ class CampaignDisplay:
         self._status = "starting"
         self._state: Any = None
         self._last: Any = None
-        self._coverage: Counter[str] = Counter()
         self._live: Live | None = None
 
     def __enter__(self) -> "CampaignDisplay":
@@ -71,16 +69,25 @@ class CampaignDisplay:
             limit.append(f"{s.traces if s else 0}/{self.max_traces} traces")
         grid.add_row("progress", ", ".join(limit) or f"{elapsed:.0f} s")
         if s is not None:
-            rate = s.traces / elapsed * 60 if elapsed > 0 else 0.0
-            grid.add_row("traces", f"{s.traces}  ({rate:.1f}/min)")
+            rate = s.traces / elapsed if elapsed > 0 else 0.0
+            grid.add_row("traces", f"{s.traces}  ({rate:.2f}/s)")
+            grid.add_row("mode", getattr(s, "mode", "random"))
+            grid.add_row("corpus", f"{len(getattr(s, 'corpus', []))} entries")
+            grid.add_row("coverage", f"{len(getattr(s, 'coverage', {}))} buckets")
             found = Text()
             for cls, n in sorted(s.by_class.items()):
                 found.append(f"{cls}: {n}  ", style=CLASS_STYLE.get(cls, ""))
             grid.add_row("findings", found if s.by_class else Text("none", style="green"))
         if self._last is not None:
             t = self._last.trace
-            grid.add_row("last trace", f"#{self._last.index}: {len(t.sends)} requests, "
-                                       f"{len(t.cancels)} cancels, {self._last.seconds:.1f} s")
+            last = self._last
+            how = getattr(last, "source", "")
+            if how == "mutant":
+                how = "mutant (" + "+".join(t.lineage.operators) + ")"
+            novel = getattr(last, "novel", [])
+            grid.add_row("last trace", f"#{last.index} {how}: {len(t.sends)} requests, "
+                                       f"{len(t.cancels)} cancels, {last.seconds:.1f} s"
+                                       + (f", {len(novel)} new buckets" if novel else ""))
         return Panel(Group(grid), title="kvfuzz run", border_style="cyan")
 
     def summary(self, state: Any, out: Path) -> None:
@@ -90,8 +97,11 @@ class CampaignDisplay:
         table.add_row("seed", str(state.seed))
         table.add_row("traces run", str(state.traces))
         table.add_row("seconds", f"{state.seconds:.1f}")
-        rate = state.traces / state.seconds * 60 if state.seconds else 0.0
-        table.add_row("traces / minute", f"{rate:.1f}")
+        rate = state.traces / state.seconds if state.seconds else 0.0
+        table.add_row("traces / s", f"{rate:.2f}")
+        table.add_row("mode", str(getattr(state, "mode", "random")))
+        table.add_row("corpus entries", str(len(getattr(state, "corpus", []))))
+        table.add_row("coverage buckets", str(len(getattr(state, "coverage", {}))))
         table.add_row("findings", str(state.findings))
         for cls, n in sorted(state.by_class.items()):
             table.add_row(f"  {cls}", Text(str(n), style=CLASS_STYLE.get(cls, "")))
@@ -99,3 +109,5 @@ class CampaignDisplay:
         where = out / "findings"
         self.console.print(f"findings written to: {where.resolve()}" + ("" if state.findings else " (none)"))
         self.console.print(f"campaign state: {(out / 'campaign.json').resolve()}")
+        if getattr(state, "corpus_dir", None):
+            self.console.print(f"corpus: {Path(state.corpus_dir).resolve()}")

@@ -1,0 +1,231 @@
+"""Coverage feedback: which scheduler states a run reached, as a set of named buckets.
+
+AFL counts edge hits in buckets (1, 2, 3, 4-7, ...); kvfuzz counts scheduler events the same
+way. A bucket is a string such as ``preempt:2-3`` or ``step:run5-8/wait/chunk/kv50``. A
+trace whose runs reach a bucket no earlier trace reached is *novel* and joins the corpus.
+
+The in-process engine records every step (``History.steps``); a server run has no steps, so
+its signature comes from the request records and the /metrics deltas (fewer buckets, same
+names where they overlap). Everything here is pure data processing: no engine needed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from traces import History, Trace
+
+Signature = frozenset[str]
+
+
+def bucket(n: int | float) -> str:
+    """AFL-style hit-count buckets: 0, 1, 2, 3, 4-7, 8-15, 16-31, 32-127, 128+."""
+    n = int(n)
+    if n <= 3:
+        return str(max(n, 0))
+    for lo, hi in ((4, 7), (8, 15), (16, 31), (32, 127)):
+        if n <= hi:
+            return f"{lo}-{hi}"
+    return "128+"
+
+
+def _size(n: int) -> str:
+    """Batch / queue sizes: 0, 1, 2, 3-4, 5-8, 9-16, 17+."""
+    if n <= 2:
+        return str(n)
+    for lo, hi in ((3, 4), (5, 8), (9, 16)):
+        if n <= hi:
+            return f"{lo}-{hi}"
+    return "17+"
+
+
+def _decile(x: float) -> int:
+    return min(100, int(math.floor(max(0.0, x) * 10)) * 10)
+
+
+def _ratio(hits: int, queries: int) -> str:
+    if queries <= 0:
+        return "none"
+    r = hits / queries
+    if r == 0:
+        return "0"
+    if r >= 1:
+        return "1"
+    return f"{min(3, int(r * 4)) * 25}-{min(3, int(r * 4)) * 25 + 25}"
+
+
+def signature(history: History, trace: Trace | None = None) -> Signature:
+    """The coverage buckets one run reached."""
+    f: set[str] = set()
+    adapters = {rid: r.adapter for rid, r in history.requests.items()}
+    if trace is not None:
+        adapters.update({s.request_id: s.adapter for s in trace.sends})
+    max_loras = trace.engine.lora.max_loras if trace is not None else 2
+    bs = trace.engine.block_size if trace is not None else 32
+
+    if history.steps:
+        _step_features(history, adapters, max_loras, bs, f)
+    else:
+        _metric_features(history, bs, f)
+    _request_features(history, bs, f)
+    _event_features(history, f)
+    if history.crashed:
+        f.add("crash")
+    return frozenset(f)
+
+
+def _step_features(h: History, adapters: dict[str, str | None], max_loras: int, bs: int, f: set[str]) -> None:
+    preempt = evict = chunks = queries = hits = 0
+    max_kv = 0.0
+    max_batch = max_wait = 0
+    resident: OrderedDict[str, None] = OrderedDict()  # modelled LoRA slots, least recently used first
+    swaps = 0
+    prefilling: set[str] = set()
+    for s in h.steps:
+        n = len(s.scheduled)
+        prefills = sum(1 for t in s.scheduled.values() if t > 1)
+        decodes = n - prefills
+        kv = _decile(s.kv_usage)
+        # Per-step state tuple: the analogue of an AFL edge (bounded: ~7*2*2*2*11 values).
+        f.add(f"step:run{_size(s.running)}/{'wait' if s.waiting else 'nowait'}/"
+              f"{'chunk' if s.partial_prefills else 'whole'}/{'preempt' if s.preempted else 'calm'}/kv{kv}")
+        f.add(f"batch:{_size(prefills)}p+{_size(decodes)}d")
+        if len(s.partial_prefills) > 1:
+            f.add(f"chunk-concurrent:{_size(len(s.partial_prefills))}")
+        if s.partial_prefills and decodes:
+            f.add("chunk-with-decode")
+        if s.preempted:
+            f.add(f"preempt-kv:{kv}")
+        for rid in s.preempted:
+            if rid in prefilling:
+                f.add("preempt-mid-prefill")
+        prefilling = set(s.partial_prefills)
+        preempt += len(s.preempted)
+        evict += s.evictions
+        chunks += len(s.partial_prefills)
+        queries += s.prefix_queries
+        hits += s.prefix_hits
+        max_kv = max(max_kv, s.kv_usage)
+        max_batch = max(max_batch, n)
+        max_wait = max(max_wait, s.waiting)
+        # LoRA: adapters with requests in this step, base requests beside them, slot swaps.
+        live = sorted({a for r in s.scheduled if (a := adapters.get(r))})
+        base = any(adapters.get(r) is None for r in s.scheduled)
+        if live:
+            f.add(f"lora-running:{len(live)}{'+base' if base else ''}")
+        for a in live:
+            if a in resident:
+                resident.move_to_end(a)
+            else:
+                if len(resident) >= max_loras:
+                    resident.popitem(last=False)
+                    swaps += 1
+                resident[a] = None
+    f.add(f"preempt:{bucket(preempt)}")
+    f.add(f"evict:{bucket(evict)}")
+    f.add(f"chunked:{bucket(chunks)}")
+    f.add(f"prefix-hits:{bucket(hits // bs)}")  # in blocks
+    f.add(f"prefix-ratio:{_ratio(hits, queries)}")
+    f.add(f"kv-max:{_decile(max_kv)}")
+    f.add(f"batch-max:{_size(max_batch)}")
+    f.add(f"waiting-max:{_size(max_wait)}")
+    if resident:
+        f.add(f"lora-resident:{len(resident)}")
+        f.add(f"lora-swaps:{bucket(swaps)}")
+
+
+def _metric_features(h: History, bs: int, f: set[str]) -> None:
+    def delta(name: str) -> float:
+        return h.metrics_after.get(name, 0.0) - h.metrics_before.get(name, 0.0)
+
+    if not h.metrics_after:
+        return
+    f.add(f"preempt:{bucket(delta('vllm:num_preemptions_total'))}")
+    hits, queries = delta("vllm:prefix_cache_hits_total"), delta("vllm:prefix_cache_queries_total")
+    f.add(f"prefix-hits:{bucket(hits // bs)}")
+    f.add(f"prefix-ratio:{_ratio(int(hits), int(queries))}")
+
+
+def _request_features(h: History, bs: int, f: set[str]) -> None:
+    preempted = cached = 0
+    for r in h.requests.values():
+        if r.num_preemptions:
+            preempted += 1
+            f.add(f"req-preempted:{bucket(r.num_preemptions)}{'+done' if r.finish_reason and not r.cancelled else ''}")
+        if r.num_cached_tokens:
+            cached += 1
+            f.add("cached:" + ("block-aligned" if r.num_cached_tokens % bs == 0 else "partial"))
+            if r.adapter:
+                f.add("cached:lora")
+        if r.cancelled:
+            f.add(f"cancel:{cancel_phase(r)}")
+        if r.error:
+            f.add("request-error")
+    f.add(f"req-preempted-n:{bucket(preempted)}")
+    f.add(f"req-cached-n:{bucket(cached)}")
+
+
+def cancel_phase(r) -> str:
+    """Where in its life a cancel landed: waiting (never scheduled), prefill (no token yet),
+    first-token, or decode."""
+    n = len(r.token_ids)
+    if n == 0:
+        sent = r.sent_step if r.sent_step is not None else -1
+        return "prefill" if r.cancel_step is not None and r.cancel_step > sent else "waiting"
+    return "first-token" if n == 1 else "decode"
+
+
+def _event_features(h: History, f: set[str]) -> None:
+    # A send that lands within a few steps after an effective cancel reuses the freed blocks.
+    last_cancel: int | None = None
+    for e in sorted(h.events, key=lambda e: (e.actual_step if e.actual_step is not None else -1, e.index)):
+        if e.kind == "cancel":
+            if not e.effective:
+                f.add("cancel:after-finish")
+            elif e.actual_step is not None:
+                last_cancel = e.actual_step
+        elif last_cancel is not None and e.actual_step is not None and e.actual_step - last_cancel <= 4:
+            f.add(f"send-after-cancel:{e.actual_step - last_cancel}")
+            last_cancel = None
+
+
+def trace_signature(histories: Iterable[History], trace: Trace | None = None) -> Signature:
+    """Union over the runs of a trace (in-process runs are identical; server runs vary)."""
+    out: set[str] = set()
+    for h in histories:
+        out |= signature(h, trace)
+    return frozenset(out)
+
+
+@dataclass
+class Coverage:
+    """Buckets seen so far and how many traces reached each (for rarity)."""
+
+    hits: Counter[str] = field(default_factory=Counter)
+
+    def novel(self, sig: Iterable[str]) -> list[str]:
+        return sorted(b for b in sig if b not in self.hits)
+
+    def add(self, sig: Iterable[str]) -> list[str]:
+        """Record a trace's signature; returns the buckets it reached first."""
+        new = self.novel(sig)
+        self.hits.update(set(sig))
+        return new
+
+    def rarity(self, sig: Iterable[str]) -> float:
+        """Sum of 1/hits over the buckets: high for traces that own rare states."""
+        # Sorted: float sums must not depend on set order (string hashing is salted per process).
+        return sum(1.0 / self.hits[b] for b in sorted(sig) if self.hits.get(b))
+
+    def __len__(self) -> int:
+        return len(self.hits)
+
+    def to_json(self) -> dict[str, int]:
+        return dict(sorted(self.hits.items()))
+
+    @classmethod
+    def from_json(cls, data: dict[str, int]) -> "Coverage":
+        return cls(Counter({str(k): int(v) for k, v in data.items()}))

@@ -1,0 +1,494 @@
+"""Named, composable mutation operators.
+
+Each operator takes a trace and a ``random.Random`` and returns a new, valid trace (or None
+when it does not apply, e.g. adapter thrash on an engine without LoRA). Every operator aims at
+one mechanism from the vLLM reports; docs/fuzzer.md lists them. ``mutate`` stacks one or more
+operators and records the lineage (parent trace id, operators applied).
+
+Both clocks: operators reason in engine steps (``At.step_or``) and write every absolute time
+as ``At(step=s, offset_ms=s * ms_per_step)``, so a mutant replays on the in-process engine
+(steps) and on a server (offsets) alike. A parent given in offsets only is read through the
+same conversion, so server traces mutate too.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pydantic import ValidationError
+
+from traces import At, CancelEvent, EngineConfig, GenPrompt, Lineage, SendEvent, TokenPrompt, Trace
+
+Event = SendEvent | CancelEvent
+OperatorFn = Callable[[Trace, random.Random], Trace | None]
+
+
+@dataclass(frozen=True)
+class Operator:
+    name: str
+    fn: OperatorFn
+    # The mechanism the operator aims at (also the docs/fuzzer.md text).
+    mechanism: str
+    # Relative weight when operators are drawn at random.
+    weight: float = 1.0
+    # Changes the engine configuration (a campaign with a fixed engine skips these: an engine
+    # restart costs seconds and invalidates the reference memo).
+    changes_engine: bool = False
+
+
+OPERATORS: dict[str, Operator] = {}
+
+
+def operator(name: str, mechanism: str, *, weight: float = 1.0, changes_engine: bool = False
+             ) -> Callable[[OperatorFn], OperatorFn]:
+    def deco(fn: OperatorFn) -> OperatorFn:
+        OPERATORS[name] = Operator(name, fn, mechanism, weight, changes_engine)
+        return fn
+
+    return deco
+
+
+# -- helpers ----------------------------------------------------------------------------------
+
+
+def at_step(step: int, engine: EngineConfig) -> At:
+    """An absolute time in both clocks."""
+    step = max(0, int(step))
+    return At(step=step, offset_ms=step * engine.ms_per_step)
+
+
+def step_of(ev: Event, trace: Trace) -> int | None:
+    """The event's engine step, None for a cancel relative to its request's life."""
+    if isinstance(ev, CancelEvent) and ev.at.after_tokens is not None and ev.at.step is None:
+        return None
+    return ev.at.step_or(trace.engine.ms_per_step)
+
+
+def clocks_consistent(trace: Trace) -> bool:
+    """Every absolute time gives both clocks and they agree (step = offset / ms_per_step)."""
+    mps = trace.engine.ms_per_step
+    for ev in trace.events:
+        at = ev.at
+        if at.step is None and at.offset_ms is None:
+            continue
+        if at.step is None or at.offset_ms is None:
+            return False
+        if not (at.step * mps - 1e-6 <= at.offset_ms < (at.step + 1) * mps - 1e-9):
+            return False
+    return True
+
+
+def fresh_id(trace: Trace | list[Event], base: str) -> str:
+    events = trace.events if isinstance(trace, Trace) else trace
+    used = {e.request_id for e in events}
+    if base not in used:
+        return base
+    n = 2
+    while f"{base}{n}" in used:
+        n += 1
+    return f"{base}{n}"
+
+
+def _send_step(trace: Trace, rid: str) -> int:
+    return trace.send(rid).at.step_or(trace.engine.ms_per_step)
+
+
+def _last_step(trace: Trace) -> int:
+    steps = [s for e in trace.events if (s := step_of(e, trace)) is not None]
+    return max(steps, default=0)
+
+
+def _room(engine: EngineConfig, max_tokens: int) -> int:
+    """Longest prompt that fits next to ``max_tokens`` new tokens."""
+    return engine.max_model_len - max_tokens
+
+
+def moved(at: At, dsteps: int, engine: EngineConfig) -> At:
+    """``at`` moved by ``dsteps`` steps in both clocks (a sub-step offset is kept)."""
+    step = at.step_or(engine.ms_per_step) + dsteps
+    if step < 0:
+        return at_step(0, engine).model_copy(update={"after_tokens": at.after_tokens})
+    return At(step=step, offset_ms=at.offset_or(engine.ms_per_step) + dsteps * engine.ms_per_step,
+              after_tokens=at.after_tokens)
+
+
+def both_clocks(at: At, engine: EngineConfig) -> At:
+    """Fill in whichever clock an absolute time lacks (a server trace gives offsets only)."""
+    if at.step is None and at.offset_ms is None:
+        return at
+    return at.model_copy(update={"step": at.step_or(engine.ms_per_step), "offset_ms": at.offset_or(engine.ms_per_step)})
+
+
+def _rebuild(trace: Trace, events: list[Event], *, engine: EngineConfig | None = None, sort: bool = True
+             ) -> Trace | None:
+    """A validated copy with new events, both clocks filled in, sorted by step. The sort is
+    stable and a relative cancel sorts at its send's step, so list order (a cancel before a
+    retry in the same step, a cancel right after its send) is kept among equals."""
+    eng = engine or trace.engine
+    mps = eng.ms_per_step
+    events = [e.model_copy(update={"at": both_clocks(e.at, eng)}) for e in events]
+    if sort:
+        send_steps = {e.request_id: e.at.step_or(mps) for e in events if isinstance(e, SendEvent)}
+        events.sort(key=lambda e: send_steps.get(e.request_id, 0) if step_of(e, trace) is None else e.at.step_or(mps))
+    data = trace.model_dump(mode="python", exclude={"events", "engine"})
+    try:
+        return Trace(engine=eng, events=events, **data)
+    except ValidationError:
+        return None
+
+
+def _pick_send(trace: Trace, rng: random.Random, pred: Callable[[SendEvent], bool] | None = None
+               ) -> SendEvent | None:
+    sends = [s for s in trace.sends if pred is None or pred(s)]
+    return rng.choice(sends) if sends else None
+
+
+def _block_len(rng: random.Random, bs: int, lo_blocks: int = 1, hi_blocks: int = 20) -> int:
+    """A length on a block boundary or one token either side of it."""
+    return max(1, rng.randint(lo_blocks, hi_blocks) * bs + rng.choice((-1, 0, 1)))
+
+
+def _with_prompt_len(prompt: GenPrompt | TokenPrompt, length: int) -> GenPrompt | TokenPrompt:
+    if isinstance(prompt, TokenPrompt):
+        ids = list(prompt.token_ids)
+        while len(ids) < length:
+            ids = ids + ids
+        return TokenPrompt(token_ids=ids[:length])
+    return prompt.model_copy(update={"length": length, "prefix_len": min(prompt.prefix_len, length)})
+
+
+# -- operators --------------------------------------------------------------------------------
+
+
+@operator("split", "Prefix-cache reuse of a request's own head: the first k tokens (k on or next to a "
+                   "block boundary) go first as their own request, the full request follows after Δ steps "
+                   "and resumes from the head's cached blocks — a hit on a block that may still be being "
+                   "written, just freed, or only partly full (chunked prefill restarting from a cache hit).")
+def op_split(trace: Trace, rng: random.Random) -> Trace | None:
+    s = _pick_send(trace, rng, lambda s: s.prompt.length >= 2)
+    if s is None:
+        return None
+    bs = trace.engine.block_size
+    L = s.prompt.length
+    cands = [k for k in (bs - 1, bs, bs + 1, 2 * bs, 4 * bs - 1, 4 * bs, 4 * bs + 1, L // 2) if 0 < k < L]
+    k = rng.choice(cands) if cands else L - 1
+    if isinstance(s.prompt, TokenPrompt):
+        head = TokenPrompt(token_ids=s.prompt.token_ids[:k])
+        full = s.prompt
+    elif s.prompt.prefix_group and s.prompt.prefix_len >= k:
+        head = GenPrompt(length=k, prefix_group=s.prompt.prefix_group, prefix_len=k, seed=s.prompt.seed)
+        full = s.prompt
+    else:
+        # Give the request its own prefix group so the head's tokens are the full one's first k.
+        group = s.prompt.prefix_group or f"split-{s.request_id}-{s.prompt.seed}"
+        full = s.prompt.model_copy(update={"prefix_group": group, "prefix_len": max(k, s.prompt.prefix_len)})
+        head = GenPrompt(length=k, prefix_group=group, prefix_len=k, seed=s.prompt.seed)
+    t0 = _send_step(trace, s.request_id)
+    delta = rng.choice((0, 1, 2, 4, 8))
+    hid = fresh_id(trace, f"{s.request_id}_head")
+    head_ev = SendEvent(request_id=hid, at=at_step(t0, trace.engine), prompt=head, adapter=s.adapter,
+                        max_tokens=rng.choice((1, 2, s.max_tokens)), stream=s.stream)
+    events: list[Event] = []
+    for e in trace.events:
+        if isinstance(e, SendEvent) and e.request_id == s.request_id:
+            events.append(head_ev)
+            events.append(e.model_copy(update={"prompt": full, "at": at_step(t0 + delta, trace.engine)}))
+        else:
+            events.append(e)
+    return _rebuild(trace, events)
+
+
+@operator("burst", "Many identical prompts at once: same-step prefix reuse (a hit on blocks whose KV is "
+                   "not written yet, vLLM PR #38715), block refcounts shared by N requests, large batch "
+                   "compositions and the free-queue order when they all finish together.", weight=1.5)
+def op_burst(trace: Trace, rng: random.Random) -> Trace | None:
+    s = _pick_send(trace, rng)
+    if s is None:
+        return None
+    n = rng.randint(2, min(8, max(2, trace.engine.max_num_seqs)))
+    spacing = rng.choice((0, 0, 1, 2))
+    t0 = _send_step(trace, s.request_id)
+    events: list[Event] = list(trace.events)
+    for j in range(1, n + 1):
+        cid = fresh_id(events, f"{s.request_id}_b{j}")
+        events.append(s.model_copy(update={"request_id": cid, "at": at_step(t0 + j * spacing, trace.engine)}))
+    return _rebuild(trace, events)
+
+
+@operator("cancel_retry", "A client timeout: the request is cancelled mid-generation and resent (a new "
+                          "request id, `<id>_retry`) Δ steps later with the same prompt, so the retry "
+                          "allocates right after the cancel freed its blocks — the cancel-path block reuse "
+                          "of the vLLM reports (stale block tables, blocks freed while still referenced).",
+          weight=1.5)
+def op_cancel_retry(trace: Trace, rng: random.Random) -> Trace | None:
+    s = _pick_send(trace, rng, lambda s: s.max_tokens >= 2)
+    if s is None:
+        return None
+    eng = trace.engine
+    t0 = _send_step(trace, s.request_id)
+    # Prefill takes about ceil(len / token budget) steps; cancel a few decode steps after it.
+    prefill = -(-s.prompt.length // eng.max_num_batched_tokens)
+    t_cancel = t0 + prefill + rng.randint(0, max(1, s.max_tokens // 2))
+    delta = rng.choice((0, 0, 1, 2, 4))
+    events: list[Event] = [e for e in trace.events if not (isinstance(e, CancelEvent) and e.request_id == s.request_id)]
+    rid = fresh_id(events, f"{s.request_id}_retry")
+    events.append(CancelEvent(request_id=s.request_id, at=at_step(t_cancel, eng)))
+    events.append(s.model_copy(update={"request_id": rid, "at": at_step(t_cancel + delta, eng)}))
+    return _rebuild(trace, events)
+
+
+@operator("adapter_thrash", "Adapters alternating every Δ steps over one shared prefix with base-model "
+                            "requests interleaved: the LoRA block-hash namespace (a request on adapter B "
+                            "must not hit adapter A's blocks, vllm#38606), adapter slot swaps when more "
+                            "adapters are used than max_loras, and base tokens batched with LoRA tokens "
+                            "(the CPU no-LoRA index bug, vLLM PR #48421).", weight=1.2)
+def op_adapter_thrash(trace: Trace, rng: random.Random) -> Trace | None:
+    eng = trace.engine
+    adapters = sorted(eng.lora.adapters) if eng.lora.enabled else []
+    if len(adapters) < 2:
+        return None
+    bs = eng.block_size
+    prefix_len = rng.choice((bs * 18 + rng.choice((-1, 0, 1)), 600, bs * 4, bs * 8 + 1))
+    tail = rng.randint(1, 64)
+    group = f"thrash-{rng.randrange(1 << 20)}"
+    n = rng.randint(4, 10)
+    delta = rng.choice((0, 1, 1, 2, 3))
+    start = rng.randint(0, _last_step(trace))
+    use = adapters if rng.random() < 0.5 else rng.sample(adapters, 2)
+    p_base = rng.choice((0.0, 0.25, 0.34))
+    events: list[Event] = list(trace.events)
+    k = 0
+    for j in range(n):
+        adapter = None if rng.random() < p_base else use[k % len(use)]
+        if adapter is not None:
+            k += 1
+        rid = fresh_id(events, f"t{j}")
+        events.append(SendEvent(request_id=rid, at=at_step(start + j * delta, eng), adapter=adapter,
+                                max_tokens=rng.randint(2, 16),
+                                prompt=GenPrompt(length=prefix_len + tail, prefix_group=group, prefix_len=prefix_len,
+                                                 seed=rng.randrange(1 << 30))))
+    return _rebuild(trace, events)
+
+
+@operator("block_boundary", "Shared prefixes and prompt ends exactly on, one before or one after a block "
+                            "boundary (prefix_len ≡ 0, ±1 mod block_size): full-block hashing, the partial "
+                            "last block, and off-by-one errors in block counts and block-table tails.",
+          weight=1.2)
+def op_block_boundary(trace: Trace, rng: random.Random) -> Trace | None:
+    s = _pick_send(trace, rng, lambda s: isinstance(s.prompt, GenPrompt))
+    if s is None:
+        return None
+    bs = trace.engine.block_size
+    room = _room(trace.engine, s.max_tokens)
+    prefix = min(_block_len(rng, bs, 1, 16), room - 1)
+    length = min(room, max(prefix + 1, prefix + rng.choice((0, 1, bs - 1, bs, bs + 1, 2 * bs))))
+    if prefix < 1:
+        return None
+    assert isinstance(s.prompt, GenPrompt)
+    group = s.prompt.prefix_group or f"bb-{s.request_id}-{s.prompt.seed}"
+    prompt = s.prompt.model_copy(update={"length": length, "prefix_group": group, "prefix_len": prefix})
+    events: list[Event] = [e.model_copy(update={"prompt": prompt}) if e is s else e for e in trace.events]
+    sharers = [e for e in events if isinstance(e, SendEvent) and e.request_id != s.request_id
+               and isinstance(e.prompt, GenPrompt) and e.prompt.prefix_group == group]
+    if not sharers:
+        # A prefix nobody shares tests nothing: add a sibling over the same prefix after Δ.
+        t = _send_step(trace, s.request_id) + rng.choice((0, 1, 4, 16))
+        sib_len = min(room, prefix + rng.choice((0, 1, bs - 1, bs, bs + 1)))
+        events.append(SendEvent(request_id=fresh_id(events, f"{s.request_id}_sib"), at=at_step(t, trace.engine),
+                                adapter=s.adapter, max_tokens=s.max_tokens,
+                                prompt=GenPrompt(length=max(prefix, sib_len), prefix_group=group, prefix_len=prefix,
+                                                 seed=s.prompt.seed + 1)))
+    else:
+        # Re-align the sharers' prefix length too (it cannot exceed their own length).
+        for i, e in enumerate(events):
+            if e in sharers:
+                L = max(e.prompt.length, min(prefix, _room(trace.engine, e.max_tokens)))
+                events[i] = e.model_copy(update={"prompt": e.prompt.model_copy(
+                    update={"length": L, "prefix_len": min(prefix, L)})})
+    return _rebuild(trace, events)
+
+
+def kv_capacity_tokens(engine: EngineConfig, bytes_per_token: int = 1024) -> int:
+    """About how many tokens the KV cache holds (exact for the embedded model's 1 KiB/token;
+    other models: assume 1.5 x max_model_len)."""
+    if engine.model == "embedded:tiny-qwen2" and engine.kv_cache_bytes:
+        return engine.kv_cache_bytes // bytes_per_token
+    return int(engine.max_model_len * 1.5)
+
+
+@operator("long_pressure", "KV-cache pressure: holder requests fill most of the cache and keep decoding, "
+                           "then a request near max_model_len arrives late. vLLM 0.32 admits a request only "
+                           "when its whole prompt fits (scheduler_reserve_full_isl), so the operator sizes the "
+                           "prompts to leave a few blocks free; the decode growth of everyone running then "
+                           "overflows the cache and the scheduler preempts and later resumes (recomputes) a "
+                           "request — preemption resuming on reallocated blocks.", weight=0.8)
+def op_long_pressure(trace: Trace, rng: random.Random) -> Trace | None:
+    eng = trace.engine
+    bs = eng.block_size
+    blocks = kv_capacity_tokens(eng) // bs - 1  # one block is vLLM's null block
+    max_tokens = rng.choice((16, 32, 64))
+    room = _room(eng, max_tokens)
+    long_blocks = min(room // bs, int(blocks * rng.choice((0.5, 0.6, 0.66))))
+    n_hold = rng.randint(1, 3)
+    hold_tokens = rng.choice((64, 96, 128))  # each holder grows by 2-4 blocks while decoding
+    slack = rng.randint(1, n_hold + 1)      # blocks left free after the long prompt is admitted
+    hold_blocks = blocks - long_blocks - slack
+    if long_blocks < 1 or hold_blocks < n_hold:
+        return None
+    last = _last_step(trace)
+    step = rng.randint(max(0, last - 4), last + 4)
+    events: list[Event] = list(trace.events)
+    for j in range(n_hold):
+        nb = hold_blocks // n_hold + (1 if j < hold_blocks % n_hold else 0)
+        events.append(SendEvent(request_id=fresh_id(events, f"hold{j}"), at=at_step(step, eng),
+                                max_tokens=hold_tokens,
+                                prompt=GenPrompt(length=min(_room(eng, hold_tokens), nb * bs - rng.choice((0, 1))),
+                                                 seed=rng.randrange(1 << 30))))
+    # Late: once the holders' prefill is done (about one step per token budget) and they decode.
+    late = step + -(-hold_blocks * bs // eng.max_num_batched_tokens) + rng.randint(1, 4)
+    events.append(SendEvent(request_id=fresh_id(events, "long"), at=at_step(late, eng), max_tokens=max_tokens,
+                            prompt=GenPrompt(length=long_blocks * bs - rng.choice((0, 1)),
+                                             seed=rng.randrange(1 << 30))))
+    return _rebuild(trace, events)
+
+
+def min_kv_bytes(engine: EngineConfig, bytes_per_token: int = 1024) -> int:
+    """The smallest KV cache vLLM accepts: one request of max_model_len tokens must fit.
+    1 KiB per token is the embedded model (2 layers x 1 KV head x 64 dims x K,V x fp32)."""
+    blocks = -(-engine.max_model_len // engine.block_size) + 1
+    return blocks * engine.block_size * bytes_per_token
+
+
+@operator("small_kv", "The same trace on a KV cache barely larger than one max-length request: "
+                      "preemption and eviction under ordinary load (changes the engine, so the campaign "
+                      "uses it only when engine changes are allowed).", weight=0.5, changes_engine=True)
+def op_small_kv(trace: Trace, rng: random.Random) -> Trace | None:
+    if trace.engine.model != "embedded:tiny-qwen2":
+        return None  # bytes per token is known only for the embedded model
+    floor = min_kv_bytes(trace.engine)
+    size = floor + rng.choice((0, 1, 2, 4)) * 2**20
+    if trace.engine.kv_cache_bytes is not None and size >= trace.engine.kv_cache_bytes:
+        return None
+    return _rebuild(trace, list(trace.events), engine=trace.engine.model_copy(update={"kv_cache_bytes": size}),
+                    sort=False)
+
+
+@operator("cancel_timing", "A cancel placed relative to the request's life: 0 tokens (mid-prefill; the "
+                           "prompt is made longer than one step's token budget so the prefill is chunked), "
+                           "after the first token, or after N tokens — each frees blocks in a different "
+                           "state (partly written, just-cached, decoding).", weight=1.2)
+def op_cancel_timing(trace: Trace, rng: random.Random) -> Trace | None:
+    s = _pick_send(trace, rng)
+    if s is None:
+        return None
+    eng = trace.engine
+    k = rng.choice((0, 0, 1, 1, 2, max(1, s.max_tokens // 2), max(1, s.max_tokens - 1)))
+    prompt = s.prompt
+    if k == 0 and prompt.length <= eng.max_num_batched_tokens and rng.random() < 0.6:
+        want = min(_room(eng, s.max_tokens), eng.max_num_batched_tokens + rng.randint(1, eng.max_num_batched_tokens))
+        if want > prompt.length:
+            prompt = _with_prompt_len(prompt, want)
+    events: list[Event] = []
+    for e in trace.events:
+        if isinstance(e, CancelEvent) and e.request_id == s.request_id:
+            continue
+        events.append(e.model_copy(update={"prompt": prompt}) if e is s else e)
+    events.append(CancelEvent(request_id=s.request_id, at=At(after_tokens=k)))
+    return _rebuild(trace, events)
+
+
+@operator("shift", "Moves one event, or every event from a point on, by ±Δ steps: changes which requests "
+                   "share a step, a batch, or a prefill chunk — the interleavings behind same-step races.",
+          weight=1.5)
+def op_shift(trace: Trace, rng: random.Random) -> Trace | None:
+    eng = trace.engine
+    timed = [(i, s) for i, e in enumerate(trace.events) if (s := step_of(e, trace)) is not None]
+    if not timed:
+        return None
+    i0, s0 = rng.choice(timed)
+    delta = rng.choice((-8, -3, -2, -1, 1, 2, 3, 8, 32))
+    if s0 + delta < 0:
+        delta = -delta  # a move clamped at step 0 would change nothing
+    suffix = rng.random() < 0.4
+    events: list[Event] = []
+    for i, e in enumerate(trace.events):
+        s = step_of(e, trace)
+        move = s is not None and (i == i0 or (suffix and s >= s0))
+        events.append(e.model_copy(update={"at": moved(e.at, delta, eng)}) if move else e)
+    return _rebuild(trace, events)
+
+
+@operator("max_tokens", "Changes how long a request decodes (1 token, a few, or many): when it frees its "
+                        "blocks relative to the others, and how many blocks decode appends.")
+def op_max_tokens(trace: Trace, rng: random.Random) -> Trace | None:
+    s = _pick_send(trace, rng)
+    if s is None:
+        return None
+    n = rng.choice((1, 2, 3, 8, 31, 32, 33, 64, max(1, s.max_tokens * 2), max(1, s.max_tokens // 2)))
+    n = min(n, trace.engine.max_model_len - s.prompt.length)
+    if n < 1 or n == s.max_tokens:
+        return None
+    return _rebuild(trace, [e.model_copy(update={"max_tokens": n}) if e is s else e for e in trace.events])
+
+
+@operator("drop", "Removes one event (a send takes its cancels with it): the structural step of "
+                  "minimization, and traces where a cancel no longer lands.", weight=0.7)
+def op_drop(trace: Trace, rng: random.Random) -> Trace | None:
+    if len(trace.events) <= 1:
+        return None
+    victim = rng.choice(trace.events)
+    if isinstance(victim, SendEvent):
+        if len(trace.sends) <= 1:
+            return None
+        events = [e for e in trace.events if e.request_id != victim.request_id]
+    else:
+        events = [e for e in trace.events if e is not victim]
+    return _rebuild(trace, events)
+
+
+# -- composition ------------------------------------------------------------------------------
+
+
+def apply(trace: Trace, names: list[str], rng: random.Random) -> Trace | None:
+    """Apply the named operators in order (None if one does not apply); no lineage update."""
+    t: Trace | None = trace
+    for name in names:
+        if t is None:
+            return None
+        t = OPERATORS[name].fn(t, rng)
+    return t
+
+
+def choose_operators(rng: random.Random, *, allow_engine_changes: bool = False,
+                     allowed: list[str] | None = None) -> list[str]:
+    """1–3 operators drawn by weight (stacked mutations, like AFL's havoc stage)."""
+    ops = [o for o in OPERATORS.values()
+           if (allowed is None or o.name in allowed) and (allow_engine_changes or not o.changes_engine)]
+    if not ops:
+        raise ValueError("no mutation operator is allowed")
+    n = rng.choice((1, 1, 1, 2, 2, 3))
+    return [rng.choices(ops, weights=[o.weight for o in ops])[0].name for _ in range(n)]
+
+
+MAX_EVENTS = 64
+
+
+def mutate(trace: Trace, rng: random.Random, *, allow_engine_changes: bool = False,
+           allowed: list[str] | None = None, tries: int = 8) -> Trace:
+    """A mutant of ``trace`` with its lineage: ``parent`` is the parent's trace id and
+    ``operators`` the operators applied to it. Falls back to ``shift`` if nothing applies."""
+    for _ in range(tries):
+        names = choose_operators(rng, allow_engine_changes=allow_engine_changes, allowed=allowed)
+        child = apply(trace, names, rng)
+        if child is not None and len(child.events) <= MAX_EVENTS and child.trace_id() != trace.trace_id():
+            return with_lineage(child, trace, names)
+    child = apply(trace, ["shift"], rng) or trace
+    return with_lineage(child, trace, ["shift"])
+
+
+def with_lineage(child: Trace, parent: Trace, names: list[str]) -> Trace:
+    lin = Lineage(parent=parent.trace_id(), operators=names, generator=parent.lineage.generator,
+                  seed=parent.lineage.seed)
+    return child.model_copy(update={"lineage": lin, "name": f"mutant-{child.trace_id()}"})

@@ -1,0 +1,122 @@
+"""Hypothesis strategies for kvfuzz traces: a public API for writing property tests against vLLM.
+
+    from hypothesis import given, settings
+    from fuzzer.strategies import traces
+
+    @given(traces(max_requests=4))
+    @settings(max_examples=20, deadline=None)
+    def test_batching_does_not_change_outputs(session, trace):
+        assert session.check(trace).finding is None
+
+A trace is drawn as a list of request specs (gap to the previous send, prompt length, shared
+prefix, adapter, max_tokens, optional cancel). Hypothesis shrinks that structure directly, so
+a failing example shrinks to fewer requests, fewer cancels, shorter prompts, fewer tokens,
+no prefix sharing and no adapter before anything else — the minimal trace a maintainer wants.
+Every absolute time carries both clocks (step and offset_ms), so examples replay on the
+in-process engine and on a server.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+from hypothesis import strategies as st
+
+from traces import At, CancelEvent, EngineConfig, GenPrompt, Lineage, SendEvent, Trace
+
+from .generate import default_engine
+from .mutate import OPERATORS, with_lineage, apply, at_step
+
+
+def prompt_lengths(*, block_size: int = 32, max_len: int = 1024) -> st.SearchStrategy[int]:
+    """Any length, or one on / one next to a block boundary (where sharing bugs live).
+    Shrinks towards 1."""
+    blocks = max(1, max_len // block_size)
+    aligned = st.builds(lambda k, d: min(max_len, max(1, k * block_size + d)),
+                        st.integers(1, blocks), st.sampled_from((0, -1, 1)))
+    return st.one_of(st.integers(1, max_len), aligned)
+
+
+@st.composite
+def prompts(draw: st.DrawFn, *, block_size: int = 32, max_len: int = 1024,
+            groups: Sequence[str] = ("p0", "p1")) -> GenPrompt:
+    """A generated prompt, sometimes sharing a prefix with others in the same group."""
+    length = draw(prompt_lengths(block_size=block_size, max_len=max_len))
+    seed = draw(st.integers(0, 2**16))
+    share = draw(st.none() | st.tuples(st.sampled_from(list(groups)),
+                                       prompt_lengths(block_size=block_size, max_len=max_len)))
+    if share is None or not groups:
+        return GenPrompt(length=length, seed=seed)
+    group, prefix_len = share
+    return GenPrompt(length=length, prefix_group=group, prefix_len=min(prefix_len, length), seed=seed)
+
+
+@st.composite
+def cancels(draw: st.DrawFn, *, max_tokens: int, max_delay: int = 8) -> At:
+    """When to cancel: after N tokens (0 = mid-prefill) or at an absolute step offset."""
+    rel = draw(st.booleans())
+    if rel:
+        return At(after_tokens=draw(st.integers(0, max(0, max_tokens - 1))))
+    return At(step=draw(st.integers(0, max_delay)))  # relative to the send; made absolute below
+
+
+def _engine(engine: EngineConfig | None) -> EngineConfig:
+    return engine if engine is not None else default_engine()
+
+
+@st.composite
+def traces(draw: st.DrawFn, engine: EngineConfig | None = None, *, min_requests: int = 1, max_requests: int = 6,
+           max_prompt_len: int = 1024, max_tokens: tuple[int, int] = (1, 16), max_gap: int = 8,
+           adapters: Sequence[str] | None = None, cancel: bool = True,
+           prefix_groups: Sequence[str] = ("p0", "p1")) -> Trace:
+    """Valid traces for ``engine`` (default: the embedded model). ``adapters`` defaults to the
+    engine's LoRA adapters (none if LoRA is off); pass ``[]`` for base-model requests only."""
+    eng = _engine(engine)
+    if adapters is None:
+        adapters = sorted(eng.lora.adapters) if eng.lora.enabled else []
+    lo_tok, hi_tok = max_tokens
+    max_len = max(1, min(max_prompt_len, eng.max_model_len - hi_tok))
+    spec = st.tuples(
+        st.integers(0, max_gap),
+        prompts(block_size=eng.block_size, max_len=max_len, groups=prefix_groups),
+        st.none() | st.sampled_from(list(adapters)) if adapters else st.none(),
+        st.integers(lo_tok, hi_tok),
+        st.none() | cancels(max_tokens=hi_tok) if cancel else st.none(),
+    )
+    specs = draw(st.lists(spec, min_size=min_requests, max_size=max_requests))
+    events: list[SendEvent | CancelEvent] = []
+    step = 0
+    for i, (gap, prompt, adapter, n, when) in enumerate(specs):
+        step += gap
+        rid = f"r{i}"
+        events.append(SendEvent(request_id=rid, at=at_step(step, eng), prompt=prompt, adapter=adapter, max_tokens=n))
+        if when is not None:
+            at = when if when.after_tokens is not None else at_step(step + (when.step or 0), eng)
+            events.append(CancelEvent(request_id=rid, at=at))
+    events.sort(key=lambda e: e.at.step if e.at.step is not None else _send_step(events, e))
+    return Trace(engine=eng, events=events, name="hypothesis", lineage=Lineage(generator="hypothesis"))
+
+
+def _send_step(events: list[SendEvent | CancelEvent], e: SendEvent | CancelEvent) -> int:
+    # A relative cancel sorts with its send (the sort is stable: it stays after it).
+    for x in events:
+        if isinstance(x, SendEvent) and x.request_id == e.request_id:
+            return x.at.step or 0
+    return 0
+
+
+@st.composite
+def mutants(draw: st.DrawFn, base: Trace | st.SearchStrategy[Trace], *,
+            operators: Sequence[str] | None = None, max_ops: int = 3) -> Trace:
+    """A trace after 1..max_ops named mutation operators (fuzzer/mutate.py). Shrinks towards
+    fewer operators and the earlier operators of ``operators``."""
+    trace = draw(base) if isinstance(base, st.SearchStrategy) else base
+    names = list(operators) if operators is not None else [o.name for o in OPERATORS.values() if not o.changes_engine]
+    ops = draw(st.lists(st.sampled_from(names), min_size=1, max_size=max_ops))
+    seed = draw(st.integers(0, 2**32 - 1))
+    child = apply(trace, ops, random.Random(seed))
+    return with_lineage(child, trace, ops) if child is not None else trace
+
+
+__all__ = ["cancels", "mutants", "prompt_lengths", "prompts", "traces"]
