@@ -17,6 +17,7 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
+from kvfuzz import arms as arms_opts
 from traces.errors import BadInput, InfraError, KvfuzzError
 
 app = typer.Typer(
@@ -94,12 +95,21 @@ def run(
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
     kv_cache_mb: Annotated[int, typer.Option(min=1, help="KV cache size in MiB.")] = 24,
     near_tie: Annotated[float, typer.Option(help="Margin below which a divergence is a numeric near-tie.")] = 1e-3,
+    with_: arms_opts.WithOpt = None,
+    without: arms_opts.WithoutOpt = None,
+    arms: arms_opts.ArmsOpt = None,
+    attribute: arms_opts.AttributeOpt = True,
 ) -> None:
-    """Fuzz the embedded default model on the in-process vLLM engine."""
+    """Fuzz the embedded default model on the in-process vLLM engine.
+
+    By default each trace runs on unmodified vLLM (arm "vanilla") and every divergence is
+    re-run in the clean arm to say which toggle explains it; unexplained ones are candidate
+    new vLLM bugs and are listed first."""
     from fuzzer import CampaignOptions, default_engine, run_campaign
     from kvfuzz.display import CampaignDisplay
     from kvfuzz.session import Session
     from oracle import Thresholds
+    from traces import load_finding
 
     if budget is None and traces_n is None:
         budget = 60.0
@@ -107,22 +117,26 @@ def run(
         raise BadInput("must be positive", field="--budget")
     if device not in ("cpu", "cuda"):
         raise BadInput(f"unknown device {device!r} (cpu or cuda)", field="--device")
+    arm_map = arms_opts.build_arms(with_=with_, without=without, arms=arms, device=device)
     out.mkdir(parents=True, exist_ok=True)
     engine = default_engine(lora=lora, kv_cache_bytes=kv_cache_mb * 2**20)
     opts = CampaignOptions(seed=seed, budget_s=budget, max_traces=traces_n, runs=runs, out=out, engine=engine,
                            resume=resume)
     session = Session(device=device, runs=runs, thresholds=Thresholds(near_tie=near_tie),
-                      log_file=out / "engine.log")
+                      log_file=out / "engine.log", attribute=attribute)
     display = CampaignDisplay(console, budget_s=budget, max_traces=traces_n)
     try:
         with display:
             display.status("starting vLLM engine (log: %s)" % (out / "engine.log"))
             session.engine_for(engine)
             display.status("fuzzing")
-            state = run_campaign(opts, lambda t: session.check(t).finding, display.update)
+            state = run_campaign(opts, lambda t: session.check(t, arms=arm_map).finding, display.update)
     finally:
         session.close()
     display.summary(state, out)
+    console.print("arms: " + "; ".join(f"{a} = [{', '.join(ts) or 'no toggles'}]" for a, ts in arm_map.items()))
+    findings = [(f, load_finding(out / f)) for f in state.finding_files]
+    arms_opts.print_attribution(console, findings)
 
 
 # -- entry point ------------------------------------------------------------------------------

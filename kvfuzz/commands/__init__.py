@@ -3,7 +3,7 @@
 
 import importlib
 
-MODULES: list[str] = []
+MODULES: list[str] = ["toggles", "bench"]
 
 for _name in MODULES:
     importlib.import_module(f"{__name__}.{_name}")
