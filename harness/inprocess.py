@@ -251,12 +251,20 @@ class InProcessEngine:
             batch = getattr(runner, "input_batch", None)
             if batch is not None:
                 batch.block_table.clear()
+            # Removing an adapter only frees its slot; its weights stay there and a kernel that
+            # indexes a free slot (the CPU LoRA bug, docs/findings.md) would read the previous
+            # run's adapter. Zero every slot so a run's outputs never depend on earlier runs.
+            mgr = getattr(getattr(runner, "lora_manager", None), "_adapter_manager", None)
+            if mgr is not None:
+                for module in mgr.modules.values():
+                    for slot in range(mgr.lora_slots):
+                        module.reset_lora(slot)
             return n
 
-        llm.collective_rpc(zero_kv)
         if self.config.lora.enabled:
             for lora_id in list(llm.list_loras()):
                 llm.remove_lora(lora_id)
+        llm.collective_rpc(zero_kv)
 
     # -- replay ------------------------------------------------------------------------------
     def replay(

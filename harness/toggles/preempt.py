@@ -2,11 +2,12 @@
 
 On preemption vLLM frees the request's blocks and resets ``num_computed_tokens`` to 0; on
 resume it recomputes (taking prefix-cache hits only for blocks whose hash still maps to them).
-With this fault the request remembers the block ids it held and how far it had computed; when
-it is scheduled again it takes its full blocks back as "already computed" without checking
-whether they were handed to another request in between. The preemption happened because
-another request needed memory, so those blocks usually hold that request's KV by then: the
-resumed request reads it and its output changes. Models the "dirty recycled block" mechanism
+With this fault the freed blocks go to the head of the free queue (as vLLM does for uncached
+blocks), so the request that needed the memory is handed them at once, and the preempted
+request remembers the block ids it held and how far it had computed: when it is scheduled
+again it takes its full blocks back as "already computed" without checking whether they were
+reallocated in between. By then they hold the other request's KV: the resumed request reads it
+and its output changes. Models the "dirty recycled block" mechanism
 the #39146 reporter hypothesised for the preemption path; reference counts stay exact (the
 retaken blocks are touched like prefix hits), so the allocator does not assert.
 
@@ -32,6 +33,7 @@ def _check() -> str | None:
         expect_source(_SCHED, "Scheduler._get_local_prefix_cache_hit", "self.kv_cache_manager.get_computed_blocks(request)"),
         expect_params(_KVM, "KVCacheManager.get_computed_blocks", "self", "request"),
         expect_source(_SCHED, "Scheduler._preempt_request", "request.status = RequestStatus.PREEMPTED"),
+        expect_source("vllm.v1.core.kv_cache_utils", "FreeKVCacheBlockQueue.prepend_n", "def prepend_n"),
         expect_source(_KVM, "KVCacheManager.get_computed_blocks", "return blocks, num_new_computed_tokens, shared_prefix_boundary"),
         expect_source("vllm.v1.core.kv_cache_coordinator", "KVCacheCoordinator.get_blocks", "req_to_blocks"),
         expect_source("vllm.v1.core.single_type_kv_cache_manager", "SingleTypeKVCacheManager.add_local_computed_blocks",
@@ -53,6 +55,19 @@ def _patch() -> None:
             out = original(self, request, *args, **kwargs)
             if saved is not None:
                 setattr(request, _ATTR, saved)
+                # Hand the freed blocks out first (as vLLM does for uncached blocks): the
+                # request that needed memory takes them right away, so they hold its KV by
+                # the time the preempted request claims them back.
+                queue = self.kv_cache_manager.block_pool.free_block_queue
+                freed, seen = [], set()
+                for g in saved[0]:
+                    for b in g:
+                        if not b.is_null and b.ref_cnt == 0 and b.block_id not in seen:
+                            seen.add(b.block_id)
+                            queue.remove(b)
+                            freed.append(b)
+                if freed:
+                    queue.prepend_n(freed)
             return out
 
         return _preempt_request
@@ -91,9 +106,9 @@ register(Toggle(
     target=f"{_SCHED}.Scheduler._preempt_request + {_KVM}.KVCacheManager.get_computed_blocks",
     backends=("cpu", "cuda"),
     versions="0.32",
-    description="A preempted request keeps its block ids and, when resumed, takes its computed "
-                "blocks back without recomputing them, although they were freed and may have been "
-                "reallocated and overwritten by the request that caused the preemption.",
+    description="Blocks freed by a preemption are handed out first, and the preempted request keeps "
+                "their ids: when resumed it takes its computed blocks back without recomputing them, "
+                "although the request that caused the preemption has been writing its KV there.",
     check=_check,
     patch=_patch,
     needs=("prefix-caching", "preemption"),
