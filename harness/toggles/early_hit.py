@@ -2,13 +2,17 @@
 
 vLLM registers a block's hash when the tokens that fill it are scheduled, and the same step's
 forward pass writes it. With this fault a request in chunked prefill allocates blocks for its
-whole prompt at its first chunk and registers all their hashes at once, although only the
-first chunk's KV will be written this step. A request that hits those blocks before the later
-chunks run reads unwritten KV (zeros or a previous owner's data). On a synchronous CPU engine a
-running chunked prefill takes the whole token budget until its last chunk, so the window opens
-when the writer stops early: it is cancelled or preempted mid-prefill, leaving registered blocks
-that were never written (and a resumed writer hits its own unwritten blocks). Under GPU async
-scheduling the same registration is also visible to the very next step.
+whole prompt at its first chunk (as much of it as the free pool holds) and registers all their
+hashes at once, although only the first chunk's KV will be written this step. A request that
+hits those blocks before the later chunks run reads unwritten KV (zeros or a previous owner's data). On a synchronous CPU engine a
+chunk's blocks are written in the same forward pass as any same-step hit reads them, so the
+window is what lies between chunks: with vLLM's defaults a running chunked prefill takes the
+whole token budget until its last chunk, and the window opens when the writer stops early
+(cancelled or preempted mid-prefill: registered blocks that were never written; a resumed
+writer hits its own). With ``long_prefill_token_threshold`` set, chunks are capped and other
+requests are scheduled between them, so a request sharing the prefix that arrives while the
+prefill is under way reads the unwritten blocks directly. Under GPU async scheduling the
+registration is also visible to the very next step.
 """
 
 from __future__ import annotations
@@ -58,13 +62,19 @@ def _patch() -> None:
             if end >= prompt:
                 return out  # not a chunk of a longer prefill
             managers = self.coordinator.single_type_managers
-            need = sum(max(0, -(-prompt // m.block_size) - len(m.req_to_blocks.get(request.request_id, ())))
-                       for m in managers)
-            if need > self.block_pool.get_num_free_blocks():
+            if len(managers) != 1:
+                return out  # hybrid layouts: not modelled
+            m = managers[0]
+            have = len(m.req_to_blocks.get(request.request_id, ()))
+            # As much of the prompt as the free pool holds (under memory pressure the writer
+            # is then the one preempted, and it hits its own unwritten blocks on resume).
+            k = min(-(-prompt // m.block_size) - have, self.block_pool.get_num_free_blocks())
+            if k <= 0:
                 return out
-            extra = self.coordinator.allocate_new_blocks(request.request_id, prompt, prompt)
-            # Register every full block of the prompt now; only [0, end) is computed this step.
-            self.coordinator.cache_blocks(request, prompt)
+            upto = min(prompt, (have + k) * m.block_size)
+            extra = self.coordinator.allocate_new_blocks(request.request_id, upto, upto)
+            # Register those blocks now; only [0, end) is computed this step.
+            self.coordinator.cache_blocks(request, upto)
             # The worker learns block ids from what allocate_slots returns: include the extra
             # blocks so its block table matches the scheduler's.
             return out + KVCacheBlocks(extra) if any(extra) else out
@@ -82,7 +92,7 @@ register(Toggle(
     target=f"{_KVM}.KVCacheManager.allocate_slots",
     backends=("cpu", "cuda"),
     versions="0.32",
-    description="A chunked prefill registers the hashes of its whole prompt at its first chunk; "
+    description="A chunked prefill allocates and registers the blocks of its whole prompt at its first chunk; "
                 "requests that hit the later blocks before they are computed (or after the writer "
                 "was cancelled or preempted) read KV that was never written.",
     check=_check,
