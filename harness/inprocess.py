@@ -107,6 +107,7 @@ class InProcessEngine:
         self._model_path: str | None = None
         self._lora_requests: dict[str, Any] = {}
         self._step_capture: dict[str, Any] = {}
+        self._reference_toggles: list[str] | None = None
         self.start_seconds: float | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -259,12 +260,25 @@ class InProcessEngine:
                 if t is not None:
                     t.zero_()
                     n += 1
+            # No request is in the persistent batch now; stale ids left in block-table rows by
+            # a previous arm (fault-block-table-stale-tail) must not leak into the next run.
+            batch = getattr(runner, "input_batch", None)
+            if batch is not None:
+                batch.block_table.clear()
+            # Removing an adapter only frees its slot; its weights stay there and a kernel that
+            # indexes a free slot (the CPU LoRA bug, docs/findings.md) would read the previous
+            # run's adapter. Zero every slot so a run's outputs never depend on earlier runs.
+            mgr = getattr(getattr(runner, "lora_manager", None), "_adapter_manager", None)
+            if mgr is not None:
+                for module in mgr.modules.values():
+                    for slot in range(mgr.lora_slots):
+                        module.reset_lora(slot)
             return n
 
-        llm.collective_rpc(zero_kv)
         if self.config.lora.enabled:
             for lora_id in list(llm.list_loras()):
                 llm.remove_lora(lora_id)
+        llm.collective_rpc(zero_kv)
 
     # -- replay ------------------------------------------------------------------------------
     def replay(
@@ -452,12 +466,21 @@ class InProcessEngine:
         hist.steps.append(rec)
 
     # -- references ----------------------------------------------------------------------------
+    @property
+    def reference_toggles(self) -> list[str]:
+        """Toggles of reference runs: the clean arm's fixes on this device (no fault ever).
+        A fix that changed a lone request's output would mean vanilla's reference is wrong;
+        none of today's does (docs/toggles.md, "References")."""
+        if self._reference_toggles is None:
+            self._reference_toggles = toggle_registry.clean_set(self.device)
+        return self._reference_toggles
+
     def run_alone(self, send: SendEvent, *, max_tokens: int | None = None) -> RequestRecord:
-        """``send`` alone on a clean slate with every toggle off: the reference output."""
+        """``send`` alone on a clean slate with the clean arm's fixes: the reference output."""
         one = Trace(engine=self.config.model_copy(update={"toggles": []}),
                     events=[send.model_copy(update={"at": send.at.model_copy(update={"step": 0, "offset_ms": None}),
                                                    "max_tokens": max_tokens or send.max_tokens})])
-        h = self.replay(one, arm="reference", toggles=[])
+        h = self.replay(one, arm="reference", toggles=self.reference_toggles)
         if h.crashed:
             raise InfraError(f"reference run for {send.request_id!r} failed: {h.crash_detail}")
         return h.requests[send.request_id]

@@ -24,7 +24,9 @@ class ReferenceStore:
     @staticmethod
     def key(engine: Engine, send: SendEvent) -> tuple[str, str | None, str]:
         digest = hashlib.sha256(repr(expand(send.prompt)).encode()).hexdigest()[:20]
-        return (engine.config.key(), send.adapter, digest)
+        # References run with the engine's reference toggles (the clean arm's fixes).
+        config = engine.config.key() + "/" + ",".join(getattr(engine, "reference_toggles", ()))
+        return (config, send.adapter, digest)
 
     def get(self, engine: Engine, send: SendEvent) -> RequestRecord:
         k = self.key(engine, send)

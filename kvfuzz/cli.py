@@ -17,6 +17,7 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
+from kvfuzz import arms as arms_opts
 from traces.errors import BadInput, InfraError, KvfuzzError
 
 app = typer.Typer(
@@ -103,12 +104,21 @@ def run(
     near_tie: Annotated[float, typer.Option(help="Margin below which a divergence is a numeric near-tie.")] = 1e-3,
     engine_kind: Annotated[str, typer.Option("--engine", help="inprocess (step-exact) or server (a managed vLLM OpenAI server).")] = "inprocess",
     server_arg: Annotated[Optional[list[str]], typer.Option("--server-arg", help="Extra flag for the managed server (repeatable).")] = None,
+    with_: arms_opts.WithOpt = None,
+    without: arms_opts.WithoutOpt = None,
+    arms: arms_opts.ArmsOpt = None,
+    attribute: arms_opts.AttributeOpt = True,
 ) -> None:
-    """Fuzz the embedded default model on the in-process vLLM engine or a managed vLLM server."""
+    """Fuzz the embedded default model on the in-process vLLM engine or a managed vLLM server.
+
+    By default each trace runs on unmodified vLLM (arm "vanilla") and every divergence is
+    re-run in the clean arm to say which toggle explains it; unexplained ones are candidate
+    new vLLM bugs and are listed first."""
     from fuzzer import CampaignOptions, default_engine, run_campaign
     from kvfuzz.display import CampaignDisplay
     from kvfuzz.session import Session
     from oracle import Thresholds
+    from traces import load_finding
 
     if budget is None and traces_n is None:
         budget = 60.0
@@ -118,6 +128,7 @@ def run(
         raise BadInput(f"unknown device {device!r} (cpu or cuda)", field="--device")
     if engine_kind not in ("inprocess", "server"):
         raise BadInput(f"unknown engine {engine_kind!r} (inprocess or server)", field="--engine")
+    arm_map = arms_opts.build_arms(with_=with_, without=without, arms=arms, device=device)
     out.mkdir(parents=True, exist_ok=True)
     engine = default_engine(lora=lora, kv_cache_bytes=kv_cache_mb * 2**20)
     if corpus is not None and corpus.exists() and not corpus.is_dir():
@@ -143,7 +154,7 @@ def run(
 
         server_options = ServerOptions(device=device, extra_flags=list(server_arg or []), log_dir=out)
     session = Session(engine_kind=engine_kind, device=device, runs=runs, thresholds=Thresholds(near_tie=near_tie),
-                      log_file=out / "engine.log", server_options=server_options)
+                      log_file=out / "engine.log", server_options=server_options, attribute=attribute)
     display = CampaignDisplay(console, budget_s=budget, max_traces=traces_n)
     try:
         with display:
@@ -152,10 +163,13 @@ def run(
                                                            out / log_name))
             session.engine_for(engine)
             display.status("fuzzing")
-            state = run_campaign(opts, session.check, display.update)
+            state = run_campaign(opts, lambda t: session.check(t, arms=arm_map), display.update)
     finally:
         session.close()
     display.summary(state, out)
+    console.print("arms: " + "; ".join(f"{a} = [{', '.join(ts) or 'no toggles'}]" for a, ts in arm_map.items()))
+    findings = [(f, load_finding(out / f)) for f in state.finding_files]
+    arms_opts.print_attribution(console, findings)
 
 
 # -- entry point ------------------------------------------------------------------------------

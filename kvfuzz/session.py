@@ -38,6 +38,8 @@ class Session:
     base_url: str | None = None
     api_key: str | None = field(default=None, repr=False)
     model: str | None = None
+    # Explain every divergence by re-running in the clean / single-toggle arms (kvfuzz run).
+    attribute: bool = False
 
     def engine_for(self, config: EngineConfig) -> Engine:
         if self.engine is not None and self.engine.compatible(config):
@@ -64,17 +66,42 @@ class Session:
         # store can be kept across restarts.
         return self.engine
 
-    def check(self, trace: Trace, *, runs: int | None = None, arms: dict[str, list[str]] | None = None) -> Checked:
+    def check(self, trace: Trace, *, runs: int | None = None, arms: dict[str, list[str]] | None = None,
+              attribute: bool | None = None) -> Checked:
+        """Record ``trace`` in ``arms`` (default: its own toggles) and check it. With
+        attribution on, a divergence re-runs the trace in the clean arm (and single-toggle arms
+        when needed) so each divergence says which toggle explains it, or that none does."""
         engine = self.engine_for(trace.engine)
-        rec = record(engine, trace, runs=runs or self.runs, arms=arms, store=self.references)
+        runs = runs or self.runs
+        rec = record(engine, trace, runs=runs, arms=arms, store=self.references)
         verdicts = check(trace, rec.histories, rec.references, self.thresholds)
+        notes: dict = {}
+        if (self.attribute if attribute is None else attribute) and divergent(verdicts):
+            verdicts, notes = self._attribute(engine, trace, rec, verdicts, runs)
         finding = None
         if divergent(verdicts):
             finding = make_finding(trace, rec.histories, rec.references, verdicts, rec.environment, rec.arms)
             note = getattr(engine, "reference_note", None)
             if note:
                 finding.notes["references"] = note
+            if notes:
+                finding.notes["attribution"] = notes
         return Checked(rec, verdicts, finding)
+
+    def _attribute(self, engine: Engine, trace: Trace, rec: Recording, verdicts: list[Divergence],
+                   runs: int) -> tuple[list[Divergence], dict]:
+        from harness.toggles import clean_set
+        from oracle.attribution import attribute, plan
+
+        clean = clean_set(self.device)
+        extra = plan({v.arm for v in divergent(verdicts)}, rec.arms, clean)
+        if extra:
+            more = record(engine, trace, runs=runs, arms=extra, store=self.references)
+            rec.histories.extend(more.histories)
+            rec.arms.update(extra)
+            rec.environment.toggles = sorted({t for ts in rec.arms.values() for t in ts})
+            verdicts = check(trace, rec.histories, rec.references, self.thresholds)
+        return attribute(verdicts, rec.arms, clean), {"clean": clean, "added_arms": sorted(extra)}
 
     def close(self) -> None:
         if self.engine is not None:

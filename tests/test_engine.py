@@ -78,12 +78,14 @@ def test_cpu_lora_bug_base_request_in_mixed_batch(session, lora_engine_config):
     tokens get the last adapter slot applied. Kept as a regression: unmodified vLLM diverges,
     the fix toggle makes it clean."""
     cfg = lora_engine_config
+    # Both adapter slots filled: index -1 selects the last one (an empty slot is all zeros).
     t = Trace(engine=cfg, events=[
         SendEvent(request_id="lora", at=At(step=0), adapter="a", max_tokens=8, prompt=GenPrompt(length=40, seed=1)),
+        SendEvent(request_id="lora_b", at=At(step=0), adapter="b", max_tokens=8, prompt=GenPrompt(length=40, seed=3)),
         SendEvent(request_id="base", at=At(step=0), max_tokens=8, prompt=GenPrompt(length=40, seed=2)),
     ])
     c = session.check(t, arms={"vanilla": [], "fixed": [LORA_CPU_MASK]})
     v = {(d.arm, d.request_id): d.class_ for d in c.verdicts}
     assert v[("vanilla", "base")] == "corruption"
-    assert v[("vanilla", "lora")] == "ok"
-    assert v[("fixed", "base")] == "ok" and v[("fixed", "lora")] == "ok"
+    assert v[("vanilla", "lora")] == v[("vanilla", "lora_b")] == "ok"
+    assert v[("fixed", "base")] == v[("fixed", "lora")] == v[("fixed", "lora_b")] == "ok"

@@ -3,7 +3,8 @@
 A toggle is installed once per process (``install``) and then gated by the process-wide
 active set, so the in-process engine can run a reference with every fault off and the next
 run with a fault on, without restarting. In a server, the plugin (``plugin.py``) installs and
-activates the toggles named in ``KVFUZZ_TOGGLES`` in every vLLM process.
+activates the toggles named in ``KVFUZZ_TOGGLES`` in every vLLM process. docs/toggles.md lists
+them.
 """
 
 from .registry import (
@@ -11,13 +12,18 @@ from .registry import (
     REGISTRY,
     Toggle,
     ToggleError,
-    active,
     activate,
+    active,
+    clean_set,
     get,
     install,
     is_active,
+    kinds,
+    names,
+    output_changing,
+    self_check,
     status,
 )
 
-__all__ = ["ENV_VAR", "REGISTRY", "Toggle", "ToggleError", "activate", "active", "get", "install",
-           "is_active", "status"]
+__all__ = ["ENV_VAR", "REGISTRY", "Toggle", "ToggleError", "activate", "active", "clean_set", "get", "install",
+           "is_active", "kinds", "names", "output_changing", "self_check", "status"]

