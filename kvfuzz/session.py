@@ -53,7 +53,8 @@ class Session:
         verdicts = check(trace, rec.histories, rec.references, self.thresholds)
         finding = None
         if divergent(verdicts):
-            finding = make_finding(trace, rec.histories, rec.references, verdicts, rec.environment, rec.arms)
+            finding = make_finding(trace, rec.histories, rec.references, verdicts, rec.environment, rec.arms,
+                                   thresholds=self.thresholds)
         return Checked(rec, verdicts, finding)
 
     def close(self) -> None:
