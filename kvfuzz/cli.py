@@ -12,7 +12,7 @@ import os
 import sys
 import traceback
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 from rich.console import Console
@@ -93,7 +93,12 @@ def run(
     resume: Annotated[bool, typer.Option(help="Continue the campaign in --out.")] = False,
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
     kv_cache_mb: Annotated[int, typer.Option(min=1, help="KV cache size in MiB.")] = 24,
-    near_tie: Annotated[float, typer.Option(help="Margin below which a divergence is a numeric near-tie.")] = 1e-3,
+    near_tie: Annotated[Optional[float], typer.Option(help="Margin (nats) below which a divergence is a numeric "
+                                                           "near-tie (default: per dtype, docs/oracle.md).")] = None,
+    minimize: Annotated[bool, typer.Option("--minimize/--no-minimize", help="Minimize each finding (the original "
+                                                                             "is kept in OUT/originals).")] = True,
+    minimize_seconds: Annotated[float, typer.Option(min=1, help="Time limit per minimization.")] = 120.0,
+    controls: Annotated[bool, typer.Option("--controls/--no-controls", help="Run control arms on findings.")] = True,
 ) -> None:
     """Fuzz the embedded default model on the in-process vLLM engine."""
     from fuzzer import CampaignOptions, default_engine, run_campaign
@@ -107,6 +112,8 @@ def run(
         raise BadInput("must be positive", field="--budget")
     if device not in ("cpu", "cuda"):
         raise BadInput(f"unknown device {device!r} (cpu or cuda)", field="--device")
+    if near_tie is not None and not near_tie >= 0:
+        raise BadInput("must be >= 0", field="--near-tie")
     out.mkdir(parents=True, exist_ok=True)
     engine = default_engine(lora=lora, kv_cache_bytes=kv_cache_mb * 2**20)
     opts = CampaignOptions(seed=seed, budget_s=budget, max_traces=traces_n, runs=runs, out=out, engine=engine,
@@ -114,12 +121,25 @@ def run(
     session = Session(device=device, runs=runs, thresholds=Thresholds(near_tie=near_tie),
                       log_file=out / "engine.log")
     display = CampaignDisplay(console, budget_s=budget, max_traces=traces_n)
+
+    def check_trace(t: Any) -> Any:
+        finding = session.check(t).finding
+        if finding is None or not (minimize or controls):
+            return finding
+        from kvfuzz.commands.minimize import finish_finding
+
+        display.status(f"finding {finding.id}: " + ("minimizing" if minimize else "control arms"))
+        small = finish_finding(session, finding, out=out, device=device, do_minimize=minimize, controls=controls,
+                               max_seconds=minimize_seconds)
+        display.status("fuzzing")
+        return small
+
     try:
         with display:
             display.status("starting vLLM engine (log: %s)" % (out / "engine.log"))
             session.engine_for(engine)
             display.status("fuzzing")
-            state = run_campaign(opts, lambda t: session.check(t).finding, display.update)
+            state = run_campaign(opts, check_trace, display.update)
     finally:
         session.close()
     display.summary(state, out)

@@ -3,7 +3,10 @@
 
 import importlib
 
-MODULES: list[str] = []
+MODULES: list[str] = [
+    "minimize",
+    "report",
+]
 
 for _name in MODULES:
     importlib.import_module(f"{__name__}.{_name}")
