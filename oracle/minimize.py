@@ -342,7 +342,7 @@ class Minimizer:
         out = with_requests(kept) if len(kept) < len(others) else trace
         assert out is not None
         self.passes.append(f"{self.opts.strategy}: {len(trace.sends)} -> {len(out.sends)} requests "
-                           f"({self.replays - n0} replays)")
+                           f"({_n(self.replays - n0)})")
         return out
 
     def cancels_pass(self, trace: Trace) -> Trace:
@@ -357,7 +357,7 @@ class Minimizer:
                     continue
             i += 1
         if before:
-            self.passes.append(f"cancels: {before} -> {len(trace.cancels)} ({self.replays - n0} replays)")
+            self.passes.append(f"cancels: {before} -> {len(trace.cancels)} ({_n(self.replays - n0)})")
         return trace
 
     # -- pass 2: adapters ------------------------------------------------------------------------
@@ -386,7 +386,7 @@ class Minimizer:
                     break
         after = sorted({s.adapter for s in trace.sends if s.adapter})
         self.passes.append(f"adapters: {before or 'none'} -> {after or 'base model only'} "
-                           f"({self.replays - n0} replays)")
+                           f"({_n(self.replays - n0)})")
         return trace
 
     # -- pass 3: engine settings -----------------------------------------------------------------
@@ -412,7 +412,7 @@ class Minimizer:
                 self._changed("lora.max_loras", eng.lora.max_loras, 1)
                 trace = cand
         if trace is not start or self.replays > n0:
-            self.passes.append(f"engine: {self._describe_changes() or 'unchanged'} ({self.replays - n0} replays)")
+            self.passes.append(f"engine: {self._describe_changes() or 'unchanged'} ({_n(self.replays - n0)})")
         return trace
 
     def _changed(self, key: str, old: Any, new: Any) -> None:
@@ -457,7 +457,7 @@ class Minimizer:
                     rid, prompt=TokenPrompt(token_ids=p.token_ids[:v])))
         box[0] = self._timing(box[0])
         after = _sizes(box[0])
-        self.passes.append(f"numbers: {before} -> {after} ({self.replays - n0} replays)")
+        self.passes.append(f"numbers: {before} -> {after} ({_n(self.replays - n0)})")
         return box[0]
 
     def _timing(self, trace: Trace) -> Trace:
@@ -501,6 +501,10 @@ class Minimizer:
                 shrink_int(cur, lo, lambda v, ev=ev: put(_at_time(ev, v, use_step, mps)))
             trace = box[0]
         return trace
+
+
+def _n(k: int, word: str = "replay") -> str:
+    return f"{k} {word}{'' if k == 1 else 's'}"
 
 
 def _sizes(trace: Trace) -> str:

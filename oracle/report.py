@@ -43,6 +43,13 @@ class Table:
     # Column whose cells are verdict classes (styled in the terminal).
     class_col: int | None = None
     right: tuple[int, ...] = ()
+    # Columns that may wrap in a narrow terminal (the others stay on one line).
+    wrap: tuple[int, ...] = ()
+
+
+@dataclass
+class Bullets:
+    items: list[str]
 
 
 @dataclass
@@ -170,8 +177,8 @@ def build(finding: Finding, *, source: str = "FINDING.json") -> Report:
         r.p("No request diverged: the finding has no divergence to report.")
     for d in victim_divs[:3]:
         send = trace.send(d.request_id) if d.request_id != ENGINE else None
-        what = (f" ({_adapter(send.adapter)}, {send.prompt.length}-token prompt, {send.max_tokens} new tokens)"
-                if send else "")
+        what = (f" ({_adapter(send.adapter)}, {send.prompt.length}-token prompt, {send.max_tokens} new "
+                f"token{'s' if send.max_tokens != 1 else ''})" if send else "")
         r.p((worst, worst), ": request ", (d.request_id, "code"), what,
             f" diverged from its reference (the same request alone on a clean cache) in {d.runs_diverged} of "
             f"{d.runs} runs (Wilson 95% interval {_pct(d.rate_low)}–{_pct(d.rate_high)}), "
@@ -236,7 +243,7 @@ def build(finding: Finding, *, source: str = "FINDING.json") -> Report:
     if e.extra_args:
         rows.append(["extra engine args", json.dumps(e.extra_args, sort_keys=True)])
     rows.append(["toggles", ", ".join(env.toggles) or "none"])
-    r.table(["", ""], rows)
+    r.table(["", ""], rows, wrap=(1,))
 
     # The trace
     r.h("Trace" + (" (minimized)" if m else ""))
@@ -268,7 +275,7 @@ def build(finding: Finding, *, source: str = "FINDING.json") -> Report:
                      v.explained_by or ("—" if v.class_ not in DIVERGENT_CLASSES else "unexplained"),
                      (v.detail or "")[:160]])
     r.table(["arm", "request", "class", "diverged (95% CI)", "first token", "margin", "variants", "explained by",
-             "detail"], rows, class_col=2, right=(4, 5, 6))
+             "detail"], rows, class_col=2, right=(4, 5, 6), wrap=(8,))
     r.p(f"Classes: corruption = differs where the reference's top-1/top-2 margin is >= {near_tie:g}; "
         "numeric-near-tie = below it; truncation = a cancelled or shorter stream that agrees with the "
         "reference as far as it goes (not a divergence).")
@@ -309,7 +316,7 @@ def build(finding: Finding, *, source: str = "FINDING.json") -> Report:
             rows.append([c.name, "yes" if c.available else "no",
                          ("yes" if c.reproduced else "no") if c.available else "—",
                          ", ".join(c.toggles) or "none", rates, c.detail or ""])
-        r.table(["control", "available", "reproduces", "toggles", "victims", "detail"], rows)
+        r.table(["control", "available", "reproduces", "toggles", "victims", "detail"], rows, wrap=(3, 4, 5))
         r.p("serialized = the same requests one at a time, no cancels; batch-invariant = VLLM_BATCH_INVARIANT=1.")
 
     # Toggles and attribution
@@ -319,7 +326,7 @@ def build(finding: Finding, *, source: str = "FINDING.json") -> Report:
         info = "; ".join(f"{t} ({_toggle_info(t)[0]})" for t in ts) or "none (vLLM as installed)"
         hit = "yes" if a in arms_ok else "no"
         rows.append([a, info, hit])
-    r.table(["arm", "toggles", "reproduces"], rows)
+    r.table(["arm", "toggles", "reproduces"], rows, wrap=(1,))
     for t in sorted({t for ts in finding.arms.values() for t in ts}):
         kind, what = _toggle_info(t)
         if what:
@@ -347,9 +354,9 @@ def build(finding: Finding, *, source: str = "FINDING.json") -> Report:
             finding.notes.get("minimized_from"), dict) else None
         if orig_file:
             rows.append(["original file", orig_file])
-        r.table(["", ""], rows)
-        for line in m.passes:
-            r.p("- " + line)
+        r.table(["", ""], rows, wrap=(1,))
+        if m.passes:
+            r.blocks.append(Bullets(list(m.passes)))
 
     # Replay
     r.h("Replay")
@@ -400,6 +407,8 @@ def to_markdown(report: Report) -> str:
             out.append("| " + " | ".join("---:" if i in b.right else "---" for i in range(len(b.columns))) + " |")
             for row in b.rows:
                 out.append("| " + " | ".join(_md_cell(c) for c in row) + " |")
+        elif isinstance(b, Bullets):
+            out.extend(f"- {item}" for item in b.items)
         elif isinstance(b, Code):
             out.append(f"```{b.lang}\n{b.text}\n```")
         out.append("")
@@ -416,6 +425,7 @@ def to_rich(report: Report) -> list[Any]:
     out: list[Any] = []
     for b in report.blocks:
         if isinstance(b, Heading):
+            out.append(Text(""))
             out.append(Rule(Text(b.text, style="bold cyan"), align="left") if b.level <= 2
                        else Text(b.text, style="bold"))
         elif isinstance(b, Para):
@@ -425,10 +435,10 @@ def to_rich(report: Report) -> list[Any]:
             out.append(t)
         elif isinstance(b, Table):
             kv = all(not c for c in b.columns)
-            tb = RTable(box=box.SIMPLE_HEAD, show_header=not kv, header_style="bold")
+            tb = RTable(box=box.SIMPLE_HEAD, show_header=not kv, header_style="bold", pad_edge=False)
             for i, c in enumerate(b.columns):
                 tb.add_column(c, justify="right" if i in b.right else "left", style="bold" if kv and i == 0 else None,
-                              overflow="fold")
+                              no_wrap=i not in b.wrap, overflow="fold" if i in b.wrap else "ellipsis")
             for row in b.rows:
                 cells: list[Any] = list(row)
                 if b.class_col is not None and b.class_col < len(row):
@@ -436,6 +446,8 @@ def to_rich(report: Report) -> list[Any]:
                     cells[b.class_col] = Text(row[b.class_col], style=CLASS_STYLE.get(cls, ""))
                 tb.add_row(*cells)
             out.append(tb)
+        elif isinstance(b, Bullets):
+            out.append(Text("\n".join(f"  • {item}" for item in b.items)))
         elif isinstance(b, Code):
             out.append(Syntax(b.text, b.lang, word_wrap=True, theme="ansi_dark", background_color="default"))
     return out

