@@ -266,6 +266,7 @@ class Minimizer:
         self.engine_changes: dict[str, list[Any]] = {}
         self._cache: dict[str, bool] = {}
         self._t0 = 0.0
+        self.accepted: list[Trace] = []
 
     # -- judging a candidate -------------------------------------------------------------------
     def _check_budget(self) -> None:
@@ -298,7 +299,7 @@ class Minimizer:
     # -- driver ----------------------------------------------------------------------------------
     def run(self, trace: Trace) -> Result:
         self._t0 = self._clock()
-        self.accepted: list[Trace] = [trace]
+        self.accepted = [trace]
         self._cache[trace.trace_id()] = True
         cur = trace
         stopped = None
@@ -503,6 +504,22 @@ class Minimizer:
         return trace
 
 
+def engine_diff(a: Any, b: Any) -> dict[str, list[Any]]:
+    """Engine settings that differ, as {"lora.max_loras": [2, 1], ...}."""
+
+    def flat(d: dict[str, Any], pre: str = "") -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for k, v in d.items():
+            if isinstance(v, dict) and k != "adapters":
+                out.update(flat(v, f"{pre}{k}."))
+            else:
+                out[f"{pre}{k}"] = v
+        return out
+
+    fa, fb = flat(a.model_dump(mode="json")), flat(b.model_dump(mode="json"))
+    return {k: [fa.get(k), fb.get(k)] for k in sorted(set(fa) | set(fb)) if fa.get(k) != fb.get(k)}
+
+
 def _n(k: int, word: str = "replay") -> str:
     return f"{k} {word}{'' if k == 1 else 's'}"
 
@@ -620,21 +637,26 @@ def minimize_finding(replayer: Replayer, finding: Finding, *, victim: str | None
 
     # Verify from scratch: the minimized trace must reproduce again, with as many runs as the
     # original arm had. A flaky last step falls back to the previous accepted trace.
-    runs = runs or max(1, sum(1 for h in finding.runs if h.arm == target.arm)) or opts.acceptance.repeats
+    runs = runs or max(1, sum(1 for h in finding.runs if h.arm == target.arm))
     need = opts.acceptance.needed(runs)
     final = None
-    verified = False
-    for cand in [result.trace, *reversed(result.accepted)]:
+    passes = list(result.passes)
+    for n, cand in enumerate([result.trace, *reversed(result.accepted)]):
         cls, checked = probe.victim_class(cand, runs=runs)
         mini.replays += runs
         v = next((d for d in checked.verdicts if d.request_id == target.victim and d.arm == target.arm), None)
         if cls == target.cls and v is not None and v.runs_diverged >= need and checked.finding is not None:
-            final, verified = checked.finding, True
+            final = checked.finding
+            if n:
+                passes.append(f"verification: the result did not reproduce {need} of {runs} times; "
+                              f"fell back {n} accepted step(s)")
             break
         if cand is finding.trace:
             break
+    verified = final is not None
     if final is None:  # not even the original reproduced again: report the original, unverified
         final = finding.model_copy(deep=True)
+        passes.append(f"verification: nothing reproduced {need} of {runs} times, not even the original")
     final.minimization = Minimization(
         original=finding.id or finding.compute_id(),
         original_requests=len(finding.trace.sends), requests=len(final.trace.sends),
@@ -642,9 +664,11 @@ def minimize_finding(replayer: Replayer, finding: Finding, *, victim: str | None
         replays=mini.replays, signature=target.signature, arm=target.arm, toggles=list(target.toggles),
         repeats=opts.acceptance.repeats, min_hits=opts.acceptance.min_hits,
         reference_runs=probe.reference_runs, seconds=round(time.monotonic() - t0, 2), verified=verified,
-        engine_changes=result.engine_changes, passes=result.passes, stopped=result.stopped,
+        engine_changes=engine_diff(finding.trace.engine, final.trace.engine), passes=passes,
+        stopped=result.stopped,
     )
-    final.notes = {**{k: v for k, v in finding.notes.items() if k != "minimized_from"}, **final.notes}
+    keep = {k: v for k, v in finding.notes.items() if k not in ("minimized_from", "minimized_to", "minimize")}
+    final.notes = {**keep, **final.notes}
     final.notes["minimized_from"] = {"id": finding.id or finding.compute_id(), **({"file": original_path}
                                                                                    if original_path else {})}
     final.id = final.compute_id()

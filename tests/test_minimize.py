@@ -214,3 +214,68 @@ def test_minimizer_engine_pass_and_adapter_unification():
     assert bug(r.trace) and len(r.trace.sends) == 3
     assert r.engine_changes == {"lora.max_loras": [2, 1]}
     assert r.trace.engine.lora.max_loras == 1
+
+
+# -- minimize_finding against a fake wall-clock replayer (the server path, no engine) -------------
+
+
+class FakeServer:
+    """Replays by the fake_bug rule, reproducing with probability p per run (a wall-clock
+    engine: no engine_for, so every replay goes through check)."""
+
+    engine_kind = "server"
+
+    def __init__(self, p, seed=0):
+        self.p, self.rng, self.replays = p, random.Random(seed), 0
+
+    def check(self, trace, *, runs=None, arms=None):
+        from types import SimpleNamespace
+
+        (arm,) = arms
+        runs = runs or 1
+        self.replays += runs
+        k = sum(fake_bug(trace) and self.rng.random() < self.p for _ in range(runs))
+        verdicts = [Divergence(request_id=s.request_id, class_="corruption" if k and s.request_id == "victim" else "ok",
+                               arm=arm, runs_diverged=k if s.request_id == "victim" else 0, runs=runs)
+                    for s in trace.sends]
+        f = None
+        if k:
+            f = Finding(trace=trace, environment=Environment(kvfuzz_version="t", engine="server"),
+                        divergences=[v for v in verdicts if v.class_ != "ok"], verdicts=verdicts, arms={arm: []})
+            f.id = f.compute_id()
+        return SimpleNamespace(verdicts=verdicts, finding=f)
+
+
+def _noisy_finding():
+    t = noisy_trace()
+    f = Finding(trace=t, environment=Environment(kvfuzz_version="t", engine="server"),
+                divergences=[Divergence(request_id="victim", class_="corruption", runs_diverged=3, runs=4)],
+                arms={"default": []}, notes={"campaign": {"seed": 1, "index": 7}})
+    f.id = f.compute_id()
+    return f
+
+
+def test_minimize_finding_on_a_flaky_wall_clock_engine():
+    from oracle.minimize import minimize_finding
+
+    server = FakeServer(p=0.8, seed=3)
+    orig = _noisy_finding()
+    small = minimize_finding(server, orig, original_path="orig.json")
+    m = small.minimization
+    assert m.verified and m.repeats == 4 and m.min_hits == 2  # wall-clock defaults
+    assert sorted(s.request_id for s in small.trace.sends) == ["hit", "victim"]
+    assert m.replays == server.replays and m.original == orig.id and m.original_requests == 6
+    assert small.notes["minimized_from"] == {"id": orig.id, "file": "orig.json"}
+    assert small.notes["campaign"] == {"seed": 1, "index": 7}
+    # the offset clock was shrunk (a server schedules by offset_ms)
+    assert all(e.at.offset_ms is not None for e in small.trace.events)
+    assert min(e.at.offset_ms for e in small.trace.sends) == 0
+
+
+def test_minimize_finding_refuses_what_does_not_reproduce():
+    from oracle.minimize import NotReproduced, minimize_finding
+
+    server = FakeServer(p=0.0)
+    with pytest.raises(NotReproduced, match="corruption:victim"):
+        minimize_finding(server, _noisy_finding())
+    assert server.replays == 3  # 4 - 2 + 1 misses decide it
