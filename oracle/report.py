@@ -147,8 +147,9 @@ def _lp(rec: RequestRecord, i: int, k: int) -> tuple[str, str]:
 
 def replay_command(finding: Finding, path: str, arm: str, toggles: list[str]) -> str:
     runs = max(1, sum(1 for h in finding.runs if h.arm == arm))
-    parts = ["kvfuzz", "replay", path, "--runs", str(runs), "--engine", finding.environment.engine
-             if finding.environment.engine != "url" else "server"]
+    parts = ["kvfuzz", "replay", path, "--runs", str(runs)]
+    # A URL finding came from a server kvfuzz did not manage: the reader supplies their own.
+    parts += ["--base-url", "URL"] if finding.environment.engine == "url" else ["--engine", finding.environment.engine]
     for t in toggles:
         parts += ["--with", t]
     return " ".join(shlex.quote(p) for p in parts)

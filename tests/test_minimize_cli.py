@@ -42,6 +42,7 @@ def test_minimize_command(session, lora_engine_config, tmp_path):
     assert m.requests <= 3 and small.notes["minimized_from"]["file"] == str(src)
     assert [c.name for c in small.controls] == ["serialized", "batch-invariant"]
     assert small.controls[0].reproduced and not small.controls[1].available
+    assert small.notes["reproduced_in"] == ["default", "serialized"]
     assert "verified" in p.stdout and str(out) in p.stdout
     r = kvfuzz("report", str(out), "--markdown")
     assert r.returncode == 0 and "## Trace (minimized)" in r.stdout
@@ -99,5 +100,6 @@ def test_run_minimizes_findings_and_keeps_the_originals(tmp_path):
         assert orig.minimization is None and len(orig.trace.sends) == m.original_requests
         for f in (small, orig):
             assert [c.name for c in f.controls] == ["serialized", "batch-invariant"]
+            assert f.notes["reproduced_in"] == ["default"]  # the CPU LoRA bug needs batching
     p = kvfuzz("run", "--traces", "1", "--no-minimize", "--no-controls", "--near-tie", "-1", "--out", str(out))
     assert p.returncode == 2 and "--near-tie" in p.stderr

@@ -7,6 +7,7 @@ from collections import defaultdict
 import pytest
 
 from harness.toggles.builtin import LORA_CPU_MASK, LORA_NS
+from kvfuzz.commands.minimize import finish_finding
 from oracle.check import classify_run
 from oracle.minimize import Acceptance, Budget, Options, choose_target, minimize_finding
 from traces import At, CancelEvent, GenPrompt, SendEvent, Trace, load_finding, save
@@ -126,10 +127,16 @@ def real_bug_trace(cfg):
     ])
 
 
-def test_real_cpu_lora_bug_minimizes_to_one_base_and_one_lora_request(session, lora_engine_config):
+def test_real_cpu_lora_bug_minimizes_to_one_base_and_one_lora_request(session, lora_engine_config, tmp_path):
     found = session.check(real_bug_trace(lora_engine_config)).finding
     assert found is not None and found.worst_class() == "corruption"
-    small = minimize_finding(session, found)
+    # What `kvfuzz run` does with a finding: controls, minimization, original kept and linked.
+    small = finish_finding(session, found, out=tmp_path, device="cpu")
+    orig = load_finding(tmp_path / small.notes["minimized_from"]["file"])
+    assert orig.id == found.id and orig.notes["minimized_to"] == small.id
+    for f in (orig, small):
+        assert [(c.name, c.available, c.reproduced) for c in f.controls] == [
+            ("serialized", True, False), ("batch-invariant", False, False)]
     m = small.minimization
     assert m.verified and m.requests == 2, [(s.request_id, s.adapter) for s in small.trace.sends]
     base = [s for s in small.trace.sends if s.adapter is None]

@@ -19,10 +19,12 @@ from traces.errors import BadInput
 def add_controls(session: Any, finding: Finding, *, device: str) -> Finding:
     """Run the control arms of ``finding`` (serialized; batch-invariant where supported)."""
     from kvfuzz.isolated import check_isolated
-    from oracle.controls import run_controls
+    from oracle.controls import reproducing_arms, run_controls
 
     isolated = functools.partial(check_isolated, engine_kind=session.engine_kind, device=device)
     finding.controls = run_controls(session, finding, device=device, isolated=isolated)
+    # Stated in the file: every arm (the finding's own and the controls) that reproduced it.
+    finding.notes["reproduced_in"] = reproducing_arms(finding)
     return finding
 
 
@@ -91,8 +93,7 @@ def minimize_cmd(
 ) -> None:
     """Shrink a finding to the fewest requests, tokens and steps that keep its signature.
 
-    Exit 0 when the minimized finding was written, 1 when the finding's signature does not
-    reproduce here (nothing written), 2 bad input, 3 engine failure."""
+    Exit codes: 0 written, 1 not reproduced here (nothing written), 2 bad input, 3 engine failure."""
     from kvfuzz.session import Session
     from oracle.minimize import NotReproduced
 
