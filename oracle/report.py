@@ -312,8 +312,8 @@ def build(finding: Finding, *, source: str = "FINDING.json") -> Report:
         r.h("Control arms")
         rows = []
         for c in finding.controls:
-            rates = ", ".join(f"{v.request_id} {v.class_} {v.runs_diverged}/{v.runs}" for v in c.verdicts
-                              if v.request_id in victims) or "—"
+            rates = "; ".join(f"{v.request_id} {v.class_} {_rate(v)}, {v.variants} variant"
+                              f"{'s' if v.variants != 1 else ''}" for v in c.verdicts if v.request_id in victims) or "—"
             rows.append([c.name, "yes" if c.available else "no",
                          ("yes" if c.reproduced else "no") if c.available else "—",
                          ", ".join(c.toggles) or "none", rates, c.detail or ""])

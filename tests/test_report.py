@@ -91,7 +91,7 @@ def test_markdown_report_has_every_section():
     assert "| 0 | 20 | -0.2500 | 21 (-1.5000) | 1.2500 | 20 | -0.2500 |  |" in md
     assert "above the near-tie threshold 0.001 (float32)" in md
     # controls, toggles and attribution
-    assert "| serialized | yes | yes | fault-lora-hash-namespace | B corruption 2/3 |" in md
+    assert "| serialized | yes | yes | fault-lora-hash-namespace | B corruption 2/3 (21%–94%), 2 variants |" in md
     assert "| batch-invariant | no | — |" in md and "not available on cpu" in md
     assert "**Reproduces in**: fault, serialized." in md
     assert "**Attribution**: explained by toggle fault-lora-hash-namespace." in md
