@@ -16,7 +16,9 @@ class BadInput(KvfuzzError):
         self.source = source
         self.field = field
         parts = [p for p in (source, field) if p]
-        super().__init__(": ".join(parts + [message]))
+        # One line, always: field names and messages can come from a hostile file's keys.
+        text = ": ".join(parts + [message])
+        super().__init__(text.replace("\r", "\\r").replace("\n", "\\n"))
 
 
 class InfraError(KvfuzzError):
