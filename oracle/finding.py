@@ -6,12 +6,12 @@ import datetime as _dt
 
 from traces import Divergence, Environment, Finding, History, RequestRecord, Trace
 
-from .check import divergent
+from .check import Thresholds, divergent
 
 
 def make_finding(trace: Trace, histories: list[History], references: dict[str, RequestRecord],
                  verdicts: list[Divergence], environment: Environment,
-                 arms: dict[str, list[str]] | None = None) -> Finding:
+                 arms: dict[str, list[str]] | None = None, thresholds: Thresholds | None = None) -> Finding:
     f = Finding(
         trace=trace,
         environment=environment,
@@ -22,5 +22,8 @@ def make_finding(trace: Trace, histories: list[History], references: dict[str, R
         arms=arms or {h.arm: list(h.toggles) for h in histories},
         created=_dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
     )
+    # The threshold the verdicts were judged with, so a report can say which side a margin fell.
+    f.notes["oracle"] = {"near_tie": (thresholds or Thresholds()).near_tie_for(trace.engine.dtype),
+                         "dtype": trace.engine.dtype}
     f.id = f.compute_id()
     return f

@@ -93,3 +93,90 @@ def test_wilson():
     assert wilson(0, 10)[0] == 0.0
     lo, hi = wilson(5, 10)
     assert lo == pytest.approx(1 - hi)
+
+
+# -- issue 5: thresholds per dtype, boundaries, end-of-sequence, aggregation ----------------------
+
+from oracle.check import NEAR_TIE_DEFAULTS  # noqa: E402
+from traces import EngineConfig  # noqa: E402
+
+
+def test_near_tie_default_depends_on_dtype():
+    th = Thresholds()
+    assert th.near_tie_for("float32") == NEAR_TIE_DEFAULTS["float32"] == 1e-3
+    assert th.near_tie_for("bfloat16") == th.near_tie_for("bf16") == th.near_tie_for("torch.bfloat16") == 0.5
+    assert th.near_tie_for("float16") == th.near_tie_for("half") == 0.0625
+    # Unknown / auto: the most conservative default (never call 16-bit noise corruption).
+    assert th.near_tie_for("auto") == max(NEAR_TIE_DEFAULTS.values())
+    assert Thresholds(near_tie=0.2).near_tie_for("float32") == 0.2
+
+
+def _dtype_trace(dtype):
+    return Trace(engine=EngineConfig(dtype=dtype), events=trace().events)
+
+
+@pytest.mark.parametrize("dtype,margin,expected", [
+    ("float32", 0.125, "corruption"),       # far above fp32 batch-order noise (docs/oracle.md)
+    ("bfloat16", 0.125, "numeric-near-tie"),  # one bf16 step at logits 16-32: the reports' flips
+    ("bfloat16", 0.0, "numeric-near-tie"),    # exact tie
+    ("bfloat16", 0.5, "corruption"),          # at the threshold: not below it
+    ("float32", 0.0, "numeric-near-tie"),
+    ("float32", 2.05e-5, "numeric-near-tie"),  # the largest fp32 noise measured on CPU
+])
+def test_classification_follows_the_engine_dtype(dtype, margin, expected):
+    ref = rec("r0", [1, 2, 3, 4], margins=[1, margin, 1, 1])
+    (v,) = [d for d in check(_dtype_trace(dtype), [hist([rec("r0", [1, 7, 3, 4])])], {"r0": ref})
+            if d.request_id == "r0"]
+    assert v.class_ == expected and v.margin == pytest.approx(margin)
+
+
+def test_early_end_of_sequence_is_a_divergence_judged_by_margin():
+    # Stopped (EOS) after 2 tokens where the reference went on: the run chose EOS over token 3.
+    stopped = rec("r0", [1, 2], finish_reason="stop")
+    v = verdict([hist([stopped])])
+    assert v.class_ == "corruption" and v.first_divergence == 2 and v.margin == pytest.approx(1.5)
+    assert "end of sequence" in v.detail
+    near = rec("r0", [1], finish_reason="stop")  # position 1 has reference margin 0.0005
+    assert verdict([hist([near])]).class_ == "numeric-near-tie"
+
+
+def test_shorter_streams_that_agree_are_truncation():
+    for r in [rec("r0", [1, 2, 3], cancelled=True, finish_reason="abort"),
+              rec("r0", [], cancelled=True, finish_reason="abort"),   # cancelled in prefill
+              rec("r0", [1, 2], finish_reason="length")]:            # cut short, no stop decision
+        v = verdict([hist([r])])
+        assert v.class_ == "truncation" and v.runs_diverged == 0 and v.first_divergence is None
+
+
+def test_unknown_margin_is_corruption_and_says_so():
+    ref = RequestRecord(request_id="r0", token_ids=[1, 2, 3, 4], finish_reason="length")  # no logprobs
+    v = verdict([hist([rec("r0", [1, 9, 3, 4])])], ref=ref)
+    assert v.class_ == "corruption" and v.margin is None and "unknown" in v.detail
+
+
+def test_runner_up_is_named_when_the_run_took_a_third_choice():
+    v = verdict([hist([rec("r0", [1, 2, 99, 4])])])  # reference runner-up at 2 is 4 (3 + 1)
+    assert v.class_ == "corruption" and "not even the reference's runner-up (4)" in v.detail
+    v = verdict([hist([rec("r0", [1, 2, 4, 4])])])
+    assert "runner-up" not in v.detail
+
+
+def test_aggregation_over_runs_worst_class_rates_and_variants():
+    runs = [hist([rec("r0", [1, 7, 3, 4])], run=0),   # near tie at 1
+            hist([rec("r0", [1, 2, 9, 4])], run=1),   # corruption at 2
+            hist([rec("r0", [1, 2, 9, 4])], run=2),   # same corrupt variant
+            hist([rec("r0", [1, 2, 3, 4])], run=3)]   # clean
+    v = verdict(runs)
+    assert v.class_ == "corruption" and v.runs_diverged == 3 and v.runs == 4
+    assert v.variants == 3  # three distinct sequences: near-tie, corrupt, clean
+    assert v.first_divergence == 1 and v.margin == pytest.approx(0.0005)  # the earliest divergence
+    lo, hi = wilson(3, 4)
+    assert (v.rate_low, v.rate_high) == (pytest.approx(lo), pytest.approx(hi))
+    err = verdict(runs + [hist([rec("r0", [], error="HTTP 500", finish_reason=None)], run=4)])
+    assert err.class_ == "error" and err.runs_diverged == 4 and err.runs == 5
+
+
+def test_missing_record_and_missing_reference_are_errors():
+    assert verdict([hist([])]).class_ == "error"
+    (v,) = [d for d in check(trace(), [hist([rec("r0", [1, 2, 3, 4])])], {}) if d.request_id == "r0"]
+    assert v.class_ == "error" and "reference" in v.detail

@@ -70,6 +70,12 @@ class ControlResult(_Data):
     available: bool = True
     detail: str | None = None
     divergences: list[Divergence] = Field(default_factory=list)
+    # Added by issue 5: every request's verdict in the control (ok ones too), the runs and
+    # the toggles it ran with, and the trace it replayed (e.g. the serialized schedule).
+    verdicts: list[Divergence] = Field(default_factory=list)
+    runs: int = 0
+    toggles: list[str] = Field(default_factory=list)
+    trace: Trace | None = None
 
 
 class Minimization(_Data):
@@ -78,6 +84,25 @@ class Minimization(_Data):
     requests: int = 0
     replays: int = 0
     signature: str | None = None
+    # Added by issue 5 (oracle/minimize.py): what was kept and how it was judged.
+    original_events: int = 0
+    events: int = 0
+    arm: str | None = None
+    toggles: list[str] = Field(default_factory=list)
+    # k-of-m acceptance: a candidate is kept when the signature reproduces in >= min_hits of
+    # repeats replays (1 of 1 on the deterministic in-process engine).
+    repeats: int = 1
+    min_hits: int = 1
+    # Engine runs spent on references for candidates (each request alone on a clean cache).
+    reference_runs: int = 0
+    seconds: float = 0.0
+    # The minimized trace reproduced the signature when replayed again from scratch.
+    verified: bool = False
+    # Engine settings the minimizer changed (field -> [original, minimized]).
+    engine_changes: dict[str, Any] = Field(default_factory=dict)
+    # One line per pass, e.g. "ddmin: 10 -> 3 requests (14 candidates)".
+    passes: list[str] = Field(default_factory=list)
+    stopped: str | None = None  # why it stopped early (budget), None when it ran to the end
 
 
 class Finding(_Data):

@@ -128,7 +128,7 @@ def replay(
     out: Annotated[Path, typer.Option(help="Output directory (replay summaries, new findings, server logs).")] = Path("kvfuzz-out"),
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
     server_arg: Annotated[Optional[list[str]], typer.Option("--server-arg", help="Extra flag for the managed vLLM server (repeatable), e.g. --server-arg=--attention-backend=FLASHINFER.")] = None,
-    near_tie: Annotated[float, typer.Option(help="Margin below which a divergence is a numeric near-tie.")] = 1e-3,
+    near_tie: Annotated[Optional[float], typer.Option(help="Margin (nats) below which a divergence is a numeric near-tie (default: per dtype, docs/oracle.md).")] = None,
     with_: arms_opts.WithOpt = None,
     without: arms_opts.WithoutOpt = None,
     arms: arms_opts.ArmsOpt = None,

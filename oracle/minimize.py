@@ -1,0 +1,675 @@
+"""Shrink a finding to the smallest trace that still shows the same bug.
+
+The signature kept is *(class, victim)*: the victim request still gets the same verdict
+class. A candidate trace is kept when that signature reproduces in at least ``m`` of ``k``
+replays (``Acceptance``). The in-process engine replays a trace step by step and is
+deterministic, so k = m = 1 there; a wall-clock server is not, so a candidate is replayed
+up to k times (stopping as soon as the outcome is decided) and kept on m hits.
+
+Passes, repeated until nothing changes or the budget is spent:
+
+1. events: probabilistic delta debugging (ProbDD; or classic ddmin) over requests — a send
+   and its cancels go together, the victim always stays; then each remaining cancel alone;
+2. adapters: each LoRA request to the base model, then all adapters unified to one;
+3. engine: fewer LoRA slots / LoRA off when no adapter is left (these restart the engine);
+4. numbers: max_tokens, shared prefix (dropped, then shortened), prompt length, and the
+   clock of every event (step or offset_ms, and a cancel's after_tokens), each bisected
+   towards its smallest value.
+
+Nothing here imports torch or vLLM: replays go through a ``Replayer`` (``kvfuzz.session.Session``
+or anything with the same ``check``), so the same code minimizes against the in-process
+engine and a managed server.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, TypeVar
+
+from pydantic import ValidationError
+
+from traces import CancelEvent, Finding, GenPrompt, Minimization, SendEvent, TokenPrompt, Trace
+from traces.finding import DIVERGENT_CLASSES, SEVERITY
+
+from .check import ENGINE, Thresholds, classify_run
+
+T = TypeVar("T")
+
+# -- the signature and how a candidate is judged ---------------------------------------------
+
+
+@dataclass(frozen=True)
+class Target:
+    """What must keep happening: ``victim`` gets class ``cls`` in arm ``arm`` (run with
+    ``toggles``)."""
+
+    cls: str
+    victim: str
+    arm: str = "default"
+    toggles: tuple[str, ...] = ()
+
+    @property
+    def signature(self) -> str:
+        return f"{self.cls}:{self.victim}"
+
+
+def choose_target(finding: Finding, victim: str | None = None) -> Target:
+    """The finding's most severe class and, among its victims, the one that diverged most
+    often (then the earliest sent): the request a maintainer will look at first."""
+    divs = [d for d in finding.divergences if d.class_ in DIVERGENT_CLASSES]
+    if victim is not None:
+        divs = [d for d in divs if d.request_id == victim]
+        if not divs:
+            known = sorted({d.request_id for d in finding.divergences})
+            raise ValueError(f"request {victim!r} did not diverge in this finding (victims: {', '.join(known)})")
+    if not divs:
+        raise ValueError("the finding has no divergence to minimize")
+    order = {s.request_id: i for i, s in enumerate(finding.trace.sends)}
+    best = min(divs, key=lambda d: (SEVERITY[d.class_], -(d.runs_diverged / max(1, d.runs)),
+                                    order.get(d.request_id, -1)))
+    toggles = finding.arms.get(best.arm)
+    if toggles is None:
+        toggles = next((h.toggles for h in finding.runs if h.arm == best.arm), list(finding.trace.engine.toggles))
+    return Target(cls=best.class_, victim=best.request_id, arm=best.arm, toggles=tuple(toggles))
+
+
+@dataclass(frozen=True)
+class Acceptance:
+    """Keep a candidate when the signature reproduces in >= ``min_hits`` of ``repeats`` runs."""
+
+    repeats: int = 1
+    min_hits: int = 1
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_hits <= self.repeats:
+            raise ValueError(f"need 1 <= m <= k, got m={self.min_hits}, k={self.repeats}")
+
+    def needed(self, runs: int) -> int:
+        """Hits required out of ``runs`` replays at the same rate (for the final check)."""
+        return max(1, math.ceil(runs * self.min_hits / self.repeats))
+
+
+def default_acceptance(engine_kind: str) -> Acceptance:
+    # Step-anchored in-process replays are deterministic: one replay decides. Wall-clock
+    # replays vary run to run: keep candidates that reproduce at least half the time.
+    return Acceptance(1, 1) if engine_kind == "inprocess" else Acceptance(4, 2)
+
+
+def accepts(run_once: Callable[[], bool], acc: Acceptance) -> tuple[bool, int]:
+    """Replay until the k-of-m outcome is decided. Returns (kept, replays spent)."""
+    hits = 0
+    for i in range(acc.repeats):
+        hits += bool(run_once())
+        done = i + 1
+        if hits >= acc.min_hits:
+            return True, done
+        if hits + (acc.repeats - done) < acc.min_hits:
+            return False, done
+    return False, acc.repeats  # pragma: no cover - the loop always decides
+
+
+# -- set reduction: ProbDD and ddmin -----------------------------------------------------------
+
+
+def probdd(items: Sequence[T], keeps: Callable[[list[T]], bool], *, p0: float = 0.1) -> list[T]:
+    """Probabilistic delta debugging (Wang et al., FSE 2021): every item has a probability
+    of being needed; each round removes the set with the best expected gain (size x chance
+    that none of it is needed), and a failed removal raises the probabilities of what it
+    tried to remove. Ends when every remaining item has been shown necessary on its own.
+    ``keeps(subset)`` says whether the subset still reproduces."""
+    items = list(items)
+    p = {i: p0 for i in range(len(items))}
+    alive = list(range(len(items)))
+    if alive and keeps([]):
+        return []
+    while True:
+        open_ = sorted((i for i in alive if p[i] < 1.0), key=lambda i: (p[i], i))
+        if not open_:
+            break
+        best, best_gain, prod = 0, -1.0, 1.0
+        for n, i in enumerate(open_, start=1):
+            prod *= 1.0 - p[i]
+            if n * prod > best_gain:
+                best, best_gain = n, n * prod
+        drop = set(open_[:best])
+        rest = [i for i in alive if i not in drop]
+        if keeps([items[i] for i in rest]):
+            alive = rest
+            continue
+        none_needed = math.prod(1.0 - p[i] for i in drop)
+        for i in drop:
+            p[i] = 1.0 if len(drop) == 1 else min(1.0, p[i] / (1.0 - none_needed))
+    return [items[i] for i in alive]
+
+
+def ddmin(items: Sequence[T], keeps: Callable[[list[T]], bool]) -> list[T]:
+    """Zeller's ddmin: 1-minimal subset for which ``keeps`` holds."""
+    cur = list(items)
+    if cur and keeps([]):
+        return []
+    n = 2
+    while len(cur) >= 2:
+        size = math.ceil(len(cur) / n)
+        chunks = [cur[i:i + size] for i in range(0, len(cur), size)]
+        for c in chunks:
+            if keeps(c):
+                cur, n = c, 2
+                break
+        else:
+            for c in chunks:
+                rest = [x for x in cur if x not in c]
+                if keeps(rest):
+                    cur, n = rest, max(n - 1, 2)
+                    break
+            else:
+                if n >= len(cur):
+                    break
+                n = min(len(cur), 2 * n)
+    return cur
+
+
+def shrink_int(cur: int, lo: int, keeps: Callable[[int], bool], *, max_tries: int = 8) -> int:
+    """Smallest value in [lo, cur] that keeps, by trying ``lo`` and then bisecting (assumes,
+    heuristically, that keeping is monotone; every accepted value was actually tested)."""
+    if cur <= lo:
+        return cur
+    if keeps(lo):
+        return lo
+    lo += 1
+    tries = 1
+    while lo < cur and tries < max_tries:
+        mid = (lo + cur) // 2
+        if keeps(mid):
+            cur = mid
+        else:
+            lo = mid + 1
+        tries += 1
+    return cur
+
+
+# -- the minimizer -----------------------------------------------------------------------------
+
+
+class Replayer(Protocol):
+    """What the minimizer needs from kvfuzz.session.Session."""
+
+    engine_kind: str
+
+    def check(self, trace: Trace, *, runs: int | None = None, arms: dict[str, list[str]] | None = None) -> Any: ...
+
+
+class BudgetExhausted(Exception):
+    pass
+
+
+class NotReproduced(Exception):
+    """The finding's signature does not reproduce here, so there is nothing to minimize."""
+
+
+@dataclass
+class Budget:
+    max_replays: int | None = 400
+    max_seconds: float | None = None
+
+
+@dataclass
+class Options:
+    acceptance: Acceptance = field(default_factory=Acceptance)
+    budget: Budget = field(default_factory=Budget)
+    strategy: Literal["probdd", "ddmin"] = "probdd"
+    # Which clock to shrink: the in-process engine schedules by step, a server by offset_ms.
+    clock: Literal["step", "offset"] = "step"
+    # Try engine settings that need an engine restart (fewer LoRA slots, LoRA off).
+    engine: bool = True
+    # Rounds of all passes; later rounds catch what earlier changes enabled.
+    max_rounds: int = 3
+
+
+@dataclass
+class Result:
+    trace: Trace
+    # Every trace that was accepted, in order (the original first): verification walks
+    # back through them if the last one does not reproduce again.
+    accepted: list[Trace]
+    replays: int
+    passes: list[str]
+    engine_changes: dict[str, list[Any]]
+    stopped: str | None
+    seconds: float
+
+
+def _rebuild(trace: Trace, events: Iterable[Any] | None = None, engine: Any = None) -> Trace | None:
+    """A validated copy with new events / engine, or None if the result is not a valid trace."""
+    data = trace.model_dump(mode="json")
+    if events is not None:
+        data["events"] = [e.model_dump(mode="json") for e in events]
+    if engine is not None:
+        data["engine"] = engine.model_dump(mode="json")
+    try:
+        return Trace.model_validate(data)
+    except ValidationError:
+        return None
+
+
+class Minimizer:
+    def __init__(self, target: Target, run_once: Callable[[Trace], bool], options: Options | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        self.target = target
+        self.run_once = run_once
+        self.opts = options or Options()
+        self._clock = clock
+        self.replays = 0
+        self.passes: list[str] = []
+        self.engine_changes: dict[str, list[Any]] = {}
+        self._cache: dict[str, bool] = {}
+        self._t0 = 0.0
+        self.accepted: list[Trace] = []
+
+    # -- judging a candidate -------------------------------------------------------------------
+    def _check_budget(self) -> None:
+        b = self.opts.budget
+        if b.max_replays is not None and self.replays >= b.max_replays:
+            raise BudgetExhausted(f"replay budget of {b.max_replays} spent")
+        if b.max_seconds is not None and self._clock() - self._t0 >= b.max_seconds:
+            raise BudgetExhausted(f"time budget of {b.max_seconds:g} s spent")
+
+    def keeps(self, cand: Trace | None) -> bool:
+        if cand is None:
+            return False
+        key = cand.trace_id()
+        if key in self._cache:
+            return self._cache[key]
+        if not any(s.request_id == self.target.victim for s in cand.sends) and self.target.victim != ENGINE:
+            return False
+        self._check_budget()
+
+        def once() -> bool:
+            self.replays += 1
+            return self.run_once(cand)
+
+        kept, _ = accepts(once, self.opts.acceptance)
+        self._cache[key] = kept
+        if kept:
+            self.accepted.append(cand)
+        return kept
+
+    # -- driver ----------------------------------------------------------------------------------
+    def run(self, trace: Trace) -> Result:
+        self._t0 = self._clock()
+        self.accepted = [trace]
+        self._cache[trace.trace_id()] = True
+        cur = trace
+        stopped = None
+        try:
+            for rnd in range(self.opts.max_rounds):
+                before = cur.trace_id()
+                cur = self.events_pass(cur)
+                cur = self.cancels_pass(cur)
+                cur = self.adapters_pass(cur)
+                if self.opts.engine:
+                    changed = self.engine_pass(cur)
+                    if changed is not cur:
+                        cur = self.events_pass(changed)
+                # The numbers pass is the expensive one: after the first round, only when the
+                # structure (requests, cancels, adapters, engine) changed again.
+                if rnd == 0 or cur.trace_id() != before:
+                    cur = self.numbers_pass(cur)
+                if cur.trace_id() == before:
+                    break
+        except BudgetExhausted as e:
+            stopped = str(e)
+            cur = self.accepted[-1]
+        cur = _tidy(cur, use_step=self.opts.clock == "step")
+        return Result(trace=cur, accepted=self.accepted, replays=self.replays, passes=self.passes,
+                      engine_changes=self.engine_changes, stopped=stopped, seconds=self._clock() - self._t0)
+
+    # -- pass 1: events --------------------------------------------------------------------------
+    def events_pass(self, trace: Trace) -> Trace:
+        victim = self.target.victim
+        others = [s.request_id for s in trace.sends if s.request_id != victim]
+        if not others:
+            return trace
+
+        def with_requests(keep: list[str]) -> Trace | None:
+            ids = set(keep) | {victim}
+            return _rebuild(trace, [e for e in trace.events if e.request_id in ids])
+
+        n0 = self.replays
+        reduce = probdd if self.opts.strategy == "probdd" else ddmin
+        kept = reduce(others, lambda sub: self.keeps(with_requests(sub)))
+        out = with_requests(kept) if len(kept) < len(others) else trace
+        assert out is not None
+        self.passes.append(f"{self.opts.strategy}: {len(trace.sends)} -> {len(out.sends)} requests "
+                           f"({_n(self.replays - n0)})")
+        return out
+
+    def cancels_pass(self, trace: Trace) -> Trace:
+        n0, before = self.replays, len(trace.cancels)
+        i = 0
+        while i < len(trace.events):
+            if isinstance(trace.events[i], CancelEvent):
+                cand = _rebuild(trace, trace.events[:i] + trace.events[i + 1:])
+                if self.keeps(cand):
+                    assert cand is not None
+                    trace = cand
+                    continue
+            i += 1
+        if before:
+            self.passes.append(f"cancels: {before} -> {len(trace.cancels)} ({_n(self.replays - n0)})")
+        return trace
+
+    # -- pass 2: adapters ------------------------------------------------------------------------
+    def adapters_pass(self, trace: Trace) -> Trace:
+        if not any(s.adapter for s in trace.sends):
+            return trace
+        n0 = self.replays
+        before = sorted({s.adapter for s in trace.sends if s.adapter})
+        for s in list(trace.sends):
+            if s.adapter is None:
+                continue
+            cand = _replace_send(trace, s.request_id, adapter=None)
+            if self.keeps(cand):
+                assert cand is not None
+                trace = cand
+        used = [s.adapter for s in trace.sends if s.adapter]
+        if len(set(used)) > 1:
+            # Prefer the adapter most requests already use; the others become it.
+            for keep in sorted(set(used), key=lambda a: (-used.count(a), a)):
+                events = [e.model_copy(update={"adapter": keep}) if isinstance(e, SendEvent) and e.adapter else e
+                          for e in trace.events]
+                cand = _rebuild(trace, events)
+                if self.keeps(cand):
+                    assert cand is not None
+                    trace = cand
+                    break
+        after = sorted({s.adapter for s in trace.sends if s.adapter})
+        self.passes.append(f"adapters: {before or 'none'} -> {after or 'base model only'} "
+                           f"({_n(self.replays - n0)})")
+        return trace
+
+    # -- pass 3: engine settings -----------------------------------------------------------------
+    def engine_pass(self, trace: Trace) -> Trace:
+        eng = trace.engine
+        if not eng.lora.enabled:
+            return trace
+        n0 = self.replays
+        start = trace
+        adapters = {s.adapter for s in trace.sends if s.adapter}
+        if not adapters:
+            cand = _rebuild(trace, engine=eng.model_copy(update={"lora": eng.lora.model_copy(
+                update={"enabled": False, "adapters": {}})}))
+            if self.keeps(cand):
+                assert cand is not None
+                self._changed("lora.enabled", True, False)
+                trace = cand
+        elif eng.lora.max_loras > 1:
+            cand = _rebuild(trace, engine=eng.model_copy(update={"lora": eng.lora.model_copy(
+                update={"max_loras": 1})}))
+            if self.keeps(cand):
+                assert cand is not None
+                self._changed("lora.max_loras", eng.lora.max_loras, 1)
+                trace = cand
+        if trace is not start or self.replays > n0:
+            self.passes.append(f"engine: {self._describe_changes() or 'unchanged'} ({_n(self.replays - n0)})")
+        return trace
+
+    def _changed(self, key: str, old: Any, new: Any) -> None:
+        if key in self.engine_changes:
+            self.engine_changes[key][1] = new
+        else:
+            self.engine_changes[key] = [old, new]
+
+    def _describe_changes(self) -> str:
+        return ", ".join(f"{k} {a} -> {b}" for k, (a, b) in self.engine_changes.items())
+
+    # -- pass 4: numbers -------------------------------------------------------------------------
+    def numbers_pass(self, trace: Trace) -> Trace:
+        n0 = self.replays
+        before = _sizes(trace)
+        box = [trace]
+
+        def attempt(rid: str, **update: Any) -> bool:
+            cand = _replace_send(box[0], rid, **update)
+            if self.keeps(cand):
+                assert cand is not None
+                box[0] = cand
+                return True
+            return False
+
+        for rid in [s.request_id for s in trace.sends]:
+            s = box[0].send(rid)
+            shrink_int(s.max_tokens, 1, lambda v, rid=rid: attempt(rid, max_tokens=v))
+            s = box[0].send(rid)
+            if isinstance(s.prompt, GenPrompt) and s.prompt.prefix_len:
+                p = s.prompt
+                if not attempt(rid, prompt=GenPrompt(length=p.length, seed=p.seed)):
+                    shrink_int(p.prefix_len, 1, lambda v, rid=rid, p=p: attempt(
+                        rid, prompt=p.model_copy(update={"prefix_len": v})))
+            s = box[0].send(rid)
+            p = s.prompt
+            if isinstance(p, GenPrompt):
+                shrink_int(p.length, max(1, p.prefix_len), lambda v, rid=rid, p=p: attempt(
+                    rid, prompt=p.model_copy(update={"length": v})))
+            else:
+                shrink_int(len(p.token_ids), 1, lambda v, rid=rid, p=p: attempt(
+                    rid, prompt=TokenPrompt(token_ids=p.token_ids[:v])))
+        box[0] = self._timing(box[0])
+        after = _sizes(box[0])
+        self.passes.append(f"numbers: {before} -> {after} ({_n(self.replays - n0)})")
+        return box[0]
+
+    def _timing(self, trace: Trace) -> Trace:
+        mps = trace.engine.ms_per_step
+        use_step = self.opts.clock == "step"
+
+        def when(e: Any) -> float:
+            return e.at.step_or(mps) if use_step else e.at.offset_or(mps)
+
+        # Shift everything so the first event is at time 0 (one candidate), then each event
+        # towards its earliest possible time, in trace order.
+        timed = [e for e in trace.events if e.at.after_tokens is None]
+        if timed:
+            first = min(when(e) for e in timed)
+            if first > 0:
+                cand = _rebuild(trace, [_shift(e, -first, use_step, mps) if e.at.after_tokens is None else e
+                                        for e in trace.events])
+                if self.keeps(cand):
+                    assert cand is not None
+                    trace = cand
+        for idx in range(len(trace.events)):
+            ev = trace.events[idx]
+            box = [trace]
+
+            def put(new_ev: Any, idx: int = idx) -> bool:
+                cand = _rebuild(box[0], box[0].events[:idx] + [new_ev] + box[0].events[idx + 1:])
+                if self.keeps(cand):
+                    assert cand is not None
+                    box[0] = cand
+                    return True
+                return False
+
+            if isinstance(ev, CancelEvent) and ev.at.after_tokens is not None:
+                shrink_int(ev.at.after_tokens, 0, lambda v, ev=ev: put(
+                    ev.model_copy(update={"at": ev.at.model_copy(update={"after_tokens": v})})))
+            else:
+                lo = 0
+                if isinstance(ev, CancelEvent):
+                    lo = int(when(box[0].send(ev.request_id)))
+                cur = int(when(ev))
+                shrink_int(cur, lo, lambda v, ev=ev: put(_at_time(ev, v, use_step, mps)))
+            trace = box[0]
+        return trace
+
+
+def engine_diff(a: Any, b: Any) -> dict[str, list[Any]]:
+    """Engine settings that differ, as {"lora.max_loras": [2, 1], ...}."""
+
+    def flat(d: dict[str, Any], pre: str = "") -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for k, v in d.items():
+            if isinstance(v, dict) and k != "adapters":
+                out.update(flat(v, f"{pre}{k}."))
+            else:
+                out[f"{pre}{k}"] = v
+        return out
+
+    fa, fb = flat(a.model_dump(mode="json")), flat(b.model_dump(mode="json"))
+    return {k: [fa.get(k), fb.get(k)] for k in sorted(set(fa) | set(fb)) if fa.get(k) != fb.get(k)}
+
+
+def _n(k: int, word: str = "replay") -> str:
+    return f"{k} {word}{'' if k == 1 else 's'}"
+
+
+def _sizes(trace: Trace) -> str:
+    prompt = sum(s.prompt.length for s in trace.sends)
+    gen = sum(s.max_tokens for s in trace.sends)
+    return f"{prompt} prompt + {gen} generated tokens"
+
+
+def _replace_send(trace: Trace, rid: str, **update: Any) -> Trace | None:
+    events = [e.model_copy(update=update) if isinstance(e, SendEvent) and e.request_id == rid else e
+              for e in trace.events]
+    return _rebuild(trace, events)
+
+
+def _at_time(ev: Any, v: float, use_step: bool, mps: float) -> Any:
+    at = ev.at
+    if use_step:
+        upd: dict[str, Any] = {"step": int(v)}
+        if at.offset_ms is not None:
+            upd["offset_ms"] = float(int(v) * mps)
+    else:
+        upd = {"offset_ms": float(v)}
+        if at.step is not None:
+            upd["step"] = int(v // mps)
+    return ev.model_copy(update={"at": at.model_copy(update=upd)})
+
+
+def _shift(ev: Any, delta: float, use_step: bool, mps: float) -> Any:
+    cur = ev.at.step_or(mps) if use_step else ev.at.offset_or(mps)
+    return _at_time(ev, max(0, cur + delta), use_step, mps)
+
+
+def _tidy(trace: Trace, *, use_step: bool = True) -> Trace:
+    """Events in time order for reading (sorting by (time, position) keeps the replay order
+    of equal times; relative cancels are placed right after their send)."""
+    mps = trace.engine.ms_per_step
+    pos = {e.request_id: i for i, e in enumerate(trace.events) if isinstance(e, SendEvent)}
+
+    def when(e: Any) -> float:
+        return e.at.step_or(mps) if use_step else e.at.offset_or(mps)
+
+    def key(ie: tuple[int, Any]) -> tuple[float, float]:
+        i, e = ie
+        if e.at.after_tokens is not None and e.at.step is None and e.at.offset_ms is None:
+            return (when(trace.events[pos[e.request_id]]), pos[e.request_id] + 0.5)
+        return (when(e), float(i))
+
+    events = [e for _, e in sorted(enumerate(trace.events), key=key)]
+    return _rebuild(trace, events) or trace
+
+
+# -- against a session -------------------------------------------------------------------------
+
+
+class SessionProbe:
+    """One replay of a candidate through a Session-like replayer, judged on the target."""
+
+    def __init__(self, replayer: Replayer, target: Target):
+        self.replayer = replayer
+        self.target = target
+        self.reference_runs = 0
+
+    def _one_replay(self, trace: Trace) -> str | None:
+        """One replay judged on the victim alone: only the victim's reference is needed, so
+        shrinking other requests' prompts costs no reference runs."""
+        engine = self.replayer.engine_for(trace.engine)  # type: ignore[attr-defined]
+        h = engine.replay(trace, arm=self.target.arm, run_index=0, toggles=list(self.target.toggles))
+        if self.target.victim == ENGINE:
+            return "engine-crash" if h.crashed else "ok"
+        send = trace.send(self.target.victim)
+        refs = self.replayer.references  # type: ignore[attr-defined]
+        before = refs.computed
+        ref = refs.get(engine, send)
+        self.reference_runs += refs.computed - before
+        th = getattr(self.replayer, "thresholds", None) or Thresholds()
+        return classify_run(send, ref, h.requests.get(send.request_id), h, th.resolve(trace.engine.dtype)).cls
+
+    def victim_class(self, trace: Trace, runs: int = 1) -> tuple[str | None, Any]:
+        refs = getattr(self.replayer, "references", None)
+        before = getattr(refs, "computed", 0)
+        checked = self.replayer.check(trace, runs=runs, arms={self.target.arm: list(self.target.toggles)})
+        self.reference_runs += getattr(refs, "computed", 0) - before
+        for v in checked.verdicts:
+            if v.request_id == self.target.victim and v.arm == self.target.arm:
+                return v.class_, checked
+        return None, checked
+
+    def __call__(self, trace: Trace) -> bool:
+        if hasattr(self.replayer, "engine_for") and hasattr(self.replayer, "references"):
+            return self._one_replay(trace) == self.target.cls
+        cls, _ = self.victim_class(trace)
+        return cls == self.target.cls
+
+
+def minimize_finding(replayer: Replayer, finding: Finding, *, victim: str | None = None,
+                     options: Options | None = None, runs: int | None = None,
+                     original_path: str | None = None) -> Finding:
+    """Minimize ``finding`` by replaying candidates through ``replayer``; return the
+    minimized finding (re-recorded from scratch, linked to the original). Raises
+    NotReproduced when the original signature does not reproduce here."""
+    target = choose_target(finding, victim)
+    opts = options or Options(acceptance=default_acceptance(replayer.engine_kind),
+                              clock="step" if replayer.engine_kind == "inprocess" else "offset")
+    probe = SessionProbe(replayer, target)
+    mini = Minimizer(target, probe, opts)
+    t0 = time.monotonic()
+    kept, spent = accepts(lambda: probe(finding.trace), opts.acceptance)
+    mini.replays += spent
+    if not kept:
+        raise NotReproduced(f"signature {target.signature} (arm {target.arm!r}) did not reproduce in "
+                            f">= {opts.acceptance.min_hits} of {opts.acceptance.repeats} replays")
+    result = mini.run(finding.trace)
+
+    # Verify from scratch: the minimized trace must reproduce again, with as many runs as the
+    # original arm had. A flaky last step falls back to the previous accepted trace.
+    runs = runs or max(1, sum(1 for h in finding.runs if h.arm == target.arm))
+    need = opts.acceptance.needed(runs)
+    final = None
+    passes = list(result.passes)
+    for n, cand in enumerate([result.trace, *reversed(result.accepted)]):
+        cls, checked = probe.victim_class(cand, runs=runs)
+        mini.replays += runs
+        v = next((d for d in checked.verdicts if d.request_id == target.victim and d.arm == target.arm), None)
+        if cls == target.cls and v is not None and v.runs_diverged >= need and checked.finding is not None:
+            final = checked.finding
+            if n:
+                passes.append(f"verification: the result did not reproduce {need} of {runs} times; "
+                              f"fell back {n} accepted step(s)")
+            break
+        if cand is finding.trace:
+            break
+    verified = final is not None
+    if final is None:  # not even the original reproduced again: report the original, unverified
+        final = finding.model_copy(deep=True)
+        passes.append(f"verification: nothing reproduced {need} of {runs} times, not even the original")
+    final.minimization = Minimization(
+        original=finding.id or finding.compute_id(),
+        original_requests=len(finding.trace.sends), requests=len(final.trace.sends),
+        original_events=len(finding.trace.events), events=len(final.trace.events),
+        replays=mini.replays, signature=target.signature, arm=target.arm, toggles=list(target.toggles),
+        repeats=opts.acceptance.repeats, min_hits=opts.acceptance.min_hits,
+        reference_runs=probe.reference_runs, seconds=round(time.monotonic() - t0, 2), verified=verified,
+        engine_changes=engine_diff(finding.trace.engine, final.trace.engine), passes=passes,
+        stopped=result.stopped,
+    )
+    keep = {k: v for k, v in finding.notes.items() if k not in ("minimized_from", "minimized_to", "minimize")}
+    final.notes = {**keep, **final.notes}
+    final.notes["minimized_from"] = {"id": finding.id or finding.compute_id(), **({"file": original_path}
+                                                                                   if original_path else {})}
+    final.id = final.compute_id()
+    return final

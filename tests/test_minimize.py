@@ -1,0 +1,281 @@
+"""The minimizer's logic, without an engine: set reduction (ProbDD, ddmin), k-of-m acceptance,
+numeric shrinking, target choice, and a whole minimization against a fake (flaky) oracle."""
+
+import random
+
+import pytest
+
+from oracle.minimize import (
+    Acceptance,
+    Budget,
+    Minimizer,
+    Options,
+    Target,
+    accepts,
+    choose_target,
+    ddmin,
+    default_acceptance,
+    probdd,
+    shrink_int,
+)
+from traces import At, CancelEvent, Divergence, Environment, Finding, GenPrompt, LoraSettings, SendEvent, Trace
+from traces.trace import EngineConfig
+
+
+class Counting:
+    def __init__(self, pred):
+        self.pred, self.calls = pred, 0
+
+    def __call__(self, subset):
+        self.calls += 1
+        return self.pred(set(subset))
+
+
+@pytest.mark.parametrize("reduce", [probdd, ddmin])
+@pytest.mark.parametrize("needed", [set(), {7}, {3, 11}, {0, 9, 19}])
+def test_reduction_finds_exactly_the_needed_items(reduce, needed):
+    keeps = Counting(lambda s: needed <= s)
+    assert sorted(reduce(list(range(20)), keeps)) == sorted(needed)
+    assert keeps.calls <= 120  # far fewer than the 2^20 subsets
+
+
+@pytest.mark.parametrize("reduce", [probdd, ddmin])
+def test_reduction_result_is_one_minimal_for_alternatives(reduce):
+    # Reproduces with {2, 5} or with {8} alone: the result must be one of them, 1-minimal.
+    keeps = lambda s: {2, 5} <= set(s) or 8 in set(s)  # noqa: E731
+    out = set(reduce(list(range(10)), keeps))
+    assert out in ({2, 5}, {8})
+    assert all(not keeps(out - {x}) for x in out)
+
+
+def test_accepts_stops_as_soon_as_decided():
+    def seq(outcomes):
+        it = iter(outcomes)
+        return lambda: next(it)
+
+    assert accepts(seq([True]), Acceptance(1, 1)) == (True, 1)
+    assert accepts(seq([False]), Acceptance(1, 1)) == (False, 1)
+    assert accepts(seq([True, True]), Acceptance(4, 2)) == (True, 2)
+    assert accepts(seq([False, True, False, True]), Acceptance(4, 2)) == (True, 4)
+    # After 3 misses, 1 replay left cannot reach 2 hits: stop.
+    assert accepts(seq([False, False, False]), Acceptance(4, 2)) == (False, 3)
+    assert accepts(seq([True, False, False, False]), Acceptance(4, 2)) == (False, 4)
+    with pytest.raises(ValueError):
+        Acceptance(2, 3)
+
+
+def test_k_of_m_acceptance_rate_matches_the_binomial():
+    # A candidate that reproduces with probability p is kept with P(Binomial(k, p) >= m).
+    rng = random.Random(0)
+    acc = Acceptance(4, 2)
+    for p, expected in [(0.5, 11 / 16), (0.9, 0.9963), (0.1, 0.0523)]:
+        kept = sum(accepts(lambda: rng.random() < p, acc)[0] for _ in range(4000)) / 4000
+        assert abs(kept - expected) < 0.03, (p, kept)
+    assert Acceptance(4, 2).needed(3) == 2 and Acceptance(1, 1).needed(3) == 3
+
+
+def test_default_acceptance_by_engine():
+    assert default_acceptance("inprocess") == Acceptance(1, 1)
+    d = default_acceptance("server")
+    assert d.repeats > 1 and 1 < d.min_hits < d.repeats
+
+
+def test_shrink_int():
+    calls = []
+
+    def keeps(v, threshold=37):
+        calls.append(v)
+        return v >= threshold
+
+    assert shrink_int(100, 1, keeps, max_tries=10) == 37
+    assert calls[0] == 1 and all(c >= 1 for c in calls)
+    calls.clear()
+    got = shrink_int(100, 1, keeps)  # default: a few tries, close to the smallest
+    assert 37 <= got <= 45 and len(calls) <= 8
+    assert shrink_int(100, 1, lambda v: True) == 1
+    assert shrink_int(5, 5, lambda v: pytest.fail("nothing to shrink")) == 5
+    assert shrink_int(100, 1, lambda v: v == 100) == 100
+
+
+def _div(rid, cls, k, n, arm="default"):
+    return Divergence(request_id=rid, class_=cls, arm=arm, runs_diverged=k, runs=n)
+
+
+def _finding(trace, divs, arms=None):
+    return Finding(trace=trace, environment=Environment(kvfuzz_version="t"), divergences=divs,
+                   arms=arms or {"default": []})
+
+
+def _send(rid, step, **kw):
+    kw.setdefault("prompt", GenPrompt(length=kw.pop("length", 64), seed=sum(map(ord, rid))))
+    return SendEvent(request_id=rid, at=At(step=step), **kw)
+
+
+def test_choose_target_prefers_severity_then_reproducibility_then_order():
+    t = Trace(events=[_send(f"r{i}", i) for i in range(4)])
+    f = _finding(t, [_div("r0", "numeric-near-tie", 3, 3), _div("r1", "corruption", 1, 3),
+                     _div("r2", "corruption", 3, 3), _div("r3", "corruption", 3, 3)],
+                 arms={"default": [], "fault": ["x"]})
+    tg = choose_target(f)
+    assert (tg.cls, tg.victim) == ("corruption", "r2") and tg.signature == "corruption:r2"
+    f.divergences.append(_div("r1", "error", 1, 3, arm="fault"))
+    tg = choose_target(f)
+    assert (tg.cls, tg.victim, tg.arm, tg.toggles) == ("error", "r1", "fault", ("x",))
+    assert choose_target(f, "r3").victim == "r3"
+    with pytest.raises(ValueError):
+        choose_target(f, "nobody")
+
+
+# -- a whole minimization against a fake oracle ---------------------------------------------------
+
+LORA = EngineConfig(lora=LoraSettings(enabled=True, adapters={"a": "embedded:a", "b": "embedded:b"}, max_loras=2))
+
+
+def fake_bug(trace: Trace) -> bool:
+    """'victim' (base) diverges iff it is live together with a request on adapter b, whose
+    prompt is at least 40 tokens, and the victim asks for at least 3 tokens."""
+    try:
+        v = trace.send("victim")
+    except KeyError:
+        return False
+    return v.max_tokens >= 3 and v.adapter is None and any(
+        s.adapter == "b" and s.prompt.length >= 40 and abs(s.at.step - v.at.step) <= 2 for s in trace.sends)
+
+
+def noisy_trace() -> Trace:
+    events = [_send("d0", 0, adapter="a", max_tokens=9, length=300), CancelEvent(request_id="d0", at=At(after_tokens=2)),
+              _send("d1", 3, max_tokens=12, length=90), _send("hit", 5, adapter="b", max_tokens=16, length=200),
+              _send("victim", 6, max_tokens=20, length=120), _send("d2", 6, adapter="a", max_tokens=5, length=33),
+              CancelEvent(request_id="d2", at=At(step=8)), _send("d3", 9, adapter="b", max_tokens=4, length=10)]
+    return Trace(engine=LORA, events=events)
+
+
+def test_minimizer_against_a_deterministic_fake():
+    calls = []
+    m = Minimizer(Target("corruption", "victim"), lambda t: calls.append(t) or fake_bug(t),
+                  Options(engine=False))
+    r = m.run(noisy_trace())
+    t = r.trace
+    assert fake_bug(t)
+    assert sorted(s.request_id for s in t.sends) == ["hit", "victim"] and not t.cancels
+    hit, victim = t.send("hit"), t.send("victim")
+    # bisection with a bounded number of tries lands on or just above the smallest value
+    assert hit.adapter == "b" and 40 <= hit.prompt.length <= 45 and hit.max_tokens == 1
+    assert victim.max_tokens == 3 and victim.prompt.length == 1 and victim.adapter is None
+    assert min(s.at.step for s in t.sends) == 0
+    assert r.replays == len(calls) and r.stopped is None
+    assert r.accepted[0] is not None and all(fake_bug(a) for a in r.accepted)
+
+
+def test_minimizer_with_a_flaky_oracle_uses_k_of_m():
+    rng = random.Random(5)
+    calls: dict[str, list] = {}
+
+    def flaky(t):  # reproduces 70% of the time when the bug is present, never otherwise
+        hit = fake_bug(t) and rng.random() < 0.7
+        calls.setdefault(t.trace_id(), [t, []])[1].append(hit)
+        return hit
+
+    m = Minimizer(Target("corruption", "victim"), flaky, Options(acceptance=Acceptance(5, 2), engine=False))
+    r = m.run(noisy_trace())
+    assert fake_bug(r.trace) and len(r.trace.sends) == 2
+    assert r.replays == sum(len(h) for _, h in calls.values())
+    accepted = {a.trace_id() for a in r.accepted}
+    for tid, (t, hits) in calls.items():
+        if not fake_bug(t):  # never hits: decided after k - m + 1 = 4 misses
+            assert hits == [False] * 4 and tid not in accepted
+        elif tid in accepted:  # kept on the 2nd hit, not a replay later
+            assert sum(hits) == 2 and hits[-1] is True
+        else:  # a real candidate unluckily rejected: 4 misses
+            assert sum(hits) <= 1 and len(hits) - sum(hits) == 4
+
+
+def test_minimizer_respects_the_replay_budget():
+    m = Minimizer(Target("corruption", "victim"), fake_bug, Options(engine=False, budget=Budget(max_replays=5)))
+    r = m.run(noisy_trace())
+    assert r.replays == 5 and r.stopped and "budget" in r.stopped
+    assert fake_bug(r.trace)  # the last accepted candidate, never an untested one
+
+
+def test_minimizer_engine_pass_and_adapter_unification():
+    # Reproduces whenever two LoRA requests share one adapter and the victim runs with them.
+    def bug(t):
+        try:
+            t.send("victim")
+        except KeyError:
+            return False
+        ads = [s.adapter for s in t.sends if s.adapter]
+        return len(ads) >= 2 and len(set(ads)) == 1
+
+    events = [_send("x", 0, adapter="a"), _send("y", 0, adapter="b"), _send("victim", 0),
+              _send("z", 1, adapter="a")]
+    m = Minimizer(Target("corruption", "victim"), bug, Options())
+    r = m.run(Trace(engine=LORA, events=events))
+    assert bug(r.trace) and len(r.trace.sends) == 3
+    assert r.engine_changes == {"lora.max_loras": [2, 1]}
+    assert r.trace.engine.lora.max_loras == 1
+
+
+# -- minimize_finding against a fake wall-clock replayer (the server path, no engine) -------------
+
+
+class FakeServer:
+    """Replays by the fake_bug rule, reproducing with probability p per run (a wall-clock
+    engine: no engine_for, so every replay goes through check)."""
+
+    engine_kind = "server"
+
+    def __init__(self, p, seed=0):
+        self.p, self.rng, self.replays = p, random.Random(seed), 0
+
+    def check(self, trace, *, runs=None, arms=None):
+        from types import SimpleNamespace
+
+        (arm,) = arms
+        runs = runs or 1
+        self.replays += runs
+        k = sum(fake_bug(trace) and self.rng.random() < self.p for _ in range(runs))
+        verdicts = [Divergence(request_id=s.request_id, class_="corruption" if k and s.request_id == "victim" else "ok",
+                               arm=arm, runs_diverged=k if s.request_id == "victim" else 0, runs=runs)
+                    for s in trace.sends]
+        f = None
+        if k:
+            f = Finding(trace=trace, environment=Environment(kvfuzz_version="t", engine="server"),
+                        divergences=[v for v in verdicts if v.class_ != "ok"], verdicts=verdicts, arms={arm: []})
+            f.id = f.compute_id()
+        return SimpleNamespace(verdicts=verdicts, finding=f)
+
+
+def _noisy_finding():
+    t = noisy_trace()
+    f = Finding(trace=t, environment=Environment(kvfuzz_version="t", engine="server"),
+                divergences=[Divergence(request_id="victim", class_="corruption", runs_diverged=3, runs=4)],
+                arms={"default": []}, notes={"campaign": {"seed": 1, "index": 7}})
+    f.id = f.compute_id()
+    return f
+
+
+def test_minimize_finding_on_a_flaky_wall_clock_engine():
+    from oracle.minimize import minimize_finding
+
+    server = FakeServer(p=0.8, seed=3)
+    orig = _noisy_finding()
+    small = minimize_finding(server, orig, original_path="orig.json")
+    m = small.minimization
+    assert m.verified and m.repeats == 4 and m.min_hits == 2  # wall-clock defaults
+    assert sorted(s.request_id for s in small.trace.sends) == ["hit", "victim"]
+    assert m.replays == server.replays and m.original == orig.id and m.original_requests == 6
+    assert small.notes["minimized_from"] == {"id": orig.id, "file": "orig.json"}
+    assert small.notes["campaign"] == {"seed": 1, "index": 7}
+    # the offset clock was shrunk (a server schedules by offset_ms)
+    assert all(e.at.offset_ms is not None for e in small.trace.events)
+    assert min(e.at.offset_ms for e in small.trace.sends) == 0
+
+
+def test_minimize_finding_refuses_what_does_not_reproduce():
+    from oracle.minimize import NotReproduced, minimize_finding
+
+    server = FakeServer(p=0.0)
+    with pytest.raises(NotReproduced, match="corruption:victim"):
+        minimize_finding(server, _noisy_finding())
+    assert server.replays == 3  # 4 - 2 + 1 misses decide it
