@@ -14,6 +14,7 @@ from .trace import (
     At,
     CancelEvent,
     EngineConfig,
+    Expectation,
     GenPrompt,
     Lineage,
     LoraSettings,
@@ -33,7 +34,7 @@ def json_schemas() -> dict[str, dict]:
 
 __all__ = [
     "At", "BadInput", "CancelEvent", "ControlResult", "DIVERGENT_CLASSES", "Divergence",
-    "EMBEDDED_MODEL", "EngineConfig", "Environment", "EventRecord", "Finding", "GenPrompt",
+    "EMBEDDED_MODEL", "EngineConfig", "Environment", "Expectation", "EventRecord", "Finding", "GenPrompt",
     "History", "InfraError", "KvfuzzError", "Lineage", "LoraSettings", "Minimization",
     "RequestRecord", "SCHEMA_VERSION", "SendEvent", "StepRecord", "TokenPrompt", "Trace",
     "atomic_write_text", "expand", "json_schemas", "load_any", "load_finding", "load_trace",

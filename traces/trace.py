@@ -161,6 +161,18 @@ class Lineage(_Strict):
     seed: int | None = None
 
 
+class Expectation(_Strict):
+    """What a regression trace must do in ``kvfuzz gate --self-test``: pass in the clean arm,
+    and fail (a ``corruption`` divergence) in each listed arm — ``with:FAULT`` for a fault that
+    models the report, ``without:FIX`` for a fix whose absence reproduces it. An arm whose
+    toggle cannot change outputs on the device (GPU-only) is skipped and said so."""
+
+    models: str = Field(min_length=1, max_length=500)  # e.g. "vLLM #39146 finding_00450"
+    fails_in: list[Annotated[str, Field(pattern=r"^(with|without):[a-z0-9][a-z0-9-]{0,80}$")]] = \
+        Field(default_factory=list, max_length=64)
+    passes_clean: bool = True
+
+
 class Trace(_Strict):
     schema_version: Literal[1] = SCHEMA_VERSION
     name: str | None = None
@@ -169,6 +181,8 @@ class Trace(_Strict):
     lineage: Lineage = Field(default_factory=Lineage)
     # Free-form notes (e.g. which vLLM report a regression trace models); not interpreted.
     notes: dict[str, Any] = Field(default_factory=dict)
+    # Regression traces (traces/regressions/) say what the gate's self-test expects of them.
+    expect: Expectation | None = None
 
     @model_validator(mode="after")
     def _consistent(self) -> "Trace":

@@ -3,7 +3,7 @@
 
 import importlib
 
-MODULES: list[str] = ["replay", "toggles", "bench", "minimize", "report"]
+MODULES: list[str] = ["replay", "toggles", "bench", "minimize", "report", "gate"]
 
 for _name in MODULES:
     importlib.import_module(f"{__name__}.{_name}")

@@ -1,0 +1,151 @@
+"""``kvfuzz gate PATH...``: the CI regression gate (docs/gate.md).
+
+Replays every finding and trace under PATH (default: the bundled corpus, traces/regressions/)
+on the build under test and fails if any comes back. ``--self-test`` checks the detector
+instead: the clean arm passes and each fault arm a trace names still fails.
+
+Exit codes: 0 passed, 1 a case failed (or a fault arm went blind), 2 bad input, 3
+infrastructure failure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from kvfuzz import arms as arms_opts
+from kvfuzz.cli import app, console
+from traces import atomic_write_text
+from traces.errors import BadInput
+
+STYLE = {"pass": "green", "detected": "green", "skipped": "dim", "FAIL": "bold red", "BLIND": "bold red",
+         "error": "bold red"}
+
+
+@app.command("gate")
+def gate(
+    paths: Annotated[Optional[list[Path]], typer.Argument(
+        help="Finding/trace files or directories (default: the bundled corpus traces/regressions/).")] = None,
+    runs: Annotated[Optional[int], typer.Option(min=1, help="Runs per case (default: 1 in-process, where "
+                                                             "replays are step-exact; 3 over HTTP).")] = None,
+    junit: Annotated[Optional[Path], typer.Option(help="Write JUnit XML here (one test case per file and arm).")] = None,
+    summary: Annotated[Optional[Path], typer.Option(help="Write the markdown summary here (default: OUT/gate-summary.md; "
+                                                         "also appended to $GITHUB_STEP_SUMMARY when set).")] = None,
+    strict: Annotated[bool, typer.Option(help="numeric-near-tie fails the gate too.")] = False,
+    self_test: Annotated[bool, typer.Option("--self-test", help="Check the detector: clean arm passes, every "
+                                                               "fault arm a trace names still fails.")] = False,
+    engine: Annotated[str, typer.Option(help="inprocess or server (ignored with --base-url).")] = "inprocess",
+    base_url: Annotated[Optional[str], typer.Option(help="Gate a running vLLM server (no toggles possible).")] = None,
+    api_key: Annotated[Optional[str], typer.Option(envvar="KVFUZZ_API_KEY", show_envvar=True,
+                                                   help="API key of the --base-url server.")] = None,
+    model: Annotated[Optional[str], typer.Option(help="Model name at --base-url (default: from /v1/models).")] = None,
+    device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+    server_arg: Annotated[Optional[list[str]], typer.Option("--server-arg", help="Extra flag for the managed vLLM "
+                                                                                 "server (repeatable).")] = None,
+    near_tie: Annotated[Optional[float], typer.Option(help="Margin (nats) below which a divergence is a numeric "
+                                                           "near-tie (default: per dtype).")] = None,
+    out: Annotated[Path, typer.Option(help="Output directory (summary, results JSON, findings of failing cases, "
+                                           "engine logs).")] = Path("kvfuzz-gate"),
+    with_: arms_opts.WithOpt = None,
+    without: arms_opts.WithoutOpt = None,
+    arms: arms_opts.ArmsOpt = None,
+) -> None:
+    """Replay a corpus of findings/traces as a CI regression gate."""
+    from kvfuzz.gate import GateRunner, bundled_corpus, collect, gate_plan, load, self_test_plan
+    from oracle.gate import junit_xml, markdown_summary
+
+    if base_url is not None:
+        kind = "url"
+    elif engine in ("inprocess", "server"):
+        kind = engine
+    else:
+        raise BadInput(f"unknown engine {engine!r} (inprocess or server)", field="--engine")
+    if device not in ("cpu", "cuda"):
+        raise BadInput(f"unknown device {device!r} (cpu or cuda)", field="--device")
+    if self_test and (with_ or without or arms):
+        raise BadInput("--self-test chooses its own arms (clean, and each trace's expect.fails_in)", field="--arms")
+    if self_test and kind == "url":
+        raise BadInput("--self-test needs toggles, which a --base-url server cannot apply", field="--self-test")
+    # Every file is read before any engine starts: bad input fails fast, with exit 2.
+    entries = [load(p) for p in collect(list(paths) if paths else [bundled_corpus()])]
+    if self_test:
+        planned = self_test_plan(entries, device)
+        what = "self-test"
+    else:
+        arm_map = (arms_opts.build_arms(with_=with_, without=without, arms=arms, device=device)
+                   if (with_ or without or arms) else {arms_opts.VANILLA: []})
+        if kind == "url" and any(arm_map.values()):
+            raise BadInput("a --base-url server cannot apply toggles: drop --with/--without/--arms", field="--arms")
+        planned = gate_plan(entries, arm_map)
+        what = "gate"
+    k = runs or (1 if kind == "inprocess" else 3)
+    engine_args = (["--base-url", "URL"] if kind == "url" else ["--engine", kind]) + (
+        ["--device", device] if device != "cpu" else [])
+    out.mkdir(parents=True, exist_ok=True)
+
+    from harness.server import ServerOptions
+    from kvfuzz.session import Session
+    from oracle import Thresholds
+
+    session = Session(engine_kind=kind, device=device, runs=k, thresholds=Thresholds(near_tie=near_tie),
+                      log_file=out / "engine.log", base_url=base_url, api_key=api_key, model=model,
+                      server_options=ServerOptions(device=device, extra_flags=list(server_arg or []), log_dir=out))
+    runner = GateRunner(session, runs=k, strict=strict, engine_args=engine_args, findings_dir=out / "findings")
+    cases = []
+    print(f"kvfuzz {what}: {len(entries)} file(s), {len(planned)} case(s), {k} run(s) each", flush=True)
+    try:
+        for n, p in enumerate(planned, start=1):
+            case, _ = runner.run(p)
+            cases.append(case)
+            console.print(Text.assemble((f"[{n}/{len(planned)}] ", "dim"), (f"{case.status:9}", STYLE[case.status]),
+                                        f" {case.name}  arm {case.arm}  ({case.seconds:.1f}s)"), highlight=False)
+    finally:
+        session.close()
+        _write_reports(cases, out=out, junit=junit, summary=summary, what=what, junit_xml=junit_xml,
+                       markdown_summary=markdown_summary, complete=len(cases) == len(planned))
+    show = console if console.is_terminal else Console(width=160, soft_wrap=True)
+    show.print(_table(cases, what))
+    bad = [c for c in cases if not c.ok]
+    blind = [c for c in bad if c.expect_fail]
+    if blind:
+        show.print(Text(f"{len(blind)} fault arm(s) no longer fail: the detector went BLIND for them.", style="bold red"))
+    show.print(f"{what}: {'FAILED' if bad else 'passed'} — {len(cases) - len(bad)}/{len(cases)} case(s) as expected "
+               f"(summary: {summary or out / 'gate-summary.md'}" + (f", JUnit: {junit}" if junit else "") + ")",
+               markup=False, highlight=False)
+    raise typer.Exit(1 if bad else 0)
+
+
+def _table(cases, what: str) -> Table:
+    t = Table(title=f"kvfuzz {what}", show_header=True, header_style="bold", title_justify="left")
+    for col in ("result", "file", "arm", "verdict"):
+        t.add_column(col, overflow="fold")
+    for c in cases:
+        t.add_row(Text(c.status, style=STYLE[c.status]), c.name, c.arm, c.verdict_text())
+    return t
+
+
+def _write_reports(cases, *, out: Path, junit: Path | None, summary: Path | None, what: str, junit_xml,
+                   markdown_summary, complete: bool) -> None:
+    # Written even when the run stops early (infrastructure failure): CI shows what did run.
+    header = "" if complete else "**Incomplete**: the gate stopped early (see the log for the error)."
+    md = markdown_summary(cases, title=f"kvfuzz {what}", header=header)
+    atomic_write_text(summary or out / "gate-summary.md", md)
+    step_summary = os.environ.get("GITHUB_STEP_SUMMARY")
+    if step_summary:
+        with open(step_summary, "a", encoding="utf-8") as f:
+            f.write(md)
+    if junit is not None:
+        atomic_write_text(junit, junit_xml(cases, suite=f"kvfuzz-{what}"))
+    results = [{"source": c.source, "name": c.name, "arm": c.arm, "toggles": c.toggles, "status": c.status,
+                "ok": c.ok, "expect_fail": c.expect_fail, "verdict": c.verdict_text(), "seconds": round(c.seconds, 3),
+                "replay": c.replay_command,
+                "verdicts": [v.model_dump(mode="json", by_alias=True) for v in c.verdicts]} for c in cases]
+    atomic_write_text(out / "gate.json", json.dumps({"what": what, "complete": complete, "cases": results},
+                                                    indent=2) + "\n")

