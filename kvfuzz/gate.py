@@ -54,13 +54,55 @@ class Entry:
         return self.trace.name or self.path.stem
 
 
-def load(path: Path) -> Entry:
+def load(path: Path, overrides: list[str] | None = None) -> Entry:
     obj = load_any(path)
     if isinstance(obj, Finding):
-        return Entry(path, obj.trace, "finding")
-    if isinstance(obj, ForeignFinding):
-        return Entry(path, obj.trace, "foreign")
-    return Entry(path, obj, "trace")
+        e = Entry(path, obj.trace, "finding")
+    elif isinstance(obj, ForeignFinding):
+        e = Entry(path, obj.trace, "foreign")
+    else:
+        e = Entry(path, obj, "trace")
+    if overrides:
+        e.trace = apply_overrides(e.trace, overrides, source=str(path))
+    return e
+
+
+def apply_overrides(trace: Trace, overrides: list[str], *, source: str | None = None) -> Trace:
+    """``KEY=VALUE`` settings of the trace's engine configuration (dotted keys, JSON values or
+    plain strings): the same corpus then runs on a real model and backend, e.g.
+    ``model=Qwen/Qwen2.5-0.5B-Instruct``, ``dtype=bfloat16``, ``kv_cache_bytes=null``,
+    ``extra_args.attention_backend=FLASHINFER``."""
+    import json
+
+    from pydantic import ValidationError
+
+    engine = trace.engine.model_dump(mode="json")
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise BadInput(f"{item!r}: expected KEY=VALUE", field="--override")
+        try:
+            value = json.loads(raw)
+        except ValueError:
+            value = raw
+        node = engine
+        *path, last = key.split(".")
+        for part in path:
+            if not isinstance(node.get(part), dict):
+                raise BadInput(f"{item!r}: engine has no section {part!r}", field="--override")
+            node = node[part]
+        if not path and last not in engine:
+            raise BadInput(f"{item!r}: unknown engine setting {last!r} (known: {', '.join(sorted(engine))})",
+                           field="--override")
+        node[last] = value
+    data = trace.model_dump(mode="json")
+    data["engine"] = engine
+    try:
+        return Trace.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(x) for x in err["loc"])
+        raise BadInput(f"after --override: {where}: {err['msg']}", source=source, field="--override") from None
 
 
 @dataclass
@@ -143,7 +185,14 @@ class GateRunner:
         if p.skipped:
             return case, None
         t0 = time.monotonic()
-        checked = self.session.check(p.entry.trace, runs=self.runs, arms={p.arm: list(p.toggles)}, attribute=False)
+        try:
+            checked = self.session.check(p.entry.trace, runs=self.runs, arms={p.arm: list(p.toggles)},
+                                         attribute=False)
+        except BadInput as e:
+            if e.source:
+                raise
+            # The engine refused the file's configuration: say which file.
+            raise BadInput(str(e), source=case.source) from e
         case.seconds = time.monotonic() - t0
         case.verdicts = list(checked.verdicts)
         finding = checked.finding

