@@ -57,7 +57,7 @@ def record(engine: Engine, trace: Trace, *, runs: int = 3, arms: dict[str, list[
            on_run: Callable[[History], None] | None = None) -> Recording:
     """Replay ``trace`` ``runs`` times in each arm (arm name -> toggles; default: the trace's
     own toggles), then compute a reference for every request."""
-    arms = arms or {"default": list(trace.engine.toggles)}
+    arms = {a: list(t) for a, t in arms.items()} if arms else {"default": list(trace.engine.toggles)}
     histories: list[History] = []
     for arm, toggles in arms.items():
         for k in range(runs):

@@ -322,7 +322,6 @@ class ServerEngine(_HttpEngineBase):
         self.server: ManagedServer | None = None
         self.target: hc.HttpTarget | None = None
         self.toggles: list[str] = list(config.toggles)
-        self._reference_toggles: list[str] | None = None
         self._pool: dict[tuple[str, ...], tuple[ManagedServer, hc.HttpTarget]] = {}
         self.max_servers = self.options.max_servers or (2 if self.options.device == "cpu" else 1)
         self.starts = 0
@@ -519,23 +518,13 @@ class ServerEngine(_HttpEngineBase):
         raise InfraError(f"vLLM server (pid {self.server.pid}) stopped answering /health {when} "
                          f"(log: {self.server.log_path})")
 
-    @property
-    def reference_toggles(self) -> list[str]:
-        """References run in the clean arm (the fixes that change outputs on this device, no
-        fault), as on the in-process engine: vanilla vLLM's lone-request output can itself be
-        wrong (the CPU LoRA bug, docs/findings.md)."""
-        from .toggles import clean_set
-
-        if self._reference_toggles is None:
-            self._reference_toggles = clean_set(self.options.device)
-        return self._reference_toggles
-
     def run_alone(self, send: SendEvent, *, max_tokens: int | None = None) -> RequestRecord:
-        self._ensure(self.reference_toggles)
+        # Vanilla, on purpose: a lone request needs no fix today (the CPU LoRA bug needs a mixed
+        # batch), and the current server then serves references without a restart.
+        self._ensure([])
         self._clean_slate()
         one = self._alone_trace(self.config, send, max_tokens)
-        hist, errors = self._http_replay(one, arm="reference", run_index=0, toggles=self.reference_toggles,
-                                         cache_salt=None)
+        hist, errors = self._http_replay(one, arm="reference", run_index=0, toggles=[], cache_salt=None)
         self._check_alive(hist, errors, f"during the reference run of {send.request_id!r}")
         rec = hist.requests[send.request_id]
         if hist.crashed or rec.error:

@@ -144,7 +144,7 @@ def attribution_table(findings: list[tuple[str, Finding]], *, title: str = "dive
     rows.sort(key=lambda r: order[id(r[1])])
     table = Table(title=title, show_header=True, header_style="bold")
     for col in ("explained by", "class", "request", "arm", "runs", "finding"):
-        table.add_column(col)
+        table.add_column(col, overflow="fold")  # toggle names and paths are read whole
     for where, d in rows:
         if d.explained_by is None:
             why = Text("UNEXPLAINED — candidate vLLM bug", style="bold white on red")

@@ -190,9 +190,11 @@ def run(
     finally:
         session.close()
     display.summary(state, out)
-    console.print("arms: " + "; ".join(f"{a} = [{', '.join(ts) or 'no toggles'}]" for a, ts in arm_map.items()))
+    console.print("arms: " + "; ".join(f"{a} = [{', '.join(ts) or 'no toggles'}]" for a, ts in arm_map.items()),
+                  markup=False, highlight=False)
     findings = [(f, load_finding(out / f)) for f in state.finding_files]
-    arms_opts.print_attribution(console, findings)
+    # Piped or logged, do not squeeze toggle names into 80 columns.
+    arms_opts.print_attribution(console if console.is_terminal else Console(width=160, soft_wrap=True), findings)
 
 
 # -- entry point ------------------------------------------------------------------------------

@@ -99,7 +99,8 @@ class Session:
         if extra:
             more = record(engine, trace, runs=runs, arms=extra, store=self.references)
             rec.histories.extend(more.histories)
-            rec.arms.update(extra)
+            # A new dict: rec.arms may be the caller's arm map, reused for the next trace.
+            rec.arms = {**rec.arms, **extra}
             rec.environment.toggles = sorted({t for ts in rec.arms.values() for t in ts})
             verdicts = check(trace, rec.histories, rec.references, self.thresholds)
         return attribute(verdicts, rec.arms, clean), {"clean": clean, "added_arms": sorted(extra)}

@@ -132,12 +132,12 @@ def replay(
     with_: arms_opts.WithOpt = None,
     without: arms_opts.WithoutOpt = None,
     arms: arms_opts.ArmsOpt = None,
-    attribute: arms_opts.AttributeOpt = True,
+    attribute: arms_opts.AttributeOpt = False,
 ) -> None:
     """Replay finding/trace files and report, per request, whether a divergence reproduces.
 
     Each file replays in its own arms (a finding's, else its trace's toggles) unless --arms /
-    --with / --without say otherwise; divergences are attributed to toggles as in `kvfuzz run`."""
+    --with / --without say otherwise; --attribute explains divergences by toggles as `kvfuzz run` does."""
     from harness.server import ServerOptions
     from kvfuzz.session import Session
     from oracle import Thresholds
