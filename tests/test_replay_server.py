@@ -33,7 +33,10 @@ def test_managed_server_replay_then_server_dies_mid_trace(tmp_path):
     cfg = default_engine()
     first = tmp_path / "first.json"
     save(Trace(engine=cfg, events=[
-        SendEvent(request_id=f"r{i}", at=At(offset_ms=3.0 * i), max_tokens=12, prompt=GenPrompt(length=90, seed=i))
+        # r2 is long: under load tokens arrive in bursts, and a 12-token r2 could finish before
+        # the cancel lands (then it is "ok", not "truncation").
+        SendEvent(request_id=f"r{i}", at=At(offset_ms=3.0 * i), max_tokens=300 if i == 2 else 12,
+                  prompt=GenPrompt(length=90, seed=i))
         for i in range(3)] + [CancelEvent(request_id="r2", at=At(after_tokens=3))]), first)
     second = tmp_path / "second.json"  # long enough to be mid-run when the server is killed
     save(Trace(engine=cfg, events=[
