@@ -502,15 +502,16 @@ class ServerEngine(_HttpEngineBase):
         if not self.server.alive():
             raise self._death("before the run")
 
-    def kill(self) -> None:
-        """Kill every server this engine runs (SIGKILL to each process group), at once: what a
-        campaign does after one died or hung, before it restarts."""
-        servers = [srv for srv, _ in self._pool.values()]
-        if self.server is not None and self.server not in servers:
-            servers.append(self.server)
-        for srv in servers:
+    def recover(self) -> None:
+        """Kill the current server (SIGKILL to its process group, at once: a hung server would
+        sit out a graceful stop) and forget it; the next run starts a fresh one. Servers for
+        other toggle sets stay in the pool. What a campaign does after a server died or hung."""
+        srv = self.server
+        if srv is not None:
             srv.kill()
-        self._pool.clear()
+            for key, (s, _) in list(self._pool.items()):
+                if s is srv:
+                    del self._pool[key]
         self.server = None
         self.target = None
 

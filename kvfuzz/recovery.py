@@ -132,15 +132,20 @@ class Recovering:
         finding.notes["engine_crash"]["restarts"] = self.restarts + 1
 
     def _restart(self) -> None:
-        """Kill the engine now (a hung server would sit out a graceful stop); the session
-        starts a fresh one for the next trace."""
+        """Kill what crashed now; the next trace runs on a fresh engine. An engine that can
+        recover in place (a managed server: kill the server, keep the pool) does; any other is
+        closed and the session starts a new one."""
         engine = self.session.engine
-        self.session.engine = None
         self.restarts += 1
         if engine is None:
             return
         try:
-            kill = getattr(engine, "kill", None)
-            (kill if callable(kill) else engine.close)()
+            recover = getattr(engine, "recover", None)
+            if callable(recover):
+                recover()
+                return
+            self.session.engine = None
+            engine.close()
         except Exception:  # noqa: BLE001 - a broken engine must not stop the campaign
+            self.session.engine = None
             log.warning("could not stop the crashed engine cleanly", exc_info=True)
