@@ -197,3 +197,32 @@ def test_finding_files_are_plain_json_data(tmp_path):
         load_trace(p)
     src = "\n".join(Path(m).read_text() for m in ("traces/io.py", "fuzzer/corpus.py", "fuzzer/campaign.py"))
     assert "pickle" not in src and "eval(" not in src
+
+
+# -- Hypothesis: path-like values in otherwise valid traces --------------------------------
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+path_text = st.one_of(
+    st.text(max_size=40),
+    st.lists(st.sampled_from(["..", ".", "~", "", "etc", "tmp", "x\x00y", "a" * 300, "embedded:a", "/"]),
+             max_size=6).map("/".join),
+)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(model=path_text, adapter=path_text, extra=st.dictionaries(st.sampled_from(["download_dir", "trust_remote_code",
+                                                                                 "tokenizer_path"]),
+                                                                path_text | st.booleans(), max_size=2))
+def test_path_fields_raise_only_bad_input(model, adapter, extra):
+    from traces.io import parse_finding, parse_trace
+
+    data = trace_with(engine={"model": model, "lora": {"enabled": True, "adapters": {"a": adapter}},
+                              "extra_args": extra}, events=[{**GOOD_SEND, "adapter": "a"}])
+    for parse in (parse_trace, parse_finding):
+        try:
+            parse(data if parse is parse_trace else {"kind": "finding", "trace": data,
+                                                     "environment": {"kvfuzz_version": "x"}}, "fuzz.json")
+        except BadInput as e:
+            assert str(e).startswith("fuzz.json") and "\n" not in str(e)

@@ -53,10 +53,13 @@ def is_path_like(value: str) -> bool:
 
 
 def check_path(value: str, *, field: str, source: str | None = None) -> None:
-    if not is_path_like(value):
-        return
-    p = Path(value).expanduser()
-    resolved = (p if p.is_absolute() else Path.cwd() / p).resolve()
+    try:
+        if not is_path_like(value):
+            return
+        p = Path(value).expanduser()
+        resolved = (p if p.is_absolute() else Path.cwd() / p).resolve()
+    except (ValueError, OSError, RuntimeError) as e:  # NUL bytes, names too long, symlink loops
+        raise BadInput(f"not a usable path {value[:80]!r} ({type(e).__name__})", source=source, field=field) from None
     for root in allowed_roots():
         try:
             if resolved.is_relative_to(root.expanduser().resolve()):
@@ -89,6 +92,9 @@ def check_exists(engine: "EngineConfig", *, source: str | None = None, prefix: s
     for field, value in named:
         if value.startswith("embedded:") or not value.startswith(("/", ".", "~")):
             continue
-        p = Path(value).expanduser()
-        if not p.is_dir():
+        try:
+            ok = Path(value).expanduser().is_dir()
+        except (ValueError, OSError, RuntimeError):
+            ok = False
+        if not ok:
             raise BadInput(f"no such directory {value!r}", source=source, field=field)
