@@ -42,6 +42,7 @@ STOP_GRACE_S = 15.0
 # After a failed or timed-out request: how long /health may stay silent before the server
 # counts as hung (it is then killed and restarted by a campaign; docs/reliability.md).
 HEALTH_GRACE_S = 10.0
+WARM_UP_TIMEOUT_S = 300.0
 # Variables of the in-process harness that must not reach a server: the server's AsyncLLM
 # needs multiprocessing, and vLLM's own logging is what the server log file is for.
 STRIPPED_ENV = ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CONFIGURE_LOGGING")
@@ -463,7 +464,10 @@ class ServerEngine(_HttpEngineBase):
                   for i, a in enumerate([None, *sorted(self._adapter_paths)])]
         for ev in events:
             one = Trace(engine=self.config.model_copy(update={"toggles": []}), events=[ev])
-            hist, errors = hc.replay_trace(self.target, one, arm="warm-up", timeout_s=self.request_timeout_s)
+            # The first forward pass is slow on a busy CPU: the warm-up is not held to the
+            # (possibly short) per-request deadline of the runs.
+            hist, errors = hc.replay_trace(self.target, one, arm="warm-up",
+                                           timeout_s=max(self.request_timeout_s, WARM_UP_TIMEOUT_S))
             rec = hist.requests[ev.request_id]
             if errors or rec.error:
                 if not self.server.alive():

@@ -114,6 +114,9 @@ def run(
                                                      "one).")] = None,
     model: Annotated[Optional[Path], typer.Option(help="A model directory to fuzz instead of the embedded "
                                                        "default (no --lora).")] = None,
+    max_requests: Annotated[int, typer.Option(min=1, max=1000, help="Most requests in a generated trace.")] = 10,
+    max_model_len: Annotated[Optional[int], typer.Option(min=64, help="Engine context length; also caps generated "
+                                                                      "prompt lengths (small = fast traces).")] = None,
     trace_timeout: Annotated[float, typer.Option(help="Seconds one run of a trace may take (in-process engine) / "
                                                       "one request may take (server) before it counts as a "
                                                       "hang.")] = 600.0,
@@ -165,6 +168,8 @@ def run(
 
         allow(model)  # named on the command line: its findings may be replayed from here
     out.mkdir(parents=True, exist_ok=True)
+    if max_model_len is not None:
+        overrides["max_model_len"] = max_model_len
     engine = default_engine(lora=lora, kv_cache_bytes=kv_cache_mb * 2**20, **overrides)
     if corpus is not None and corpus.exists() and not corpus.is_dir():
         raise BadInput("is not a directory", source=str(corpus), field="--corpus")
@@ -179,7 +184,11 @@ def run(
         if unknown or not ops:
             raise BadInput(f"unknown operator {unknown[0] if unknown else operators!r} "
                            f"(known: {', '.join(OPERATORS)})", field="--operators")
-    opts = CampaignOptions(seed=seed, budget_s=budget, max_traces=traces_n, runs=runs, out=out, engine=engine,
+    from fuzzer import GenOptions
+
+    gen = GenOptions(min_requests=min(2, max_requests), max_requests=max_requests,
+                     adapters=sorted(engine.lora.adapters) if engine.lora.enabled else [])
+    opts = CampaignOptions(seed=seed, budget_s=budget, max_traces=traces_n, runs=runs, out=out, engine=engine, gen=gen,
                            resume=resume, corpus=corpus, mode="feedback" if feedback else "random", operators=ops,
                            # Naming an engine-changing operator (small_kv) is asking for restarts.
                            allow_engine_changes=bool(ops) and any(OPERATORS[o].changes_engine for o in ops))

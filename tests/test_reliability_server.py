@@ -33,8 +33,9 @@ KILL_AT, HANG_AT, TRACES = 1, 3, 5
 @pytest.fixture(scope="module")
 def campaign(tmp_path_factory):
     out = tmp_path_factory.mktemp("reliability")
-    # Short per-request deadline so the hang is noticed in seconds, not minutes.
-    opts = ServerOptions(log_dir=out, api_key=API_KEY, request_timeout_s=8.0)
+    # Short per-request deadline so the hang is noticed in seconds, not minutes (30 s: a busy
+    # 2-core machine must not turn a slow run into a false hang).
+    opts = ServerOptions(log_dir=out, api_key=API_KEY, request_timeout_s=30.0)
     session = Session(engine_kind="server", runs=1, server_options=opts)
     guard = Recovering(session)
     engine = default_engine(lora=True, max_model_len=512)
