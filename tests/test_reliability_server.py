@@ -39,7 +39,9 @@ def campaign(tmp_path_factory):
     opts = ServerOptions(log_dir=out, api_key=API_KEY, request_timeout_s=20.0)
     session = Session(engine_kind="server", runs=1, server_options=opts)
     guard = Recovering(session)
-    engine = default_engine(lora=True, max_model_len=512)
+    # The engine's own toggles are the clean arm's, so the first server is the one every run
+    # and reference uses.
+    engine = default_engine(lora=True, max_model_len=512, toggles=clean_set("cpu"))
     gen = GenOptions(min_requests=2, max_requests=3, max_tokens=(24, 32), p_long=0.0, p_cancel=0.0,
                      gaps=(0,), adapters=["a", "b"])
     index = {"i": -1}
