@@ -48,7 +48,12 @@ def main() -> None:
     ap.add_argument("--mode", choices=("feedback", "random"), default="feedback")
     ap.add_argument("--work", type=Path, default=None, help="Campaign directory (default: a temporary one).")
     ap.add_argument("--out", type=Path, default=None, help="Write the figures as JSON here.")
+    ap.add_argument("--onednn-cache", type=int, default=None,
+                    help="Set ONEDNN_PRIMITIVE_CACHE_CAPACITY (oneDNN keeps one kernel per matmul shape, "
+                         "1024 by default: that cache is what grows over the first few hundred traces).")
     args = ap.parse_args()
+    if args.onednn_cache is not None:  # before torch loads (the engine starts below)
+        os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = str(args.onednn_cache)
 
     from fuzzer import CampaignOptions, default_engine, run_campaign
     from fuzzer.generate import GenOptions
@@ -91,6 +96,7 @@ def main() -> None:
         "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
         "traces": state.traces, "seconds": state.seconds, "findings": state.findings,
         "samples": samples,
+        "onednn_cache": os.environ.get("ONEDNN_PRIMITIVE_CACHE_CAPACITY"),
         "rss_growth_100_to_end_mib": round(last["VmRSS"] - first["VmRSS"], 1) if first and last else None,
     }
     print(json.dumps({k: v for k, v in report.items() if k != "samples"}, indent=2), flush=True)
