@@ -32,6 +32,10 @@ from .generate import GenOptions, generate
 from .mutate import mutate
 
 CAMPAIGN_FILE = "campaign.json"
+# The coverage log keeps at most this many points: beyond it, every other point of the older
+# half is dropped, so a long campaign's state (rewritten after every trace) stays small while
+# the curve keeps its shape and its latest points.
+MAX_COVERAGE_LOG = 2048
 Mode = Literal["feedback", "random"]
 
 
@@ -125,6 +129,14 @@ class TraceOutcome:
     source: str = "fresh"
     novel: list[str] = field(default_factory=list)
     buckets: frozenset[str] = frozenset()
+
+
+def thin_log(log: list[list[float]], limit: int = MAX_COVERAGE_LOG) -> None:
+    """Bound ``log`` in place: drop every other point of its older half (the first point stays)."""
+    if len(log) <= limit:
+        return
+    half = len(log) // 2
+    log[:half] = log[:half:2]
 
 
 def load_state(out: Path, opts: CampaignOptions) -> CampaignState:
@@ -318,6 +330,7 @@ def run_campaign(opts: CampaignOptions, check_trace: Callable[[Trace], Any],
         state.seconds = round(base_seconds + time.monotonic() - start, 3)
         if (state.buckets, state.findings) != before or i == 0:
             state.coverage_log.append([state.traces, state.seconds, state.buckets, state.findings])
+            thin_log(state.coverage_log)
         atomic_write_text(out / CAMPAIGN_FILE, state.to_json())
         if on_outcome:
             on_outcome(TraceOutcome(i, trace, finding, time.monotonic() - t0, source, novel, buckets), state)

@@ -150,6 +150,9 @@ def error_text(status: int, body: bytes | str) -> str:
     return f"HTTP {status}: {' '.join(str(text).split())[:500]}"
 
 
+TRACE_SLACK_S = 5.0
+
+
 def relative_floor_ms(at: Any, ms_per_step: float) -> float | None:
     """Earliest wall-clock offset of a relative cancel that also names a time, else None."""
     if at.offset_ms is not None:
@@ -274,13 +277,19 @@ class Replayer:
                 reader, writer = await self.connect()
             writer.write(r.wire)
             rec.sent_ms = round(self.now_ms(), 3)
-            await self._consume(r, reader)
+            # Per-request deadline: a server that stops answering must not hold the run forever.
+            await asyncio.wait_for(self._consume(r, reader), timeout=self.timeout_s)
         except asyncio.CancelledError:
             if r.cancel_reason is None:
                 raise  # the whole replay is being torn down
             self._mark_cancelled(r)
         except _RelativeCancel:
             self._mark_cancelled(r)
+        except asyncio.TimeoutError:  # before OSError: TimeoutError is one
+            msg = f"hang: no complete response within {self.timeout_s:g} s"
+            rec.error = msg
+            rec.finish_reason = "error"
+            self.transport_errors.append(f"{r.send.request_id}: {msg}")
         except (TransportFailure, OSError, h11.ProtocolError) as e:
             msg = f"connection failed: {type(e).__name__}: {e}".strip().rstrip(":")
             rec.error = msg
@@ -463,7 +472,9 @@ class Replayer:
                 tasks.append(asyncio.create_task(self.relative_timer(r)))
         tasks += [asyncio.create_task(self.run_cancel(i, ev, ms)) for i, ev, ms in timed_cancels]
         last_planned = max([r.planned_ms for r in self.reqs.values()] + [ms for _, _, ms in timed_cancels] + [0.0])
-        budget = self.timeout_s + last_planned / 1000.0 + self.lead_ms / 1000.0
+        # Per-trace deadline: the last send's plan plus the per-request deadline, plus slack so
+        # that the per-request deadline (which names the request) fires first.
+        budget = self.timeout_s + last_planned / 1000.0 + self.lead_ms / 1000.0 + TRACE_SLACK_S
         done, pending = await asyncio.wait(tasks, timeout=budget)
         if pending:
             self.hist.crashed = True

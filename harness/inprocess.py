@@ -39,6 +39,9 @@ log = logging.getLogger("kvfuzz.harness")
 
 # A trace whose requests have not finished after this many steps beyond the plan is hung.
 DEFAULT_MAX_IDLE_STEPS = 100_000
+# Wall-clock deadline of one replay (one run of a trace). A step that never returns cannot be
+# interrupted in-process; every step that does return is checked against it.
+DEFAULT_TRACE_DEADLINE_S = 600.0
 
 
 def _prepare_env() -> None:
@@ -118,10 +121,12 @@ class InProcessEngine:
 
     kind = "inprocess"
 
-    def __init__(self, config: EngineConfig, *, device: str = "cpu", log_file: Path | None = None):
+    def __init__(self, config: EngineConfig, *, device: str = "cpu", log_file: Path | None = None,
+                 trace_deadline_s: float | None = DEFAULT_TRACE_DEADLINE_S):
         self.config = config
         self.device = device
         self.log_file = log_file
+        self.trace_deadline_s = trace_deadline_s
         self._llm: Any = None
         self._embedded: EmbeddedModel | None = None
         self._model_path: str | None = None
@@ -199,6 +204,12 @@ class InProcessEngine:
         if (p.is_absolute() or self.config.model.startswith(".")) and not p.exists():
             raise BadInput(f"model directory {p} does not exist", field="engine.model")
         return self.config.model
+
+    def log_tail(self, n: int = 40) -> list[str]:
+        """The last lines of vLLM's log file (for an engine-crash finding)."""
+        from .server import read_tail
+
+        return read_tail(self.log_file, n) if self.log_file is not None else []
 
     @property
     def model_hash(self) -> str | None:
@@ -412,6 +423,12 @@ class InProcessEngine:
             if step >= budget:
                 hist.crashed = True
                 hist.crash_detail = f"hang: requests unfinished after {step} engine steps"
+                llm.abort_request(sorted(live))
+                break
+            if self.trace_deadline_s is not None and time.perf_counter() - t0 > self.trace_deadline_s:
+                hist.crashed = True
+                hist.crash_detail = (f"hang: trace deadline of {self.trace_deadline_s:g} s exceeded at engine step "
+                                     f"{step}")
                 llm.abort_request(sorted(live))
                 break
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -14,12 +15,19 @@ from .base import Engine
 class ReferenceStore:
     """Memoised references: each request alone on a clean cache, keyed by (engine config,
     adapter, prompt tokens). The longest run is kept; a shorter request uses its prefix
-    (greedy decoding makes the first N tokens of a longer run the N-token answer)."""
+    (greedy decoding makes the first N tokens of a longer run the N-token answer).
 
-    def __init__(self) -> None:
-        self._memo: dict[tuple[str, str | None, str], RequestRecord] = {}
+    Bounded (least recently used out): a campaign of thousands of traces sees thousands of
+    distinct prompts, and an unbounded memo would grow for as long as the campaign runs."""
+
+    DEFAULT_MAX_ENTRIES = 4096
+
+    def __init__(self, max_entries: int = DEFAULT_MAX_ENTRIES) -> None:
+        self._memo: OrderedDict[tuple[str, str | None, str], RequestRecord] = OrderedDict()
+        self.max_entries = max(1, max_entries)
         self.computed = 0
         self.hits = 0
+        self.evicted = 0
 
     @staticmethod
     def key(engine: Engine, send: SendEvent) -> tuple[str, str | None, str]:
@@ -33,10 +41,15 @@ class ReferenceStore:
         have = self._memo.get(k)
         if have is not None and len(have.token_ids) >= send.max_tokens:
             self.hits += 1
+            self._memo.move_to_end(k)
             return have.model_copy(update={"request_id": send.request_id})
         rec = engine.run_alone(send)
         self.computed += 1
         self._memo[k] = rec
+        self._memo.move_to_end(k)
+        while len(self._memo) > self.max_entries:
+            self._memo.popitem(last=False)
+            self.evicted += 1
         return rec.model_copy(update={"request_id": send.request_id})
 
     def __len__(self) -> int:

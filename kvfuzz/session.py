@@ -40,6 +40,8 @@ class Session:
     model: str | None = None
     # Explain every divergence by re-running in the clean / single-toggle arms (kvfuzz run).
     attribute: bool = False
+    # In-process engine: wall-clock deadline of one run of a trace (docs/reliability.md).
+    trace_deadline_s: float | None = 600.0
 
     def engine_for(self, config: EngineConfig) -> Engine:
         if self.engine is not None and self.engine.compatible(config):
@@ -48,7 +50,8 @@ class Session:
         if self.engine_kind == "inprocess":
             from harness.inprocess import InProcessEngine
 
-            self.engine = InProcessEngine(config, device=self.device, log_file=self.log_file).start()
+            self.engine = InProcessEngine(config, device=self.device, log_file=self.log_file,
+                                          trace_deadline_s=self.trace_deadline_s).start()
         elif self.engine_kind == "server":
             from harness.server import ServerEngine, ServerOptions
 

@@ -26,6 +26,14 @@ class BadInput(KvfuzzError):
 
 
 class InfraError(KvfuzzError):
-    """The engine or server could not start, died, hung, or the URL does not answer. Exit 3."""
+    """The engine or server could not start, died, hung, or the URL does not answer. Exit 3.
+
+    ``history`` is the run that was under way when it happened, if any (a campaign records it
+    in an engine-crash finding); ``hang`` says the engine stopped answering rather than died."""
 
     code = 3
+
+    def __init__(self, message: str, *, history: object = None, hang: bool = False):
+        super().__init__(message)
+        self.history = history
+        self.hang = hang

@@ -12,6 +12,7 @@ from pydantic import BaseModel, ValidationError
 
 from .errors import BadInput
 from .finding import Finding
+from .paths import check_engine
 from .trace import SCHEMA_VERSION, Trace
 
 if TYPE_CHECKING:
@@ -97,19 +98,27 @@ def _check_version(data: Any, source: str) -> None:
 def parse_trace(data: Any, source: str = "<trace>") -> Trace:
     _check_version(data, source)
     try:
-        return Trace.model_validate(data)
+        trace = Trace.model_validate(data)
     except ValidationError as e:
         field, msg = validation_message(e)
         raise BadInput(msg, source=source, field=field) from None
+    check_engine(trace.engine, source=source)
+    return trace
 
 
 def parse_finding(data: Any, source: str = "<finding>") -> Finding:
     _check_version(data, source)
     try:
-        return Finding.model_validate(data)
+        finding = Finding.model_validate(data)
     except ValidationError as e:
         field, msg = validation_message(e)
         raise BadInput(msg, source=source, field=field) from None
+    # Paths the engine would read: the finding's trace and any control arm's trace.
+    check_engine(finding.trace.engine, source=source, prefix="trace.engine")
+    for i, c in enumerate(finding.controls):
+        if c.trace is not None:
+            check_engine(c.trace.engine, source=source, prefix=f"controls[{i}].trace.engine")
+    return finding
 
 
 def load_trace(path: str | os.PathLike[str]) -> Trace:

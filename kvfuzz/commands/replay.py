@@ -154,6 +154,12 @@ def replay(
         if (with_ or without or arms) else None
     # Every file is read before any engine starts: bad input fails fast, with exit 2.
     items = [load_item(p) for p in files]
+    if kind != "url":  # a local engine reads the directories the files name
+        from traces.paths import check_exists
+
+        for item in items:
+            check_exists(item.trace.engine, source=str(item.path),
+                         prefix="trace.engine" if item.kind == "finding" else "engine")
     if arm_map is not None:
         for item in items:
             item.arms = dict(arm_map)
