@@ -20,7 +20,6 @@ import pytest
 
 from fuzzer import CampaignOptions, GenOptions, default_engine, run_campaign
 from harness.server import ServerEngine, ServerOptions, _group_alive
-from harness.toggles import clean_set
 from kvfuzz.recovery import Recovering
 from kvfuzz.session import Session
 from traces import load_finding
@@ -39,11 +38,10 @@ def campaign(tmp_path_factory):
     opts = ServerOptions(log_dir=out, api_key=API_KEY, request_timeout_s=20.0)
     session = Session(engine_kind="server", runs=1, server_options=opts)
     guard = Recovering(session)
-    # The engine's own toggles are the clean arm's, so the first server is the one every run
-    # and reference uses.
-    engine = default_engine(lora=True, max_model_len=512, toggles=clean_set("cpu"))
-    gen = GenOptions(min_requests=2, max_requests=3, max_tokens=(24, 32), p_long=0.0, p_cancel=0.0,
-                     gaps=(0,), adapters=["a", "b"])
+    # No toggles anywhere: runs and references (vanilla) share the first server. Base-model
+    # requests only, so the known CPU LoRA bug (docs/findings.md) stays out of this test.
+    engine = default_engine(max_model_len=512)
+    gen = GenOptions(min_requests=2, max_requests=3, max_tokens=(24, 32), p_long=0.0, p_cancel=0.0, gaps=(0,))
     index = {"i": -1}
     signalled: list[tuple[str, int]] = []
     orig = ServerEngine._http_replay
@@ -66,9 +64,7 @@ def campaign(tmp_path_factory):
 
     def check(t):
         index["i"] += 1
-        # The clean arm runs with the reference toggles: runs and references share one server
-        # (one start fewer), and the known CPU LoRA bug is fixed there.
-        return guard.check(t, arms={"clean": clean_set("cpu")})
+        return guard.check(t, arms={"vanilla": []})
 
     ServerEngine._http_replay = http_replay
     try:
@@ -101,7 +97,7 @@ def test_campaign_survives_a_killed_and_a_hung_server(campaign):
     for i in (KILL_AT + 1, HANG_AT + 1):
         assert outcomes[i].finding is None or outcomes[i].finding.worst_class() != "engine-crash"
     assert campaign["guard"].restarts == 2
-    # One server (runs and references in the clean arm) plus one restart per crash.
+    # One server (runs and references, no toggles) plus one restart per crash.
     assert len(list(out.glob("server-*.log"))) == 3
     # The servers that crashed are gone, every process of them.
     for _, pid in campaign["signalled"]:
