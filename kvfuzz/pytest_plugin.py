@@ -59,18 +59,16 @@ def _planned(config: pytest.Config) -> list[Any]:
 
 def _runner(config: pytest.Config) -> Any:
     if "runner" not in _STATE:
-        from harness.server import ServerOptions
         from kvfuzz.gate import GateRunner
-        from kvfuzz.session import Session
+        from kvfuzz.session import Session, engine_kind
 
         base_url = config.getoption("kvfuzz_base_url")
-        kind = "url" if base_url else config.getoption("kvfuzz_engine")
         device = config.getoption("kvfuzz_device")
+        kind = engine_kind(config.getoption("kvfuzz_engine"), base_url, device)
         out = Path(config.getoption("kvfuzz_out"))
         out.mkdir(parents=True, exist_ok=True)
         runs = config.getoption("kvfuzz_runs") or (1 if kind == "inprocess" else 3)
-        session = Session(engine_kind=kind, device=device, runs=runs, log_file=out / "engine.log", base_url=base_url,
-                          server_options=ServerOptions(device=device, log_dir=out))
+        session = Session.for_target(kind, device=device, runs=runs, out=out, base_url=base_url)
         _STATE["session"] = session
         _STATE["runner"] = GateRunner(session, runs=runs, strict=config.getoption("kvfuzz_strict"),
                                       engine_args=["--base-url", "URL"] if base_url else ["--engine", kind],

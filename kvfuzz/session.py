@@ -15,6 +15,21 @@ from harness.base import Engine
 from harness.runner import Recording, ReferenceStore, record
 from oracle import Thresholds, check, divergent, make_finding
 from traces import Divergence, EngineConfig, Finding, Trace
+from traces.errors import BadInput
+
+
+def engine_kind(engine: str, base_url: str | None, device: str) -> str:
+    """The engine kind the shared CLI options name (``--engine``, ``--base-url``, ``--device``):
+    ``url`` when a base URL is given, else ``inprocess`` or ``server``."""
+    if base_url is not None:
+        kind = "url"
+    elif engine in ("inprocess", "server"):
+        kind = engine
+    else:
+        raise BadInput(f"unknown engine {engine!r} (inprocess or server)", field="--engine")
+    if device not in ("cpu", "cuda"):
+        raise BadInput(f"unknown device {device!r} (cpu or cuda)", field="--device")
+    return kind
 
 
 @dataclass
@@ -42,6 +57,19 @@ class Session:
     attribute: bool = False
     # In-process engine: wall-clock deadline of one run of a trace (docs/reliability.md).
     trace_deadline_s: float | None = 600.0
+
+    @classmethod
+    def for_target(cls, kind: str, *, device: str, runs: int, out: Path, near_tie: float | None = None,
+                   base_url: str | None = None, api_key: str | None = None, model: str | None = None,
+                   server_flags: list[str] | None = None, attribute: bool = False) -> "Session":
+        """A session on the engine the replay-style commands name (in-process, a managed
+        server with its logs in ``out``, or a server at ``base_url``)."""
+        from harness.server import ServerOptions
+
+        return cls(engine_kind=kind, device=device, runs=runs, thresholds=Thresholds(near_tie=near_tie),
+                   log_file=out / "engine.log", base_url=base_url, api_key=api_key, model=model,
+                   server_options=ServerOptions(device=device, extra_flags=list(server_flags or []), log_dir=out),
+                   attribute=attribute)
 
     def engine_for(self, config: EngineConfig) -> Engine:
         if self.engine is not None and self.engine.compatible(config):

@@ -62,16 +62,9 @@ def gate(
 ) -> None:
     """Replay a corpus of findings/traces as a CI regression gate."""
     from kvfuzz.gate import GateRunner, bundled_corpus, collect, gate_plan, load, self_test_plan
-    from oracle.gate import junit_xml, markdown_summary
+    from kvfuzz.session import Session, engine_kind
 
-    if base_url is not None:
-        kind = "url"
-    elif engine in ("inprocess", "server"):
-        kind = engine
-    else:
-        raise BadInput(f"unknown engine {engine!r} (inprocess or server)", field="--engine")
-    if device not in ("cpu", "cuda"):
-        raise BadInput(f"unknown device {device!r} (cpu or cuda)", field="--device")
+    kind = engine_kind(engine, base_url, device)
     if self_test and (with_ or without or arms):
         raise BadInput("--self-test chooses its own arms (clean, and each trace's expect.fails_in)", field="--arms")
     if self_test and kind == "url":
@@ -93,13 +86,8 @@ def gate(
         ["--device", device] if device != "cpu" else [])
     out.mkdir(parents=True, exist_ok=True)
 
-    from harness.server import ServerOptions
-    from kvfuzz.session import Session
-    from oracle import Thresholds
-
-    session = Session(engine_kind=kind, device=device, runs=k, thresholds=Thresholds(near_tie=near_tie),
-                      log_file=out / "engine.log", base_url=base_url, api_key=api_key, model=model,
-                      server_options=ServerOptions(device=device, extra_flags=list(server_arg or []), log_dir=out))
+    session = Session.for_target(kind, device=device, runs=k, out=out, near_tie=near_tie, base_url=base_url,
+                                 api_key=api_key, model=model, server_flags=server_arg)
     runner = GateRunner(session, runs=k, strict=strict, engine_args=engine_args, findings_dir=out / "findings")
     cases = []
     print(f"kvfuzz {what}: {len(entries)} file(s), {len(planned)} case(s), {k} run(s) each", flush=True)
@@ -111,8 +99,7 @@ def gate(
                                         f" {case.name}  arm {case.arm}  ({case.seconds:.1f}s)"), highlight=False)
     finally:
         session.close()
-        _write_reports(cases, out=out, junit=junit, summary=summary, what=what, junit_xml=junit_xml,
-                       markdown_summary=markdown_summary, complete=len(cases) == len(planned))
+        _write_reports(cases, out=out, junit=junit, summary=summary, what=what, complete=len(cases) == len(planned))
     show = console if console.is_terminal else Console(width=160, soft_wrap=True)
     show.print(_table(cases, what))
     bad = [c for c in cases if not c.ok]
@@ -134,8 +121,9 @@ def _table(cases, what: str) -> Table:
     return t
 
 
-def _write_reports(cases, *, out: Path, junit: Path | None, summary: Path | None, what: str, junit_xml,
-                   markdown_summary, complete: bool) -> None:
+def _write_reports(cases, *, out: Path, junit: Path | None, summary: Path | None, what: str, complete: bool) -> None:
+    from oracle.gate import junit_xml, markdown_summary
+
     # Written even when the run stops early (infrastructure failure): CI shows what did run.
     header = "" if complete else "**Incomplete**: the gate stopped early (see the log for the error)."
     md = markdown_summary(cases, title=f"kvfuzz {what}", header=header)

@@ -23,7 +23,6 @@ from rich.text import Text
 from kvfuzz import arms as arms_opts
 from kvfuzz.cli import app, console
 from traces import Divergence, Finding, Trace, atomic_write_text, load_any, save
-from traces.errors import BadInput
 from traces.finding import DIVERGENT_CLASSES
 from traces.foreign import ForeignFinding
 
@@ -138,18 +137,9 @@ def replay(
 
     Each file replays in its own arms (a finding's, else its trace's toggles) unless --arms /
     --with / --without say otherwise; --attribute explains divergences by toggles as `kvfuzz run` does."""
-    from harness.server import ServerOptions
-    from kvfuzz.session import Session
-    from oracle import Thresholds
+    from kvfuzz.session import Session, engine_kind
 
-    if base_url is not None:
-        kind = "url"
-    elif engine in ("inprocess", "server"):
-        kind = engine
-    else:
-        raise BadInput(f"unknown engine {engine!r} (inprocess or server)", field="--engine")
-    if device not in ("cpu", "cuda"):
-        raise BadInput(f"unknown device {device!r} (cpu or cuda)", field="--device")
+    kind = engine_kind(engine, base_url, device)
     arm_map = arms_opts.build_arms(with_=with_, without=without, arms=arms, device=device) \
         if (with_ or without or arms) else None
     # Every file is read before any engine starts: bad input fails fast, with exit 2.
@@ -164,11 +154,10 @@ def replay(
         for item in items:
             item.arms = dict(arm_map)
     out.mkdir(parents=True, exist_ok=True)
-    session = Session(engine_kind=kind, device=device, runs=runs, thresholds=Thresholds(near_tie=near_tie),
-                      log_file=out / "engine.log", base_url=base_url, api_key=api_key, model=model,
-                      server_options=ServerOptions(device=device, extra_flags=list(server_arg or []), log_dir=out),
-                      # A server kvfuzz does not manage cannot switch toggles.
-                      attribute=attribute and kind != "url")
+    session = Session.for_target(kind, device=device, runs=runs, out=out, near_tie=near_tie, base_url=base_url,
+                                 api_key=api_key, model=model, server_flags=server_arg,
+                                 # A server kvfuzz does not manage cannot switch toggles.
+                                 attribute=attribute and kind != "url")
     # Verdict tables are wide: in a log or pipe, do not squeeze them into 80 columns.
     show = console if console.is_terminal else Console(width=160, soft_wrap=True)
     from harness.http_client import redact_url
