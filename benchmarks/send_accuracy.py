@@ -132,11 +132,13 @@ def main() -> None:
             send_err: list[float] = []
             cancel_err: list[float] = []
             walls = []
+            prios: set[str] = set()
             LAGS.clear()
             for rep in range(args.repeats):
                 trace = bench_trace(n, seed=1000 * n + rep, span_ms=span, cfg=cfg)
                 h = eng.replay(trace, run_index=rep)
                 walls.append(h.wall_seconds)
+                prios.add(h.client_priority or "?")
                 for e in h.events:
                     if e.actual_offset_ms is None or e.planned_offset_ms is None:
                         continue
@@ -154,6 +156,7 @@ def main() -> None:
                 "cancel_p50_ms": round(statistics.median(cancel_err), 3) if cancel_err else None,
                 "cancel_p99_ms": round(percentile(cancel_err, 0.99), 3) if cancel_err else None,
                 "run_wall_s_median": round(statistics.median(walls), 2),
+                "client_priority": ",".join(sorted(prios)),
                 "loop_lag_p50_ms": round(statistics.median(LAGS), 3),
                 "loop_lag_p99_ms": round(percentile(LAGS, 0.99), 3),
                 "loop_lag_max_ms": round(max(LAGS), 3),

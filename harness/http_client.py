@@ -38,6 +38,7 @@ from traces import CancelEvent, EventRecord, History, RequestRecord, SendEvent, 
 from traces.errors import InfraError
 
 from . import metrics as prom
+from .priority import send_priority
 
 TOKEN_PREFIX = "token_id:"
 # The last ~2 ms before a planned instant are spent yielding in a loop: the event loop's
@@ -522,7 +523,9 @@ def replay_trace(target: HttpTarget, trace: Trace, *, engine: str = "server", ar
     when connections failed, e.g. because the server died)."""
     rep = Replayer(target, trace, engine=engine, arm=arm, run_index=run_index, toggles=list(toggles),
                    cache_salt=cache_salt, timeout_s=timeout_s, lead_ms=lead_ms)
-    hist = asyncio.run(rep.run())
+    with send_priority() as prio:
+        hist = asyncio.run(rep.run())
+    hist.client_priority = prio
     return hist, rep.transport_errors
 
 

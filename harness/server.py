@@ -43,6 +43,8 @@ STOP_GRACE_S = 15.0
 # counts as hung (it is then killed and restarted by a campaign; docs/reliability.md).
 HEALTH_GRACE_S = 10.0
 WARM_UP_TIMEOUT_S = 300.0
+# Default niceness of a managed CPU server (see ServerOptions.nice).
+SERVER_NICE = 10
 # Variables of the in-process harness that must not reach a server: the server's AsyncLLM
 # needs multiprocessing, and vLLM's own logging is what the server log file is for.
 STRIPPED_ENV = ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CONFIGURE_LOGGING")
@@ -71,6 +73,16 @@ class ServerOptions:
     # Fixed port on 127.0.0.1 (None: a free one picked per start). With a fixed port only one
     # server runs at a time.
     port: int | None = None
+    # CPU niceness of the server's process tree (None: SERVER_NICE on CPU, 0 on GPU). The client
+    # must send at its planned instants; when server and client share few cores, a server at
+    # the client's own priority delays those sends by tens of ms (docs/benchmarks.md). A nicer
+    # server costs nothing while the client sleeps.
+    nice: int | None = None
+
+    def server_nice(self) -> int:
+        if self.nice is not None:
+            return self.nice
+        return SERVER_NICE if self.device == "cpu" else 0
 
 
 def free_port(host: str = HOST) -> int:
@@ -190,11 +202,12 @@ def describe_exit(code: int | None) -> str:
 class ManagedServer:
     """One server process (group) on a free loopback port."""
 
-    def __init__(self, cmd: list[str], env: dict[str, str], log_path: Path, port: int):
+    def __init__(self, cmd: list[str], env: dict[str, str], log_path: Path, port: int, nice: int = 0):
         self.cmd = cmd
         self.env = env
         self.log_path = log_path
         self.port = port
+        self.nice = nice
         self.proc: subprocess.Popen[bytes] | None = None
         self.start_seconds: float | None = None
 
@@ -217,6 +230,13 @@ class ManagedServer:
             logf.flush()
             self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=logf, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, start_new_session=True)
+        if self.nice:
+            # Before vLLM spawns its EngineCore and workers (seconds of imports later): they
+            # inherit it. preexec_fn would be exact but is unsafe in a threaded parent.
+            try:
+                os.setpriority(os.PRIO_PROCESS, self.proc.pid, self.nice)
+            except OSError as e:  # e.g. a negative value without privilege: run at our priority
+                log.warning("could not renice the vLLM server to %d: %s", self.nice, e)
         (self.log_path.parent / "server.pid").write_text(f"{self.proc.pid}\n")
         deadline = time.monotonic() + timeout_s
         while True:
@@ -438,7 +458,7 @@ class ServerEngine(_HttpEngineBase):
             n += 1
         log_path = log_dir / f"server-{n}.log"
         env = server_env(os.environ, toggles=self.toggles, api_key=self.options.api_key)
-        self.server = ManagedServer(self._cmd, env, log_path, port)
+        self.server = ManagedServer(self._cmd, env, log_path, port, nice=self.options.server_nice())
         log.info("starting vLLM server on port %d (toggles %s, log %s)", port, self.toggles, log_path)
         try:
             self.server.start(self.options.start_timeout_s)

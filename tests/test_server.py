@@ -64,6 +64,7 @@ def test_three_concurrent_streams_and_mid_stream_cancels(server):
     ])
     h = server.replay(t)
     assert h.engine == "server" and not h.crashed and h.steps == []
+    assert h.client_priority in ("fifo", "normal")
     s0, s1, s2 = (h.requests[k] for k in ("s0", "s1", "s2"))
     for r in (s0, s1, s2):
         assert r.http_status == 200 and r.error is None

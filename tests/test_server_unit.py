@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import subprocess
 import sys
 import textwrap
 import time
@@ -243,6 +244,7 @@ def test_replay_against_nothing_reports_transport_errors():
     h, errors = hc.replay_trace(hc.HttpTarget(f"http://127.0.0.1:{port}", "m"), t, timeout_s=10)
     assert len(errors) == 2 and all("connection failed" in (r.error or "") for r in h.requests.values())
     assert h.metrics_before == {} and not h.crashed
+    assert h.client_priority == ("fifo" if os.geteuid() == 0 else h.client_priority)
 
 
 class _FakeServer:
@@ -295,3 +297,57 @@ def test_run_rejects_unknown_engine_kind():
 def test_redact_url_drops_credentials():
     assert hc.redact_url("http://u:pw@host:8000/v1") == "http://host:8000/v1"
     assert hc.redact_url("https://host/x") == "https://host/x"
+
+
+def test_managed_server_runs_niced_and_its_children_inherit(tmp_path):
+    """The server's process tree runs at the configured niceness, so the client's sends are
+    not queued behind it; children spawned later (vLLM's EngineCore, workers) inherit it."""
+    port = free_port()
+    srv = ManagedServer([sys.executable, "-c", FAKE_SERVER, str(port)], dict(os.environ), tmp_path / "s.log", port,
+                        nice=7)
+    srv.start(timeout_s=30)
+    try:
+        assert os.getpriority(os.PRIO_PROCESS, srv.pid) == os.getpriority(os.PRIO_PROCESS, 0) + 7
+        kids = subprocess.run(["pgrep", "-P", str(srv.pid)], capture_output=True, text=True).stdout.split()
+        assert kids and all(os.getpriority(os.PRIO_PROCESS, int(k)) == os.getpriority(os.PRIO_PROCESS, 0) + 7
+                            for k in kids)
+    finally:
+        srv.stop(grace_s=1.0)
+
+
+def test_server_nice_defaults_by_device():
+    from harness.server import SERVER_NICE, ServerOptions
+
+    assert ServerOptions().server_nice() == SERVER_NICE > 0
+    assert ServerOptions(device="cuda").server_nice() == 0
+    assert ServerOptions(nice=3).server_nice() == 3
+
+
+def test_send_priority_restores_policy_and_gc(monkeypatch):
+    import gc
+
+    from harness import priority
+
+    before = os.sched_getscheduler(0)
+    with priority.send_priority() as got:
+        assert not gc.isenabled()
+        assert got == ("fifo" if os.sched_getscheduler(0) == os.SCHED_FIFO else "normal")
+        if os.geteuid() == 0:  # root may always raise itself: the replay must get it
+            assert got == "fifo"
+    assert gc.isenabled() and os.sched_getscheduler(0) == before
+    monkeypatch.setenv(priority.ENV, "0")
+    with priority.send_priority() as got:
+        assert got == "normal" and os.sched_getscheduler(0) == before
+    assert gc.isenabled()
+
+
+def test_send_priority_restores_after_an_exception():
+    import gc
+
+    from harness import priority
+
+    before = os.sched_getscheduler(0)
+    with pytest.raises(RuntimeError):
+        with priority.send_priority():
+            raise RuntimeError("boom")
+    assert gc.isenabled() and os.sched_getscheduler(0) == before

@@ -93,6 +93,9 @@ class History(_Data):
     metrics_before: dict[str, float] = Field(default_factory=dict)
     metrics_after: dict[str, float] = Field(default_factory=dict)
     wall_seconds: float = 0.0
+    # HTTP engines: the scheduling policy the replay client's send loop ran under ("fifo" or
+    # "normal"; harness/priority.py). At "normal" on a busy machine sends can leave late.
+    client_priority: str | None = None
     # Set when the engine or server died or hung during the run.
     crashed: bool = False
     crash_detail: str | None = None
@@ -104,7 +107,7 @@ _WALL_CLOCK = {"planned_offset_ms", "sent_ms", "first_token_ms", "cancel_ms", "f
 def step_view(h: History) -> dict:
     """The history without wall-clock fields: what must be identical between two in-process
     replays of the same trace (schedule, block usage, tokens, logprobs)."""
-    data = h.model_dump(mode="json", exclude={"wall_seconds", "metrics_before", "metrics_after"})
+    data = h.model_dump(mode="json", exclude={"wall_seconds", "metrics_before", "metrics_after", "client_priority"})
     for r in data["requests"].values():
         for k in _WALL_CLOCK:
             r.pop(k, None)
