@@ -2,8 +2,14 @@
 
 The mix aims at the mechanisms in the vLLM reports: prompt lengths on and next to block
 boundaries, shared prefixes (prefix-cache hits and sharing), bursts of concurrent sends,
-cancels at different points of a request's life, base-model and adapter requests mixed, and
-now and then a long request that pushes the KV cache towards preemption.
+cancels at different points of a request's life (and client retries after them), base-model
+and adapter requests mixed, and now and then a long request that pushes the KV cache towards
+preemption. On top of that, some traces carry one of the reported shapes whole
+(fuzzer/shapes.py): a long prefill interrupted and retried, or KV-cache pressure that forces a
+preemption. Without them random traces reached those states in a few traces per hundred.
+
+``random-v2`` draws the v1 trace first and only then the additions, so a seed's v1 events are
+a prefix of its v2 events.
 """
 
 from __future__ import annotations
@@ -13,6 +19,10 @@ from dataclasses import dataclass, field
 
 from traces import At, CancelEvent, EngineConfig, GenPrompt, Lineage, LoraSettings, SendEvent, Trace
 from traces.trace import EMBEDDED_MODEL
+
+from . import shapes
+
+GENERATOR = "random-v2"
 
 EMBEDDED_ADAPTERS = {"a": "embedded:a", "b": "embedded:b", "c": "embedded:c"}
 
@@ -42,6 +52,12 @@ class GenOptions:
     # Steps between consecutive sends are drawn from this list (0 = same step: a burst).
     gaps: tuple[int, ...] = (0, 0, 0, 1, 1, 2, 3, 5, 8, 13)
     adapters: list[str] = field(default_factory=list)
+    # A cancelled request is resent (same prompt, id ``<id>_retry``) shortly after its cancel.
+    p_retry: float = 0.4
+    # The trace also carries an interrupted long prefill and its retry (shapes.interrupted_prefill).
+    p_interrupted_prefill: float = 0.2
+    # The trace also carries KV-cache pressure that forces a preemption (shapes.pressure).
+    p_pressure: float = 0.2
 
 
 def _length(rng: random.Random, bs: int, opts: GenOptions) -> int:
@@ -91,5 +107,32 @@ def generate(seed: int, engine: EngineConfig | None = None, opts: GenOptions | N
                 s = step + rng.randint(0, 6)
                 at = At(step=s, offset_ms=s * engine.ms_per_step)
             events.append(CancelEvent(request_id=rid, at=at))
-    return Trace(engine=engine, events=events, lineage=Lineage(generator="random-v1", seed=seed),
+    events = _additions(rng, engine, opts, events, step)
+    return Trace(engine=engine, events=events, lineage=Lineage(generator=GENERATOR, seed=seed),
                  name=f"random-{seed}")
+
+
+def _additions(rng: random.Random, engine: EngineConfig, opts: GenOptions, events: list, last: int) -> list:
+    """Retries after cancels and the reported shapes, drawn after the v1 events."""
+    mps = engine.ms_per_step
+    sends = {e.request_id: e for e in events if isinstance(e, SendEvent)}
+    for c in [e for e in events if isinstance(e, CancelEvent)]:
+        if rng.random() >= opts.p_retry:
+            continue
+        s = sends[c.request_id]
+        if c.at.after_tokens is not None:  # relative: about when its prefill plus k tokens end
+            when = s.at.step_or(mps) + shapes.prefill_steps(s.prompt.length, engine) + c.at.after_tokens
+        else:
+            when = c.at.step_or(mps)
+        retry = s.model_copy(update={"request_id": shapes.fresh_id(events, f"{s.request_id}_retry"),
+                                     "at": shapes.at_step(when + rng.choice((0, 1, 2, 4)), engine)})
+        events.append(retry)
+    if rng.random() < opts.p_interrupted_prefill:
+        adapter = rng.choice(opts.adapters) if opts.adapters and rng.random() < 0.5 else None
+        events = shapes.interrupted_prefill(engine, rng, events, rng.randint(0, last + 2), adapter=adapter)
+    if rng.random() < opts.p_pressure:
+        events = shapes.pressure(engine, rng, events, rng.randint(max(0, last - 4), last + 4)) or events
+    # Events are listed in time order (a same-step cancel stays before its retry).
+    send_step = {e.request_id: e.at.step_or(mps) for e in events if isinstance(e, SendEvent)}
+    return sorted(events, key=lambda e: send_step[e.request_id] if e.at.step is None and e.at.offset_ms is None
+                  else e.at.step_or(mps))

@@ -21,6 +21,9 @@ from pydantic import ValidationError
 
 from traces import At, CancelEvent, EngineConfig, GenPrompt, Lineage, SendEvent, TokenPrompt, Trace
 
+from . import shapes
+from .shapes import at_step, fresh_id, kv_capacity_tokens  # noqa: F401  (kv_capacity_tokens: public)
+
 Event = SendEvent | CancelEvent
 OperatorFn = Callable[[Trace, random.Random], Trace | None]
 
@@ -53,12 +56,6 @@ def operator(name: str, mechanism: str, *, weight: float = 1.0, changes_engine: 
 # -- helpers ----------------------------------------------------------------------------------
 
 
-def at_step(step: int, engine: EngineConfig) -> At:
-    """An absolute time in both clocks."""
-    step = max(0, int(step))
-    return At(step=step, offset_ms=step * engine.ms_per_step)
-
-
 def step_of(ev: Event, trace: Trace) -> int | None:
     """The event's engine step, None for a cancel relative to its request's life."""
     if isinstance(ev, CancelEvent) and ev.at.after_tokens is not None and ev.at.step is None:
@@ -78,17 +75,6 @@ def clocks_consistent(trace: Trace) -> bool:
         if not (at.step * mps - 1e-6 <= at.offset_ms < (at.step + 1) * mps - 1e-9):
             return False
     return True
-
-
-def fresh_id(trace: Trace | list[Event], base: str) -> str:
-    events = trace.events if isinstance(trace, Trace) else trace
-    used = {e.request_id for e in events}
-    if base not in used:
-        return base
-    n = 2
-    while f"{base}{n}" in used:
-        n += 1
-    return f"{base}{n}"
 
 
 def _send_step(trace: Trace, rid: str) -> int:
@@ -217,16 +203,21 @@ def op_burst(trace: Trace, rng: random.Random) -> Trace | None:
     return _rebuild(trace, events)
 
 
-@operator("cancel_retry", "A client timeout: the request is cancelled mid-generation and resent (a new "
-                          "request id, `<id>_retry`) Δ steps later with the same prompt, so the retry "
-                          "allocates right after the cancel freed its blocks — the cancel-path block reuse "
-                          "of the vLLM reports (stale block tables, blocks freed while still referenced).",
-          weight=1.5)
+@operator("cancel_retry", "A client timeout: the request is cancelled and resent (a new request id, "
+                          "`<id>_retry`) Δ steps later with the same prompt, so the retry allocates right "
+                          "after the cancel freed its blocks — the cancel-path block reuse of the vLLM reports "
+                          "(stale block tables, blocks freed while still referenced). Mid-generation, or (2 "
+                          "in 5) mid-prefill: the prompt is made longer than one step's token budget and "
+                          "cancelled after its first chunk or inside its prefill, and the retry (or a request "
+                          "sharing all but its tail) hits blocks the cancelled request registered but may "
+                          "never have written (vllm#37076).", weight=1.5)
 def op_cancel_retry(trace: Trace, rng: random.Random) -> Trace | None:
     s = _pick_send(trace, rng, lambda s: s.max_tokens >= 2)
     if s is None:
         return None
     eng = trace.engine
+    if rng.random() < 0.4 and isinstance(s.prompt, GenPrompt):
+        return _interrupted_prefill(trace, s, rng)
     t0 = _send_step(trace, s.request_id)
     # Prefill takes about ceil(len / token budget) steps; cancel a few decode steps after it.
     prefill = -(-s.prompt.length // eng.max_num_batched_tokens)
@@ -236,6 +227,24 @@ def op_cancel_retry(trace: Trace, rng: random.Random) -> Trace | None:
     rid = fresh_id(events, f"{s.request_id}_retry")
     events.append(CancelEvent(request_id=s.request_id, at=at_step(t_cancel, eng)))
     events.append(s.model_copy(update={"request_id": rid, "at": at_step(t_cancel + delta, eng)}))
+    return _rebuild(trace, events)
+
+
+def _interrupted_prefill(trace: Trace, s: SendEvent, rng: random.Random) -> Trace | None:
+    eng = trace.engine
+    budget = eng.max_num_batched_tokens
+    room = _room(eng, s.max_tokens) - eng.block_size
+    if room <= budget:
+        return None
+    assert isinstance(s.prompt, GenPrompt)
+    length = s.prompt.length if s.prompt.length > budget else min(room, budget + rng.randint(1, budget))
+    length = min(length, room)
+    group = s.prompt.prefix_group or f"ip-{s.request_id}-{s.prompt.seed}"
+    prompt = s.prompt.model_copy(update={"length": length, "prefix_group": group, "prefix_len": length})
+    events: list[Event] = [e.model_copy(update={"prompt": prompt}) if e is s else e for e in trace.events
+                           if not (isinstance(e, CancelEvent) and e.request_id == s.request_id)]
+    events = shapes.interrupted_prefill(eng, rng, events, _send_step(trace, s.request_id), prompt=prompt,
+                                        adapter=s.adapter, max_tokens=s.max_tokens, request_id=s.request_id)
     return _rebuild(trace, events)
 
 
@@ -310,14 +319,6 @@ def op_block_boundary(trace: Trace, rng: random.Random) -> Trace | None:
     return _rebuild(trace, events)
 
 
-def kv_capacity_tokens(engine: EngineConfig, bytes_per_token: int = 1024) -> int:
-    """About how many tokens the KV cache holds (exact for the embedded model's 1 KiB/token;
-    other models: assume 1.5 x max_model_len)."""
-    if engine.model == "embedded:tiny-qwen2" and engine.kv_cache_bytes:
-        return engine.kv_cache_bytes // bytes_per_token
-    return int(engine.max_model_len * 1.5)
-
-
 @operator("long_pressure", "KV-cache pressure: holder requests fill most of the cache and keep decoding, "
                            "then a request near max_model_len arrives late. vLLM 0.32 admits a request only "
                            "when its whole prompt fits (scheduler_reserve_full_isl), so the operator sizes the "
@@ -325,33 +326,9 @@ def kv_capacity_tokens(engine: EngineConfig, bytes_per_token: int = 1024) -> int
                            "overflows the cache and the scheduler preempts and later resumes (recomputes) a "
                            "request — preemption resuming on reallocated blocks.", weight=0.8)
 def op_long_pressure(trace: Trace, rng: random.Random) -> Trace | None:
-    eng = trace.engine
-    bs = eng.block_size
-    blocks = kv_capacity_tokens(eng) // bs - 1  # one block is vLLM's null block
-    max_tokens = rng.choice((16, 32, 64))
-    room = _room(eng, max_tokens)
-    long_blocks = min(room // bs, int(blocks * rng.choice((0.5, 0.6, 0.66))))
-    n_hold = rng.randint(1, 3)
-    hold_tokens = rng.choice((64, 96, 128))  # each holder grows by 2-4 blocks while decoding
-    slack = rng.randint(1, n_hold + 1)      # blocks left free after the long prompt is admitted
-    hold_blocks = blocks - long_blocks - slack
-    if long_blocks < 1 or hold_blocks < n_hold:
-        return None
     last = _last_step(trace)
-    step = rng.randint(max(0, last - 4), last + 4)
-    events: list[Event] = list(trace.events)
-    for j in range(n_hold):
-        nb = hold_blocks // n_hold + (1 if j < hold_blocks % n_hold else 0)
-        events.append(SendEvent(request_id=fresh_id(events, f"hold{j}"), at=at_step(step, eng),
-                                max_tokens=hold_tokens,
-                                prompt=GenPrompt(length=min(_room(eng, hold_tokens), nb * bs - rng.choice((0, 1))),
-                                                 seed=rng.randrange(1 << 30))))
-    # Late: once the holders' prefill is done (about one step per token budget) and they decode.
-    late = step + -(-hold_blocks * bs // eng.max_num_batched_tokens) + rng.randint(1, 4)
-    events.append(SendEvent(request_id=fresh_id(events, "long"), at=at_step(late, eng), max_tokens=max_tokens,
-                            prompt=GenPrompt(length=long_blocks * bs - rng.choice((0, 1)),
-                                             seed=rng.randrange(1 << 30))))
-    return _rebuild(trace, events)
+    events = shapes.pressure(trace.engine, rng, list(trace.events), rng.randint(max(0, last - 4), last + 4))
+    return None if events is None else _rebuild(trace, events)
 
 
 def min_kv_bytes(engine: EngineConfig, bytes_per_token: int = 1024) -> int:

@@ -164,7 +164,7 @@ def test_findings_record_lineage(tmp_path):
     assert f.trace.lineage.parent and f.trace.lineage.operators
     chain = f.notes["lineage"]
     assert chain[0] == {"parent": f.trace.lineage.parent, "operators": f.trace.lineage.operators}
-    assert "root" in chain[-1] and chain[-1]["generator"] == "random-v1"
+    assert "root" in chain[-1] and chain[-1]["generator"] == "random-v2"
     assert f.notes["campaign"]["source"] == "mutant"
 
 

@@ -1,0 +1,136 @@
+"""Building blocks for the request shapes of the vLLM reports, shared by the generator
+(fuzzer/generate.py) and the mutation operators (fuzzer/mutate.py).
+
+Random traces reach the easy states; the reported bugs needed specific shapes, which plain
+random generation hits only a few times in a hundred traces (measured: docs/benchmarks.md):
+
+- ``interrupted_prefill``: a long prompt (chunked: longer than one step's token budget) is
+  cancelled while its prefill is under way, then retried — or followed by a request sharing
+  almost all of its prompt. The follower's prefix-cache hit lands on blocks the cancelled
+  request registered, some of whose KV may never have been written (vllm#37076; the
+  cancel/retry path of vllm#39146).
+- ``pressure``: holder requests fill most of the KV cache and keep decoding, then a long
+  request arrives late; their decode growth overflows the cache, so the scheduler preempts
+  and later resumes (recomputes) a request on blocks that were handed out in between (the
+  late 8192-token request of vllm#39146).
+
+Every function returns new events; absolute times are written in both clocks (steps and
+offsets), so traces replay on the in-process engine and on a server alike.
+"""
+
+from __future__ import annotations
+
+import random
+
+from traces import At, CancelEvent, EngineConfig, GenPrompt, SendEvent, Trace
+
+Event = SendEvent | CancelEvent
+
+
+def at_step(step: int, engine: EngineConfig) -> At:
+    """An absolute time in both clocks."""
+    step = max(0, int(step))
+    return At(step=step, offset_ms=step * engine.ms_per_step)
+
+
+def fresh_id(trace: Trace | list[Event], base: str) -> str:
+    """``base``, or ``base2``, ``base3``... if a request of that id exists."""
+    events = trace.events if isinstance(trace, Trace) else trace
+    used = {e.request_id for e in events}
+    if base not in used:
+        return base
+    n = 2
+    while f"{base}{n}" in used:
+        n += 1
+    return f"{base}{n}"
+
+
+def prefill_steps(length: int, engine: EngineConfig) -> int:
+    """Engine steps a prompt's prefill takes when it runs alone (chunked prefill)."""
+    return max(1, -(-length // engine.max_num_batched_tokens))
+
+
+def kv_capacity_tokens(engine: EngineConfig, bytes_per_token: int = 1024) -> int:
+    """About how many tokens the KV cache holds (exact for the embedded model's 1 KiB/token;
+    other models: assume 1.5 x max_model_len)."""
+    if engine.model == "embedded:tiny-qwen2" and engine.kv_cache_bytes:
+        return engine.kv_cache_bytes // bytes_per_token
+    return int(engine.max_model_len * 1.5)
+
+
+def interrupted_prefill(engine: EngineConfig, rng: random.Random, events: list[Event], step: int, *,
+                        prompt: GenPrompt | None = None, adapter: str | None = None,
+                        max_tokens: int | None = None, request_id: str | None = None) -> list[Event]:
+    """A chunked prompt cancelled mid-prefill, then retried (same prompt) or followed by a
+    request sharing all but its last few tokens. Appends to a copy of ``events``; with
+    ``request_id`` the existing send of that id is the one interrupted (its prompt must
+    already be chunked), otherwise a new one is added at ``step``."""
+    bs, budget = engine.block_size, engine.max_num_batched_tokens
+    out = list(events)
+    mt = max_tokens if max_tokens is not None else rng.choice((4, 8, 16))
+    room = engine.max_model_len - mt - bs  # leave the follower a little room to differ
+    if room <= budget:
+        return out  # the engine cannot hold a chunked prompt: no shape to build
+    if request_id is None:
+        length = rng.randint(budget + 1, min(room, 3 * budget))
+        if rng.random() < 0.5:
+            length = min(room, -(-length // bs) * bs + rng.choice((-1, 0, 1)))
+        group = f"ip-{rng.randrange(1 << 30)}"
+        prompt = GenPrompt(length=length, prefix_group=group, prefix_len=length, seed=rng.randrange(1 << 30))
+        request_id = fresh_id(out, "pre")
+        out.append(SendEvent(request_id=request_id, at=at_step(step, engine), prompt=prompt, adapter=adapter,
+                             max_tokens=mt, stream=True))
+    else:
+        assert prompt is not None
+    chunks = prefill_steps(prompt.length, engine)
+    # Mid-prefill: right after the first chunk (relative: 0 tokens) or at a step inside it.
+    if rng.random() < 0.5:
+        out.append(CancelEvent(request_id=request_id, at=At(after_tokens=0)))
+        cancel_step = step + 1
+    else:
+        cancel_step = step + rng.randint(1, max(1, chunks - 1))
+        out.append(CancelEvent(request_id=request_id, at=at_step(cancel_step, engine)))
+    gap = rng.choice((0, 0, 1, 2, 4))
+    fid = fresh_id(out, f"{request_id}_retry")
+    if rng.random() < 0.7 or prompt.prefix_group is None:
+        follower = prompt  # a client retry: the same prompt
+    else:
+        # A sharer: all of the prefix (on, or one off, a block boundary) and its own tail.
+        share = max(1, min(prompt.prefix_len, (prompt.length // bs) * bs + rng.choice((-1, 0, 1))))
+        follower = GenPrompt(length=min(engine.max_model_len - mt, share + rng.randint(1, 2 * bs)),
+                             prefix_group=prompt.prefix_group, prefix_len=share, seed=prompt.seed + 1)
+    out.append(SendEvent(request_id=fid, at=at_step(cancel_step + gap, engine), prompt=follower, adapter=adapter,
+                         max_tokens=mt, stream=rng.random() < 0.8))
+    return out
+
+
+def pressure(engine: EngineConfig, rng: random.Random, events: list[Event], step: int) -> list[Event] | None:
+    """Holders that fill most of the KV cache and keep decoding, then a late long request.
+
+    vLLM 0.32 admits a request only when its whole prompt fits (scheduler_reserve_full_isl),
+    so the prompts leave a few blocks free; the decode growth of everyone running then
+    overflows the cache and the scheduler preempts the newest request and resumes it later.
+    None when the cache is too small for the shape."""
+    bs = engine.block_size
+    blocks = kv_capacity_tokens(engine) // bs - 1  # one block is vLLM's null block
+    max_tokens = rng.choice((16, 32, 64))
+    room = engine.max_model_len - max_tokens
+    long_blocks = min(room // bs, int(blocks * rng.choice((0.5, 0.6, 0.66))))
+    n_hold = rng.randint(1, 3)
+    hold_tokens = rng.choice((64, 96, 128))  # each holder grows by 2-4 blocks while decoding
+    slack = rng.randint(1, n_hold + 1)      # blocks left free after the long prompt is admitted
+    hold_blocks = blocks - long_blocks - slack
+    if long_blocks < 1 or hold_blocks < n_hold:
+        return None
+    out = list(events)
+    for j in range(n_hold):
+        nb = hold_blocks // n_hold + (1 if j < hold_blocks % n_hold else 0)
+        out.append(SendEvent(request_id=fresh_id(out, f"hold{j}"), at=at_step(step, engine),
+                             max_tokens=hold_tokens,
+                             prompt=GenPrompt(length=min(engine.max_model_len - hold_tokens, nb * bs - rng.choice((0, 1))),
+                                              seed=rng.randrange(1 << 30))))
+    # Late: once the holders' prefill is done (about one step per token budget) and they decode.
+    late = step + prefill_steps(hold_blocks * bs, engine) + rng.randint(1, 4)
+    out.append(SendEvent(request_id=fresh_id(out, "long"), at=at_step(late, engine), max_tokens=max_tokens,
+                         prompt=GenPrompt(length=long_blocks * bs - rng.choice((0, 1)), seed=rng.randrange(1 << 30))))
+    return out
