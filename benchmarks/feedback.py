@@ -172,7 +172,7 @@ def main() -> None:
     ap.add_argument("--modes", nargs="+", default=["random", "feedback"], choices=["random", "feedback"])
     ap.add_argument("--fault-traces", type=int, default=30, help="trace cap per fault campaign")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("--faults", nargs="*", default=None, help="fault toggles (default: every registered fault)")
+    ap.add_argument("--faults", nargs="*", default=None, help="fault toggles (default: every fault that changes outputs on CPU)")
     ap.add_argument("--fixes", nargs="*", default=None,
                     help="fix toggles active in every arm (default with --lora: fix-lora-cpu-no-lora-tokens)")
     ap.add_argument("--lora", action="store_true", help="LoRA engine and adapter requests")
@@ -195,7 +195,9 @@ def main() -> None:
     from kvfuzz.session import Session
 
     registry._load_builtin()
-    faults = args.faults if args.faults is not None else sorted(n for n, t in registry.REGISTRY.items() if t.kind == "fault")
+    # Default: the faults that can change outputs on CPU (a GPU-only one would never be found).
+    faults = args.faults if args.faults is not None else sorted(
+        n for n in registry.output_changing("cpu") if registry.REGISTRY[n].kind == "fault")
     fixes = args.fixes if args.fixes is not None else (["fix-lora-cpu-no-lora-tokens"] if args.lora else [])
     engine = default_engine(lora=args.lora, kv_cache_bytes=args.kv_cache_mb * 2**20)
     results: dict = {"args": {**vars(args), "work": str(args.work), "out": str(args.out), "faults": faults,

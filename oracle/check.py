@@ -8,12 +8,12 @@ years later.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from traces import Divergence, History, RequestRecord, SendEvent, Trace
 from traces.finding import DIVERGENT_CLASSES, SEVERITY
 
-from .diff import Comparison, compare, early_stop_comparison
+from .diff import Comparison, compare, early_stop_comparison, logprob_drift
 from .stats import wilson
 
 ENGINE = "<engine>"  # pseudo request id for an engine crash that hit no live request
@@ -80,10 +80,20 @@ def classify_run(send: SendEvent, ref: RequestRecord | None, rec: RequestRecord 
             # The run chose end-of-sequence where the reference chose a token: that is a
             # different token (just not one in token_ids), judged by the same margin rule.
             cmp = early_stop_comparison(ref, cmp.compared)
+            cmp = replace(cmp, prefix_drift=logprob_drift(ref, rec, cmp.compared))
         else:
             why = "cancelled" if rec.cancelled else f"ended after {cmp.compared} tokens ({rec.finish_reason})"
             return RunVerdict("truncation", cmp, detail=why)
     got = "end of sequence" if cmp.got_token is None else str(cmp.got_token)
+    drifted = cmp.prefix_drift is not None and cmp.prefix_drift > near_tie
+    if cmp.ref_margin is not None and cmp.ref_margin < near_tie and drifted:
+        # A near tie flipped, but the logprobs before it had already moved by more than the
+        # noise the threshold allows: the run did not see the reference's context. (A small
+        # KV corruption flips the nearest tie first, so this is where it shows.)
+        return RunVerdict("corruption", cmp,
+                          detail=f"token {cmp.first_divergence}: reference {cmp.ref_token}, got {got}; reference "
+                                 f"margin {cmp.ref_margin:.3g} < {near_tie:g}, but the logprobs before it had "
+                                 f"drifted by {cmp.prefix_drift:.3g} nats (> {near_tie:g}: not noise)")
     if cmp.ref_margin is not None and cmp.ref_margin < near_tie:
         return RunVerdict("numeric-near-tie", cmp,
                           detail=f"token {cmp.first_divergence}: reference {cmp.ref_token}, got {got}; reference "
@@ -148,16 +158,16 @@ def _aggregate(rid: str, arm: str, acc: _Acc, ref: RequestRecord | None) -> Dive
     firsts = [v.comparison.first_divergence for v in diverged
               if v.comparison is not None and v.comparison.first_divergence is not None]
     first = min(firsts) if firsts else None
-    margin = None
+    margin = drift = None
     if first is not None:
         for v in diverged:
             if v.comparison and v.comparison.first_divergence == first:
-                margin = v.comparison.ref_margin
+                margin, drift = v.comparison.ref_margin, v.comparison.prefix_drift
                 break
     lo, hi = wilson(len(diverged), len(vs))
     return Divergence(
         request_id=rid, class_=worst.cls, arm=arm, first_divergence=first, runs_diverged=len(diverged),
-        runs=len(vs), margin=margin, variants=max(1, len(set(acc.sequences))), rate_low=lo, rate_high=hi,
+        runs=len(vs), margin=margin, drift=drift, variants=max(1, len(set(acc.sequences))), rate_low=lo, rate_high=hi,
         detail=worst.detail,
     )
 

@@ -25,6 +25,11 @@ class Comparison:
     got_token: int | None = None
     # The reference's second choice at the first divergent position.
     ref_runner_up: int | None = None
+    # Largest |logprob difference| (nats) of the chosen token at the positions before the
+    # first divergence, where both produced the same tokens (None: no logprobs to compare). Noise
+    # that could flip a near tie moves logprobs by about as much as the tie is wide; a drift
+    # far above that says the run's context (its KV) differed.
+    prefix_drift: float | None = None
 
 
 def first_divergence(ref: list[int], got: list[int]) -> int | None:
@@ -47,6 +52,16 @@ def runner_up_at(rec: RequestRecord, i: int) -> int | None:
     return None
 
 
+def logprob_drift(ref: RequestRecord, got: RequestRecord, n: int) -> float | None:
+    """Max |Δ logprob| of the chosen (top-1) token over positions < ``n`` where both chose it."""
+    drift: float | None = None
+    for i in range(min(n, len(ref.logprobs), len(got.logprobs))):
+        if ref.logprobs[i] and got.logprobs[i] and int(ref.logprobs[i][0][0]) == int(got.logprobs[i][0][0]):
+            d = abs(float(ref.logprobs[i][0][1]) - float(got.logprobs[i][0][1]))
+            drift = d if drift is None else max(drift, d)
+    return drift
+
+
 def early_stop_comparison(ref: RequestRecord, n: int) -> Comparison:
     """A run that stopped after ``n`` tokens where the reference produced token ``n``."""
     return Comparison("diverged", compared=n, first_divergence=n, ref_margin=margin_at(ref, n),
@@ -63,7 +78,8 @@ def compare(ref: RequestRecord, got: RequestRecord, expected_len: int) -> Compar
     if i is not None:
         return Comparison("diverged", compared=min(len(ref_tokens), len(got_tokens)), first_divergence=i,
                           ref_margin=margin_at(ref, i), run_margin=margin_at(got, i),
-                          ref_token=ref_tokens[i], got_token=got_tokens[i], ref_runner_up=runner_up_at(ref, i))
+                          ref_token=ref_tokens[i], got_token=got_tokens[i], ref_runner_up=runner_up_at(ref, i),
+                          prefix_drift=logprob_drift(ref, got, i))
     if len(got_tokens) < len(ref_tokens):
         return Comparison("prefix", compared=len(got_tokens))
     if len(got_tokens) > len(ref_tokens):

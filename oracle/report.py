@@ -189,6 +189,10 @@ def build(finding: Finding, *, source: str = "FINDING.json") -> Report:
             side = "above" if d.margin is None or d.margin >= near_tie else "below"
             meaning = ("so floating-point batch-order noise cannot explain it" if worst == "corruption"
                        else "where batch-order floating-point noise can flip the greedy choice")
+            if worst == "corruption" and side == "below":
+                meaning = (f"but the logprobs of the tokens before it had already drifted by "
+                           f"{d.drift if d.drift is not None else float('nan'):.3g} nats, above that threshold, so "
+                           f"floating-point noise cannot explain it")
             r.p(f"The first differing token is #{d.first_divergence}; the reference's top-1/top-2 margin "
                 f"there is {margin}, {side} the near-tie threshold {near_tie:g} "
                 f"({trace.engine.dtype}), {meaning}.")

@@ -180,3 +180,34 @@ def test_missing_record_and_missing_reference_are_errors():
     assert verdict([hist([])]).class_ == "error"
     (v,) = [d for d in check(trace(), [hist([rec("r0", [1, 2, 3, 4])])], {}) if d.request_id == "r0"]
     assert v.class_ == "error" and "reference" in v.detail
+
+
+def _drifted(ref_rec, positions, by):
+    """A copy of ``ref_rec`` whose logprobs at ``positions`` moved by ``by`` nats."""
+    lps = [list(map(list, p)) for p in ref_rec.logprobs]
+    for i in positions:
+        lps[i] = [[t, lp - by] for t, lp in lps[i]]
+    return lps
+
+
+@pytest.mark.parametrize("by,expected", [(2e-5, "numeric-near-tie"), (5e-4, "numeric-near-tie"),
+                                         (0.02, "corruption")])
+def test_near_tie_flip_after_logprob_drift_is_corruption(by, expected):
+    """Noise that flips a near tie moves logprobs by about the tie's width; a run whose
+    logprobs had drifted far beyond the threshold before the flip saw other KV (measured: a
+    preemption fault flipped a 7e-4 tie after a 0.019-nat drift)."""
+    ref = rec("r0", [1, 2, 3, 4], margins=[2.0, 1.0, 0.0005, 1.0])
+    run = rec("r0", [1, 2, 9, 9])
+    run.logprobs = _drifted(ref, [0, 1], by)[:2] + run.logprobs[2:]
+    v = verdict([hist([run])], ref=ref)
+    assert v.class_ == expected and v.first_divergence == 2 and v.drift == pytest.approx(by, rel=1e-6)
+    if expected == "corruption":
+        assert "drifted by" in v.detail
+
+
+def test_drift_only_counts_positions_before_the_divergence():
+    ref = rec("r0", [1, 2, 3, 4], margins=[0.0005, 1.0, 1.0, 1.0])
+    run = rec("r0", [7, 2, 3, 4])  # flips at position 0: there is no earlier evidence
+    run.logprobs = [run.logprobs[0]] + _drifted(ref, [1, 2, 3], 0.5)[1:]
+    v = verdict([hist([run])], ref=ref)
+    assert v.class_ == "numeric-near-tie" and v.drift is None

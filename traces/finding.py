@@ -52,6 +52,9 @@ class Divergence(_Data):
     runs: int = 0
     # Reference top-1 minus top-2 logprob at the first divergent position.
     margin: float | None = None
+    # Largest |logprob difference| (nats) of the same tokens before that position (a near tie
+    # flipped after a drift above the near-tie threshold is corruption, not noise).
+    drift: float | None = None
     # Distinct token sequences observed across runs (over the compared span).
     variants: int = 1
     # Wilson 95% interval of the divergence rate runs_diverged / runs.
