@@ -8,6 +8,10 @@ way. Target: p99 <= 2 ms.
 
     python benchmarks/send_accuracy.py [--repeats 3] [--out kvfuzz-bench] [--json results.json]
 
+The client sends from a SCHED_FIFO loop when the OS allows it (harness/priority.py; the JSON
+says which: ``client_priority``); ``KVFUZZ_REALTIME=0 python benchmarks/send_accuracy.py``
+measures the normal-priority control.
+
 Re-runnable; numbers measured while other jobs share the CPU are distorted (say so). The
 event-loop lag (how late a 1 ms timer fires during the replays) is printed as a witness: a lag
 tail of tens of milliseconds means this process was not getting the CPU, and the send figures
