@@ -73,10 +73,11 @@ class ServerOptions:
     # Fixed port on 127.0.0.1 (None: a free one picked per start). With a fixed port only one
     # server runs at a time.
     port: int | None = None
-    # CPU niceness of the server's process tree (None: SERVER_NICE on CPU, 0 on GPU). The client
-    # must send at its planned instants; when server and client share few cores, a server at
-    # the client's own priority delays those sends by tens of ms (docs/benchmarks.md). A nicer
-    # server costs nothing while the client sleeps.
+    # CPU niceness of the server's process tree (None: SERVER_NICE on CPU, 0 on GPU). When server
+    # and client share few cores the client must still send at its planned instants; what
+    # keeps it on time is the client's real-time send loop (harness/priority.py) — niceness
+    # alone was measured not to be enough — but a nicer server also leaves the client more CPU
+    # when the real-time policy is unavailable, and costs nothing while the client sleeps.
     nice: int | None = None
 
     def server_nice(self) -> int:
