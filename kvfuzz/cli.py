@@ -34,6 +34,12 @@ console = Console(stderr=False)
 err_console = Console(stderr=True)
 
 
+def wide_console() -> Console:
+    """``console`` on a terminal; piped or logged, a 160-column one, so wide tables (toggle
+    names, finding paths, verdicts) are not squeezed into 80 columns."""
+    return console if console.is_terminal else Console(width=160, soft_wrap=True)
+
+
 def _debug_enabled() -> bool:
     return "--debug" in sys.argv or os.environ.get("KVFUZZ_DEBUG") == "1"
 
@@ -236,8 +242,7 @@ def run(
     console.print("arms: " + "; ".join(f"{a} = [{', '.join(ts) or 'no toggles'}]" for a, ts in arm_map.items()),
                   markup=False, highlight=False)
     findings = [(f, load_finding(out / f)) for f in state.finding_files]
-    # Piped or logged, do not squeeze toggle names into 80 columns.
-    arms_opts.print_attribution(console if console.is_terminal else Console(width=160, soft_wrap=True), findings)
+    arms_opts.print_attribution(wide_console(), findings)
 
 
 # -- entry point ------------------------------------------------------------------------------

@@ -16,12 +16,11 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
 from kvfuzz import arms as arms_opts
-from kvfuzz.cli import app, console
+from kvfuzz.cli import app, console, wide_console
 from traces import atomic_write_text
 from traces.errors import BadInput
 
@@ -100,7 +99,7 @@ def gate(
     finally:
         session.close()
         _write_reports(cases, out=out, junit=junit, summary=summary, what=what, complete=len(cases) == len(planned))
-    show = console if console.is_terminal else Console(width=160, soft_wrap=True)
+    show = wide_console()
     show.print(_table(cases, what))
     bad = [c for c in cases if not c.ok]
     blind = [c for c in bad if c.expect_fail]

@@ -16,12 +16,11 @@ from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
-from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
 from kvfuzz import arms as arms_opts
-from kvfuzz.cli import app, console
+from kvfuzz.cli import app, console, wide_console
 from traces import Divergence, Finding, Trace, atomic_write_text, load_any, save
 from traces.finding import DIVERGENT_CLASSES
 from traces.foreign import ForeignFinding
@@ -158,8 +157,7 @@ def replay(
                                  api_key=api_key, model=model, server_flags=server_arg,
                                  # A server kvfuzz does not manage cannot switch toggles.
                                  attribute=attribute and kind != "url")
-    # Verdict tables are wide: in a log or pipe, do not squeeze them into 80 columns.
-    show = console if console.is_terminal else Console(width=160, soft_wrap=True)
+    show = wide_console()
     from harness.http_client import redact_url
 
     where = redact_url(base_url) if base_url is not None else {"inprocess": "in-process engine", "server": "managed vLLM server"}[kind]
