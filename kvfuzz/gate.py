@@ -113,6 +113,22 @@ class Planned:
     expect_fail: bool = False
     skipped: str | None = None
 
+    @property
+    def id(self) -> str:
+        return f"{self.entry.name}[{self.arm}]"
+
+
+def default_runs(kind: str) -> int:
+    """Runs per case: one in-process (replays are step-exact), three over HTTP."""
+    return 1 if kind == "inprocess" else 3
+
+
+def replay_engine_args(kind: str, device: str) -> list[str]:
+    """The engine flags of a case's ``kvfuzz replay`` command (the key of a --base-url server
+    is never printed: the command says URL)."""
+    return (["--base-url", "URL"] if kind == "url" else ["--engine", kind]) + (
+        ["--device", device] if device != "cpu" else [])
+
 
 def gate_plan(entries: list[Entry], arms: dict[str, list[str]]) -> list[Planned]:
     """The gate proper: every file in every arm; nothing is expected to fail."""

@@ -59,7 +59,7 @@ def _planned(config: pytest.Config) -> list[Any]:
 
 def _runner(config: pytest.Config) -> Any:
     if "runner" not in _STATE:
-        from kvfuzz.gate import GateRunner
+        from kvfuzz.gate import GateRunner, default_runs, replay_engine_args
         from kvfuzz.session import Session, engine_kind
 
         base_url = config.getoption("kvfuzz_base_url")
@@ -67,11 +67,11 @@ def _runner(config: pytest.Config) -> Any:
         kind = engine_kind(config.getoption("kvfuzz_engine"), base_url, device)
         out = Path(config.getoption("kvfuzz_out"))
         out.mkdir(parents=True, exist_ok=True)
-        runs = config.getoption("kvfuzz_runs") or (1 if kind == "inprocess" else 3)
+        runs = config.getoption("kvfuzz_runs") or default_runs(kind)
         session = Session.for_target(kind, device=device, runs=runs, out=out, base_url=base_url)
         _STATE["session"] = session
         _STATE["runner"] = GateRunner(session, runs=runs, strict=config.getoption("kvfuzz_strict"),
-                                      engine_args=["--base-url", "URL"] if base_url else ["--engine", kind],
+                                      engine_args=replay_engine_args(kind, device),
                                       findings_dir=out / "findings")
     return _STATE["runner"]
 
@@ -86,7 +86,7 @@ class KvfuzzCase:
 
     @property
     def id(self) -> str:
-        return f"{self.planned.entry.name}[{self.planned.arm}]"
+        return self.planned.id
 
     def check(self) -> Any:
         if self.planned.skipped:
@@ -112,7 +112,7 @@ class KvfuzzItem(pytest.Item):
 
 class KvfuzzCorpus(pytest.Collector):
     def collect(self) -> list[pytest.Item]:
-        return [KvfuzzItem.from_parent(self, name=f"{p.entry.name}[{p.arm}]", planned=p)
+        return [KvfuzzItem.from_parent(self, name=p.id, planned=p)
                 for p in _planned(self.config)]
 
 
@@ -126,7 +126,7 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "kvfuzz_case" in metafunc.fixturenames:
         planned = _planned(metafunc.config) if metafunc.config.getoption("kvfuzz_corpus") else []
-        metafunc.parametrize("kvfuzz_case", planned, ids=[f"{p.entry.name}[{p.arm}]" for p in planned],
+        metafunc.parametrize("kvfuzz_case", planned, ids=[p.id for p in planned],
                              indirect=True)
 
 

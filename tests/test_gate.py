@@ -191,3 +191,16 @@ def test_overrides_put_the_corpus_on_another_model_and_backend():
                         ("block_size=0", "block_size"), ("lora.x.y=1", "no section")]:
         with pytest.raises(BadInput, match=needle):
             apply_overrides(t, [bad])
+
+
+def test_replay_command_names_the_engine_and_device_but_no_url():
+    """The command a failing case prints (gate and pytest plugin alike) must replay on the
+    same engine and device, and never carries the server URL (it may hold credentials)."""
+    from kvfuzz.gate import default_runs, replay_command, replay_engine_args
+
+    assert replay_engine_args("inprocess", "cpu") == ["--engine", "inprocess"]
+    assert replay_engine_args("server", "cuda") == ["--engine", "server", "--device", "cuda"]
+    assert replay_engine_args("url", "cuda") == ["--base-url", "URL", "--device", "cuda"]
+    assert default_runs("inprocess") == 1 and default_runs("server") == default_runs("url") == 3
+    cmd = replay_command("a b.json", ["t1", "t2"], 3, replay_engine_args("server", "cuda"))
+    assert cmd == "kvfuzz replay 'a b.json' --arms gate=t1+t2 --runs 3 --engine server --device cuda"

@@ -60,7 +60,8 @@ def gate(
     arms: arms_opts.ArmsOpt = None,
 ) -> None:
     """Replay a corpus of findings/traces as a CI regression gate."""
-    from kvfuzz.gate import GateRunner, bundled_corpus, collect, gate_plan, load, self_test_plan
+    from kvfuzz.gate import (GateRunner, bundled_corpus, collect, default_runs, gate_plan, load, replay_engine_args,
+                             self_test_plan)
     from kvfuzz.session import Session, engine_kind
 
     kind = engine_kind(engine, base_url, device)
@@ -80,14 +81,13 @@ def gate(
             raise BadInput("a --base-url server cannot apply toggles: drop --with/--without/--arms", field="--arms")
         planned = gate_plan(entries, arm_map)
         what = "gate"
-    k = runs or (1 if kind == "inprocess" else 3)
-    engine_args = (["--base-url", "URL"] if kind == "url" else ["--engine", kind]) + (
-        ["--device", device] if device != "cpu" else [])
+    k = runs or default_runs(kind)
     out.mkdir(parents=True, exist_ok=True)
 
     session = Session.for_target(kind, device=device, runs=k, out=out, near_tie=near_tie, base_url=base_url,
                                  api_key=api_key, model=model, server_flags=server_arg)
-    runner = GateRunner(session, runs=k, strict=strict, engine_args=engine_args, findings_dir=out / "findings")
+    runner = GateRunner(session, runs=k, strict=strict, engine_args=replay_engine_args(kind, device),
+                        findings_dir=out / "findings")
     cases = []
     print(f"kvfuzz {what}: {len(entries)} file(s), {len(planned)} case(s), {k} run(s) each", flush=True)
     try:
