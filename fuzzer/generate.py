@@ -132,7 +132,4 @@ def _additions(rng: random.Random, engine: EngineConfig, opts: GenOptions, event
         events = shapes.interrupted_prefill(engine, rng, events, rng.randint(0, last + 2), adapter=adapter)
     if rng.random() < opts.p_pressure:
         events = shapes.pressure(engine, rng, events, rng.randint(max(0, last - 4), last + 4)) or events
-    # Events are listed in time order (a same-step cancel stays before its retry).
-    send_step = {e.request_id: e.at.step_or(mps) for e in events if isinstance(e, SendEvent)}
-    return sorted(events, key=lambda e: send_step[e.request_id] if e.at.step is None and e.at.offset_ms is None
-                  else e.at.step_or(mps))
+    return shapes.in_time_order(events, engine)

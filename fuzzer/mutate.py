@@ -109,15 +109,12 @@ def both_clocks(at: At, engine: EngineConfig) -> At:
 
 def _rebuild(trace: Trace, events: list[Event], *, engine: EngineConfig | None = None, sort: bool = True
              ) -> Trace | None:
-    """A validated copy with new events, both clocks filled in, sorted by step. The sort is
-    stable and a relative cancel sorts at its send's step, so list order (a cancel before a
-    retry in the same step, a cancel right after its send) is kept among equals."""
+    """A validated copy with new events, both clocks filled in, in time order
+    (``shapes.in_time_order``)."""
     eng = engine or trace.engine
-    mps = eng.ms_per_step
     events = [e.model_copy(update={"at": both_clocks(e.at, eng)}) for e in events]
     if sort:
-        send_steps = {e.request_id: e.at.step_or(mps) for e in events if isinstance(e, SendEvent)}
-        events.sort(key=lambda e: send_steps.get(e.request_id, 0) if step_of(e, trace) is None else e.at.step_or(mps))
+        events = shapes.in_time_order(events, eng)
     data = trace.model_dump(mode="python", exclude={"events", "engine"})
     try:
         return Trace(engine=eng, events=events, **data)
@@ -219,9 +216,8 @@ def op_cancel_retry(trace: Trace, rng: random.Random) -> Trace | None:
     if rng.random() < 0.4 and isinstance(s.prompt, GenPrompt):
         return _interrupted_prefill(trace, s, rng)
     t0 = _send_step(trace, s.request_id)
-    # Prefill takes about ceil(len / token budget) steps; cancel a few decode steps after it.
-    prefill = -(-s.prompt.length // eng.max_num_batched_tokens)
-    t_cancel = t0 + prefill + rng.randint(0, max(1, s.max_tokens // 2))
+    # Cancel a few decode steps after the prefill.
+    t_cancel = t0 + shapes.prefill_steps(s.prompt.length, eng) + rng.randint(0, max(1, s.max_tokens // 2))
     delta = rng.choice((0, 0, 1, 2, 4))
     events: list[Event] = [e for e in trace.events if not (isinstance(e, CancelEvent) and e.request_id == s.request_id)]
     rid = fresh_id(events, f"{s.request_id}_retry")

@@ -45,6 +45,16 @@ def fresh_id(trace: Trace | list[Event], base: str) -> str:
     return f"{base}{n}"
 
 
+def in_time_order(events: list[Event], engine: EngineConfig) -> list[Event]:
+    """Events sorted by step, stably, so list order (a cancel before a retry in the same step,
+    a cancel right after its send) is kept among equals; a cancel relative to its request's
+    life (no time of its own) sorts at its send's step."""
+    mps = engine.ms_per_step
+    send_step = {e.request_id: e.at.step_or(mps) for e in events if isinstance(e, SendEvent)}
+    return sorted(events, key=lambda e: send_step.get(e.request_id, 0) if e.at.step is None and e.at.offset_ms is None
+                  else e.at.step_or(mps))
+
+
 def prefill_steps(length: int, engine: EngineConfig) -> int:
     """Engine steps a prompt's prefill takes when it runs alone (chunked prefill)."""
     return max(1, -(-length // engine.max_num_batched_tokens))
