@@ -8,12 +8,12 @@ years later.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from traces import Divergence, History, RequestRecord, SendEvent, Trace
 from traces.finding import DIVERGENT_CLASSES, SEVERITY
 
-from .diff import Comparison, compare, early_stop_comparison, logprob_drift
+from .diff import Comparison, compare, early_stop_comparison
 from .stats import wilson
 
 ENGINE = "<engine>"  # pseudo request id for an engine crash that hit no live request
@@ -79,8 +79,7 @@ def classify_run(send: SendEvent, ref: RequestRecord | None, rec: RequestRecord 
         if _stopped_early(ref, rec, cmp.compared):
             # The run chose end-of-sequence where the reference chose a token: that is a
             # different token (just not one in token_ids), judged by the same margin rule.
-            cmp = early_stop_comparison(ref, cmp.compared)
-            cmp = replace(cmp, prefix_drift=logprob_drift(ref, rec, cmp.compared))
+            cmp = early_stop_comparison(ref, rec, cmp.compared)
         else:
             why = "cancelled" if rec.cancelled else f"ended after {cmp.compared} tokens ({rec.finish_reason})"
             return RunVerdict("truncation", cmp, detail=why)

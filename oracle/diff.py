@@ -62,10 +62,11 @@ def logprob_drift(ref: RequestRecord, got: RequestRecord, n: int) -> float | Non
     return drift
 
 
-def early_stop_comparison(ref: RequestRecord, n: int) -> Comparison:
-    """A run that stopped after ``n`` tokens where the reference produced token ``n``."""
+def early_stop_comparison(ref: RequestRecord, got: RequestRecord, n: int) -> Comparison:
+    """A run (``got``) that stopped after ``n`` tokens where the reference produced token ``n``."""
     return Comparison("diverged", compared=n, first_divergence=n, ref_margin=margin_at(ref, n),
-                      ref_token=ref.token_ids[n], got_token=None, ref_runner_up=runner_up_at(ref, n))
+                      ref_token=ref.token_ids[n], got_token=None, ref_runner_up=runner_up_at(ref, n),
+                      prefix_drift=logprob_drift(ref, got, n))
 
 
 def compare(ref: RequestRecord, got: RequestRecord, expected_len: int) -> Comparison:

@@ -211,3 +211,11 @@ def test_drift_only_counts_positions_before_the_divergence():
     run.logprobs = [run.logprobs[0]] + _drifted(ref, [1, 2, 3], 0.5)[1:]
     v = verdict([hist([run])], ref=ref)
     assert v.class_ == "numeric-near-tie" and v.drift is None
+
+
+def test_early_end_of_sequence_at_a_near_tie_after_drift_is_corruption():
+    ref = rec("r0", [1, 2, 3, 4], margins=[2.0, 0.0005, 1.5, 0.5])
+    near = rec("r0", [1], finish_reason="stop")  # EOS where the reference had a 0.0005 tie
+    near.logprobs = _drifted(ref, [0], 0.02)[:1]
+    v = verdict([hist([near])], ref=ref)
+    assert v.class_ == "corruption" and v.first_divergence == 1 and v.drift == pytest.approx(0.02)
