@@ -244,7 +244,8 @@ def test_replay_against_nothing_reports_transport_errors():
     h, errors = hc.replay_trace(hc.HttpTarget(f"http://127.0.0.1:{port}", "m"), t, timeout_s=10)
     assert len(errors) == 2 and all("connection failed" in (r.error or "") for r in h.requests.values())
     assert h.metrics_before == {} and not h.crashed
-    assert h.client_priority == ("fifo" if os.geteuid() == 0 else h.client_priority)
+    # Root may always raise itself; elsewhere either policy is possible, but one is recorded.
+    assert h.client_priority == "fifo" if os.geteuid() == 0 else h.client_priority in ("fifo", "normal")
 
 
 class _FakeServer:
