@@ -84,7 +84,9 @@ def _step_features(h: History, adapters: dict[str, str | None], max_loras: int, 
     resident: OrderedDict[str, None] = OrderedDict()  # modelled LoRA slots, least recently used first
     swaps = 0
     prefilling: set[str] = set()
+    edges: Counter[str] = Counter()
     for s in h.steps:
+        edges.update(s.block_edges)
         n = len(s.scheduled)
         prefills = sum(1 for t in s.scheduled.values() if t > 1)
         decodes = n - prefills
@@ -124,6 +126,11 @@ def _step_features(h: History, adapters: dict[str, str | None], max_loras: int, 
                     resident.popitem(last=False)
                     swaps += 1
                 resident[a] = None
+    # Block-lifecycle interactions (harness/blocks.py), AFL-style hit counts: the faults of
+    # the reports need these (a block freed by a cancel or a preemption and taken by another
+    # request), which the state buckets above do not tell apart.
+    for name, n in edges.items():
+        f.add(f"edge:{name}:{bucket(n)}")
     f.add(f"preempt:{bucket(preempt)}")
     f.add(f"evict:{bucket(evict)}")
     f.add(f"chunked:{bucket(chunks)}")

@@ -33,6 +33,7 @@ from traces import (
 from traces.errors import BadInput, InfraError
 
 from . import toggles as toggle_registry
+from .blocks import BlockEdges
 from .embedded import EmbeddedModel, resolve_adapter
 
 log = logging.getLogger("kvfuzz.harness")
@@ -116,6 +117,16 @@ def _zero_lora_slots(worker: Any) -> int:
     return n
 
 
+def _holders(scheduler: Any) -> dict[str, list[int]] | None:
+    """Block ids each request holds right after scheduling (full-attention group 0), or None
+    when the layout is not the one modelled (then no block edges are recorded)."""
+    try:
+        mgr = scheduler.kv_cache_manager.coordinator.single_type_managers[0]
+        return {rid: [b.block_id for b in blocks if not b.is_null] for rid, blocks in mgr.req_to_blocks.items()}
+    except (AttributeError, IndexError, TypeError):
+        return None
+
+
 class InProcessEngine:
     """One in-process vLLM engine for one ``EngineConfig``."""
 
@@ -132,6 +143,7 @@ class InProcessEngine:
         self._model_path: str | None = None
         self._lora_requests: dict[str, Any] = {}
         self._step_capture: dict[str, Any] = {}
+        self._edges = BlockEdges()
         self._reference_toggles: list[str] | None = None
         self.start_seconds: float | None = None
 
@@ -244,6 +256,7 @@ class InProcessEngine:
             capture["scheduled"] = dict(so.num_scheduled_tokens)
             capture["partial"] = partial
             capture["preempted"] = list(so.preempted_req_ids or ())
+            capture["blocks"] = _holders(scheduler)
             return so
 
         client.get_output = get_output
@@ -349,6 +362,7 @@ class InProcessEngine:
         budget = max_steps if max_steps is not None else last_planned + self._step_budget(trace)
 
         recs: dict[str, RequestRecord] = {}
+        self._edges = BlockEdges()
         internal: dict[str, str] = {}  # vLLM internal id -> our request id
         live: set[str] = set()
         scheduled_once: set[str] = set()
@@ -493,6 +507,12 @@ class InProcessEngine:
             rec.lora_running = {k: int(v) for k, v in (stats.running_lora_adapters or {}).items()}
             rec.evictions = len(stats.kv_cache_eviction_events or [])
         rec.evictions = max(rec.evictions, int(cap.get("evicted", 0)))
+        holders = cap.get("blocks")
+        if holders is not None:
+            rec.block_edges = self._edges.step(
+                step, {ext(r): b for r, b in holders.items()}, preempted=rec.preempted,
+                cancelled=[r for r, x in recs.items() if x.cancelled],
+                no_tokens=[r for r, x in recs.items() if not x.token_ids])
         for r in rec.preempted:
             if r in recs:
                 recs[r].num_preemptions += 1

@@ -78,6 +78,9 @@ class StepRecord(_Data):
     preempted: list[str] = Field(default_factory=list)
     lora_running: dict[str, int] = Field(default_factory=dict)
     evictions: int = 0
+    # Block-lifecycle interactions this step (harness/blocks.py): e.g. "reuse:cancel:prefill:0"
+    # = a request took a block whose last owner was cancelled mid-prefill this same step.
+    block_edges: list[str] = Field(default_factory=list)
 
 
 class History(_Data):
