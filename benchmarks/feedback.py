@@ -28,7 +28,8 @@ class _Stop(Exception):
 
 
 def campaign(session, engine, *, mode: str, seed: int, traces: int | None, arms: dict, out: Path, runs: int,
-             stop_at_finding: bool = False, budget_s: float | None = None, explore_until: int = 0) -> dict:
+             stop_at_finding: bool = False, budget_s: float | None = None, explore_until: int = 0,
+             sources: str = "bandit") -> dict:
     from fuzzer import CampaignOptions, run_campaign
     from harness.runner import ReferenceStore
 
@@ -48,14 +49,14 @@ def campaign(session, engine, *, mode: str, seed: int, traces: int | None, arms:
                 raise _Stop
 
     opts = CampaignOptions(seed=seed, budget_s=budget_s, max_traces=traces, runs=runs, out=out, engine=engine,
-                           mode=mode, arms=arms, explore_until=explore_until)
+                           mode=mode, arms=arms, explore_until=explore_until, sources=sources)
     try:
         state = run_campaign(opts, lambda t: session.check(t, runs=runs, arms=arms), on)
-        sources = state.sources
+        made = state.sources
     except _Stop:
-        sources = json.loads((out / "campaign.json").read_text())["sources"]
+        made = json.loads((out / "campaign.json").read_text())["sources"]
     reach = {name: first_reach(sigs, p) for name, p in TARGETS.items()}
-    return {"mode": mode, "seed": seed, "budget_s": budget_s, "rows": rows, "first_finding": first or None, "sources": sources,
+    return {"mode": mode, "seed": seed, "budget_s": budget_s, "rows": rows, "first_finding": first or None, "sources": made,
             "first_reach": reach,
             "buckets": rows[-1][2] if rows else 0, "findings": rows[-1][3] if rows else 0,
             "seconds": rows[-1][1] if rows else 0.0}
@@ -169,6 +170,8 @@ def main() -> None:
                     help="per seed, give each campaign the wall time the feedback campaign took in this results file")
     ap.add_argument("--explore-until", type=int, default=0,
                     help="feedback: generate fresh traces half the time until the corpus has N entries")
+    ap.add_argument("--sources", default="bandit", choices=["bandit", "fixed"],
+                    help="feedback: how fresh vs mutant is chosen (fixed = p_fresh 0.2, the design before run 4)")
     ap.add_argument("--modes", nargs="+", default=["random", "feedback"], choices=["random", "feedback"])
     ap.add_argument("--fault-traces", type=int, default=30, help="trace cap per fault campaign")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -218,7 +221,7 @@ def main() -> None:
                 for mode in (m for m in order if m in args.modes):
                     r = campaign(session, engine, mode=mode, seed=seed, traces=args.traces, arms={"fixed": fixes},
                                  out=args.work / f"cov-{mode}-{seed}", runs=args.runs, budget_s=budget,
-                                 explore_until=args.explore_until)
+                                 explore_until=args.explore_until, sources=args.sources)
                     results["coverage"].append(r)
                     _save(args.out, results)
                     print(f"coverage {mode} seed {seed}: {r['buckets']} buckets, {r['findings']} findings, "
@@ -229,7 +232,8 @@ def main() -> None:
                 for mode in (m for m in ("random", "feedback") if m in args.modes):
                     r = campaign(session, engine, mode=mode, seed=seed, traces=args.fault_traces,
                                  arms={"fault": [fault, *fixes]}, out=args.work / f"{fault}-{mode}-{seed}",
-                                 runs=args.runs, stop_at_finding=True, explore_until=args.explore_until)
+                                 runs=args.runs, stop_at_finding=True, explore_until=args.explore_until,
+                                 sources=args.sources)
                     runs.append(r)
                     _save(args.out, results)
                     print(f"{fault} {mode} seed {seed}: first finding {r['first_finding']}", flush=True)

@@ -30,6 +30,7 @@ from .corpus import Corpus, CorpusEntry, Item, Scheduler, Seed, measured_key, no
 from .feedback import Coverage, trace_signature
 from .generate import GenOptions, generate
 from .mutate import mutate
+from .sources import SourceBandit
 
 CAMPAIGN_FILE = "campaign.json"
 # The coverage log keeps at most this many points: beyond it, every other point of the older
@@ -64,10 +65,12 @@ class CampaignOptions:
     mode: Mode = "feedback"
     # Seeds from and grows this directory; default: <out>/corpus.
     corpus: Path | None = None
-    # In feedback mode, the share of iterations that still generate a fresh random trace; while
-    # the corpus has fewer than ``explore_until`` entries, ``p_fresh_early``. Off by default:
-    # measured with explore_until=8 it matched random on a shallow fault but gave up most of
-    # the coverage gain (docs/benchmarks.md, run 2).
+    # In feedback mode, how each iteration picks fresh generation or a mutant: "bandit" (a
+    # Thompson-sampling bandit on each source's novelty yield, fuzzer/sources.py) or "fixed"
+    # (a fresh trace with probability p_fresh; while the corpus has fewer than
+    # ``explore_until`` entries, ``p_fresh_early``). Fixed 0.2 was the design until issue 6
+    # run 4 (docs/benchmarks.md): fresh traces were often the more productive source.
+    sources: Literal["bandit", "fixed"] = "bandit"
     p_fresh: float = 0.2
     p_fresh_early: float = 0.5
     explore_until: int = 0
@@ -111,6 +114,8 @@ class CampaignState:
     operators: list[str] | None = None
     # How each iteration's trace was made: seed / fresh / mutant.
     sources: dict[str, int] = field(default_factory=dict)
+    # The source bandit's discounted [reward, pulls] per source (fuzzer/sources.py).
+    bandit: dict[str, list[float]] = field(default_factory=dict)
 
     @property
     def buckets(self) -> int:
@@ -186,6 +191,7 @@ class Campaign:
         self.state = load_state(self.out, opts)
         self.coverage = Coverage.from_json(self.state.coverage)
         self.scheduler = Scheduler()
+        self.bandit = SourceBandit.from_json(self.state.bandit)
         self.measured = measured_key(opts.engine, opts.arms)
         self._setup_corpus()
 
@@ -238,13 +244,18 @@ class Campaign:
                                source=str(self.corpus.path))
             return self.seed_traces[tid], "seed"
         rng = iteration_rng(self.opts.seed, i)
-        p_fresh = self.opts.p_fresh_early if len(self.scheduler) < self.opts.explore_until else self.opts.p_fresh
-        if self.opts.mode == "feedback" and len(self.scheduler) and rng.random() >= p_fresh:
+        if self.opts.mode == "feedback" and len(self.scheduler) and self._source(rng) == "mutant":
             parent = self.scheduler.choose(rng, self.coverage)
             st.chosen[parent.id] = parent.chosen
             return mutate(parent.trace, rng, allow_engine_changes=self.opts.allow_engine_changes,
                           allowed=self.opts.operators), "mutant"
         return generate(trace_seed(self.opts.seed, i), self.opts.engine, self.opts.gen), "fresh"
+
+    def _source(self, rng: random.Random) -> str:
+        if self.opts.sources == "bandit":
+            return self.bandit.choose(rng)
+        p_fresh = self.opts.p_fresh_early if len(self.scheduler) < self.opts.explore_until else self.opts.p_fresh
+        return "fresh" if rng.random() < p_fresh else "mutant"
 
     def lineage(self, trace: Trace) -> list[dict[str, Any]]:
         """The chain of ancestors in the corpus, nearest first: [{id, operators}, ...]."""
@@ -269,6 +280,9 @@ class Campaign:
         self.state.coverage = self.coverage.to_json()
         if self.opts.mode != "feedback":
             return novel
+        if len(self.scheduler):  # the first trace had no choice: it says nothing about either source
+            self.bandit.update(source, len(novel))
+            self.state.bandit = self.bandit.to_json()
         tid = trace.trace_id()
         if novel or source == "seed":
             entry = CorpusEntry(id=tid, trace=trace, buckets=sorted(buckets), novel=novel, measured_on=self.measured,
