@@ -43,3 +43,23 @@ def test_cancel_phases_chunking_and_lora_swaps_are_seen(session, lora_engine_con
     sig = signature(h, t)
     assert {"cancel:prefill", "cancel:first-token", "cached:lora", "lora-resident:2"} <= sig
     assert "chunked:0" not in sig and "lora-swaps:0" not in sig
+
+
+def test_block_edges_come_from_the_real_block_pool(session, lora_engine_config):
+    """b hits a's cached prefix blocks while a still runs (share), then a is cancelled while
+    b holds them (leave-shared:cancel): read from vLLM's own per-request block lists."""
+    cfg = lora_engine_config
+    mps = cfg.ms_per_step
+    shared = dict(prefix_group="g", prefix_len=4 * cfg.block_size)
+    ev = [SendEvent(request_id="a", at=At(step=0, offset_ms=0), max_tokens=16,
+                    prompt=GenPrompt(length=200, seed=1, **shared)),
+          SendEvent(request_id="b", at=At(step=2, offset_ms=2 * mps), max_tokens=16,
+                    prompt=GenPrompt(length=200, seed=2, **shared)),
+          CancelEvent(request_id="a", at=At(after_tokens=6))]
+    t = Trace(engine=cfg, events=ev)
+    h = session.engine_for(cfg).replay(t)
+    edges = [e for s in h.steps for e in s.block_edges]
+    assert edges.count("share") == 4, edges  # exactly the 4 prefix blocks
+    assert "leave-shared:cancel" in edges, edges
+    sig = signature(h, t)
+    assert "edge:share:4-7" in sig and "edge:leave-shared:cancel:1" in sig
