@@ -49,11 +49,6 @@ class SourceBandit:
         self.stats[source][0] += min(1.0, novel / self.scale)
         self.stats[source][1] += 1.0
 
-    def share(self, source: str) -> float:
-        """The posterior mean yield of ``source`` (for the report; not used to choose)."""
-        reward, pulls = self.stats.get(source, [0.0, 0.0])
-        return (1.0 + reward) / (2.0 + pulls)
-
     def to_json(self) -> dict[str, list[float]]:
         # Unrounded: JSON floats round-trip exactly, so a resumed campaign draws the same.
         return {s: list(self.stats.get(s, [0.0, 0.0])) for s in SOURCES}
