@@ -84,16 +84,15 @@ def classify_run(send: SendEvent, ref: RequestRecord | None, rec: RequestRecord 
             why = "cancelled" if rec.cancelled else f"ended after {cmp.compared} tokens ({rec.finish_reason})"
             return RunVerdict("truncation", cmp, detail=why)
     got = "end of sequence" if cmp.got_token is None else str(cmp.got_token)
-    drifted = cmp.prefix_drift is not None and cmp.prefix_drift > near_tie
-    if cmp.ref_margin is not None and cmp.ref_margin < near_tie and drifted:
-        # A near tie flipped, but the logprobs before it had already moved by more than the
-        # noise the threshold allows: the run did not see the reference's context. (A small
-        # KV corruption flips the nearest tie first, so this is where it shows.)
-        return RunVerdict("corruption", cmp,
-                          detail=f"token {cmp.first_divergence}: reference {cmp.ref_token}, got {got}; reference "
-                                 f"margin {cmp.ref_margin:.3g} < {near_tie:g}, but the logprobs before it had "
-                                 f"drifted by {cmp.prefix_drift:.3g} nats (> {near_tie:g}: not noise)")
     if cmp.ref_margin is not None and cmp.ref_margin < near_tie:
+        if cmp.prefix_drift is not None and cmp.prefix_drift > near_tie:
+            # A near tie flipped, but the logprobs before it had already moved by more than the
+            # noise the threshold allows: the run did not see the reference's context. (A small
+            # KV corruption flips the nearest tie first, so this is where it shows.)
+            return RunVerdict("corruption", cmp,
+                              detail=f"token {cmp.first_divergence}: reference {cmp.ref_token}, got {got}; reference "
+                                     f"margin {cmp.ref_margin:.3g} < {near_tie:g}, but the logprobs before it had "
+                                     f"drifted by {cmp.prefix_drift:.3g} nats (> {near_tie:g}: not noise)")
         return RunVerdict("numeric-near-tie", cmp,
                           detail=f"token {cmp.first_divergence}: reference {cmp.ref_token}, got {got}; reference "
                                  f"margin {cmp.ref_margin:.3g} < {near_tie:g}")
