@@ -29,7 +29,7 @@ class _Stop(Exception):
 
 def campaign(session, engine, *, mode: str, seed: int, traces: int | None, arms: dict, out: Path, runs: int,
              stop_at_finding: bool = False, budget_s: float | None = None, explore_until: int = 0,
-             sources: str = "bandit") -> dict:
+             sources: str = "bandit", mutants: str = "graft", gen=None) -> dict:
     from fuzzer import CampaignOptions, run_campaign
     from harness.runner import ReferenceStore
 
@@ -49,7 +49,8 @@ def campaign(session, engine, *, mode: str, seed: int, traces: int | None, arms:
                 raise _Stop
 
     opts = CampaignOptions(seed=seed, budget_s=budget_s, max_traces=traces, runs=runs, out=out, engine=engine,
-                           mode=mode, arms=arms, explore_until=explore_until, sources=sources)
+                           mode=mode, arms=arms, explore_until=explore_until, sources=sources,
+                           mutants=mutants, gen=gen)
     try:
         state = run_campaign(opts, lambda t: session.check(t, runs=runs, arms=arms), on)
         made = state.sources
@@ -172,6 +173,11 @@ def main() -> None:
                     help="feedback: generate fresh traces half the time until the corpus has N entries")
     ap.add_argument("--sources", default="bandit", choices=["bandit", "fixed"],
                     help="feedback: how fresh vs mutant is chosen (fixed = p_fresh 0.2, the design before run 4)")
+    ap.add_argument("--mutants", default="graft", choices=["graft", "plain"],
+                    help="feedback: a mutant grafted into the fresh trace, or the mutant alone (plain = before run 5)")
+    ap.add_argument("--generator", default="v2", choices=["v2", "v1"],
+                    help="v1: the generator without its v2 additions (retries, interrupted prefills, KV pressure), "
+                         "so the reported shapes come only from the mutation operators")
     ap.add_argument("--modes", nargs="+", default=["random", "feedback"], choices=["random", "feedback"])
     ap.add_argument("--fault-traces", type=int, default=30, help="trace cap per fault campaign")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -203,6 +209,12 @@ def main() -> None:
         n for n in registry.output_changing("cpu") if registry.REGISTRY[n].kind == "fault")
     fixes = args.fixes if args.fixes is not None else (["fix-lora-cpu-no-lora-tokens"] if args.lora else [])
     engine = default_engine(lora=args.lora, kv_cache_bytes=args.kv_cache_mb * 2**20)
+    gen = None
+    if args.generator == "v1":
+        from fuzzer import GenOptions
+
+        gen = GenOptions(adapters=sorted(engine.lora.adapters) if engine.lora.enabled else [], p_retry=0.0,
+                         p_interrupted_prefill=0.0, p_pressure=0.0)
     results: dict = {"args": {**vars(args), "work": str(args.work), "out": str(args.out), "faults": faults,
                               "fixes": fixes}, "coverage": [], "faults": {}}
     session = Session(runs=args.runs, log_file=args.work / "engine.log")
@@ -221,7 +233,8 @@ def main() -> None:
                 for mode in (m for m in order if m in args.modes):
                     r = campaign(session, engine, mode=mode, seed=seed, traces=args.traces, arms={"fixed": fixes},
                                  out=args.work / f"cov-{mode}-{seed}", runs=args.runs, budget_s=budget,
-                                 explore_until=args.explore_until, sources=args.sources)
+                                 explore_until=args.explore_until, sources=args.sources,
+                                 mutants=args.mutants, gen=gen)
                     results["coverage"].append(r)
                     _save(args.out, results)
                     print(f"coverage {mode} seed {seed}: {r['buckets']} buckets, {r['findings']} findings, "
@@ -233,7 +246,7 @@ def main() -> None:
                     r = campaign(session, engine, mode=mode, seed=seed, traces=args.fault_traces,
                                  arms={"fault": [fault, *fixes]}, out=args.work / f"{fault}-{mode}-{seed}",
                                  runs=args.runs, stop_at_finding=True, explore_until=args.explore_until,
-                                 sources=args.sources)
+                                 sources=args.sources, mutants=args.mutants, gen=gen)
                     runs.append(r)
                     _save(args.out, results)
                     print(f"{fault} {mode} seed {seed}: first finding {r['first_finding']}", flush=True)

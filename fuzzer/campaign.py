@@ -29,7 +29,7 @@ from traces.errors import BadInput
 from .corpus import Corpus, CorpusEntry, Item, Scheduler, Seed, measured_key, now
 from .feedback import Coverage, trace_signature
 from .generate import GenOptions, generate
-from .mutate import mutate
+from .mutate import mutate, mutate_into
 from .sources import SourceBandit
 
 CAMPAIGN_FILE = "campaign.json"
@@ -74,6 +74,10 @@ class CampaignOptions:
     p_fresh: float = 0.2
     p_fresh_early: float = 0.5
     explore_until: int = 0
+    # What a feedback mutant is: "graft" (a mutant of a corpus entry grafted into the fresh
+    # trace of this iteration, fuzzer/mutate.py ``mutate_into``) or "plain" (the mutant alone,
+    # the design until issue 6 run 5; docs/benchmarks.md).
+    mutants: Literal["graft", "plain"] = "graft"
     # Allow operators that change the engine configuration (each change restarts the engine).
     allow_engine_changes: bool = False
     # Restrict mutation to these operators (default: all that keep the engine).
@@ -116,6 +120,7 @@ class CampaignState:
     sources: dict[str, int] = field(default_factory=dict)
     # The source bandit's discounted [reward, pulls] per source (fuzzer/sources.py).
     bandit: dict[str, list[float]] = field(default_factory=dict)
+    mutants: str = "graft"
 
     @property
     def buckets(self) -> int:
@@ -161,13 +166,17 @@ def load_state(out: Path, opts: CampaignOptions) -> CampaignState:
         if state.operators != opts.operators:
             raise BadInput(f"cannot resume: the campaign used operators {state.operators or 'all'}, "
                            f"not {opts.operators or 'all'}", source=str(path), field="operators")
+        if state.mutants != opts.mutants:
+            raise BadInput(f"cannot resume: the campaign's mutants are {state.mutants}, not {opts.mutants}",
+                           source=str(path), field="mutants")
         if state.engine and state.engine != opts.engine.model_dump(mode="json"):
             raise BadInput("cannot resume: the engine options differ from the interrupted campaign's",
                            source=str(path), field="engine")
         state.complete = False
         return state
     return CampaignState(seed=opts.seed, engine=opts.engine.model_dump(mode="json"), runs=opts.runs,
-                         mode=opts.mode, arms=opts.arms, corpus_dir=str(opts.corpus_dir), operators=opts.operators)
+                         mode=opts.mode, arms=opts.arms, corpus_dir=str(opts.corpus_dir), operators=opts.operators,
+                         mutants=opts.mutants)
 
 
 def _histories(result: Any) -> list[History]:
@@ -247,9 +256,15 @@ class Campaign:
         if self.opts.mode == "feedback" and len(self.scheduler) and self._source(rng) == "mutant":
             parent = self.scheduler.choose(rng, self.coverage)
             st.chosen[parent.id] = parent.chosen
-            return mutate(parent.trace, rng, allow_engine_changes=self.opts.allow_engine_changes,
-                          allowed=self.opts.operators), "mutant"
-        return generate(trace_seed(self.opts.seed, i), self.opts.engine, self.opts.gen), "fresh"
+            how = dict(allow_engine_changes=self.opts.allow_engine_changes, allowed=self.opts.operators)
+            if self.opts.mutants == "plain":
+                return mutate(parent.trace, rng, **how), "mutant"
+            # The fresh trace is this iteration's, the one random mode runs at index i.
+            return mutate_into(self._fresh(i), parent.trace, rng, **how), "mutant"
+        return self._fresh(i), "fresh"
+
+    def _fresh(self, i: int) -> Trace:
+        return generate(trace_seed(self.opts.seed, i), self.opts.engine, self.opts.gen)
 
     def _source(self, rng: random.Random) -> str:
         if self.opts.sources == "bandit":
@@ -266,12 +281,17 @@ class Campaign:
             pid = cur.lineage.parent
             if pid is None:
                 break
-            chain.append({"parent": pid, "operators": list(cur.lineage.operators)})
+            link: dict[str, Any] = {"parent": pid, "operators": list(cur.lineage.operators)}
+            if "graft" in cur.lineage.operators:  # grafted into a fresh trace: name it too
+                link["into"] = {"generator": cur.lineage.generator, "seed": cur.lineage.seed}
+            chain.append(link)
             if pid not in known:
                 break
             cur = known[pid]
         root = cur.lineage
-        if root.generator or root.seed is not None:
+        # Only a trace without a parent is a root (a mutant's generator/seed name its root's, or,
+        # for a graft, the fresh trace it went into: both are in the chain already).
+        if root.parent is None and (root.generator or root.seed is not None):
             chain.append({"root": cur.trace_id(), "generator": root.generator, "seed": root.seed})
         return chain
 

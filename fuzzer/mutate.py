@@ -461,6 +461,59 @@ def mutate(trace: Trace, rng: random.Random, *, allow_engine_changes: bool = Fal
     return with_lineage(child, trace, ["shift"])
 
 
+def graft(base: Trace, donor: Trace, rng: random.Random, *, max_sends: int = 8) -> Trace:
+    """``base`` with a window of ``donor`` grafted in (AFL++'s splice, at the schedule level).
+
+    The window is up to ``max_sends`` of the donor's sends that are consecutive in time, with
+    their cancels; its request ids get an ``x.`` prefix (unique in the result) and it is moved
+    to start at a random step within ``base``'s span. Prefix groups keep their names, so a
+    grafted request may share a prefix with the base's. The bounded window keeps the traces of
+    a graft-of-a-graft lineage from growing without end. The lineage is the donor's plus
+    ``graft``; ``generator``/``seed`` name the base (see ``mutate_into``)."""
+    eng = base.engine
+    sends = sorted(donor.sends, key=lambda s: s.at.step_or(donor.engine.ms_per_step))
+    w = min(len(sends), rng.randint(2, max(2, max_sends)))
+    start = rng.randint(0, len(sends) - w)
+    window_sends = sends[start:start + w]
+    while window_sends:
+        chosen = {s.request_id for s in window_sends}
+        window = [e for e in donor.events if e.request_id in chosen]
+        if len(base.events) + len(window) <= MAX_EVENTS:
+            break
+        window_sends = window_sends[:-1]
+    else:
+        window = []
+    first = min((s for e in window if (s := step_of(e, donor)) is not None), default=0)
+    shift = rng.randint(0, _last_step(base) + 2) - first
+    events: list[Event] = list(base.events)
+    renamed: dict[str, str] = {}
+    for e in window:
+        if e.request_id not in renamed:
+            renamed[e.request_id] = fresh_id(events, f"x.{e.request_id}")
+        at = e.at if step_of(e, donor) is None else moved(e.at, shift, eng)
+        events.append(e.model_copy(update={"request_id": renamed[e.request_id], "at": at}))
+    child = _rebuild(base, events) or base
+    lin = Lineage(parent=donor.lineage.parent, operators=[*donor.lineage.operators, "graft"],
+                  generator=base.lineage.generator, seed=base.lineage.seed)
+    return child.model_copy(update={"lineage": lin, "name": f"graft-{child.trace_id()}"})
+
+
+def mutate_into(base: Trace, parent: Trace, rng: random.Random, *, allow_engine_changes: bool = False,
+                allowed: list[str] | None = None) -> Trace:
+    """A mutant of ``parent`` (a corpus entry) grafted into ``base`` (a fresh trace): the
+    feedback campaign's default mutant. Why not the plain mutant: a fresh ``random-v2`` trace
+    already carries the reported shapes, and a mutant that *replaces* it with a corpus entry
+    was the worse draw for three of four faults (docs/benchmarks.md, issue 6 run 4); grafting
+    the corpus entry's mutated part *into* the fresh trace keeps the generator's diversity and
+    adds the structure the campaign learned. Lineage: ``parent`` is the corpus entry,
+    ``operators`` the operators applied to it and then ``graft``, ``generator``/``seed`` the
+    fresh trace it was grafted into."""
+    donor = mutate(parent, rng, allow_engine_changes=allow_engine_changes, allowed=allowed)
+    if donor.engine != base.engine:
+        return donor  # an engine-changing operator: the donor's engine cannot host the base
+    return graft(base, donor, rng)
+
+
 def with_lineage(child: Trace, parent: Trace, names: list[str]) -> Trace:
     lin = Lineage(parent=parent.trace_id(), operators=names, generator=parent.lineage.generator,
                   seed=parent.lineage.seed)

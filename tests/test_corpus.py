@@ -163,7 +163,10 @@ def test_findings_record_lineage(tmp_path):
     f = load_finding(tmp_path / "out" / st.finding_files[0])
     assert f.trace.lineage.parent and f.trace.lineage.operators
     chain = f.notes["lineage"]
-    assert chain[0] == {"parent": f.trace.lineage.parent, "operators": f.trace.lineage.operators}
+    # A feedback mutant is grafted into that iteration's fresh trace: the link names both.
+    assert f.trace.lineage.operators[-1] == "graft"
+    assert chain[0] == {"parent": f.trace.lineage.parent, "operators": f.trace.lineage.operators,
+                        "into": {"generator": "random-v2", "seed": f.trace.lineage.seed}}
     assert "root" in chain[-1] and chain[-1]["generator"] == "random-v2"
     assert f.notes["campaign"]["source"] == "mutant"
 
@@ -211,3 +214,40 @@ def test_early_exploration_share_while_the_corpus_is_small(tmp_path):
     assert eager.sources == {"fresh": 10}
     fixed = run_campaign(opts(tmp_path / "d", 10, sources="fixed"), FakeChecker())
     assert fixed.sources.get("mutant", 0) >= 5
+
+
+def test_graft_mutants_carry_the_fresh_trace_of_their_iteration(tmp_path):
+    """A feedback mutant is a corpus entry's mutant grafted into the fresh trace random mode
+    would run at the same index, so feedback never draws a worse trace than random's, only
+    a bigger one; ``mutants="plain"`` is the mutant alone."""
+    from fuzzer import trace_seed
+
+    seen: dict[str, Trace] = {}
+
+    class Keep(FakeChecker):
+        def __call__(self, t):
+            seen[t.trace_id()] = t
+            return super().__call__(t)
+
+    checker = Keep()
+    st = run_campaign(opts(tmp_path, 20), checker)
+    traces = [seen[tid] for tid in checker.seen]
+    grafts = [(i, t) for i, t in enumerate(traces) if t.lineage.operators and t.lineage.operators[-1] == "graft"]
+    assert len(grafts) == st.sources["mutant"] >= 5
+    for i, t in grafts:
+        base = generate(trace_seed(3, i), ENG)
+        assert t.lineage.seed == trace_seed(3, i) and t.lineage.parent in st.corpus
+        assert [e for e in t.events if not e.request_id.startswith("x.")] == base.events
+        assert any(e.request_id.startswith("x.") for e in t.events)
+
+    plain = Keep()
+    run_campaign(opts(tmp_path / "plain", 20, mutants="plain"), plain)
+    mutants = [seen[tid] for tid in plain.seen if seen[tid].lineage.parent]
+    assert mutants and not any("graft" in m.lineage.operators for m in mutants)
+
+
+def test_resume_refuses_other_mutants(tmp_path):
+    with pytest.raises(KeyboardInterrupt):
+        run_campaign(opts(tmp_path, 10), FakeChecker(crash_at=4))
+    with pytest.raises(BadInput, match="mutants"):
+        run_campaign(opts(tmp_path, 10, resume=True, mutants="plain"), FakeChecker())

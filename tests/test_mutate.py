@@ -214,3 +214,35 @@ def test_every_operator_is_documented_with_its_mechanism():
     for name, op in OPERATORS.items():
         assert f"| `{name}` |" in doc, f"{name} missing from docs/fuzzer.md"
         assert op.mechanism and len(op.mechanism) > 60
+
+
+def test_graft_adds_a_time_window_of_the_donor_renamed_and_shifted_together():
+    from fuzzer.mutate import MAX_EVENTS, graft, mutate_into
+
+    base, donor = generate(1, LORA), mutate(generate(2, LORA), random.Random(0))
+    for seed in range(40):
+        g = graft(base, donor, random.Random(seed), max_sends=4)
+        assert [e for e in g.events if not e.request_id.startswith("x.")] == base.events
+        extra = [e for e in g.events if e.request_id.startswith("x.")]
+        sends = [e for e in extra if isinstance(e, SendEvent)]
+        assert 1 <= len(sends) <= 4
+        by_id = {s.request_id: s for s in donor.sends}
+        # The window is consecutive in the donor's time order, with every cancel of its sends.
+        order = [s.request_id for s in sorted(donor.sends, key=lambda s: s.at.step)]
+        idx = sorted(order.index(e.request_id[2:]) for e in sends)
+        assert idx == list(range(idx[0], idx[0] + len(idx)))
+        kept = {e.request_id[2:] for e in sends}
+        assert sum(1 for e in extra if isinstance(e, CancelEvent)) == sum(
+            1 for c in donor.cancels if c.request_id in kept)
+        # One shift for the whole window: the donor's relative timing is kept.
+        shifts = {e.at.step - by_id[e.request_id[2:]].at.step for e in sends}
+        assert len(shifts) == 1
+        assert all(e.prompt == by_id[e.request_id[2:]].prompt for e in sends)
+        assert clocks_consistent(g)
+        assert g.lineage.seed == 1 and g.lineage.operators == [*donor.lineage.operators, "graft"]
+        assert g.lineage.parent == donor.lineage.parent
+    # A graft of a graft of a graft stays bounded (the window, not the whole donor, goes in).
+    t = base
+    for seed in range(30):
+        t = mutate_into(generate(100 + seed, LORA), t, random.Random(seed))
+        assert len(t.events) <= MAX_EVENTS and len(t.sends) <= len(generate(100 + seed, LORA).sends) + 8
