@@ -218,8 +218,8 @@ def test_early_exploration_share_while_the_corpus_is_small(tmp_path):
 
 def test_graft_mutants_carry_the_fresh_trace_of_their_iteration(tmp_path):
     """A feedback mutant is a corpus entry's mutant grafted into the fresh trace random mode
-    would run at the same index, so feedback never draws a worse trace than random's, only
-    a bigger one; ``mutants="plain"`` is the mutant alone."""
+    would run at the same index: every event of that fresh trace is kept and the graft's
+    events are added under ``x.`` ids; ``mutants="plain"`` is the mutant alone."""
     from fuzzer import trace_seed
 
     seen: dict[str, Trace] = {}
