@@ -30,8 +30,8 @@ class _Stop(Exception):
 def campaign(session, engine, *, mode: str, seed: int, traces: int | None, arms: dict, out: Path, runs: int,
              stop_at_finding: bool = False, budget_s: float | None = None, explore_until: int = 0,
              sources: str = "bandit", mutants: str = "graft", gen=None) -> dict:
-    from fuzzer import CampaignOptions, run_campaign
-    from harness.runner import ReferenceStore
+    from kvfuzz.fuzzer import CampaignOptions, run_campaign
+    from kvfuzz.harness.runner import ReferenceStore
 
     session.references = ReferenceStore()
     rows: list[list] = []
@@ -151,14 +151,14 @@ def summary(results: dict) -> str:
 def _save(out: Path | None, results: dict) -> None:
     # After every campaign: a long benchmark interrupted halfway still leaves its figures.
     if out:
-        from traces import atomic_write_text
+        from kvfuzz.traces import atomic_write_text
 
         atomic_write_text(out, json.dumps(results, indent=1) + "\n")
 
 
 def _warm_up(session, engine, fixes: list[str]) -> None:
     """One throwaway trace: the first replay after engine start pays one-off costs."""
-    from fuzzer import generate
+    from kvfuzz.fuzzer import generate
 
     session.check(generate(12345, engine), runs=1, arms={"fixed": fixes})
 
@@ -199,8 +199,8 @@ def main() -> None:
         print(summary(json.loads(args.summary.read_text())))
         return
 
-    from fuzzer import default_engine
-    from harness.toggles import registry
+    from kvfuzz.fuzzer import default_engine
+    from kvfuzz.harness.toggles import registry
     from kvfuzz.session import Session
 
     registry._load_builtin()
@@ -211,7 +211,7 @@ def main() -> None:
     engine = default_engine(lora=args.lora, kv_cache_bytes=args.kv_cache_mb * 2**20)
     gen = None
     if args.generator == "v1":
-        from fuzzer import GenOptions
+        from kvfuzz.fuzzer import GenOptions
 
         gen = GenOptions(adapters=sorted(engine.lora.adapters) if engine.lora.enabled else [], p_retry=0.0,
                          p_interrupted_prefill=0.0, p_pressure=0.0)

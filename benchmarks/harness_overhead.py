@@ -22,9 +22,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
 
-    from fuzzer import default_engine
-    from harness.inprocess import InProcessEngine, engine_args
-    from traces import At, GenPrompt, SendEvent, Trace, expand
+    from kvfuzz.fuzzer import default_engine
+    from kvfuzz.harness.inprocess import InProcessEngine
+    from kvfuzz.harness.vllm_args import engine_args
+    from kvfuzz.traces import At, GenPrompt, SendEvent, Trace, expand
 
     cfg = default_engine(kv_cache_bytes=64 * 2**20)
     sends = [SendEvent(request_id=f"r{i}", at=At(step=0), max_tokens=args.max_tokens,

@@ -70,8 +70,8 @@ def compare(ctx: Context, ref, got) -> None:
             ctx.divergence_margins.append(ref.logprobs[i][0][1] - ref.logprobs[i][1][1])
             return
         ctx.compared_positions += 1
-        (rt, rl), (rt2, rl2) = ref.logprobs[i][0], ref.logprobs[i][1]
-        (gt, gl), (gt2, gl2) = got.logprobs[i][0], got.logprobs[i][1]
+        (_rt, rl), (rt2, rl2) = ref.logprobs[i][0], ref.logprobs[i][1]
+        (_gt, gl), (gt2, gl2) = got.logprobs[i][0], got.logprobs[i][1]
         ctx.abs_dlogprob.append(abs(rl - gl))
         if rt2 == gt2:
             ctx.abs_dmargin.append(abs((rl - rl2) - (gl - gl2)))
@@ -89,7 +89,7 @@ def quantiles(xs: list[float]) -> dict[str, float]:
 
 
 def build_sends(n: int, max_tokens: int, block: int, adapters: list[str], seed: int):
-    from traces import At, GenPrompt, SendEvent
+    from kvfuzz.traces import At, GenPrompt, SendEvent
 
     rng = random.Random(seed)
     sends = []
@@ -126,10 +126,10 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
 
-    from fuzzer import default_engine
-    from harness.inprocess import InProcessEngine
-    from harness.toggles.builtin import LORA_CPU_MASK
-    from traces import At, Trace
+    from kvfuzz.fuzzer import default_engine
+    from kvfuzz.harness.inprocess import InProcessEngine
+    from kvfuzz.harness.toggles.builtin import LORA_CPU_MASK
+    from kvfuzz.traces import At, Trace
 
     t_start = time.perf_counter()
     base = default_engine(lora=args.lora, kv_cache_bytes=64 * 2**20).model_copy(update={"dtype": args.dtype})

@@ -55,8 +55,8 @@ def main() -> None:
     if args.onednn_cache is not None:  # before torch loads (the engine starts below)
         os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = str(args.onednn_cache)
 
-    from fuzzer import CampaignOptions, default_engine, run_campaign
-    from fuzzer.generate import GenOptions
+    from kvfuzz.fuzzer import CampaignOptions, default_engine, run_campaign
+    from kvfuzz.fuzzer.generate import GenOptions
     from kvfuzz.session import Session
 
     work = args.work or Path(tempfile.mkdtemp(prefix="kvfuzz-memory-"))

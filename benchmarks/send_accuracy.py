@@ -29,9 +29,9 @@ import statistics
 import time
 from pathlib import Path
 
-from harness import http_client as hc
-from harness.server import ServerEngine, ServerOptions
-from traces import At, CancelEvent, EngineConfig, GenPrompt, SendEvent, Trace
+from kvfuzz.harness.http import replay as http_replay
+from kvfuzz.harness.server import ServerEngine, ServerOptions
+from kvfuzz.traces import At, CancelEvent, EngineConfig, GenPrompt, SendEvent, Trace
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -80,7 +80,7 @@ async def _bare_loop_lag(seconds: float) -> list[float]:
 
 def _monitor_loop_lag() -> None:
     """Wrap the replayer so a 1 ms ticker records event-loop lateness during each replay."""
-    orig = hc.Replayer.run
+    orig = http_replay.Replayer.run
 
     async def run(self):  # type: ignore[no-untyped-def]
         stop = False
@@ -98,7 +98,7 @@ def _monitor_loop_lag() -> None:
             stop = True
             await ticker
 
-    hc.Replayer.run = run  # type: ignore[method-assign]
+    http_replay.Replayer.run = run  # type: ignore[method-assign]
 
 
 def main() -> None:

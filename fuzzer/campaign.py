@@ -23,8 +23,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from traces import EngineConfig, Finding, History, Trace, atomic_write_text, save
-from traces.errors import BadInput
+from kvfuzz.traces import EngineConfig, Finding, Trace, atomic_write_text, save
+from kvfuzz.traces.errors import BadInput
+from kvfuzz.traces.io import finding_path
+from kvfuzz.traces.result import Checked
 
 from .corpus import Corpus, CorpusEntry, Item, Scheduler, Seed, measured_key, now
 from .feedback import Coverage, trace_signature
@@ -179,17 +181,6 @@ def load_state(out: Path, opts: CampaignOptions) -> CampaignState:
                          mutants=opts.mutants)
 
 
-def _histories(result: Any) -> list[History]:
-    rec = getattr(result, "recording", None)
-    return list(rec.histories) if rec is not None else []
-
-
-def _finding(result: Any) -> Finding | None:
-    if result is None or isinstance(result, Finding):
-        return result
-    return getattr(result, "finding", None)
-
-
 class Campaign:
     """One campaign's in-memory view of its state (corpus, scheduler, coverage)."""
 
@@ -317,7 +308,7 @@ class Campaign:
         finding.notes.setdefault("campaign", {"seed": self.opts.seed, "index": i, "mode": self.opts.mode,
                                               "source": source})
         finding.notes.setdefault("lineage", self.lineage(trace))
-        path = self.out / "findings" / f"{finding.worst_class()}-{finding.id}.json"
+        path = finding_path(self.out / "findings", finding)
         save(finding, path)
         st.findings += 1
         st.finding_files.append(str(path.relative_to(self.out)))
@@ -326,13 +317,11 @@ class Campaign:
         st.by_class = dict(counts)
 
 
-def run_campaign(opts: CampaignOptions, check_trace: Callable[[Trace], Any],
+def run_campaign(opts: CampaignOptions, check_trace: Callable[[Trace], Checked],
                  on_outcome: Callable[[TraceOutcome, CampaignState], None] | None = None,
                  on_start: Callable[["Campaign"], None] | None = None) -> CampaignState:
     """Run traces until the budget or trace count is used up. ``check_trace`` records and
-    checks one trace (harness + oracle) and returns a ``Checked`` (``.finding`` and
-    ``.recording.histories``; the histories feed coverage) — or just a finding or None, in
-    which case the campaign runs without coverage."""
+    checks one trace (harness + oracle); its histories feed coverage, its finding is kept."""
     out = opts.out
     (out / "findings").mkdir(parents=True, exist_ok=True)
     camp = Campaign(opts)
@@ -351,9 +340,9 @@ def run_campaign(opts: CampaignOptions, check_trace: Callable[[Trace], Any],
         i = state.next_index
         t0 = time.monotonic()
         trace, source = camp.next_trace(i)
-        result = check_trace(trace)
-        finding = _finding(result)
-        buckets = trace_signature(_histories(result), trace)
+        checked = check_trace(trace)
+        finding = checked.finding
+        buckets = trace_signature(checked.histories, trace)
         before = (state.buckets, state.findings)
         novel = camp.learn(i, trace, source, buckets)
         if finding is not None:

@@ -17,9 +17,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from traces import EngineConfig, Trace, save
-from traces.errors import BadInput
-from traces.io import parse_finding, parse_trace, read_json, validation_message
+from kvfuzz.traces import EngineConfig, Trace, save
+from kvfuzz.traces.errors import BadInput
+from kvfuzz.traces.io import parse_finding, parse_trace, read_json, validation_message
 
 from .feedback import Coverage
 

@@ -16,7 +16,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from traces import History, Trace
+from kvfuzz.traces import History, Trace
 
 Signature = frozenset[str]
 

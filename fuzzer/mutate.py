@@ -19,7 +19,17 @@ from dataclasses import dataclass
 
 from pydantic import ValidationError
 
-from traces import At, CancelEvent, EngineConfig, GenPrompt, Lineage, SendEvent, TokenPrompt, Trace
+from kvfuzz.traces import (
+    EMBEDDED_MODEL,
+    At,
+    CancelEvent,
+    EngineConfig,
+    GenPrompt,
+    Lineage,
+    SendEvent,
+    TokenPrompt,
+    Trace,
+)
 
 from . import shapes
 from .shapes import at_step, fresh_id, kv_capacity_tokens  # noqa: F401  (kv_capacity_tokens: public)
@@ -338,7 +348,7 @@ def min_kv_bytes(engine: EngineConfig, bytes_per_token: int = 1024) -> int:
                       "preemption and eviction under ordinary load (changes the engine, so the campaign "
                       "uses it only when engine changes are allowed).", weight=0.5, changes_engine=True)
 def op_small_kv(trace: Trace, rng: random.Random) -> Trace | None:
-    if trace.engine.model != "embedded:tiny-qwen2":
+    if trace.engine.model != EMBEDDED_MODEL:
         return None  # bytes per token is known only for the embedded model
     floor = min_kv_bytes(trace.engine)
     size = floor + rng.choice((0, 1, 2, 4)) * 2**20

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import random
 
-from traces import At, CancelEvent, EngineConfig, GenPrompt, SendEvent, Trace
+from kvfuzz.traces import EMBEDDED_MODEL, At, CancelEvent, EngineConfig, GenPrompt, SendEvent, Trace
 
 Event = SendEvent | CancelEvent
 
@@ -63,7 +63,7 @@ def prefill_steps(length: int, engine: EngineConfig) -> int:
 def kv_capacity_tokens(engine: EngineConfig, bytes_per_token: int = 1024) -> int:
     """About how many tokens the KV cache holds (exact for the embedded model's 1 KiB/token;
     other models: assume 1.5 x max_model_len)."""
-    if engine.model == "embedded:tiny-qwen2" and engine.kv_cache_bytes:
+    if engine.model == EMBEDDED_MODEL and engine.kv_cache_bytes:
         return engine.kv_cache_bytes // bytes_per_token
     return int(engine.max_model_len * 1.5)
 

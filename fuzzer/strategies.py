@@ -1,7 +1,7 @@
 """Hypothesis strategies for kvfuzz traces: a public API for writing property tests against vLLM.
 
     from hypothesis import given, settings
-    from fuzzer.strategies import traces
+    from kvfuzz.fuzzer.strategies import traces
 
     @given(traces(max_requests=4))
     @settings(max_examples=20, deadline=None)
@@ -23,10 +23,10 @@ from collections.abc import Sequence
 
 from hypothesis import strategies as st
 
-from traces import At, CancelEvent, EngineConfig, GenPrompt, Lineage, SendEvent, Trace
+from kvfuzz.traces import At, CancelEvent, EngineConfig, GenPrompt, Lineage, SendEvent, Trace
 
 from .generate import default_engine
-from .mutate import OPERATORS, with_lineage, apply, at_step
+from .mutate import OPERATORS, apply, at_step, with_lineage
 
 
 def prompt_lengths(*, block_size: int = 32, max_len: int = 1024) -> st.SearchStrategy[int]:

@@ -1,17 +1,44 @@
-"""What every harness (in-process engine, managed server, URL) offers the rest of kvfuzz."""
+"""The ``Engine`` protocol: what every harness (in-process engine, managed server, URL) offers
+the rest of kvfuzz. Optional capabilities are declared here with a meaning for every engine,
+so callers never probe for them (tests/test_layers.py keeps it so)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Protocol, runtime_checkable
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Literal, Protocol, runtime_checkable
 
-from traces import EngineConfig, Environment, History, RequestRecord, SendEvent, Trace
+from kvfuzz.traces import EngineConfig, Environment, History, RequestRecord, SendEvent, Trace
+from kvfuzz.traces.history import TopLogprobs
+
+EngineKind = Literal["inprocess", "server", "url"]
 
 
 @runtime_checkable
 class Engine(Protocol):
-    kind: str
+    kind: EngineKind
     config: EngineConfig
+    device: str
+
+    @property
+    def step_exact(self) -> bool:
+        """Events land at exact engine steps: the same trace gives the same history."""
+        ...
+
+    @property
+    def reference_toggles(self) -> list[str]:
+        """Toggles of reference runs (the clean arm's fixes; none where toggles cannot apply)."""
+        ...
+
+    @property
+    def reference_note(self) -> str | None:
+        """How references were kept from reusing the runs' KV, when a finding should say so."""
+        ...
+
+    @property
+    def log_path(self) -> Path | None:
+        """The engine's or server's log file, if it has one."""
+        ...
 
     def start(self) -> "Engine": ...
 
@@ -22,6 +49,20 @@ class Engine(Protocol):
     def replay(self, trace: Trace, *, arm: str = "default", run_index: int = 0,
                toggles: Iterable[str] | None = None) -> History: ...
 
-    def run_alone(self, send: SendEvent, *, max_tokens: int | None = None) -> RequestRecord: ...
+    def run_alone(self, send: SendEvent, *, max_tokens: int | None = None) -> RequestRecord:
+        """``send`` alone on a clean cache with the reference toggles: its reference."""
+        ...
+
+    def score(self, send: SendEvent, tokens: Sequence[int]) -> list[TopLogprobs]:
+        """Teacher forcing: ``send``'s prompt followed by ``tokens``, alone on a clean cache;
+        per token, its logprob first, then the best others (see ``traces.history.Scoring``)."""
+        ...
 
     def environment(self) -> Environment: ...
+
+    def log_tail(self, n: int = 40) -> list[str]: ...
+
+    def recover(self) -> bool:
+        """After a crash or hang: kill what is running and be ready for the next run in place
+        (True), or False when the engine cannot, and must be closed and started anew."""
+        ...

@@ -25,8 +25,13 @@ import struct
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from traces.errors import BadInput
+from kvfuzz.traces.errors import BadInput
+from kvfuzz.traces.paths import kvfuzz_cache
+
+if TYPE_CHECKING:
+    from kvfuzz.traces import EngineConfig
 
 BUILD_VERSION = 1
 MODEL_NAME = "tiny-qwen2"
@@ -58,9 +63,7 @@ class EmbeddedModel:
 
 
 def cache_root() -> Path:
-    env = os.environ.get("KVFUZZ_CACHE")
-    base = Path(env) if env else Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvfuzz"
-    return base / "models" / f"{MODEL_NAME}-v{BUILD_VERSION}"
+    return kvfuzz_cache() / "models" / f"{MODEL_NAME}-v{BUILD_VERSION}"
 
 
 # -- writing ------------------------------------------------------------------------------
@@ -297,3 +300,40 @@ def resolve_adapter(spec: str, model: EmbeddedModel | None) -> Path:
             raise BadInput(f"unknown embedded adapter {name!r} (have {list(ADAPTERS)})", field="engine.lora.adapters")
         return model.adapters[name]
     return Path(spec)
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    """Where an engine configuration's model and adapters are on disk."""
+
+    model_path: str  # a directory, or a hub name passed to vLLM as is
+    model_hash: str | None  # content hash of an embedded build (None for other models)
+    adapter_paths: dict[str, str]
+
+
+def resolve_model(config: "EngineConfig") -> ResolvedModel:
+    """The model and LoRA adapters ``config`` names, the embedded ones built if needed. One
+    place for every engine: in-process, managed server."""
+    from kvfuzz.traces import EMBEDDED_MODEL
+
+    uses_embedded = config.model.startswith("embedded:") or any(
+        v.startswith("embedded:") for v in config.lora.adapters.values())
+    model = build() if uses_embedded else None
+    if config.model == EMBEDDED_MODEL:
+        assert model is not None
+        path, digest = str(model.model_dir), model.content_hash
+    elif config.model.startswith("embedded:"):
+        raise BadInput(f"unknown embedded model {config.model!r} (have {EMBEDDED_MODEL})", field="engine.model")
+    else:
+        p = Path(config.model)
+        if (p.is_absolute() or config.model.startswith(".")) and not p.exists():
+            raise BadInput(f"model directory {p} does not exist", field="engine.model")
+        path, digest = config.model, None
+    adapters: dict[str, str] = {}
+    if config.lora.enabled:
+        for name, spec in sorted(config.lora.adapters.items()):
+            adapter = resolve_adapter(spec, model)
+            if not adapter.exists():
+                raise BadInput(f"adapter {name!r}: no such directory {adapter}", field="engine.lora.adapters")
+            adapters[name] = str(adapter)
+    return ResolvedModel(path, digest, adapters)

@@ -7,7 +7,7 @@ import sys
 from importlib import metadata
 from typing import Any
 
-from traces import EngineConfig, Environment
+from kvfuzz.traces import EngineConfig, Environment
 
 
 def kvfuzz_version() -> str:

@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from traces import (
+from kvfuzz.traces import (
     CancelEvent,
     EngineConfig,
     Environment,
@@ -30,11 +30,13 @@ from traces import (
     Trace,
     expand,
 )
-from traces.errors import BadInput, InfraError
+from kvfuzz.traces.errors import BadInput, InfraError
 
 from . import toggles as toggle_registry
 from .blocks import BlockEdges
-from .embedded import EmbeddedModel, resolve_adapter
+from .embedded import ResolvedModel, resolve_model
+from .logs import read_tail, route_vllm_logs
+from .vllm_args import engine_args
 
 log = logging.getLogger("kvfuzz.harness")
 
@@ -53,48 +55,6 @@ def _prepare_env() -> None:
     # stdout handler, which it would otherwise re-install at engine creation.
     os.environ["VLLM_CONFIGURE_LOGGING"] = "0"
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-
-def route_vllm_logs(log_file: Path | None) -> None:
-    """Send vLLM's log records to a file (or silence them below WARNING) so the CLI's display
-    stays readable; the file is what a bug report needs."""
-    vlog = logging.getLogger("vllm")
-    for h in list(vlog.handlers):
-        vlog.removeHandler(h)
-    if log_file is not None:
-        log_file.parent.mkdir(parents=True, exist_ok=True)
-        fh = logging.FileHandler(log_file)
-        fh.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-        vlog.addHandler(fh)
-        vlog.setLevel(logging.INFO)
-    else:
-        vlog.addHandler(logging.NullHandler())
-        vlog.setLevel(logging.ERROR)
-    vlog.propagate = False
-
-
-def engine_args(config: EngineConfig, model_path: str, *, device: str = "cpu") -> dict[str, Any]:
-    """EngineArgs keyword arguments for a trace's engine configuration (same for GPU)."""
-    args: dict[str, Any] = dict(
-        model=model_path,
-        dtype=config.dtype,
-        block_size=config.block_size,
-        max_model_len=config.max_model_len,
-        enable_prefix_caching=config.enable_prefix_caching,
-        enable_chunked_prefill=config.enable_chunked_prefill,
-        max_num_seqs=config.max_num_seqs,
-        max_num_batched_tokens=config.max_num_batched_tokens,
-        seed=config.seed,
-        disable_log_stats=False,
-        # CPU: eager is required in practice; on GPU the extra_args may turn graphs back on.
-        enforce_eager=True,
-    )
-    if config.kv_cache_bytes is not None:
-        args["kv_cache_memory_bytes"] = config.kv_cache_bytes
-    if config.lora.enabled:
-        args.update(enable_lora=True, max_loras=config.lora.max_loras, max_lora_rank=config.lora.max_lora_rank)
-    args.update(config.extra_args)
-    return args
 
 
 def _zero_lora_slots(worker: Any) -> int:
@@ -139,8 +99,7 @@ class InProcessEngine:
         self.log_file = log_file
         self.trace_deadline_s = trace_deadline_s
         self._llm: Any = None
-        self._embedded: EmbeddedModel | None = None
-        self._model_path: str | None = None
+        self._model: ResolvedModel | None = None
         self._lora_requests: dict[str, Any] = {}
         self._step_capture: dict[str, Any] = {}
         self._edges = BlockEdges()
@@ -153,7 +112,7 @@ class InProcessEngine:
             return self
         _prepare_env()
         t0 = time.perf_counter()
-        self._model_path = self._resolve_model()
+        self._model = resolve_model(self.config)
         try:
             from vllm import EngineArgs
             from vllm.lora.request import LoRARequest
@@ -165,7 +124,7 @@ class InProcessEngine:
         # the engine instantiates.
         toggle_registry.install(self.config.toggles)
         try:
-            self._llm = LLMEngine.from_engine_args(EngineArgs(**engine_args(self.config, self._model_path,
+            self._llm = LLMEngine.from_engine_args(EngineArgs(**engine_args(self.config, self._model.model_path,
                                                                             device=self.device)))
         except ValueError as e:
             # vLLM validates its configuration with ValueError (e.g. a KV cache too small for
@@ -173,11 +132,8 @@ class InProcessEngine:
             raise BadInput(f"vLLM rejected the engine configuration: {e}".splitlines()[0], field="engine") from e
         except Exception as e:
             raise InfraError(f"vLLM engine failed to start: {type(e).__name__}: {e}".splitlines()[0]) from e
-        for i, (name, spec) in enumerate(sorted(self.config.lora.adapters.items()), start=1):
-            path = resolve_adapter(spec, self._embedded)
-            if not path.exists():
-                raise BadInput(f"adapter {name!r}: no such directory {path}", field="engine.lora.adapters")
-            self._lora_requests[name] = LoRARequest(name, i, str(path))
+        for i, (name, path) in enumerate(sorted(self._model.adapter_paths.items()), start=1):
+            self._lora_requests[name] = LoRARequest(name, i, path)
         self._install_hooks()
         self.start_seconds = time.perf_counter() - t0
         return self
@@ -199,33 +155,28 @@ class InProcessEngine:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _resolve_model(self) -> str:
-        from . import embedded
-
-        if self.config.model == "embedded:tiny-qwen2" or self.config.lora.adapters and any(
-            v.startswith("embedded:") for v in self.config.lora.adapters.values()
-        ):
-            self._embedded = embedded.build()
-        if self.config.model == "embedded:tiny-qwen2":
-            assert self._embedded is not None
-            return str(self._embedded.model_dir)
-        if self.config.model.startswith("embedded:"):
-            raise BadInput(f"unknown embedded model {self.config.model!r} (have embedded:tiny-qwen2)",
-                           field="engine.model")
-        p = Path(self.config.model)
-        if (p.is_absolute() or self.config.model.startswith(".")) and not p.exists():
-            raise BadInput(f"model directory {p} does not exist", field="engine.model")
-        return self.config.model
-
     def log_tail(self, n: int = 40) -> list[str]:
         """The last lines of vLLM's log file (for an engine-crash finding)."""
-        from .server import read_tail
-
         return read_tail(self.log_file, n) if self.log_file is not None else []
 
     @property
+    def log_path(self) -> Path | None:
+        return self.log_file
+
+    @property
+    def step_exact(self) -> bool:
+        return True
+
+    @property
+    def reference_note(self) -> str | None:
+        return None  # references run alone after a full clean slate: nothing to qualify
+
+    def recover(self) -> bool:
+        return False  # an in-process engine that crashed is closed and started anew
+
+    @property
     def model_hash(self) -> str | None:
-        return self._embedded.content_hash if self._embedded and self.config.model.startswith("embedded:") else None
+        return self._model.model_hash if self._model is not None else None
 
     def compatible(self, config: EngineConfig) -> bool:
         return config.key() == self.config.key()
@@ -435,12 +386,12 @@ class InProcessEngine:
                 step = max(step, timed[cursor][0])  # idle: jump the clock to the next event
                 continue
             if step >= budget:
-                hist.crashed = True
+                hist.crashed, hist.crash_kind = True, "hang"
                 hist.crash_detail = f"hang: requests unfinished after {step} engine steps"
                 llm.abort_request(sorted(live))
                 break
             if self.trace_deadline_s is not None and time.perf_counter() - t0 > self.trace_deadline_s:
-                hist.crashed = True
+                hist.crashed, hist.crash_kind = True, "hang"
                 hist.crash_detail = (f"hang: trace deadline of {self.trace_deadline_s:g} s exceeded at engine step "
                                      f"{step}")
                 llm.abort_request(sorted(live))
@@ -451,7 +402,7 @@ class InProcessEngine:
             try:
                 outputs = llm.step()
             except Exception as e:
-                hist.crashed = True
+                hist.crashed, hist.crash_kind = True, "died"
                 hist.crash_detail = f"engine step {step} raised {type(e).__name__}: {e}"
                 break
             self._record_step(hist, recs, step, internal, scheduled_once)
@@ -543,3 +494,80 @@ class InProcessEngine:
         from .environment import describe
 
         return describe(engine="inprocess", config=self.config, device=self.device, model_hash=self.model_hash)
+
+
+class EnginePool:
+    """Live in-process engines kept for reuse within one process: at most ``size``, one per
+    (engine configuration, device), least recently used closed first.
+
+    Off by default: a command runs one engine configuration at a time and closes it. A test
+    process turns it on (kvfuzz's pytest plugin does), so every test, and every CLI command
+    run in-process, that needs a configuration already started gets that engine instead of a
+    new 20-second start."""
+
+    def __init__(self, size: int) -> None:
+        self.size = max(1, size)
+        self._live: dict[tuple[str, str], InProcessEngine] = {}
+        self.starts = 0
+        self.reuses = 0
+
+    def acquire(self, config: EngineConfig, *, device: str, log_file: Path | None,
+                trace_deadline_s: float | None) -> InProcessEngine:
+        key = (config.key(), device)
+        engine = self._live.pop(key, None)
+        if engine is not None and engine._llm is not None:
+            self._live[key] = engine  # most recently used last
+            engine.trace_deadline_s = trace_deadline_s
+            if log_file is not None and log_file != engine.log_file:
+                engine.log_file = log_file
+                route_vllm_logs(log_file)
+            self.reuses += 1
+            return engine
+        while len(self._live) >= self.size:
+            self._live.pop(next(iter(self._live))).close()
+        engine = InProcessEngine(config, device=device, log_file=log_file, trace_deadline_s=trace_deadline_s)
+        engine.start()
+        self.starts += 1
+        self._live[key] = engine
+        return engine
+
+    def release(self, engine: InProcessEngine) -> None:
+        """Keep ``engine`` for the next acquire (a broken one is closed instead)."""
+        if engine._llm is None or (engine.config.key(), engine.device) not in self._live:
+            engine.close()
+
+    def discard(self, engine: InProcessEngine) -> None:
+        """Close ``engine`` and forget it (after a crash: its state is suspect)."""
+        self._live.pop((engine.config.key(), engine.device), None)
+        engine.close()
+
+    def close(self) -> None:
+        while self._live:
+            self._live.pop(next(iter(self._live))).close()
+
+
+_POOL: EnginePool | None = None
+_POOL_USERS = 0
+
+
+def share_engines(size: int) -> EnginePool:
+    """Turn the process-wide engine pool on (nested calls share it: a pytest run inside a
+    pytest run keeps the outer run's engines)."""
+    global _POOL, _POOL_USERS
+    if _POOL is None:
+        _POOL = EnginePool(size)
+    _POOL_USERS += 1
+    return _POOL
+
+
+def unshare_engines() -> None:
+    """Undo one ``share_engines``; the last one closes the pooled engines."""
+    global _POOL, _POOL_USERS
+    _POOL_USERS = max(0, _POOL_USERS - 1)
+    if _POOL_USERS == 0 and _POOL is not None:
+        _POOL.close()
+        _POOL = None
+
+
+def engine_pool() -> EnginePool | None:
+    return _POOL

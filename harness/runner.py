@@ -5,9 +5,9 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
-from traces import Environment, History, RequestRecord, SendEvent, Trace, expand
+from kvfuzz.traces import History, RequestRecord, SendEvent, Trace, expand
+from kvfuzz.traces.result import Recording
 
 from .base import Engine
 
@@ -33,7 +33,7 @@ class ReferenceStore:
     def key(engine: Engine, send: SendEvent) -> tuple[str, str | None, str]:
         digest = hashlib.sha256(repr(expand(send.prompt)).encode()).hexdigest()[:20]
         # References run with the engine's reference toggles (the clean arm's fixes).
-        config = engine.config.key() + "/" + ",".join(getattr(engine, "reference_toggles", ()))
+        config = engine.config.key() + "/" + ",".join(engine.reference_toggles)
         return (config, send.adapter, digest)
 
     def get(self, engine: Engine, send: SendEvent) -> RequestRecord:
@@ -54,15 +54,6 @@ class ReferenceStore:
 
     def __len__(self) -> int:
         return len(self._memo)
-
-
-@dataclass
-class Recording:
-    trace: Trace
-    histories: list[History]
-    references: dict[str, RequestRecord]
-    environment: Environment
-    arms: dict[str, list[str]] = field(default_factory=dict)
 
 
 def record(engine: Engine, trace: Trace, *, runs: int = 3, arms: dict[str, list[str]] | None = None,

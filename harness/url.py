@@ -15,15 +15,18 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from traces import EngineConfig, Environment, History, RequestRecord, SendEvent, Trace
-from traces.errors import BadInput, InfraError
+from kvfuzz.traces import EngineConfig, Environment, History, RequestRecord, SendEvent, Trace
+from kvfuzz.traces.errors import BadInput, InfraError, Unreachable
 
-from . import http_client as hc
-from .server import _HttpEngineBase
+from .base import EngineKind
+from .http import control
+from .http.engine import HttpEngineBase
+from .http.replay import replay_trace
+from .http.wire import HttpTarget, new_salt, redact_url
 
 
-class UrlEngine(_HttpEngineBase):
-    kind = "url"
+class UrlEngine(HttpEngineBase):
+    kind: EngineKind = "url"
 
     def __init__(self, config: EngineConfig, base_url: str, *, api_key: str | None = None, model: str | None = None,
                  request_timeout_s: float = 300.0):
@@ -31,19 +34,19 @@ class UrlEngine(_HttpEngineBase):
             raise BadInput(f"not an http(s) URL: {base_url!r}", field="--base-url")
         self.config = config
         self.base_url = base_url.rstrip("/")
-        self.shown_url = hc.redact_url(self.base_url)  # for messages: no user:password
+        self.shown_url = redact_url(self.base_url)  # for messages: no user:password
         self._api_key = api_key
         self._model = model
         self.request_timeout_s = request_timeout_s
-        self.target: hc.HttpTarget | None = None
+        self.target: HttpTarget | None = None
         self.models: list[str] = []
         self.reference_isolation = "unknown"
 
     def start(self) -> "UrlEngine":
         if self.target is not None:
             return self
-        probe = hc.HttpTarget(self.base_url, self._model or "", api_key=self._api_key)
-        served = hc.list_models(probe)
+        probe = HttpTarget(self.base_url, self._model or "", api_key=self._api_key)
+        served = control.list_models(probe)
         self.models = [str(m.get("id")) for m in served if m.get("id")]
         if self._model is None:
             # Base models have no parent; LoRA adapters name theirs.
@@ -54,23 +57,23 @@ class UrlEngine(_HttpEngineBase):
         elif self._model not in self.models:
             raise BadInput(f"model {self._model!r} is not served at {self.shown_url} (serves {self.models})",
                            field="--model")
-        self.target = hc.HttpTarget(self.base_url, self._model, api_key=self._api_key)
+        self.target = HttpTarget(self.base_url, self._model, api_key=self._api_key)
         self.reference_isolation = self._probe_isolation()
         return self
 
     def _probe_isolation(self) -> str:
         assert self.target is not None
-        if hc.reset_prefix_cache(self.target, attempts=3) is not None:
+        if control.reset_prefix_cache(self.target, attempts=3) is not None:
             return "reset_prefix_cache"
         # Does the server accept cache_salt? One token of a short prompt tells.
-        from traces import At, TokenPrompt
+        from kvfuzz.traces import At, TokenPrompt
 
         probe = SendEvent(request_id="kvfuzz-probe", at=At(offset_ms=0), prompt=TokenPrompt(token_ids=[16, 17, 18, 19]),
                           max_tokens=1, stream=False)
-        hist, errors = hc.replay_trace(self.target, self._alone_trace(self.config, probe, 1), engine="url",
-                                       arm="probe", cache_salt=hc.new_salt("probe"), timeout_s=self.request_timeout_s)
+        hist, errors = replay_trace(self.target, self._alone_trace(self.config, probe, 1), engine="url",
+                                       arm="probe", cache_salt=new_salt("probe"), timeout_s=self.request_timeout_s)
         if errors:
-            raise InfraError(f"{self.shown_url} does not answer: {errors[0]}")
+            raise Unreachable(f"{self.shown_url} does not answer: {errors[0]}")
         rec = hist.requests["kvfuzz-probe"]
         if rec.error is None:
             return "cache_salt"
@@ -93,9 +96,9 @@ class UrlEngine(_HttpEngineBase):
 
     def _check(self, hist: History, errors: list[str], what: str) -> None:
         if errors and all(r.error and r.error.startswith("connection failed") for r in hist.requests.values()):
-            raise InfraError(f"{self.shown_url} stopped answering during {what}: {errors[0]}")
-        if errors and not hc.health(self.base_url):
-            raise InfraError(f"{self.shown_url} stopped answering during {what}: {errors[0]}")
+            raise Unreachable(f"{self.shown_url} stopped answering during {what}: {errors[0]}")
+        if errors and not control.health(self.base_url):
+            raise Unreachable(f"{self.shown_url} stopped answering during {what}: {errors[0]}")
 
     def replay(self, trace: Trace, *, arm: str = "default", run_index: int = 0,
                toggles: Iterable[str] | None = None) -> History:
@@ -111,12 +114,12 @@ class UrlEngine(_HttpEngineBase):
 
     def _before_run(self) -> str | None:
         assert self.target is not None
-        hc.wait_idle(self.target)
+        control.wait_idle(self.target)
         if self.reference_isolation == "reset_prefix_cache":
-            hc.reset_prefix_cache(self.target)
+            control.reset_prefix_cache(self.target)
             return None
         if self.reference_isolation == "cache_salt":
-            return hc.new_salt("run")
+            return new_salt("run")
         return None
 
     def run_alone(self, send: SendEvent, *, max_tokens: int | None = None) -> RequestRecord:

@@ -11,12 +11,12 @@ import time
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Any
 
-from oracle.gate import Case
-from traces import Finding, Trace, load_any
-from traces.errors import BadInput
-from traces.foreign import ForeignFinding
+from kvfuzz.oracle.gate import Case
+from kvfuzz.session import Session
+from kvfuzz.traces import Finding, Trace, load_any
+from kvfuzz.traces.errors import BadInput
+from kvfuzz.traces.foreign import ForeignFinding
 
 SELF_TEST_CLEAN = "clean"
 
@@ -140,7 +140,7 @@ def self_test_plan(entries: list[Entry], device: str) -> list[Planned]:
     """Both directions: each file passes in the clean arm, and fails in each arm its
     ``expect.fails_in`` names. Arms whose toggle cannot change outputs on ``device`` (or does
     not apply to the installed vLLM) are skipped with the reason."""
-    from harness import toggles as reg
+    from kvfuzz.harness import toggles as reg
 
     clean = reg.clean_set(device)
     out: list[Planned] = []
@@ -186,7 +186,7 @@ def replay_command(source: str, toggles: list[str], runs: int, engine_args: list
 class GateRunner:
     """Replays planned cases on one ``kvfuzz.session.Session``."""
 
-    def __init__(self, session: Any, *, runs: int, strict: bool = False, engine_args: list[str] | None = None,
+    def __init__(self, session: Session, *, runs: int, strict: bool = False, engine_args: list[str] | None = None,
                  findings_dir: Path | None = None) -> None:
         self.session = session
         self.runs = runs
@@ -202,8 +202,7 @@ class GateRunner:
             return case, None
         t0 = time.monotonic()
         try:
-            checked = self.session.check(p.entry.trace, runs=self.runs, arms={p.arm: list(p.toggles)},
-                                         attribute=False)
+            checked = self.session.check(p.entry.trace, runs=self.runs, arms={p.arm: list(p.toggles)})
         except BadInput as e:
             if e.source:
                 raise
@@ -213,8 +212,9 @@ class GateRunner:
         case.verdicts = list(checked.verdicts)
         finding = checked.finding
         if finding is not None and self.findings_dir is not None and (case.diverged and not p.expect_fail):
-            from traces import save
+            from kvfuzz.traces import save
+            from kvfuzz.traces.io import finding_path
 
             finding.notes["gate"] = {"source": case.source, "arm": p.arm}
-            save(finding, self.findings_dir / f"{finding.worst_class()}-{finding.id}.json")
+            save(finding, finding_path(self.findings_dir, finding))
         return case, finding

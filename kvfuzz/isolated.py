@@ -15,8 +15,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from traces import Divergence, Trace
-from traces.errors import InfraError
+from kvfuzz.traces import Divergence, Trace
+from kvfuzz.traces.errors import InfraError
 
 
 def check_isolated(trace: Trace, runs: int, arms: dict[str, list[str]], env: dict[str, str], *,

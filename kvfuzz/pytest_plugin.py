@@ -9,18 +9,32 @@ Or, in your own tests, the ``kvfuzz_case`` fixture (parametrized over ``--kvfuzz
     def test_known_findings(kvfuzz_case):
         kvfuzz_case.check()          # fails with the verdict and the replay command
 
-Registered through the ``pytest11`` entry point; inert unless ``--kvfuzz-corpus`` is given.
-One engine is shared by every case of the pytest session.
+and the ``kvfuzz_session`` fixture, a ``kvfuzz.Session`` for your own property tests
+(docs/fuzzer.md has an example with ``kvfuzz.strategies.traces``).
+
+Registered through the ``pytest11`` entry point; inert unless a test uses a fixture or
+``--kvfuzz-corpus`` is given. One engine is shared by every case and test of the pytest run.
 """
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
-_STATE: dict[str, Any] = {}
+if TYPE_CHECKING:
+    from kvfuzz.gate import GateRunner
+    from kvfuzz.harness.base import EngineKind
+    from kvfuzz.session import Session
+
+# Per pytest run (config.stash): a pytest run inside a pytest run (pytester) has its own.
+_STATE_KEY = pytest.StashKey[dict[str, Any]]()
+
+
+def _state(config: pytest.Config) -> dict[str, Any]:
+    return config.stash.setdefault(_STATE_KEY, {})
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -35,13 +49,33 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     g.addoption("--kvfuzz-strict", action="store_true", help="numeric-near-tie fails too.")
     g.addoption("--kvfuzz-self-test", action="store_true",
                 help="Clean arm must pass and each fault arm a trace names must fail.")
-    g.addoption("--kvfuzz-out", default="kvfuzz-gate", help="Where findings of failing cases and logs go.")
+    g.addoption("--kvfuzz-out", default=None, help="Where findings of failing cases and logs go "
+                                                   "(default: kvfuzz-gate for a corpus; logs of kvfuzz_session: a "
+                                                   "temporary directory).")
+
+
+# Engines kept alive in a test process, one per engine configuration (harness/inprocess.py
+# EnginePool): tests, and CLI commands run in-process, share them instead of starting new ones.
+POOL_SIZE = 4
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    from kvfuzz.harness.inprocess import share_engines
+
+    share_engines(POOL_SIZE)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    from kvfuzz.harness.inprocess import unshare_engines
+
+    unshare_engines()
 
 
 def _planned(config: pytest.Config) -> list[Any]:
-    if "planned" in _STATE:
-        return _STATE["planned"]
-    from kvfuzz import arms as arms_opts
+    state = _state(config)
+    if "planned" in state:
+        return state["planned"]
+    from kvfuzz import arms as arm_specs
     from kvfuzz.gate import collect, gate_plan, load, self_test_plan
 
     paths = [Path(p) for p in config.getoption("kvfuzz_corpus")]
@@ -51,29 +85,55 @@ def _planned(config: pytest.Config) -> list[Any]:
         planned = self_test_plan(entries, device)
     else:
         spec = config.getoption("kvfuzz_arms")
-        arm_map = arms_opts.build_arms(arms=spec, device=device) if spec else {arms_opts.VANILLA: []}
+        arm_map = arm_specs.build_arms(arms=spec, device=device) if spec else {arm_specs.VANILLA: []}
         planned = gate_plan(entries, arm_map)
-    _STATE["planned"] = planned
+    state["planned"] = planned
     return planned
 
 
-def _runner(config: pytest.Config) -> Any:
-    if "runner" not in _STATE:
-        from kvfuzz.gate import GateRunner, default_runs, replay_engine_args
-        from kvfuzz.session import Session, engine_kind
+def _kind(config: pytest.Config) -> tuple[EngineKind, str]:
+    from kvfuzz.session import engine_kind
 
-        base_url = config.getoption("kvfuzz_base_url")
-        device = config.getoption("kvfuzz_device")
-        kind = engine_kind(config.getoption("kvfuzz_engine"), base_url, device)
-        out = Path(config.getoption("kvfuzz_out"))
+    device = config.getoption("kvfuzz_device")
+    return engine_kind(config.getoption("kvfuzz_engine"), config.getoption("kvfuzz_base_url"), device), device
+
+
+def _session(config: pytest.Config) -> Session:
+    """The one Session of this pytest run (shared by corpus cases and ``kvfuzz_session``)."""
+    state = _state(config)
+    if "session" not in state:
+        from kvfuzz.gate import default_runs
+        from kvfuzz.session import Session
+
+        kind, device = _kind(config)
+        given = config.getoption("kvfuzz_out")
+        out = Path(given) if given else Path(tempfile.mkdtemp(prefix="kvfuzz-pytest-"))
         out.mkdir(parents=True, exist_ok=True)
         runs = config.getoption("kvfuzz_runs") or default_runs(kind)
-        session = Session.for_target(kind, device=device, runs=runs, out=out, base_url=base_url)
-        _STATE["session"] = session
-        _STATE["runner"] = GateRunner(session, runs=runs, strict=config.getoption("kvfuzz_strict"),
-                                      engine_args=replay_engine_args(kind, device),
-                                      findings_dir=out / "findings")
-    return _STATE["runner"]
+        state["session"] = Session.for_target(kind, device=device, runs=runs, out=out,
+                                               base_url=config.getoption("kvfuzz_base_url"))
+    return state["session"]
+
+
+def _runner(config: pytest.Config) -> GateRunner:
+    state = _state(config)
+    if "runner" not in state:
+        from kvfuzz.gate import GateRunner, replay_engine_args
+
+        kind, device = _kind(config)
+        out = Path(config.getoption("kvfuzz_out") or "kvfuzz-gate")
+        session = _session(config)
+        state["runner"] = GateRunner(session, runs=session.runs, strict=config.getoption("kvfuzz_strict"),
+                                      engine_args=replay_engine_args(kind, device), findings_dir=out / "findings")
+    return state["runner"]
+
+
+@pytest.fixture(scope="session")
+def kvfuzz_session(pytestconfig: pytest.Config) -> Session:
+    """A ``kvfuzz.Session`` for the whole pytest run: the in-process vLLM engine (started on
+    first use, restarted only for another engine configuration) or the engine that
+    ``--kvfuzz-engine`` / ``--kvfuzz-base-url`` name. Closed when the run ends."""
+    return _session(pytestconfig)
 
 
 class KvfuzzCase:
@@ -136,7 +196,8 @@ def kvfuzz_case(request: pytest.FixtureRequest) -> KvfuzzCase:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    s = _STATE.pop("session", None)
+    state = _state(session.config)
+    s = state.pop("session", None)
     if s is not None:
         s.close()
-    _STATE.clear()
+    state.clear()

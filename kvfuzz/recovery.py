@@ -14,23 +14,18 @@ import datetime as _dt
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
-from oracle.check import ENGINE
-from traces import Divergence, Finding, History, Trace
-from traces.errors import InfraError
+from kvfuzz.harness.base import Engine
+from kvfuzz.oracle.check import ENGINE
+from kvfuzz.session import Session
+from kvfuzz.traces import Divergence, Finding, History, Trace
+from kvfuzz.traces.errors import EngineHang, InfraError
+from kvfuzz.traces.result import Checked, Recording
 
 log = logging.getLogger("kvfuzz.recovery")
 
 LOG_TAIL_LINES = 40
 MAX_CONSECUTIVE_CRASHES = 3
-
-
-def _tail(engine: Any, n: int = LOG_TAIL_LINES) -> tuple[list[str], str | None]:
-    tail_fn = getattr(engine, "log_tail", None)
-    lines = list(tail_fn(n)) if callable(tail_fn) else []
-    path = getattr(engine, "log_path", None) or getattr(engine, "log_file", None)
-    return lines, (str(path) if path is not None else None)
 
 
 def redact(lines: list[str], secrets: list[str]) -> list[str]:
@@ -44,65 +39,76 @@ def redact(lines: list[str], secrets: list[str]) -> list[str]:
     return out
 
 
-def crash_finding(trace: Trace, engine: Any, error: InfraError, *, arms: dict[str, list[str]] | None,
+def _crash_note(engine: Engine | None, kind: str, detail: str, secrets: Sequence[str]) -> dict:
+    tail = engine.log_tail(LOG_TAIL_LINES) if engine is not None else []
+    path = engine.log_path if engine is not None else None
+    return {"kind": kind, "detail": detail, "log": str(path) if path is not None else None,
+            "log_tail": redact(list(tail), list(secrets))}
+
+
+def crash_finding(trace: Trace, engine: Engine, error: InfraError, *, arms: dict[str, list[str]] | None,
                   secrets: Sequence[str] = ()) -> Finding:
     """An engine-crash finding for ``trace`` from the infrastructure error it caused."""
     detail = str(error)
-    hang = bool(getattr(error, "hang", False)) or "hang" in detail
-    hist = getattr(error, "history", None)
-    runs: list[History] = [hist] if isinstance(hist, History) else []
+    kind = "hang" if isinstance(error, EngineHang) else "died"
+    runs: list[History] = [error.history] if error.history is not None else []
     for h in runs:
         if not h.crashed:
             h.crashed = True
+            h.crash_kind = kind
             h.crash_detail = detail
     arm = runs[0].arm if runs else next(iter(arms or {"default": []}))
-    tail, log_path = _tail(engine)
     div = Divergence(request_id=ENGINE, class_="engine-crash", arm=arm, runs_diverged=1, runs=1,
-                     detail=("hang: " if hang and not detail.startswith("hang") else "") + detail)
+                     detail=("hang: " if kind == "hang" and not detail.startswith("hang") else "") + detail)
     try:
         env = engine.environment()
-        env.toggles = sorted({t for ts in (arms or {}).values() for t in ts})
-    except Exception:  # the environment of a dead engine is best effort
-        from harness.environment import describe
+    except Exception:  # noqa: BLE001 - the environment of a dead engine is best effort
+        from kvfuzz.harness.environment import describe
 
-        env = describe(engine=getattr(engine, "kind", "inprocess"), config=trace.engine,
-                       device=getattr(engine, "device", "cpu"), model_hash=None)
+        env = describe(engine=engine.kind, config=trace.engine, device=engine.device, model_hash=None)
+    env.toggles = sorted({t for ts in (arms or {}).values() for t in ts})
     f = Finding(trace=trace, environment=env, runs=runs, divergences=[div], verdicts=[div],
                 arms=arms or {arm: list(trace.engine.toggles)},
                 created=_dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat())
-    f.notes["engine_crash"] = {"kind": "hang" if hang else "died", "detail": detail, "log": log_path,
-                               "log_tail": redact(tail, list(secrets))}
+    f.notes["engine_crash"] = _crash_note(engine, kind, detail, secrets)
     f.id = f.compute_id()
     return f
 
 
 @dataclass
 class Recovering:
-    """Wraps ``session.check``: an engine that dies or hangs during a trace becomes an
-    engine-crash finding, and the engine is killed so the next trace starts a fresh one."""
+    """Wraps ``session.check`` (with toggle attribution when ``attribute``): an engine that dies
+    or hangs during a trace becomes an engine-crash finding, and the engine is killed so the
+    next trace starts a fresh one."""
 
-    session: Any
+    session: Session
+    attribute: bool = False
     max_consecutive: int = MAX_CONSECUTIVE_CRASHES
     crashes: int = 0
     restarts: int = 0
     _consecutive: int = 0
 
-    def check(self, trace: Trace, **kwargs: Any) -> Any:
+    def check(self, trace: Trace, *, runs: int | None = None, arms: dict[str, list[str]] | None = None) -> Checked:
         # A start failure is not the trace's doing: it stays an infrastructure error (exit 3).
         self.session.engine_for(trace.engine)
         try:
-            checked = self.session.check(trace, **kwargs)
+            if self.attribute:
+                from kvfuzz.triage.attribution import check_attributed
+
+                checked = check_attributed(self.session, trace, runs=runs, arms=arms)
+            else:
+                checked = self.session.check(trace, runs=runs, arms=arms)
         except InfraError as e:
-            return self._crashed(trace, e, kwargs.get("arms"))
-        finding = getattr(checked, "finding", None)
+            return self._crashed(trace, e, arms)
+        finding = checked.finding
         if finding is not None and finding.worst_class() == "engine-crash":
             # The in-process engine recorded the crash (a step raised, or the deadline hit);
             # its state is suspect now, so it restarts too.
+            crashed = next((h for h in checked.histories if h.crashed), None)
+            kind = (crashed.crash_kind if crashed is not None else None) or "died"
             crash = next(d for d in finding.divergences if d.class_ == "engine-crash")
-            tail, log_path = _tail(self.session.engine)
-            finding.notes["engine_crash"] = {
-                "kind": "hang" if "hang" in (crash.detail or "") else "died", "detail": crash.detail,
-                "log": log_path, "log_tail": redact(tail, self._secrets())}
+            finding.notes["engine_crash"] = _crash_note(self.session.engine, kind, crash.detail or "",
+                                                        self.session.secrets())
             self._note(finding)
             self._restart()
             self._consecutive += 1
@@ -111,21 +117,21 @@ class Recovering:
             self._consecutive = 0
         return checked
 
-    def _crashed(self, trace: Trace, error: InfraError, arms: dict[str, list[str]] | None) -> Finding:
+    def _crashed(self, trace: Trace, error: InfraError, arms: dict[str, list[str]] | None) -> Checked:
         engine = self.session.engine
         self.crashes += 1
         self._consecutive += 1
-        finding = crash_finding(trace, engine, error, arms=arms, secrets=self._secrets())
+        if engine is None:
+            raise error
+        finding = crash_finding(trace, engine, error, arms=arms, secrets=self.session.secrets())
         log.warning("engine crash on trace %s: %s", trace.trace_id(), error)
         self._restart()
         self._note(finding)
         if self._consecutive >= self.max_consecutive:
             raise InfraError(f"the engine crashed on {self._consecutive} traces in a row; last: {error}") from error
-        return finding
-
-    def _secrets(self) -> list[str]:
-        return [s for s in (getattr(self.session, "api_key", None),
-                            getattr(getattr(self.session, "server_options", None), "api_key", None)) if s]
+        rec = Recording(trace=trace, histories=list(finding.runs), references={}, environment=finding.environment,
+                        arms=dict(finding.arms))
+        return Checked(rec, list(finding.verdicts), finding)
 
     def _note(self, finding: Finding) -> None:
         finding.notes.setdefault("engine_crash", {})
@@ -140,12 +146,9 @@ class Recovering:
         if engine is None:
             return
         try:
-            recover = getattr(engine, "recover", None)
-            if callable(recover):
-                recover()
+            if engine.recover():
                 return
-            self.session.engine = None
-            engine.close()
+            self.session.discard_engine()
         except Exception:  # noqa: BLE001 - a broken engine must not stop the campaign
             self.session.engine = None
             log.warning("could not stop the crashed engine cleanly", exc_info=True)

@@ -1,145 +1,197 @@
 """Wiring of the rooms: trace -> harness -> history -> oracle -> finding.
 
 A ``Session`` owns one engine at a time (restarting it when a trace needs another engine
-configuration) and the reference memo, and turns a trace into verdicts and, when something
-diverged, a finding.
+configuration) and the reference memo. It records a trace (harness), checks the recording
+(oracle) and, when something diverged, packages a finding. Re-runs that explain a finding
+(minimization, controls, attribution, ablation) are triage's (kvfuzz.triage), which
+replays through a session.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
-from harness.base import Engine
-from harness.runner import Recording, ReferenceStore, record
-from oracle import Thresholds, check, divergent, make_finding
-from traces import Divergence, EngineConfig, Finding, Trace
-from traces.errors import BadInput
+from kvfuzz.harness.base import Engine, EngineKind
+from kvfuzz.harness.runner import ReferenceStore, record
+from kvfuzz.oracle import Thresholds, check, classify_run, divergent, make_finding
+from kvfuzz.oracle.check import ENGINE
+from kvfuzz.traces import EngineConfig, Trace
+from kvfuzz.traces.errors import BadInput
+from kvfuzz.traces.result import Checked, Recording
+
+if TYPE_CHECKING:
+    from kvfuzz.harness.inprocess import EnginePool
+    from kvfuzz.harness.server import ServerOptions
+
+DEVICES = ("cpu", "cuda")
 
 
-def engine_kind(engine: str, base_url: str | None, device: str) -> str:
+def check_device(device: str, flag: str = "--device") -> str:
+    """The one place a device name is validated (every command's --device)."""
+    if device not in DEVICES:
+        raise BadInput(f"unknown device {device!r} (cpu or cuda)", field=flag)
+    return device
+
+
+def engine_kind(engine: str, base_url: str | None, device: str) -> EngineKind:
     """The engine kind the shared CLI options name (``--engine``, ``--base-url``, ``--device``):
     ``url`` when a base URL is given, else ``inprocess`` or ``server``."""
+    check_device(device)
     if base_url is not None:
-        kind = "url"
-    elif engine in ("inprocess", "server"):
-        kind = engine
-    else:
-        raise BadInput(f"unknown engine {engine!r} (inprocess or server)", field="--engine")
-    if device not in ("cpu", "cuda"):
-        raise BadInput(f"unknown device {device!r} (cpu or cuda)", field="--device")
-    return kind
-
-
-@dataclass
-class Checked:
-    recording: Recording
-    verdicts: list[Divergence]
-    finding: Finding | None
+        return "url"
+    if engine == "inprocess":
+        return "inprocess"
+    if engine == "server":
+        return "server"
+    raise BadInput(f"unknown engine {engine!r} (inprocess or server)", field="--engine")
 
 
 @dataclass
 class Session:
-    engine_kind: str = "inprocess"
+    engine_kind: EngineKind = "inprocess"
     device: str = "cpu"
     runs: int = 3
     thresholds: Thresholds = field(default_factory=Thresholds)
     log_file: Path | None = None
     engine: Engine | None = None
     references: ReferenceStore = field(default_factory=ReferenceStore)
-    # engine_kind "server": harness.server.ServerOptions; "url": the server's address.
-    server_options: Any = None
+    # engine_kind "server": how to run the managed server; "url": the server's address.
+    server_options: ServerOptions | None = None
     base_url: str | None = None
     api_key: str | None = field(default=None, repr=False)
     model: str | None = None
-    # Explain every divergence by re-running in the clean / single-toggle arms (kvfuzz run).
-    attribute: bool = False
     # In-process engine: wall-clock deadline of one run of a trace (docs/reliability.md).
     trace_deadline_s: float | None = 600.0
 
     @classmethod
-    def for_target(cls, kind: str, *, device: str, runs: int, out: Path, near_tie: float | None = None,
+    def for_target(cls, kind: EngineKind, *, device: str, runs: int, out: Path, near_tie: float | None = None,
                    base_url: str | None = None, api_key: str | None = None, model: str | None = None,
-                   server_flags: list[str] | None = None, attribute: bool = False) -> "Session":
+                   server_flags: list[str] | None = None) -> "Session":
         """A session on the engine the replay-style commands name (in-process, a managed
         server with its logs in ``out``, or a server at ``base_url``)."""
-        from harness.server import ServerOptions
+        from kvfuzz.harness.server import ServerOptions
 
         return cls(engine_kind=kind, device=device, runs=runs, thresholds=Thresholds(near_tie=near_tie),
                    log_file=out / "engine.log", base_url=base_url, api_key=api_key, model=model,
-                   server_options=ServerOptions(device=device, extra_flags=list(server_flags or []), log_dir=out),
-                   attribute=attribute)
+                   server_options=ServerOptions(device=device, extra_flags=list(server_flags or []), log_dir=out))
 
+    # -- what triage may rely on (kvfuzz.triage.probe.Replayer) ----------------------------------
+    @property
+    def step_exact(self) -> bool:
+        return self.engine_kind == "inprocess"
+
+    @property
+    def reference_runs(self) -> int:
+        return self.references.computed
+
+    def secrets(self) -> list[str]:
+        """Values that must never land in a finding (API keys)."""
+        opts = self.server_options
+        return [s for s in (self.api_key, opts.api_key if opts else None) if s]
+
+    # -- engines ---------------------------------------------------------------------------------
     def engine_for(self, config: EngineConfig) -> Engine:
         if self.engine is not None and self.engine.compatible(config):
             return self.engine
         self.close()
+        engine: Engine
         if self.engine_kind == "inprocess":
-            from harness.inprocess import InProcessEngine
+            from kvfuzz.harness.inprocess import InProcessEngine, engine_pool
 
-            self.engine = InProcessEngine(config, device=self.device, log_file=self.log_file,
-                                          trace_deadline_s=self.trace_deadline_s).start()
+            pool = engine_pool()
+            if pool is not None:  # a test process: engines are shared (kvfuzz's pytest plugin)
+                self.engine = pool.acquire(config, device=self.device, log_file=self.log_file,
+                                           trace_deadline_s=self.trace_deadline_s)
+                return self.engine
+            engine = InProcessEngine(config, device=self.device, log_file=self.log_file,
+                                     trace_deadline_s=self.trace_deadline_s)
         elif self.engine_kind == "server":
-            from harness.server import ServerEngine, ServerOptions
+            from kvfuzz.harness.server import ServerEngine, ServerOptions
 
             opts = self.server_options or ServerOptions(
                 device=self.device, log_dir=self.log_file.parent if self.log_file else Path("kvfuzz-out"))
-            self.engine = ServerEngine(config, options=opts).start()
-        elif self.engine_kind == "url":
-            from harness.url import UrlEngine
-
-            assert self.base_url is not None
-            self.engine = UrlEngine(config, self.base_url, api_key=self.api_key, model=self.model).start()
+            engine = ServerEngine(config, options=opts)
         else:
-            raise ValueError(f"engine kind {self.engine_kind!r} is not available")
+            from kvfuzz.harness.url import UrlEngine
+
+            if self.base_url is None:
+                raise BadInput("a URL engine needs a base URL", field="--base-url")
+            engine = UrlEngine(config, self.base_url, api_key=self.api_key, model=self.model)
         # References depend on the engine configuration (the memo key includes it), so the
-        # store can be kept across restarts.
+        # store is kept across restarts.
+        self.engine = engine.start()
         return self.engine
 
-    def check(self, trace: Trace, *, runs: int | None = None, arms: dict[str, list[str]] | None = None,
-              attribute: bool | None = None) -> Checked:
-        """Record ``trace`` in ``arms`` (default: its own toggles) and check it. With
-        attribution on, a divergence re-runs the trace in the clean arm (and single-toggle arms
-        when needed) so each divergence says which toggle explains it, or that none does."""
+    # -- record, check, judge ----------------------------------------------------------------------
+    def record(self, trace: Trace, *, runs: int | None = None,
+               arms: dict[str, list[str]] | None = None) -> Recording:
+        """Replay ``trace`` ``runs`` times in each arm (default: its own toggles), with references."""
+        return record(self.engine_for(trace.engine), trace, runs=runs or self.runs, arms=arms, store=self.references)
+
+    def verdicts_of(self, rec: Recording, *, notes: dict | None = None) -> Checked:
+        """The oracle's verdicts on a recording and, when anything diverged, the finding."""
+        verdicts = check(rec.trace, rec.histories, rec.references, self.thresholds)
+        return Checked(rec, verdicts, self.finding_of(rec, verdicts, notes=notes))
+
+    def finding_of(self, rec: Recording, verdicts: list, *, notes: dict | None = None):
+        if not divergent(verdicts):
+            return None
+        finding = make_finding(rec.trace, rec.histories, rec.references, verdicts, rec.environment, rec.arms,
+                               thresholds=self.thresholds)
+        if self.engine is not None and self.engine.reference_note:
+            finding.notes["references"] = self.engine.reference_note
+        finding.notes.update(notes or {})
+        return finding
+
+    def check(self, trace: Trace, *, runs: int | None = None,
+              arms: dict[str, list[str]] | None = None) -> Checked:
+        """Record ``trace`` in ``arms`` and check it."""
+        return self.verdicts_of(self.record(trace, runs=runs, arms=arms))
+
+    def judge(self, trace: Trace, *, victim: str, arm: str, toggles: Sequence[str]) -> str:
+        """The verdict class of ``victim`` in one replay of ``trace``: only the victim's reference
+        is needed, so shrinking other requests' prompts costs no reference runs."""
         engine = self.engine_for(trace.engine)
-        runs = runs or self.runs
-        rec = record(engine, trace, runs=runs, arms=arms, store=self.references)
-        verdicts = check(trace, rec.histories, rec.references, self.thresholds)
-        notes: dict = {}
-        if (self.attribute if attribute is None else attribute) and divergent(verdicts):
-            verdicts, notes = self._attribute(engine, trace, rec, verdicts, runs)
-        finding = None
-        if divergent(verdicts):
-            finding = make_finding(trace, rec.histories, rec.references, verdicts, rec.environment, rec.arms,
-                                   thresholds=self.thresholds)
-            note = getattr(engine, "reference_note", None)
-            if note:
-                finding.notes["references"] = note
-            if notes:
-                finding.notes["attribution"] = notes
-        return Checked(rec, verdicts, finding)
-
-    def _attribute(self, engine: Engine, trace: Trace, rec: Recording, verdicts: list[Divergence],
-                   runs: int) -> tuple[list[Divergence], dict]:
-        from harness.toggles import clean_set
-        from oracle.attribution import attribute, plan
-
-        clean = clean_set(self.device)
-        extra = plan({v.arm for v in divergent(verdicts)}, rec.arms, clean)
-        if extra:
-            more = record(engine, trace, runs=runs, arms=extra, store=self.references)
-            rec.histories.extend(more.histories)
-            # A new dict: rec.arms may be the caller's arm map, reused for the next trace.
-            rec.arms = {**rec.arms, **extra}
-            rec.environment.toggles = sorted({t for ts in rec.arms.values() for t in ts})
-            verdicts = check(trace, rec.histories, rec.references, self.thresholds)
-        return attribute(verdicts, rec.arms, clean), {"clean": clean, "added_arms": sorted(extra)}
+        h = engine.replay(trace, arm=arm, run_index=0, toggles=list(toggles))
+        if victim == ENGINE:
+            return "engine-crash" if h.crashed else "ok"
+        send = trace.send(victim)
+        ref = self.references.get(engine, send)
+        return classify_run(send, ref, h.requests.get(victim), h, self.thresholds.resolve(trace.engine.dtype)).cls
 
     def close(self) -> None:
-        if self.engine is not None:
-            self.engine.close()
-            self.engine = None
+        """Done with the engine: closed, or back to the process's engine pool if there is one."""
+        engine, self.engine = self.engine, None
+        if engine is None:
+            return
+        pool = self._pool_of(engine)
+        if pool is not None:
+            pool.release(engine)
+        else:
+            engine.close()
+
+    def discard_engine(self) -> None:
+        """Close the engine for good (it crashed or hung: its state is suspect); the next trace
+        starts a fresh one."""
+        engine, self.engine = self.engine, None
+        if engine is None:
+            return
+        pool = self._pool_of(engine)
+        if pool is not None:
+            pool.discard(engine)
+        else:
+            engine.close()
+
+    @staticmethod
+    def _pool_of(engine: Engine) -> EnginePool | None:
+        if engine.kind != "inprocess":
+            return None
+        from kvfuzz.harness.inprocess import engine_pool
+
+        return engine_pool()
 
     def __enter__(self) -> "Session":
         return self

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from traces import Divergence
-from traces.finding import DIVERGENT_CLASSES
+from kvfuzz.traces import Divergence
+from kvfuzz.traces.finding import DIVERGENT_CLASSES
 
 CLEAN = "clean"
 
@@ -114,6 +114,6 @@ def unexplained(divergences: Iterable[Divergence]) -> list[Divergence]:
 
 def loudest_first(divergences: Iterable[Divergence]) -> list[Divergence]:
     """Unexplained first, then by severity."""
-    from traces.finding import SEVERITY
+    from kvfuzz.traces.finding import SEVERITY
 
     return sorted(divergences, key=lambda d: (d.explained_by is not None, SEVERITY[d.class_], d.arm, d.request_id))

@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from traces import Divergence, History, RequestRecord, SendEvent, Trace
-from traces.finding import DIVERGENT_CLASSES, SEVERITY
+from kvfuzz.traces import Divergence, History, RequestRecord, SendEvent, Trace
+from kvfuzz.traces.finding import DIVERGENT_CLASSES, SEVERITY
 
 from .diff import Comparison, compare, early_stop_comparison
 from .stats import wilson

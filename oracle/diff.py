@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from traces import RequestRecord
+from kvfuzz.traces import RequestRecord
 
 
 @dataclass(frozen=True)

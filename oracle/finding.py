@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import datetime as _dt
 
-from traces import Divergence, Environment, Finding, History, RequestRecord, Trace
+from kvfuzz.traces import Divergence, Environment, Finding, History, RequestRecord, Trace
 
 from .check import Thresholds, divergent
 

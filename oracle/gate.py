@@ -14,7 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from xml.sax.saxutils import escape, quoteattr
 
-from traces import Divergence
+from kvfuzz.traces import Divergence
+
+from .report import md_cell
 
 FAILING = ("engine-crash", "error", "corruption")
 FAILING_STRICT = (*FAILING, "numeric-near-tie")
@@ -118,10 +120,6 @@ def junit_xml(cases: list[Case], *, suite: str = "kvfuzz-gate") -> str:
     return "\n".join(out)
 
 
-def _md(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
-
-
 def markdown_summary(cases: list[Case], *, title: str = "kvfuzz regression gate", header: str = "") -> str:
     bad = [c for c in cases if not c.ok]
     lines = [f"## {title}: {'FAILED' if bad else 'passed'}", ""]
@@ -134,7 +132,7 @@ def markdown_summary(cases: list[Case], *, title: str = "kvfuzz regression gate"
     for c in sorted(cases, key=lambda c: (c.ok, c.source, c.arm)):
         mark = {"pass": "✅ pass", "detected": "✅ detected", "skipped": "⏭ skipped", "FAIL": "❌ FAIL",
                 "BLIND": "❌ BLIND", "error": "❌ error"}[c.status]
-        lines.append(f"| {mark} | `{_md(c.name)}` | `{_md(c.arm)}` | {_md(c.verdict_text())} |")
+        lines.append(f"| {mark} | `{md_cell(c.name)}` | `{md_cell(c.arm)}` | {md_cell(c.verdict_text())} |")
     if bad:
         lines += ["", "Replay a failing case:", ""]
         for c in bad:

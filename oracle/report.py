@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import json
 import shlex
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from traces import CancelEvent, Divergence, Finding, GenPrompt, History, RequestRecord, SendEvent, TokenPrompt
-from traces.finding import DIVERGENT_CLASSES, SEVERITY
+from kvfuzz.traces import CancelEvent, Divergence, Finding, GenPrompt, History, RequestRecord, SendEvent, TokenPrompt
+from kvfuzz.traces.finding import DIVERGENT_CLASSES, SEVERITY
 
 from .check import ENGINE, Thresholds
 from .controls import primary_arm, reproducing_arms, signature_of
@@ -107,20 +108,6 @@ def _near_tie(finding: Finding) -> float:
     return Thresholds().near_tie_for(finding.trace.engine.dtype)
 
 
-def _toggle_info(name: str) -> tuple[str, str]:
-    """(kind, what it models) from the toggle registry, when it knows the toggle."""
-    try:
-        from harness.toggles.registry import REGISTRY, _load_builtin
-
-        _load_builtin()
-        t = REGISTRY.get(name)
-        if t is not None:
-            return t.kind, f"{t.models}: {t.description}"
-    except Exception:  # a report must render without the harness (e.g. a bare oracle install)
-        pass
-    return "?", ""
-
-
 def _diverged_run(finding: Finding, d: Divergence) -> tuple[History, RequestRecord] | None:
     """The first run of the verdict's arm where the request diverged at its first divergence."""
     ref = finding.references.get(d.request_id)
@@ -158,7 +145,16 @@ def replay_command(finding: Finding, path: str, arm: str, toggles: list[str]) ->
 # -- the report ----------------------------------------------------------------------------------
 
 
-def build(finding: Finding, *, source: str = "FINDING.json") -> Report:
+def build(finding: Finding, *, source: str = "FINDING.json",
+          toggles_known: Mapping[str, tuple[str, str]] | None = None) -> Report:
+    """The report of ``finding``. ``toggles_known`` maps a toggle name to (kind, what it
+    models) for the toggles section (the CLI passes the registry's; without it the report
+    names toggles without describing them)."""
+    known = toggles_known or {}
+
+    def _toggle_info(name: str) -> tuple[str, str]:
+        return known.get(name, ("?", ""))
+
     worst, victims = signature_of(finding)
     arm, toggles = primary_arm(finding)
     trace = finding.trace
@@ -388,7 +384,8 @@ def _when(ev: SendEvent | CancelEvent, mps: float) -> str:
 # -- renderers -----------------------------------------------------------------------------------
 
 
-def _md_cell(text: str) -> str:
+def md_cell(text: str) -> str:
+    """Text safe inside a markdown table cell (one line, pipes escaped)."""
     return text.replace("|", "\\|").replace("\n", " ")
 
 
@@ -411,7 +408,7 @@ def to_markdown(report: Report) -> str:
             out.append("| " + " | ".join(b.columns) + " |")
             out.append("| " + " | ".join("---:" if i in b.right else "---" for i in range(len(b.columns))) + " |")
             for row in b.rows:
-                out.append("| " + " | ".join(_md_cell(c) for c in row) + " |")
+                out.append("| " + " | ".join(md_cell(c) for c in row) + " |")
         elif isinstance(b, Bullets):
             out.extend(f"- {item}" for item in b.items)
         elif isinstance(b, Code):
@@ -458,5 +455,6 @@ def to_rich(report: Report) -> list[Any]:
     return out
 
 
-def markdown(finding: Finding, *, source: str = "FINDING.json") -> str:
-    return to_markdown(build(finding, source=source))
+def markdown(finding: Finding, *, source: str = "FINDING.json",
+             toggles_known: Mapping[str, tuple[str, str]] | None = None) -> str:
+    return to_markdown(build(finding, source=source, toggles_known=toggles_known))

@@ -20,7 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from traces import At, CancelEvent, EngineConfig, Expectation, GenPrompt, LoraSettings, SendEvent, Trace  # noqa: E402
+from kvfuzz.traces import At, CancelEvent, EngineConfig, Expectation, GenPrompt, LoraSettings, SendEvent, Trace  # noqa: E402
 
 OUT = ROOT / "traces" / "regressions"
 MS = 10.0  # ms per step: each event carries both clocks, consistent with each other

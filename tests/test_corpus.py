@@ -4,16 +4,26 @@ engine's coverage is tested in test_feedback_engine.py)."""
 import json
 import random
 from io import StringIO
-from types import SimpleNamespace
 
 import pytest
 from rich.console import Console
 
-from fuzzer import CampaignOptions, Corpus, CorpusEntry, default_engine, generate, run_campaign
-from fuzzer.corpus import Item, Scheduler
-from fuzzer.feedback import Coverage
-from traces import Divergence, Environment, Finding, History, RequestRecord, StepRecord, Trace, load_finding, save
-from traces.errors import BadInput
+from kvfuzz.fuzzer import CampaignOptions, Corpus, CorpusEntry, default_engine, generate, run_campaign
+from kvfuzz.fuzzer.corpus import Item, Scheduler
+from kvfuzz.fuzzer.feedback import Coverage
+from kvfuzz.traces import (
+    Divergence,
+    Environment,
+    Finding,
+    History,
+    RequestRecord,
+    StepRecord,
+    Trace,
+    load_finding,
+    save,
+)
+from kvfuzz.traces.errors import BadInput
+from kvfuzz.traces.result import Checked, Recording
 
 ENG = default_engine(lora=True)
 
@@ -50,7 +60,8 @@ class FakeChecker:
             finding = Finding(trace=t, environment=Environment(kvfuzz_version="test"),
                               divergences=[Divergence(request_id=t.sends[0].request_id, **{"class": "corruption"})])
             finding.id = finding.compute_id()
-        return SimpleNamespace(finding=finding, recording=SimpleNamespace(histories=[fake_history(t)]))
+        env = Environment(kvfuzz_version="test")
+        return Checked(Recording(trace=t, histories=[fake_history(t)], references={}, environment=env), [], finding)
 
 
 def opts(tmp_path, n, **kw):
@@ -81,7 +92,7 @@ def test_random_mode_generates_only_and_writes_no_corpus(tmp_path):
     # Plain random mode is the old generator sequence.
     seen = FakeChecker()
     run_campaign(opts(tmp_path / "again", 3, mode="random"), seen)
-    from fuzzer import trace_seed
+    from kvfuzz.fuzzer import trace_seed
     assert seen.seen == [generate(trace_seed(3, i), ENG).trace_id() for i in range(3)]
 
 
@@ -185,14 +196,14 @@ def test_scheduler_prefers_novel_rare_entries():
     worn, fresh = Item("w", generate(0), frozenset(), 1, chosen=50), Item("f", generate(0), frozenset(), 1)
     assert s.weight(fresh, cov) > 4 * s.weight(worn, cov)
     # Same merit, 20x the tokens to prefill: picked less often.
-    from fuzzer.mutate import apply
+    from kvfuzz.fuzzer.mutate import apply
     heavy_trace = apply(generate(0, ENG), ["long_pressure"], random.Random(0))
     heavy, light = Item("h", heavy_trace, frozenset(), 1), Item("l", generate(0, ENG), frozenset(), 1)
     assert heavy.cost > 10 * light.cost and s.weight(light, cov) > 1.5 * s.weight(heavy, cov)
 
 
 def test_live_panel_shows_rate_corpus_coverage_and_findings(tmp_path):
-    from kvfuzz.display import CampaignDisplay
+    from kvfuzz.cli.display import CampaignDisplay
 
     buf = StringIO()
     console = Console(file=buf, width=120, force_terminal=False)
@@ -220,7 +231,7 @@ def test_graft_mutants_carry_the_fresh_trace_of_their_iteration(tmp_path):
     """A feedback mutant is a corpus entry's mutant grafted into the fresh trace random mode
     would run at the same index: every event of that fresh trace is kept and the graft's
     events are added under ``x.`` ids; ``mutants="plain"`` is the mutant alone."""
-    from fuzzer import trace_seed
+    from kvfuzz.fuzzer import trace_seed
 
     seen: dict[str, Trace] = {}
 

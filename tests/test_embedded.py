@@ -1,6 +1,6 @@
 import json
 
-from harness import embedded
+from kvfuzz.harness import embedded
 
 
 def test_build_is_deterministic_and_pinned(tmp_path):
@@ -24,7 +24,7 @@ def test_existing_build_is_reused_and_tampering_detected(tmp_path):
     (m.model_dir / "config.json").write_text("{}")
     import pytest
 
-    from traces.errors import BadInput
+    from kvfuzz.traces.errors import BadInput
 
     with pytest.raises(BadInput, match="changed since they were built"):
         embedded.build(tmp_path / "m", verify=True)

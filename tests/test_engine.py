@@ -3,11 +3,11 @@ deterministic or the oracle goes blind."""
 
 import pytest
 
-from fuzzer import GenOptions, generate
-from harness.toggles.builtin import LORA_CPU_MASK, LORA_NS
-from oracle import divergent
-from traces import At, CancelEvent, GenPrompt, SendEvent, Trace
-from traces.history import step_view
+from kvfuzz.fuzzer import GenOptions, generate
+from kvfuzz.harness.toggles.builtin import LORA_CPU_MASK, LORA_NS
+from kvfuzz.oracle import divergent
+from kvfuzz.traces import At, CancelEvent, GenPrompt, SendEvent, Trace
+from kvfuzz.traces.history import step_view
 
 pytestmark = pytest.mark.engine
 

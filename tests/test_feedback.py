@@ -1,9 +1,9 @@
 """Coverage signatures from recorded scheduler state (pure: constructed histories)."""
 
-from fuzzer.feedback import Coverage, bucket, signature
-from fuzzer import default_engine
-from traces import At, GenPrompt, History, RequestRecord, SendEvent, StepRecord, Trace
-from traces.history import EventRecord
+from kvfuzz.fuzzer import default_engine
+from kvfuzz.fuzzer.feedback import Coverage, bucket, signature
+from kvfuzz.traces import At, GenPrompt, History, RequestRecord, SendEvent, StepRecord, Trace
+from kvfuzz.traces.history import EventRecord
 
 ENG = default_engine(lora=True)
 

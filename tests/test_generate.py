@@ -1,5 +1,5 @@
-from fuzzer import default_engine, generate, trace_seed
-from traces import CancelEvent, parse_trace
+from kvfuzz.fuzzer import default_engine, generate, trace_seed
+from kvfuzz.traces import CancelEvent, parse_trace
 
 
 def test_same_seed_same_trace():
@@ -29,7 +29,7 @@ def test_trace_seed_is_a_pure_function():
 
 
 def test_v2_keeps_each_seeds_v1_events_and_adds_after_them():
-    from fuzzer.generate import GenOptions
+    from kvfuzz.fuzzer.generate import GenOptions
 
     eng = default_engine(lora=True)
     adapters = sorted(eng.lora.adapters)
@@ -43,7 +43,7 @@ def test_v2_keeps_each_seeds_v1_events_and_adds_after_them():
 def test_retries_and_reported_shapes_are_generated():
     """Retries follow cancels with the same prompt; some traces carry a chunked prompt cancelled
     mid-prefill and then retried or shared, some carry enough KV pressure to preempt."""
-    from fuzzer.shapes import kv_capacity_tokens
+    from kvfuzz.fuzzer.shapes import kv_capacity_tokens
 
     eng = default_engine()
     budget, cap = eng.max_num_batched_tokens, kv_capacity_tokens(eng)

@@ -6,8 +6,8 @@ import json
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from traces import BadInput, load_any
-from traces.io import parse_finding, parse_trace
+from kvfuzz.traces import BadInput, load_any
+from kvfuzz.traces.io import parse_finding, parse_trace
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers(-2**40, 2**40) | st.floats(allow_nan=False) | st.text(max_size=20),

@@ -6,11 +6,10 @@ from collections import defaultdict
 
 import pytest
 
-from harness.toggles.builtin import LORA_CPU_MASK, LORA_NS
-from kvfuzz.commands.minimize import finish_finding
-from oracle.check import classify_run
-from oracle.minimize import Acceptance, Budget, Options, choose_target, minimize_finding
-from traces import At, CancelEvent, GenPrompt, SendEvent, Trace, load_finding, save
+from kvfuzz.harness.toggles.builtin import LORA_CPU_MASK, LORA_NS
+from kvfuzz.traces import At, CancelEvent, GenPrompt, SendEvent, Trace, load_finding, save
+from kvfuzz.triage.finish import finish_finding
+from kvfuzz.triage.minimize import Acceptance, Budget, Options, choose_target, minimize_finding
 
 pytestmark = pytest.mark.engine
 
@@ -37,40 +36,31 @@ def noisy_alias_trace(cfg):
 
 
 class CountingSession:
-    """The shared session, recording the victim's class for every replay the minimizer makes
-    (its probe replays through engine_for; its final verification through check)."""
+    """The shared session as a triage Replayer, recording the victim's class for every replay
+    the minimizer makes (its probe through judge; its final verification through check)."""
 
     def __init__(self, session, victim):
         self.s, self.victim = session, victim
-        self.engine_kind = session.engine_kind
-        self.references = session.references
-        self.thresholds = session.thresholds
         self.replays: dict[str, list[str]] = defaultdict(list)
 
-    def engine_for(self, config):
-        return CountingEngine(self.s.engine_for(config), self)
+    @property
+    def step_exact(self):
+        return self.s.step_exact
+
+    @property
+    def reference_runs(self):
+        return self.s.reference_runs
+
+    def judge(self, trace, *, victim, arm, toggles):
+        cls = self.s.judge(trace, victim=victim, arm=arm, toggles=toggles)
+        self.replays[trace.trace_id()].append(cls)
+        return cls
 
     def check(self, trace, *, runs=None, arms=None):
         c = self.s.check(trace, runs=runs, arms=arms)
         cls = next(v.class_ for v in c.verdicts if v.request_id == self.victim)
         self.replays[trace.trace_id()].extend([cls] * (runs or 1))
         return c
-
-
-class CountingEngine:
-    def __init__(self, engine, owner):
-        self._e, self._o = engine, owner
-
-    def __getattr__(self, name):
-        return getattr(self._e, name)
-
-    def replay(self, trace, **kw):
-        h = self._e.replay(trace, **kw)
-        send = trace.send(self._o.victim)
-        ref = self._o.references.get(self._e, send)
-        th = self._o.thresholds.resolve(trace.engine.dtype)
-        self._o.replays[trace.trace_id()].append(classify_run(send, ref, h.requests.get(send.request_id), h, th).cls)
-        return h
 
 
 def test_fault_toggle_finding_minimizes_to_at_most_3_requests_with_k_of_m(session, lora_engine_config, tmp_path):
@@ -131,7 +121,7 @@ def test_real_cpu_lora_bug_minimizes_to_one_base_and_one_lora_request(session, l
     found = session.check(real_bug_trace(lora_engine_config)).finding
     assert found is not None and found.worst_class() == "corruption"
     # What `kvfuzz run` does with a finding: controls, minimization, original kept and linked.
-    small = finish_finding(session, found, out=tmp_path, device="cpu")
+    small = finish_finding(session, found, out=tmp_path)
     orig = load_finding(tmp_path / small.notes["minimized_from"]["file"])
     assert orig.id == found.id and orig.notes["minimized_to"] == small.id
     for f in (orig, small):

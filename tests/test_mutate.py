@@ -5,9 +5,9 @@ import random
 
 import pytest
 
-from fuzzer import default_engine, generate
-from fuzzer.mutate import OPERATORS, apply, clocks_consistent, kv_capacity_tokens, min_kv_bytes, mutate
-from traces import At, CancelEvent, GenPrompt, SendEvent, Trace, expand, parse_trace
+from kvfuzz.fuzzer import default_engine, generate
+from kvfuzz.fuzzer.mutate import OPERATORS, apply, clocks_consistent, kv_capacity_tokens, min_kv_bytes, mutate
+from kvfuzz.traces import At, CancelEvent, GenPrompt, SendEvent, Trace, expand, parse_trace
 
 LORA = default_engine(lora=True)
 BASE = default_engine()
@@ -217,7 +217,7 @@ def test_every_operator_is_documented_with_its_mechanism():
 
 
 def test_graft_adds_a_time_window_of_the_donor_renamed_and_shifted_together():
-    from fuzzer.mutate import MAX_EVENTS, graft, mutate_into
+    from kvfuzz.fuzzer.mutate import MAX_EVENTS, graft, mutate_into
 
     base, donor = generate(1, LORA), mutate(generate(2, LORA), random.Random(0))
     for seed in range(40):

@@ -2,8 +2,8 @@
 
 import pytest
 
-from oracle import ENGINE, Thresholds, check, compare, wilson
-from traces import At, GenPrompt, History, RequestRecord, SendEvent, Trace
+from kvfuzz.oracle import ENGINE, Thresholds, check, compare, wilson
+from kvfuzz.traces import At, GenPrompt, History, RequestRecord, SendEvent, Trace
 
 
 def rec(rid, tokens, margins=None, **kw):
@@ -97,8 +97,8 @@ def test_wilson():
 
 # -- issue 5: thresholds per dtype, boundaries, end-of-sequence, aggregation ----------------------
 
-from oracle.check import NEAR_TIE_DEFAULTS  # noqa: E402
-from traces import EngineConfig  # noqa: E402
+from kvfuzz.oracle.check import NEAR_TIE_DEFAULTS  # noqa: E402
+from kvfuzz.traces import EngineConfig  # noqa: E402
 
 
 def test_near_tie_default_depends_on_dtype():

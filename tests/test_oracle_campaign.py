@@ -6,8 +6,8 @@ from collections import Counter
 
 import pytest
 
-from fuzzer import GenOptions, generate, trace_seed
-from harness.toggles.builtin import LORA_CPU_MASK
+from kvfuzz.fuzzer import GenOptions, generate, trace_seed
+from kvfuzz.harness.toggles.builtin import LORA_CPU_MASK
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 

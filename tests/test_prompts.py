@@ -1,8 +1,8 @@
 from hypothesis import given
 from hypothesis import strategies as st
 
-from traces import GenPrompt, TokenPrompt, expand
-from traces.prompts import TOKEN_HIGH, TOKEN_LOW
+from kvfuzz.traces import GenPrompt, TokenPrompt, expand
+from kvfuzz.traces.prompts import TOKEN_HIGH, TOKEN_LOW
 
 
 def test_expansion_is_pinned():

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from traces import EngineConfig, LoraSettings, Trace, load_trace
-from traces.errors import BadInput
+from kvfuzz.traces import EngineConfig, LoraSettings, Trace, load_trace
+from kvfuzz.traces.errors import BadInput
 
 GOOD_SEND = {"kind": "send", "request_id": "r0", "at": {"step": 0}, "prompt": {"length": 40, "seed": 1},
              "max_tokens": 4}
@@ -130,8 +130,8 @@ def test_bad_input_in_a_real_subprocess(tmp_path):
 
 
 def test_managed_server_listens_on_loopback_only():
-    from fuzzer import default_engine
-    from harness.server import HOST, server_command
+    from kvfuzz.fuzzer import default_engine
+    from kvfuzz.harness.vllm_args import HOST, server_command
 
     cmd = server_command(default_engine(lora=True), model_path="/m", adapter_paths={"a": "/a"}, port=8123)
     assert HOST == "127.0.0.1"
@@ -140,7 +140,7 @@ def test_managed_server_listens_on_loopback_only():
 
 
 def test_server_env_carries_the_key_not_the_command(tmp_path):
-    from harness.server import server_env
+    from kvfuzz.harness.vllm_args import server_env
 
     env = server_env({"PATH": "/bin", "VLLM_API_KEY": "old"}, api_key="sekrit")
     assert env["VLLM_API_KEY"] == "sekrit"
@@ -148,8 +148,9 @@ def test_server_env_carries_the_key_not_the_command(tmp_path):
 
 
 def test_port_in_use_is_refused_before_vllm_starts(tmp_path, busy_port):
-    from fuzzer import default_engine
-    from harness.server import ServerEngine, ServerOptions, port_free
+    from kvfuzz.fuzzer import default_engine
+    from kvfuzz.harness.process import port_free
+    from kvfuzz.harness.server import ServerEngine, ServerOptions
 
     assert not port_free(busy_port)
     eng = ServerEngine(default_engine(), options=ServerOptions(log_dir=tmp_path, port=busy_port))
@@ -159,7 +160,7 @@ def test_port_in_use_is_refused_before_vllm_starts(tmp_path, busy_port):
 
 
 def test_paths_inside_allowed_directories_load(tmp_path, monkeypatch):
-    from traces.paths import ALLOWED_ENV, allow, check_path
+    from kvfuzz.traces.paths import ALLOWED_ENV, allow, check_path
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv(ALLOWED_ENV, raising=False)
@@ -182,7 +183,7 @@ def test_paths_inside_allowed_directories_load(tmp_path, monkeypatch):
 def test_finding_files_are_plain_json_data(tmp_path):
     """A finding is written as JSON by pydantic and read back by the same models: no pickle,
     nothing executable; a file that smuggles an unknown field is refused."""
-    from traces import save
+    from kvfuzz.traces import save
 
     t = Trace(engine=EngineConfig(lora=LoraSettings(enabled=True, adapters={"a": "embedded:a"})))
     p = tmp_path / "t.json"
@@ -216,7 +217,7 @@ path_text = st.one_of(
                                                                                  "tokenizer_path"]),
                                                                 path_text | st.booleans(), max_size=2))
 def test_path_fields_raise_only_bad_input(model, adapter, extra):
-    from traces.io import parse_finding, parse_trace
+    from kvfuzz.traces.io import parse_finding, parse_trace
 
     data = trace_with(engine={"model": model, "lora": {"enabled": True, "adapters": {"a": adapter}},
                               "extra_args": extra}, events=[{**GOOD_SEND, "adapter": "a"}])

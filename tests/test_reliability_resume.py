@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from traces import load_finding
+from kvfuzz.traces import load_finding
 
 pytestmark = pytest.mark.engine
 
@@ -45,7 +45,7 @@ def _by_index(out):
 
 
 def load_trace_dict(d):
-    from traces import parse_trace
+    from kvfuzz.traces import parse_trace
 
     return parse_trace(d).trace_id()
 
@@ -81,8 +81,8 @@ def test_sigkill_then_resume_loses_nothing_and_keeps_the_sequence(tmp_path, sess
     assert sorted(state["finding_files"]) == sorted(f"findings/{n}" for n in after)
 
     # The same campaign, uninterrupted, on the session's engine: same traces at every index.
-    from fuzzer import CampaignOptions, GenOptions, default_engine, run_campaign
     from kvfuzz.arms import build_arms
+    from kvfuzz.fuzzer import CampaignOptions, GenOptions, default_engine, run_campaign
     from kvfuzz.recovery import Recovering
 
     ref_out = tmp_path / "uninterrupted"
@@ -93,7 +93,7 @@ def test_sigkill_then_resume_loses_nothing_and_keeps_the_sequence(tmp_path, sess
     gen = GenOptions(min_requests=2, max_requests=3, adapters=sorted(engine.lora.adapters))
     run_campaign(CampaignOptions(seed=SEED, budget_s=None, max_traces=TRACES, runs=1, out=ref_out, engine=engine,
                                  gen=gen),
-                 lambda t: guard.check(t, runs=1, arms=arms, attribute=False),
+                 lambda t: guard.check(t, runs=1, arms=arms),
                  lambda o, s: seq.__setitem__(o.index, o.trace.trace_id()))
     assert sorted(seq) == list(range(TRACES))
     resumed = _by_index(out)
@@ -106,9 +106,9 @@ def test_sigkill_then_resume_loses_nothing_and_keeps_the_sequence(tmp_path, sess
 def test_in_process_trace_deadline_ends_a_run_as_a_hang(session):
     """The wall-clock deadline per run: past it, the run ends as a crashed history naming the
     hang, the engine's requests are aborted, and the next run on the same engine is clean."""
-    from fuzzer import default_engine
-    from oracle import check
-    from traces import At, GenPrompt, SendEvent, Trace
+    from kvfuzz.fuzzer import default_engine
+    from kvfuzz.oracle import check
+    from kvfuzz.traces import At, GenPrompt, SendEvent, Trace
 
     engine = session.engine_for(default_engine(lora=True))
     t = Trace(engine=engine.config, events=[

@@ -18,11 +18,12 @@ from pathlib import Path
 
 import pytest
 
-from fuzzer import CampaignOptions, GenOptions, default_engine, run_campaign
-from harness.server import ServerEngine, ServerOptions, _group_alive
+from kvfuzz.fuzzer import CampaignOptions, GenOptions, default_engine, run_campaign
+from kvfuzz.harness.process import _group_alive
+from kvfuzz.harness.server import ServerEngine, ServerOptions
 from kvfuzz.recovery import Recovering
 from kvfuzz.session import Session
-from traces import load_finding
+from kvfuzz.traces import load_finding
 
 pytestmark = pytest.mark.server
 

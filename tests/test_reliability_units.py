@@ -11,12 +11,13 @@ import time
 
 import pytest
 
-from fuzzer import default_engine
-from fuzzer.campaign import thin_log
-from harness.runner import ReferenceStore
+from kvfuzz.fuzzer import default_engine
+from kvfuzz.fuzzer.campaign import thin_log
+from kvfuzz.harness.runner import ReferenceStore
 from kvfuzz.recovery import Recovering, crash_finding, redact
-from traces import At, Environment, GenPrompt, History, RequestRecord, SendEvent, Trace, atomic_write_text
-from traces.errors import BadInput, InfraError
+from kvfuzz.traces import At, Environment, GenPrompt, History, RequestRecord, SendEvent, Trace, atomic_write_text
+from kvfuzz.traces.errors import BadInput, EngineDied, EngineHang, InfraError
+from kvfuzz.traces.result import Checked, Recording
 
 
 def _trace(n=1):
@@ -46,17 +47,19 @@ class FakeEngine:
 
     def recover(self):
         self.recovered += 1
+        return True
 
     def close(self):
         self.closed += 1
 
 
 class FakeSession:
-    api_key = "SECRETKEY"
-
     def __init__(self, fail):
         self.engine = FakeEngine()
         self.fail = list(fail)
+
+    def secrets(self):
+        return ["SECRETKEY"]
 
     def engine_for(self, config):
         return self.engine
@@ -65,14 +68,15 @@ class FakeSession:
         if self.fail.pop(0):
             h = History(trace_id=trace.trace_id(), engine="server", arm="vanilla",
                         requests={"r0": RequestRecord(request_id="r0", prompt_len=8, max_tokens=2)})
-            raise InfraError("vLLM server (pid 1) died during run 1: killed by SIGKILL", history=h)
-        return None
+            raise EngineDied("vLLM server (pid 1) died during run 1: killed by SIGKILL", history=h)
+        env = Environment(kvfuzz_version="test", engine="server")
+        return Checked(Recording(trace=trace, histories=[], references={}, environment=env), [], None)
 
 
 def test_a_crash_becomes_a_finding_and_the_engine_recovers():
     s = FakeSession([True, False, True])
     guard = Recovering(s)
-    f = guard.check(_trace(), arms={"vanilla": []})
+    f = guard.check(_trace(), arms={"vanilla": []}).finding
     assert f.worst_class() == "engine-crash" and f.divergences[0].request_id == "<engine>"
     assert f.runs[0].crashed and f.runs[0].requests["r0"].prompt_len == 8
     note = f.notes["engine_crash"]
@@ -80,7 +84,7 @@ def test_a_crash_becomes_a_finding_and_the_engine_recovers():
     assert note["log_tail"][-1] == "ERROR worker died, key=<redacted>"  # the API key never lands in a finding
     assert "SECRETKEY" not in f.model_dump_json()
     assert s.engine.recovered == 1
-    assert guard.check(_trace()) is None
+    assert guard.check(_trace()).finding is None
     guard.check(_trace(2))
     assert guard.crashes == 2 and guard.restarts == 2
 
@@ -94,7 +98,7 @@ def test_consecutive_crashes_stop_the_campaign():
 
 
 def test_a_hang_is_named_in_the_finding():
-    e = InfraError("vLLM server (pid 1) hang: stopped answering /health during run 1", hang=True)
+    e = EngineHang("vLLM server (pid 1) hang: stopped answering /health during run 1")
     f = crash_finding(_trace(), FakeEngine(), e, arms={"vanilla": []})
     assert f.notes["engine_crash"]["kind"] == "hang" and "hang" in f.divergences[0].detail
     assert redact(["a SECRET b"], ["SECRET"]) == ["a <redacted> b"]
@@ -112,6 +116,7 @@ def test_bad_input_is_not_swallowed_as_a_crash():
 def test_reference_memo_is_bounded_lru():
     class E:
         config = default_engine()
+        reference_toggles: list[str] = []
         calls = 0
 
         def run_alone(self, send):
@@ -164,7 +169,7 @@ def test_atomic_write_keeps_the_old_file_on_failure_and_fsyncs_the_directory(tmp
 def test_corpus_and_campaign_state_use_the_atomic_writer():
     import inspect
 
-    from fuzzer import campaign, corpus
+    from kvfuzz.fuzzer import campaign, corpus
 
     src = inspect.getsource(corpus) + inspect.getsource(campaign)
     assert "write_text(" not in src.replace("atomic_write_text(", "")
@@ -174,7 +179,8 @@ def test_corpus_and_campaign_state_use_the_atomic_writer():
 def test_http_request_deadline_against_a_silent_server():
     """The kernel accepts the connection, nobody answers: the request ends as a hang after the
     per-request deadline, and the trace does not wait forever."""
-    from harness import http_client as hc
+    from kvfuzz.harness.http import replay as http_replay
+    from kvfuzz.harness.http import wire
 
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))
@@ -200,9 +206,9 @@ def test_http_request_deadline_against_a_silent_server():
     th = threading.Thread(target=accept, daemon=True)
     th.start()
     try:
-        target = hc.HttpTarget(f"http://127.0.0.1:{srv.getsockname()[1]}", "m")
+        target = wire.HttpTarget(f"http://127.0.0.1:{srv.getsockname()[1]}", "m")
         t0 = time.monotonic()
-        hist, errors = hc.replay_trace(target, _trace(2), timeout_s=1.0, lead_ms=10)
+        hist, errors = http_replay.replay_trace(target, _trace(2), timeout_s=1.0, lead_ms=10)
         took = time.monotonic() - t0
     finally:
         stop.set()

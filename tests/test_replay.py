@@ -4,14 +4,12 @@ trace in one call; per-request verdicts side by side with what the finding expec
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
-from fuzzer import default_engine
-from harness.toggles.builtin import LORA_NS
-from traces import At, Divergence, Environment, Finding, GenPrompt, SendEvent, Trace, save
+from kvfuzz.fuzzer import default_engine
+from kvfuzz.harness.toggles.builtin import LORA_NS
+from kvfuzz.traces import At, Divergence, Environment, Finding, GenPrompt, SendEvent, Trace, save
 
 pytestmark = pytest.mark.engine
 
@@ -32,7 +30,7 @@ def _alias_finding() -> Finding:
     return f
 
 
-def test_replay_finding_and_trace_in_process(tmp_path):
+def test_replay_finding_and_trace_in_process(tmp_path, kvfuzz_cli):
     finding = tmp_path / "finding.json"
     save(_alias_finding(), finding)
     trace = tmp_path / "clean.json"
@@ -40,8 +38,7 @@ def test_replay_finding_and_trace_in_process(tmp_path):
         SendEvent(request_id=f"q{i}", at=At(step=i), max_tokens=6, prompt=GenPrompt(length=60, seed=i))
         for i in range(3)]), trace)
     out = tmp_path / "out"
-    p = subprocess.run([sys.executable, "-m", "kvfuzz", "replay", str(finding), str(trace), "--runs", "2",
-                        "--out", str(out)], capture_output=True, text=True, timeout=900)
+    p = kvfuzz_cli("replay", finding, trace, "--runs", "2", "--out", out)
     assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-3000:]  # the finding reproduced
     text = " ".join(p.stdout.split())
     assert "expected (file)" in text and "expected 1 diverged, reproduced 1" in text

@@ -15,8 +15,8 @@ import time
 
 import pytest
 
-from fuzzer import default_engine
-from traces import At, CancelEvent, GenPrompt, SendEvent, Trace, save
+from kvfuzz.fuzzer import default_engine
+from kvfuzz.traces import At, CancelEvent, GenPrompt, SendEvent, Trace, save
 
 pytestmark = pytest.mark.server
 

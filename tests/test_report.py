@@ -1,17 +1,16 @@
 """`kvfuzz report`: the markdown and terminal views of a finding (built from constructed
 histories through the real oracle; no engine)."""
 
-import subprocess
-import sys
 
 import pytest
 from rich.console import Console
 
-from harness.toggles.builtin import LORA_NS
-from oracle import check, make_finding
-from oracle.controls import SERIALIZED, control_result
-from oracle.report import build, markdown, to_rich
-from traces import (
+from kvfuzz.harness.toggles import catalog
+from kvfuzz.harness.toggles.builtin import LORA_NS
+from kvfuzz.oracle import check, make_finding
+from kvfuzz.oracle.controls import SERIALIZED, control_result
+from kvfuzz.oracle.report import build, markdown, to_rich
+from kvfuzz.traces import (
     At,
     CancelEvent,
     ControlResult,
@@ -26,7 +25,7 @@ from traces import (
     load_finding,
     save,
 )
-from traces.trace import EngineConfig
+from kvfuzz.traces.trace import EngineConfig
 
 
 def _rec(rid, tokens, *, adapter=None, **kw):
@@ -73,7 +72,7 @@ def finding():
 
 def test_markdown_report_has_every_section():
     f = finding()
-    md = markdown(f, source="findings/x.json")
+    md = markdown(f, source="findings/x.json", toggles_known=catalog())
     assert md.startswith(f"# kvfuzz finding {f.id}: corruption in B")
     for section in ["## Summary", "## Environment", "## Trace (minimized)", "## Verdicts",
                     "### First divergence of B (token #3, run 0 of arm fault)", "## Control arms",
@@ -141,28 +140,24 @@ def test_terminal_report_shows_the_same_content():
         assert piece in text, piece
 
 
-def _kvfuzz(*args):
-    return subprocess.run([sys.executable, "-m", "kvfuzz", *args], capture_output=True, text=True, timeout=120)
-
-
-def test_report_cli(tmp_path):
+def test_report_cli(tmp_path, kvfuzz_cli):
     path = tmp_path / "finding.json"
     save(finding(), path)
-    p = _kvfuzz("report", str(path), "--markdown")
+    p = kvfuzz_cli("report", path, "--markdown")
     assert p.returncode == 0, p.stderr
-    assert p.stdout == markdown(load_finding(path), source=str(path))
+    assert p.stdout == markdown(load_finding(path), source=str(path), toggles_known=catalog())
     out = tmp_path / "r.md"
-    p = _kvfuzz("report", str(path), "-o", str(out))
+    p = kvfuzz_cli("report", path, "-o", str(out))
     assert p.returncode == 0 and out.read_text().startswith("# kvfuzz finding")
-    p = _kvfuzz("report", str(path))
+    p = kvfuzz_cli("report", path)
     assert p.returncode == 0 and "Control arms" in p.stdout and "First divergence of B" in p.stdout
 
 
 @pytest.mark.parametrize("content,msg", [(None, "no such file"), ('{"kind": "finding"}', "trace")])
-def test_report_cli_bad_input(tmp_path, content, msg):
+def test_report_cli_bad_input(tmp_path, content, msg, kvfuzz_cli):
     path = tmp_path / "bad.json"
     if content is not None:
         path.write_text(content)
-    p = _kvfuzz("report", str(path))
+    p = kvfuzz_cli("report", path)
     assert p.returncode == 2 and "Traceback" not in p.stderr
     assert len(p.stderr.strip().splitlines()) == 1 and str(path) in p.stderr and msg in p.stderr

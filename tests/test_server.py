@@ -15,14 +15,15 @@ from pathlib import Path
 
 import pytest
 
-from fuzzer import GenOptions, default_engine
-from harness import http_client as hc
-from harness import metrics as prom
-from harness.server import ServerEngine, ServerOptions
-from harness.toggles.builtin import LORA_CPU_MASK
+from kvfuzz.fuzzer import GenOptions, default_engine
+from kvfuzz.harness import metrics as prom
+from kvfuzz.harness.http import control
+from kvfuzz.harness.http import replay as http_replay
+from kvfuzz.harness.server import ServerEngine, ServerOptions
+from kvfuzz.harness.toggles.builtin import LORA_CPU_MASK
+from kvfuzz.oracle import check
 from kvfuzz.session import Session
-from oracle import check
-from traces import At, CancelEvent, GenPrompt, SendEvent, Trace, save
+from kvfuzz.traces import At, CancelEvent, GenPrompt, SendEvent, Trace, save
 
 pytestmark = pytest.mark.server
 
@@ -88,7 +89,7 @@ def test_three_concurrent_streams_and_mid_stream_cancels(server):
     # Closing the stream really aborted s2 in the engine: otherwise it would run for 7000+ more
     # steps (>= 15 s here). (Neither request_success_total{abort} nor generation_tokens_total
     # tell: vLLM 0.32 counts disconnects in neither reliably — see docs/server.md.)
-    assert hc.wait_idle(server.target, timeout_s=5), "the cancelled 8000-token request kept running"
+    assert control.wait_idle(server.target, timeout_s=5), "the cancelled 8000-token request kept running"
     # The oracle reads these histories like in-process ones.
     # (s2's reference needs only one token more than it got: 8000 would take a minute.)
     refs = {s.request_id: server.run_alone(s, max_tokens=len(s2.token_ids) + 1 if s.request_id == "s2" else None)
@@ -117,14 +118,14 @@ def test_references_do_not_reuse_the_runs_prefix_cache(server):
     assert after["vllm:prefix_cache_hits_total"] == before["vllm:prefix_cache_hits_total"], \
         "the reference hit blocks cached by the run"
     # Control: without the reset, the same prompt does hit the cache (the test can see hits).
-    h, _ = hc.replay_trace(server.target, t)
+    h, _ = http_replay.replay_trace(server.target, t)
     assert prom.delta(h.metrics_before, h.metrics_after, "vllm:prefix_cache_hits_total") >= 224
     assert server.reference_note and "reset_prefix_cache" in server.reference_note
 
 
 def test_campaign_through_the_managed_server(session, tmp_path):
     """What `kvfuzz run --engine server` does: generated traces checked through the server."""
-    from fuzzer import CampaignOptions, run_campaign
+    from kvfuzz.fuzzer import CampaignOptions, run_campaign
 
     opts = CampaignOptions(seed=5, budget_s=None, max_traces=2, runs=2, out=tmp_path,
                            engine=session.engine.config, gen=GenOptions(adapters=[], max_requests=6))
@@ -169,7 +170,7 @@ def test_base_url_without_key_or_server_is_exit_3(server, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "KVFUZZ_API_KEY"}
     p = _kvfuzz("replay", str(trace), "--base-url", server.target.base_url, "--out", str(tmp_path / "o"), env=env)
     assert p.returncode == 3 and "API key" in p.stderr and "Traceback" not in p.stderr
-    from harness.server import free_port
+    from kvfuzz.harness.process import free_port
 
     p = _kvfuzz("replay", str(trace), "--base-url", f"http://127.0.0.1:{free_port()}", "--out", str(tmp_path / "o"),
                 env=env)

@@ -14,11 +14,13 @@ import time
 
 import pytest
 
-from harness import http_client as hc
-from harness import metrics as prom
-from harness.server import ManagedServer, args_to_flags, free_port, server_command, server_env
-from traces import At, EngineConfig, GenPrompt, LoraSettings, SendEvent, TokenPrompt, expand
-from traces.errors import InfraError
+from kvfuzz.harness import metrics as prom
+from kvfuzz.harness.http import replay as http_replay
+from kvfuzz.harness.http import wire
+from kvfuzz.harness.process import ManagedServer, free_port
+from kvfuzz.harness.vllm_args import args_to_flags, server_command, server_env
+from kvfuzz.traces import At, EngineConfig, GenPrompt, LoraSettings, SendEvent, TokenPrompt, expand
+from kvfuzz.traces.errors import InfraError
 
 LAUNCHER = ("python", "-m", "vllm.entrypoints.openai.api_server")
 
@@ -161,7 +163,7 @@ def test_server_start_timeout_kills_it(tmp_path):
 
 
 def test_describe_exit_signal_names():
-    from harness.server import describe_exit
+    from kvfuzz.harness.process import describe_exit
 
     assert describe_exit(-signal.SIGKILL) == "killed by SIGKILL"
     assert describe_exit(1) == "exit code 1"
@@ -198,13 +200,13 @@ def test_metrics_summary_and_delta():
 def test_completion_payload_and_request_bytes():
     send = SendEvent(request_id="r", at=At(offset_ms=5), prompt=GenPrompt(length=40, seed=3), adapter="a",
                      max_tokens=7, stream=True)
-    body = hc.completion_payload(send, "a", stream=True, cache_salt="kvfuzz-run-x")
+    body = wire.completion_payload(send, "a", stream=True, cache_salt="kvfuzz-run-x")
     assert body["prompt"] == expand(send.prompt) and body["model"] == "a" and body["max_tokens"] == 7
     assert body["temperature"] == 0.0 and body["logprobs"] == 2 and body["return_tokens_as_token_ids"] is True
     assert body["ignore_eos"] is True and body["stream"] is True and body["cache_salt"] == "kvfuzz-run-x"
-    target = hc.HttpTarget("http://10.0.0.1:8000/prefix/", "m", api_key="s3cret")
-    wire = target.raw_request("/v1/completions", b'{"a":1}', {"X-Request-Id": "q"})
-    head, _, payload = wire.partition(b"\r\n\r\n")
+    target = wire.HttpTarget("http://10.0.0.1:8000/prefix/", "m", api_key="s3cret")
+    raw = target.raw_request("/v1/completions", b'{"a":1}', {"X-Request-Id": "q"})
+    head, _, payload = raw.partition(b"\r\n\r\n")
     assert head.startswith(b"POST /prefix/v1/completions HTTP/1.1\r\n")
     assert b"Host: 10.0.0.1:8000" in head and b"Connection: close" in head
     assert b"Authorization: Bearer s3cret" in head and b"Content-Length: 7" in head and payload == b'{"a":1}'
@@ -216,32 +218,32 @@ def test_parse_choice_tokens_and_top2():
         "tokens": ["token_id:176", "token_id:28"],
         "top_logprobs": [{"token_id:265": -2.9, "token_id:176": -1.29},
                          {"token_id:28": -2.01, "token_id:354": -2.33, "token_id:7": -5.0}]}}
-    tokens, tops, finish = hc.parse_choice(choice)
+    tokens, tops, finish = wire.parse_choice(choice)
     assert tokens == [176, 28] and finish == "length"
     assert tops == [[(176, -1.29), (265, -2.9)], [(28, -2.01), (354, -2.33)]]
     with pytest.raises(ValueError, match="token_id"):
-        hc.parse_choice({"text": "a", "logprobs": {"tokens": ["hello"]}})
+        wire.parse_choice({"text": "a", "logprobs": {"tokens": ["hello"]}})
     with pytest.raises(ValueError, match="without token ids"):
-        hc.parse_choice({"text": "a", "logprobs": None})
-    assert hc.error_text(400, b'{"error": {"message": "max_tokens too large", "code": 400}}') == \
+        wire.parse_choice({"text": "a", "logprobs": None})
+    assert wire.error_text(400, b'{"error": {"message": "max_tokens too large", "code": 400}}') == \
         "HTTP 400: max_tokens too large"
 
 
 def test_relative_cancel_floor():
-    assert hc.relative_floor_ms(At(after_tokens=2), 10.0) is None
-    assert hc.relative_floor_ms(At(after_tokens=2, step=3), 10.0) == 30.0
-    assert hc.relative_floor_ms(At(after_tokens=2, offset_ms=7.5), 10.0) == 7.5
+    assert http_replay.relative_floor_ms(At(after_tokens=2), 10.0) is None
+    assert http_replay.relative_floor_ms(At(after_tokens=2, step=3), 10.0) == 30.0
+    assert http_replay.relative_floor_ms(At(after_tokens=2, offset_ms=7.5), 10.0) == 7.5
 
 
 def test_replay_against_nothing_reports_transport_errors():
     """No server on the port: every request fails with a connection error, none hangs."""
     port = free_port()
-    from traces import Trace
+    from kvfuzz.traces import Trace
 
     t = Trace(engine=EngineConfig(), events=[
         SendEvent(request_id="a", at=At(offset_ms=0), prompt=TokenPrompt(token_ids=[20, 21]), max_tokens=2),
         SendEvent(request_id="b", at=At(offset_ms=600), prompt=TokenPrompt(token_ids=[20, 21]), max_tokens=2)])
-    h, errors = hc.replay_trace(hc.HttpTarget(f"http://127.0.0.1:{port}", "m"), t, timeout_s=10)
+    h, errors = http_replay.replay_trace(wire.HttpTarget(f"http://127.0.0.1:{port}", "m"), t, timeout_s=10)
     assert len(errors) == 2 and all("connection failed" in (r.error or "") for r in h.requests.values())
     assert h.metrics_before == {} and not h.crashed
     # Root may always raise itself; elsewhere either policy is possible, but one is recorded.
@@ -262,7 +264,7 @@ class _FakeServer:
 def test_server_pool_keeps_one_server_per_toggle_set(monkeypatch):
     """Pure pool logic (no vLLM): switching arms reuses live servers, evicts the least
     recently used one beyond max_servers, and close() stops every server."""
-    from harness.server import ServerEngine, ServerOptions
+    from kvfuzz.harness.server import ServerEngine, ServerOptions
 
     eng = ServerEngine(EngineConfig(), options=ServerOptions(max_servers=2))
     started = []
@@ -270,7 +272,7 @@ def test_server_pool_keeps_one_server_per_toggle_set(monkeypatch):
     def start_one():
         srv = _FakeServer(len(started))
         started.append((srv, list(eng.toggles)))
-        eng.server, eng.target = srv, hc.HttpTarget(f"http://127.0.0.1:{9000 + srv.n}", "m")
+        eng.server, eng.target = srv, wire.HttpTarget(f"http://127.0.0.1:{9000 + srv.n}", "m")
 
     monkeypatch.setattr(eng, "_start_one", start_one)
     eng.start()
@@ -296,8 +298,8 @@ def test_run_rejects_unknown_engine_kind():
 
 
 def test_redact_url_drops_credentials():
-    assert hc.redact_url("http://u:pw@host:8000/v1") == "http://host:8000/v1"
-    assert hc.redact_url("https://host/x") == "https://host/x"
+    assert wire.redact_url("http://u:pw@host:8000/v1") == "http://host:8000/v1"
+    assert wire.redact_url("https://host/x") == "https://host/x"
 
 
 def test_managed_server_runs_niced_and_its_children_inherit(tmp_path):
@@ -317,7 +319,7 @@ def test_managed_server_runs_niced_and_its_children_inherit(tmp_path):
 
 
 def test_server_nice_defaults_by_device():
-    from harness.server import SERVER_NICE, ServerOptions
+    from kvfuzz.harness.server import SERVER_NICE, ServerOptions
 
     assert ServerOptions().server_nice() == SERVER_NICE > 0
     assert ServerOptions(device="cuda").server_nice() == 0
@@ -327,7 +329,7 @@ def test_server_nice_defaults_by_device():
 def test_send_priority_restores_policy_and_gc(monkeypatch):
     import gc
 
-    from harness import priority
+    from kvfuzz.harness import priority
 
     before = os.sched_getscheduler(0)
     with priority.send_priority() as got:
@@ -345,7 +347,7 @@ def test_send_priority_restores_policy_and_gc(monkeypatch):
 def test_send_priority_restores_after_an_exception():
     import gc
 
-    from harness import priority
+    from kvfuzz.harness import priority
 
     before = os.sched_getscheduler(0)
     with pytest.raises(RuntimeError):

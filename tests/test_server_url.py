@@ -10,8 +10,8 @@ import threading
 
 import pytest
 
-from harness.url import UrlEngine
-from traces import At, EngineConfig, GenPrompt, SendEvent, Trace
+from kvfuzz.harness.url import UrlEngine
+from kvfuzz.traces import At, EngineConfig, GenPrompt, SendEvent, Trace
 
 
 class Fake:

@@ -3,7 +3,7 @@
 import json
 import random
 
-from fuzzer.sources import SOURCES, SourceBandit
+from kvfuzz.fuzzer.sources import SOURCES, SourceBandit
 
 
 def _run(bandit: SourceBandit, yields: dict[str, int], n: int, rng: random.Random) -> list[str]:

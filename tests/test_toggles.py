@@ -8,8 +8,8 @@ import dataclasses
 
 import pytest
 
-from harness import toggles as reg
-from harness.toggles.builtin import (
+from kvfuzz.harness import toggles as reg
+from kvfuzz.harness.toggles.builtin import (
     CANCEL_FREES_SHARED,
     EARLY_HIT,
     LORA_CPU_MASK,
@@ -19,7 +19,7 @@ from harness.toggles.builtin import (
     STALE_TAIL,
     ZERO_RECYCLED,
 )
-from traces import At, CancelEvent, EngineConfig, GenPrompt, SendEvent, Trace
+from kvfuzz.traces import At, CancelEvent, EngineConfig, GenPrompt, SendEvent, Trace
 
 ALL = [CANCEL_FREES_SHARED, EARLY_HIT, LORA_CPU_MASK, LORA_NS, PREEMPT_STALE, SAME_STEP_GUARD, STALE_TAIL,
        ZERO_RECYCLED]
@@ -33,6 +33,7 @@ def send(rid, step, length, *, group=None, plen=0, seed=0, mt=16, adapter=None):
 # -- registry (no engine) ----------------------------------------------------------------------
 
 
+@pytest.mark.engine  # reads or patches the installed vLLM
 def test_registry_has_every_named_toggle_with_metadata():
     assert set(ALL) <= set(reg.names())
     for t, problem in reg.status():
@@ -64,6 +65,7 @@ def copies():
         reg.REGISTRY.pop(n, None)
 
 
+@pytest.mark.engine  # reads or patches the installed vLLM
 def test_self_check_refuses_changed_signature(monkeypatch, copies):
     from vllm.v1.core.kv_cache_manager import KVCacheManager
 
@@ -76,6 +78,7 @@ def test_self_check_refuses_changed_signature(monkeypatch, copies):
     assert not reg.get(name).installed
 
 
+@pytest.mark.engine  # reads or patches the installed vLLM
 def test_self_check_refuses_changed_source(monkeypatch, copies):
     from vllm.v1.worker.block_table import BlockTable
 
@@ -92,14 +95,15 @@ def test_self_check_refuses_changed_source(monkeypatch, copies):
 
 
 def test_unknown_toggle_is_bad_input():
-    from traces.errors import BadInput
+    from kvfuzz.traces.errors import BadInput
 
     with pytest.raises(BadInput, match="unknown toggle 'nope'"):
         reg.install(["nope"])
 
 
+@pytest.mark.engine  # reads or patches the installed vLLM
 def test_plugin_is_inert_without_env_and_applies_named_toggles(monkeypatch):
-    from harness.toggles import plugin
+    from kvfuzz.harness.toggles import plugin
 
     monkeypatch.delenv(reg.ENV_VAR, raising=False)
     before = reg.active()
@@ -114,8 +118,9 @@ def test_plugin_is_inert_without_env_and_applies_named_toggles(monkeypatch):
         reg.registry.set_active([])
 
 
+@pytest.mark.engine  # reads or patches the installed vLLM
 def test_activate_is_scoped_and_resets_fault_state():
-    from harness.toggles import cancel
+    from kvfuzz.harness.toggles import cancel
 
     cancel._lost[(1, "x", 2)] = 1
     with reg.activate([CANCEL_FREES_SHARED]):
@@ -190,7 +195,7 @@ def test_output_changing_toggle(session, lora_engine_config, toggle, make, victi
 def test_lora_slots_do_not_leak_between_runs(session, lora_engine_config):
     """The clean slate zeroes adapter slots: with only adapter a loaded, the CPU LoRA bug's
     'last slot' is empty whatever an earlier run loaded there, so vanilla is correct here."""
-    from traces.history import step_view
+    from kvfuzz.traces.history import step_view
 
     only_a = Trace(engine=lora_engine_config, events=[send("la", 0, 40, seed=1, mt=8, adapter="a"),
                                                        send("base", 0, 40, seed=2, mt=8)])
@@ -205,8 +210,8 @@ def test_lora_slots_do_not_leak_between_runs(session, lora_engine_config):
 @pytest.mark.engine
 def test_installed_toggles_are_inert_when_off(session, lora_engine_config):
     """Installing every patch and activating none changes nothing: same schedule, same tokens."""
-    from fuzzer import GenOptions, generate
-    from traces.history import step_view
+    from kvfuzz.fuzzer import GenOptions, generate
+    from kvfuzz.traces.history import step_view
 
     t = generate(5, lora_engine_config, GenOptions(adapters=["a", "b"], p_cancel=0.5))
     eng = session.engine_for(t.engine)
@@ -319,7 +324,8 @@ def test_bench_finds_a_fault_and_reports_the_control(session, lora_engine_config
     """The detection benchmark end to end on the shared engine (same config: no restart)."""
     import json
 
-    from kvfuzz.commands.bench import markdown, run_bench
+    from kvfuzz.bench import run_bench
+    from kvfuzz.cli.commands.bench import markdown
 
     # The trace cap bounds the test; the time budget is generous because the machine may be loaded.
     report = run_bench(toggles=[LORA_NS, STALE_TAIL], seeds=[0], budget=3600, max_traces=8, control_budget=0.1,
@@ -361,7 +367,7 @@ def test_preempt_resume_stale_blocks_fault(session):
 def test_allocator_faults_keep_the_allocator_books_balanced(session):
     """The faults corrupt KV, not the allocator's bookkeeping: with all three on, random traces
     full of cancels, shared prefixes and preemption neither crash vLLM nor leak a block."""
-    from fuzzer import GenOptions, generate
+    from kvfuzz.fuzzer import GenOptions, generate
 
     eng = session.engine_for(SMALL)
     pool = eng._core().scheduler.kv_cache_manager.block_pool

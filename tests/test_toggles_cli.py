@@ -1,20 +1,14 @@
-"""`kvfuzz toggles`, `kvfuzz bench` and the arm options as a user runs them (subprocesses)."""
+"""`kvfuzz toggles`, `kvfuzz bench` and the arm options as a user runs them (the CLI entry
+point in-process). A campaign's attribution on vanilla is checked in test_cli.py."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
-from traces import load_finding
 
-
-def kvfuzz(*args, timeout=900):
-    return subprocess.run([sys.executable, "-m", "kvfuzz", *args], capture_output=True, text=True, timeout=timeout)
-
-
-def test_toggles_command_lists_every_toggle_with_status():
-    p = kvfuzz("toggles", "--json")
+@pytest.mark.engine  # the self-checks read the installed vLLM's source
+def test_toggles_command_lists_every_toggle_with_status(kvfuzz_cli):
+    p = kvfuzz_cli("toggles", "--json")
     assert p.returncode == 0, p.stderr
     data = json.loads(p.stdout)
     rows = {r["name"]: r for r in data["toggles"]}
@@ -24,7 +18,7 @@ def test_toggles_command_lists_every_toggle_with_status():
     assert rows["fault-cancel-frees-shared-blocks"]["changes_outputs_here"] is True
     for key in ("kind", "models", "process", "target", "backends", "versions", "description"):
         assert all(r[key] for r in rows.values()), key
-    table = kvfuzz("toggles")
+    table = kvfuzz_cli("toggles")
     assert table.returncode == 0 and "fault-prefix-hit-before-write" in table.stdout
 
 
@@ -35,23 +29,8 @@ def test_toggles_command_lists_every_toggle_with_status():
     (["bench", "--lora", "maybe"], "--lora"),
     (["bench", "--toggles", "fault-nope"], "unknown toggle"),
 ])
-def test_bad_arm_and_bench_options_exit_2(args, text):
-    p = kvfuzz(*args)
+def test_bad_arm_and_bench_options_exit_2(args, text, kvfuzz_cli):
+    p = kvfuzz_cli(*args)
     assert p.returncode == 2, (p.stdout, p.stderr)
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and text in lines[0] and "Traceback" not in p.stderr
-
-
-@pytest.mark.engine
-def test_run_attributes_divergences_on_vanilla(tmp_path):
-    out = tmp_path / "out"
-    p = kvfuzz("run", "--traces", "3", "--lora", "--seed", "1", "--runs", "1", "--out", str(out))
-    assert p.returncode == 0, p.stderr[-2000:]
-    assert "arms: vanilla = [no toggles]" in p.stdout
-    files = sorted((out / "findings").glob("*.json"))
-    assert files, p.stdout
-    for path in files:
-        f = load_finding(path)
-        assert f.arms["vanilla"] == [] and f.arms["clean"] == ["fix-lora-cpu-no-lora-tokens"]
-        assert {d.explained_by for d in f.divergences} == {"fix-lora-cpu-no-lora-tokens"}
-    assert "fix-lora-cpu-no-lora-tokens" in p.stdout and "UNEXPLAINED" not in p.stdout

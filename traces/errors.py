@@ -1,6 +1,15 @@
-"""Errors with an exit code. The CLI prints ``str(err)`` as one line and exits with ``code``."""
+"""Errors with an exit code. The CLI prints ``str(err)`` as one line and exits with ``code``.
+
+The kind of an infrastructure failure is its class, never words in its message: a campaign
+treats a hang (``EngineHang``) differently from a death (``EngineDied``) and from a server it
+cannot reach at all (``Unreachable``)."""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .history import History
 
 
 def one_line(text: str) -> str:
@@ -29,11 +38,22 @@ class InfraError(KvfuzzError):
     """The engine or server could not start, died, hung, or the URL does not answer. Exit 3.
 
     ``history`` is the run that was under way when it happened, if any (a campaign records it
-    in an engine-crash finding); ``hang`` says the engine stopped answering rather than died."""
+    in an engine-crash finding)."""
 
     code = 3
 
-    def __init__(self, message: str, *, history: object = None, hang: bool = False):
+    def __init__(self, message: str, *, history: History | None = None):
         super().__init__(message)
         self.history = history
-        self.hang = hang
+
+
+class EngineDied(InfraError):
+    """The engine or server process exited (or a step raised) while running a trace."""
+
+
+class EngineHang(InfraError):
+    """The engine or server stopped answering (a step past its deadline, /health silent)."""
+
+
+class Unreachable(InfraError):
+    """A server kvfuzz does not manage does not answer (bad URL, refused connection)."""

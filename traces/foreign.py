@@ -1,7 +1,8 @@
 """Finding files of the fuzzer behind vLLM issues #39146, #38606 and #39589 ("foreign" findings).
 
-That format is known only from what a third-party replayer reads (see
-/work/research/vllm-reports.md §0): a JSON object with ``trace.events[]`` of
+That format is known only from the files attached to those issues and from what a
+third-party replayer of them reads (tests/data/foreign_finding_00030.json is one such file): a
+JSON object with ``trace.events[]`` of
 ``{action: "send"|"cancel", request_id, offset_ms, prompt_len, prefix_len, max_tokens,
 stream, adapter}``, optional ``server_flags``, and the expected victims in
 ``reproduction.evidence.kv_corruption.diverged_requests`` (or ``...inconsistency...``).

@@ -83,6 +83,21 @@ class StepRecord(_Data):
     block_edges: list[str] = Field(default_factory=list)
 
 
+class Scoring(_Data):
+    """Teacher forcing: one run's generated tokens scored by the request alone on a clean cache
+    (prompt + those tokens as one prompt, prompt logprobs, no prefix-cache hits). ``logprobs[i]``
+    holds, at generated position i, the scored token's logprob first, then the best other
+    tokens. Compared position by position with the run's own decode logprobs, it shows whether
+    the run saw the same context (noise: small everywhere) or not (wrong KV: large, before and
+    after the first differing token)."""
+
+    request_id: str
+    arm: str
+    run_index: int = 0
+    token_ids: list[int] = Field(default_factory=list)
+    logprobs: list[TopLogprobs] = Field(default_factory=list)
+
+
 class History(_Data):
     trace_id: str
     engine: Literal["inprocess", "server", "url"]
@@ -101,6 +116,7 @@ class History(_Data):
     client_priority: str | None = None
     # Set when the engine or server died or hung during the run.
     crashed: bool = False
+    crash_kind: Literal["died", "hang"] | None = None
     crash_detail: str | None = None
 
 

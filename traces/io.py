@@ -147,3 +147,9 @@ def _looks_foreign(data: Any) -> bool:
         return False
     events = (data.get("trace") or {}).get("events") if isinstance(data.get("trace"), dict) else None
     return isinstance(events, list) and any(isinstance(e, dict) and "action" in e for e in events)
+
+
+def finding_path(directory: str | os.PathLike[str], finding: Finding) -> Path:
+    """Where a finding is written in ``directory``: ``<worst class>-<id>.json``, so a directory
+    listing sorts crashes and corruptions apart."""
+    return Path(directory) / f"{finding.worst_class()}-{finding.id}.json"

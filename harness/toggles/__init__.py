@@ -7,17 +7,14 @@ activates the toggles named in ``KVFUZZ_TOGGLES`` in every vLLM process. docs/to
 them.
 """
 
+from .base import ENV_VAR, REGISTRY, Toggle, active, is_active
 from .registry import (
-    ENV_VAR,
-    REGISTRY,
-    Toggle,
     ToggleError,
     activate,
-    active,
+    catalog,
     clean_set,
     get,
     install,
-    is_active,
     kinds,
     names,
     output_changing,
@@ -25,5 +22,5 @@ from .registry import (
     status,
 )
 
-__all__ = ["ENV_VAR", "REGISTRY", "Toggle", "ToggleError", "activate", "active", "clean_set", "get", "install",
+__all__ = ["ENV_VAR", "REGISTRY", "Toggle", "ToggleError", "activate", "active", "catalog", "clean_set", "get", "install",
            "is_active", "kinds", "names", "output_changing", "self_check", "status"]

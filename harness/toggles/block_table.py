@@ -11,8 +11,8 @@ the worker's block table).
 
 from __future__ import annotations
 
+from .base import Toggle, is_active, register
 from .checks import expect_params, expect_source, first_problem, wrap_method
-from .registry import Toggle, is_active, register
 
 STALE_TAIL = "fault-block-table-stale-tail"
 _BT = "vllm.v1.worker.block_table"

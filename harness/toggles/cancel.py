@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from collections import Counter
 
+from .base import Toggle, is_active, register
 from .checks import expect_attr, expect_params, expect_source, first_problem, wrap_method
-from .registry import Toggle, is_active, register
 
 CANCEL_FREES_SHARED = "fault-cancel-frees-shared-blocks"
 _KVM = "vllm.v1.core.kv_cache_manager"

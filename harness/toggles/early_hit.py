@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import inspect
 
+from .base import Toggle, is_active, register
 from .checks import expect_params, expect_source, first_problem, unwrap, wrap_method
-from .registry import Toggle, is_active, register
 
 EARLY_HIT = "fault-prefix-hit-before-write"
 _KVM = "vllm.v1.core.kv_cache_manager"

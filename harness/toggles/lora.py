@@ -3,8 +3,8 @@ handling of base-model tokens (fix, a real bug found by kvfuzz)."""
 
 from __future__ import annotations
 
+from .base import Toggle, is_active, register
 from .checks import expect_attr, expect_params, expect_source, first_problem
-from .registry import Toggle, is_active, register
 
 # -- LoRA block-hash namespace dropped (fault; the aliasing mechanism of vllm#38606) ----------
 

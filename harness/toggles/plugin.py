@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from .registry import ENV_VAR
+from .base import ENV_VAR
 
 
 def register() -> None:

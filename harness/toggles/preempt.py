@@ -16,8 +16,8 @@ Needs prefix caching on (vLLM's default): the retaken blocks enter through the p
 
 from __future__ import annotations
 
+from .base import Toggle, is_active, register
 from .checks import expect_params, expect_source, first_problem, wrap_method
-from .registry import Toggle, is_active, register
 
 PREEMPT_STALE = "fault-preempt-resume-stale-blocks"
 _SCHED = "vllm.v1.core.sched.scheduler"

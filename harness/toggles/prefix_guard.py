@@ -13,8 +13,8 @@ step (outputs identical): GPU / async-scheduling only in effect.
 
 from __future__ import annotations
 
+from .base import Toggle, is_active, register
 from .checks import expect_params, expect_source, first_problem, wrap_method
-from .registry import Toggle, is_active, register
 
 SAME_STEP_GUARD = "fix-same-step-prefix-guard"
 _ST = "vllm.v1.core.single_type_kv_cache_manager"

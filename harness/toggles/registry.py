@@ -10,61 +10,15 @@ next with it off, without restarting.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
-from typing import Literal
+from collections.abc import Iterable, Iterator
 
-from traces.errors import BadInput
+from kvfuzz.traces.errors import BadInput
 
-ENV_VAR = "KVFUZZ_TOGGLES"
-
-Kind = Literal["fix", "fault"]
+from .base import _ACTIVE, REGISTRY, Kind, Toggle
 
 
 class ToggleError(BadInput):
     """A toggle cannot be applied to the installed vLLM (its self-check failed)."""
-
-
-@dataclass
-class Toggle:
-    name: str
-    kind: Kind
-    # The vLLM issue / PR the toggle models, e.g. "vllm#38606".
-    models: str
-    # Which vLLM process the patched code runs in.
-    process: Literal["engine-core", "worker", "api-server"]
-    # The patched code path, e.g. "vllm.v1.core.kv_cache_utils._gen_lora_extra_hash_keys".
-    target: str
-    # Devices / backends on which the toggle can change outputs ("cpu", "cuda"). A toggle whose
-    # tuple lacks the current device is still applied (its patch is real) but cannot change a
-    # temperature-0 output there: detection benchmarks skip it and the clean arm leaves it out.
-    backends: tuple[str, ...]
-    # vLLM versions the patch was written against.
-    versions: str
-    description: str
-    # Returns None when the target code looks as expected, else why not.
-    check: Callable[[], str | None]
-    # Installs the (gated) patch. Called only after check() passed; must be idempotent.
-    patch: Callable[[], None]
-    # Engine features the toggle's code path needs to be reached at all
-    # ("prefix-caching", "lora", "chunked-prefill", "preemption").
-    needs: tuple[str, ...] = ()
-    # Forgets per-run state (e.g. bookkeeping of blocks a fault released); called whenever the
-    # active set changes, i.e. between runs.
-    reset: Callable[[], None] | None = None
-    installed: bool = field(default=False, repr=False)
-
-    def changes_outputs_on(self, device: str) -> bool:
-        return device in self.backends
-
-
-REGISTRY: dict[str, Toggle] = {}
-_ACTIVE: set[str] = set()
-
-
-def register(t: Toggle) -> Toggle:
-    REGISTRY[t.name] = t
-    return t
 
 
 def _load_builtin() -> None:
@@ -106,14 +60,6 @@ def install(names: Iterable[str]) -> None:
         t.installed = True
 
 
-def is_active(name: str) -> bool:
-    return name in _ACTIVE
-
-
-def active() -> frozenset[str]:
-    return frozenset(_ACTIVE)
-
-
 def _reset_all() -> None:
     for t in REGISTRY.values():
         if t.installed and t.reset is not None:
@@ -150,6 +96,12 @@ def status() -> list[tuple[Toggle, str | None]]:
     """Every toggle with its self-check result on the installed vLLM (None = applicable)."""
     _load_builtin()
     return [(t, self_check(t)) for t in REGISTRY.values()]
+
+
+def catalog() -> dict[str, tuple[str, str]]:
+    """Every toggle's (kind, what it models): what a report says about the toggles it names."""
+    _load_builtin()
+    return {t.name: (t.kind, f"{t.models}: {t.description}") for t in REGISTRY.values()}
 
 
 def kinds() -> dict[str, Kind]:

@@ -15,8 +15,8 @@ NaN propagation through masked softmax in GPU kernels).
 
 from __future__ import annotations
 
+from .base import Toggle, is_active, register
 from .checks import expect_params, expect_source, first_problem, wrap_method
-from .registry import Toggle, is_active, register
 
 ZERO_RECYCLED = "fix-zero-recycled-blocks"
 _ST = "vllm.v1.core.single_type_kv_cache_manager"

@@ -12,8 +12,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-CLASS_STYLE = {"corruption": "bold red", "engine-crash": "bold magenta", "error": "red",
-               "numeric-near-tie": "yellow", "truncation": "dim", "ok": "green"}
+from kvfuzz.oracle.report import CLASS_STYLE
 
 
 class CampaignDisplay:

@@ -8,8 +8,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from kvfuzz.cli import app, console
-from traces import atomic_write_text, load_finding
+from kvfuzz.cli.app import app, console
+from kvfuzz.traces import atomic_write_text, load_finding
 
 
 @app.command("report")
@@ -20,10 +20,11 @@ def report_cmd(
 ) -> None:
     """Render a finding as an issue-ready report: verdicts, minimal trace, tokens around the
     first divergence, control arms, toggles and the replay command."""
-    from oracle.report import build, to_markdown, to_rich
+    from kvfuzz.harness.toggles import catalog
+    from kvfuzz.oracle.report import build, to_markdown, to_rich
 
     finding = load_finding(file)
-    report = build(finding, source=str(file))
+    report = build(finding, source=str(file), toggles_known=catalog())
     if out is not None:
         atomic_write_text(out, to_markdown(report))
         console.print(f"wrote {out}")

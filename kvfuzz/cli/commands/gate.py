@@ -19,10 +19,11 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from kvfuzz import arms as arms_opts
-from kvfuzz.cli import app, console, wide_console
-from traces import atomic_write_text
-from traces.errors import BadInput
+from kvfuzz import arms as arm_specs
+from kvfuzz.cli import options
+from kvfuzz.cli.app import app, console, wide_console
+from kvfuzz.traces import atomic_write_text
+from kvfuzz.traces.errors import BadInput
 
 STYLE = {"pass": "green", "detected": "green", "skipped": "dim", "FAIL": "bold red", "BLIND": "bold red",
          "error": "bold red"}
@@ -55,13 +56,21 @@ def gate(
         "model=Qwen/Qwen2.5-0.5B-Instruct, dtype=bfloat16, extra_args.attention_backend=FLASHINFER.")] = None,
     out: Annotated[Path, typer.Option(help="Output directory (summary, results JSON, findings of failing cases, "
                                            "engine logs).")] = Path("kvfuzz-gate"),
-    with_: arms_opts.WithOpt = None,
-    without: arms_opts.WithoutOpt = None,
-    arms: arms_opts.ArmsOpt = None,
+    with_: options.WithOpt = None,
+    without: options.WithoutOpt = None,
+    arms: options.ArmsOpt = None,
 ) -> None:
     """Replay a corpus of findings/traces as a CI regression gate."""
-    from kvfuzz.gate import (GateRunner, bundled_corpus, collect, default_runs, gate_plan, load, replay_engine_args,
-                             self_test_plan)
+    from kvfuzz.gate import (
+        GateRunner,
+        bundled_corpus,
+        collect,
+        default_runs,
+        gate_plan,
+        load,
+        replay_engine_args,
+        self_test_plan,
+    )
     from kvfuzz.session import Session, engine_kind
 
     kind = engine_kind(engine, base_url, device)
@@ -75,8 +84,8 @@ def gate(
         planned = self_test_plan(entries, device)
         what = "self-test"
     else:
-        arm_map = (arms_opts.build_arms(with_=with_, without=without, arms=arms, device=device)
-                   if (with_ or without or arms) else {arms_opts.VANILLA: []})
+        arm_map = (arm_specs.build_arms(with_=with_, without=without, arms=arms, device=device)
+                   if (with_ or without or arms) else {arm_specs.VANILLA: []})
         if kind == "url" and any(arm_map.values()):
             raise BadInput("a --base-url server cannot apply toggles: drop --with/--without/--arms", field="--arms")
         planned = gate_plan(entries, arm_map)
@@ -121,7 +130,7 @@ def _table(cases, what: str) -> Table:
 
 
 def _write_reports(cases, *, out: Path, junit: Path | None, summary: Path | None, what: str, complete: bool) -> None:
-    from oracle.gate import junit_xml, markdown_summary
+    from kvfuzz.oracle.gate import junit_xml, markdown_summary
 
     # Written even when the run stops early (infrastructure failure): CI shows what did run.
     header = "" if complete else "**Incomplete**: the gate stopped early (see the log for the error)."

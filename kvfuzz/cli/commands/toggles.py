@@ -10,13 +10,13 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from kvfuzz.cli import app, console
-from traces.errors import BadInput
+from kvfuzz.cli.app import app, console
+from kvfuzz.traces.errors import BadInput
 
 
 def toggle_rows(device: str) -> list[dict]:
     """One dict per toggle: its registry entry plus the self-check result here."""
-    from harness import toggles
+    from kvfuzz.harness import toggles
 
     clean = set(toggles.clean_set(device))
     rows = []
@@ -48,7 +48,7 @@ def toggles_cmd(
     """List fault and fix toggles with their self-check status on the installed vLLM."""
     if device not in ("cpu", "cuda"):
         raise BadInput(f"unknown device {device!r} (cpu or cuda)", field="--device")
-    from harness.environment import vllm_version
+    from kvfuzz.harness.environment import vllm_version
 
     rows = toggle_rows(device)
     if as_json:

@@ -16,27 +16,26 @@ Passes, repeated until nothing changes or the budget is spent:
    clock of every event (step or offset_ms, and a cancel's after_tokens), each bisected
    towards its smallest value.
 
-Nothing here imports torch or vLLM: replays go through a ``Replayer`` (``kvfuzz.session.Session``
-or anything with the same ``check``), so the same code minimizes against the in-process
-engine and a managed server.
+Nothing here imports torch or vLLM: replays go through a ``Replayer`` (triage/probe.py;
+``kvfuzz.session.Session`` on any engine), so the same code minimizes against the in-process
+engine and a managed server. The reducers are pure (triage/reduce.py).
 """
 
 from __future__ import annotations
 
-import math
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, TypeVar
+from typing import Any, Literal
 
 from pydantic import ValidationError
 
-from traces import CancelEvent, Finding, GenPrompt, Minimization, SendEvent, TokenPrompt, Trace
-from traces.finding import DIVERGENT_CLASSES, SEVERITY
+from kvfuzz.oracle.check import ENGINE
+from kvfuzz.traces import CancelEvent, EngineConfig, Finding, GenPrompt, Minimization, SendEvent, TokenPrompt, Trace
+from kvfuzz.traces.finding import DIVERGENT_CLASSES, SEVERITY
 
-from .check import ENGINE, Thresholds, classify_run
-
-T = TypeVar("T")
+from .probe import Probe, Replayer
+from .reduce import Acceptance, accepts, ddmin, default_acceptance, probdd, shrink_int
 
 # -- the signature and how a candidate is judged ---------------------------------------------
 
@@ -76,127 +75,9 @@ def choose_target(finding: Finding, victim: str | None = None) -> Target:
     return Target(cls=best.class_, victim=best.request_id, arm=best.arm, toggles=tuple(toggles))
 
 
-@dataclass(frozen=True)
-class Acceptance:
-    """Keep a candidate when the signature reproduces in >= ``min_hits`` of ``repeats`` runs."""
-
-    repeats: int = 1
-    min_hits: int = 1
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.min_hits <= self.repeats:
-            raise ValueError(f"need 1 <= m <= k, got m={self.min_hits}, k={self.repeats}")
-
-    def needed(self, runs: int) -> int:
-        """Hits required out of ``runs`` replays at the same rate (for the final check)."""
-        return max(1, math.ceil(runs * self.min_hits / self.repeats))
-
-
-def default_acceptance(engine_kind: str) -> Acceptance:
-    # Step-anchored in-process replays are deterministic: one replay decides. Wall-clock
-    # replays vary run to run: keep candidates that reproduce at least half the time.
-    return Acceptance(1, 1) if engine_kind == "inprocess" else Acceptance(4, 2)
-
-
-def accepts(run_once: Callable[[], bool], acc: Acceptance) -> tuple[bool, int]:
-    """Replay until the k-of-m outcome is decided. Returns (kept, replays spent)."""
-    hits = 0
-    for i in range(acc.repeats):
-        hits += bool(run_once())
-        done = i + 1
-        if hits >= acc.min_hits:
-            return True, done
-        if hits + (acc.repeats - done) < acc.min_hits:
-            return False, done
-    return False, acc.repeats  # pragma: no cover - the loop always decides
-
-
-# -- set reduction: ProbDD and ddmin -----------------------------------------------------------
-
-
-def probdd(items: Sequence[T], keeps: Callable[[list[T]], bool], *, p0: float = 0.1) -> list[T]:
-    """Probabilistic delta debugging (Wang et al., FSE 2021): every item has a probability
-    of being needed; each round removes the set with the best expected gain (size x chance
-    that none of it is needed), and a failed removal raises the probabilities of what it
-    tried to remove. Ends when every remaining item has been shown necessary on its own.
-    ``keeps(subset)`` says whether the subset still reproduces."""
-    items = list(items)
-    p = {i: p0 for i in range(len(items))}
-    alive = list(range(len(items)))
-    if alive and keeps([]):
-        return []
-    while True:
-        open_ = sorted((i for i in alive if p[i] < 1.0), key=lambda i: (p[i], i))
-        if not open_:
-            break
-        best, best_gain, prod = 0, -1.0, 1.0
-        for n, i in enumerate(open_, start=1):
-            prod *= 1.0 - p[i]
-            if n * prod > best_gain:
-                best, best_gain = n, n * prod
-        drop = set(open_[:best])
-        rest = [i for i in alive if i not in drop]
-        if keeps([items[i] for i in rest]):
-            alive = rest
-            continue
-        none_needed = math.prod(1.0 - p[i] for i in drop)
-        for i in drop:
-            p[i] = 1.0 if len(drop) == 1 else min(1.0, p[i] / (1.0 - none_needed))
-    return [items[i] for i in alive]
-
-
-def ddmin(items: Sequence[T], keeps: Callable[[list[T]], bool]) -> list[T]:
-    """Zeller's ddmin: 1-minimal subset for which ``keeps`` holds."""
-    cur = list(items)
-    if cur and keeps([]):
-        return []
-    n = 2
-    while len(cur) >= 2:
-        size = math.ceil(len(cur) / n)
-        chunks = [cur[i:i + size] for i in range(0, len(cur), size)]
-        for c in chunks:
-            if keeps(c):
-                cur, n = c, 2
-                break
-        else:
-            for c in chunks:
-                rest = [x for x in cur if x not in c]
-                if keeps(rest):
-                    cur, n = rest, max(n - 1, 2)
-                    break
-            else:
-                if n >= len(cur):
-                    break
-                n = min(len(cur), 2 * n)
-    return cur
-
-
-def shrink_int(cur: int, lo: int, keeps: Callable[[int], bool], *, max_tries: int = 8) -> int:
-    """Smallest value in [lo, cur] that keeps, by trying ``lo`` and then bisecting (assumes,
-    heuristically, that keeping is monotone; every accepted value was actually tested)."""
-    if cur <= lo:
-        return cur
-    if keeps(lo):
-        return lo
-    lo += 1
-    tries = 1
-    while lo < cur and tries < max_tries:
-        mid = (lo + cur) // 2
-        if keeps(mid):
-            cur = mid
-        else:
-            lo = mid + 1
-        tries += 1
-    return cur
-
 
 # -- the minimizer -----------------------------------------------------------------------------
 
-
-class Replayer(Protocol):
-    """What the minimizer needs from kvfuzz.session.Session."""
-
-    engine_kind: str
 
     def check(self, trace: Trace, *, runs: int | None = None, arms: dict[str, list[str]] | None = None) -> Any: ...
 
@@ -241,7 +122,7 @@ class Result:
     seconds: float
 
 
-def _rebuild(trace: Trace, events: Iterable[Any] | None = None, engine: Any = None) -> Trace | None:
+def _rebuild(trace: Trace, events: Iterable[Any] | None = None, engine: EngineConfig | None = None) -> Trace | None:
     """A validated copy with new events / engine, or None if the result is not a valid trace."""
     data = trace.model_dump(mode="json")
     if events is not None:
@@ -504,7 +385,7 @@ class Minimizer:
         return trace
 
 
-def engine_diff(a: Any, b: Any) -> dict[str, list[Any]]:
+def engine_diff(a: EngineConfig, b: EngineConfig) -> dict[str, list[Any]]:
     """Engine settings that differ, as {"lora.max_loras": [2, 1], ...}."""
 
     def flat(d: dict[str, Any], pre: str = "") -> dict[str, Any]:
@@ -573,47 +454,9 @@ def _tidy(trace: Trace, *, use_step: bool = True) -> Trace:
     return _rebuild(trace, events) or trace
 
 
-# -- against a session -------------------------------------------------------------------------
 
 
-class SessionProbe:
-    """One replay of a candidate through a Session-like replayer, judged on the target."""
-
-    def __init__(self, replayer: Replayer, target: Target):
-        self.replayer = replayer
-        self.target = target
-        self.reference_runs = 0
-
-    def _one_replay(self, trace: Trace) -> str | None:
-        """One replay judged on the victim alone: only the victim's reference is needed, so
-        shrinking other requests' prompts costs no reference runs."""
-        engine = self.replayer.engine_for(trace.engine)  # type: ignore[attr-defined]
-        h = engine.replay(trace, arm=self.target.arm, run_index=0, toggles=list(self.target.toggles))
-        if self.target.victim == ENGINE:
-            return "engine-crash" if h.crashed else "ok"
-        send = trace.send(self.target.victim)
-        refs = self.replayer.references  # type: ignore[attr-defined]
-        before = refs.computed
-        ref = refs.get(engine, send)
-        self.reference_runs += refs.computed - before
-        th = getattr(self.replayer, "thresholds", None) or Thresholds()
-        return classify_run(send, ref, h.requests.get(send.request_id), h, th.resolve(trace.engine.dtype)).cls
-
-    def victim_class(self, trace: Trace, runs: int = 1) -> tuple[str | None, Any]:
-        refs = getattr(self.replayer, "references", None)
-        before = getattr(refs, "computed", 0)
-        checked = self.replayer.check(trace, runs=runs, arms={self.target.arm: list(self.target.toggles)})
-        self.reference_runs += getattr(refs, "computed", 0) - before
-        for v in checked.verdicts:
-            if v.request_id == self.target.victim and v.arm == self.target.arm:
-                return v.class_, checked
-        return None, checked
-
-    def __call__(self, trace: Trace) -> bool:
-        if hasattr(self.replayer, "engine_for") and hasattr(self.replayer, "references"):
-            return self._one_replay(trace) == self.target.cls
-        cls, _ = self.victim_class(trace)
-        return cls == self.target.cls
+# -- against a replayer -----------------------------------------------------------------------
 
 
 def minimize_finding(replayer: Replayer, finding: Finding, *, victim: str | None = None,
@@ -623,9 +466,9 @@ def minimize_finding(replayer: Replayer, finding: Finding, *, victim: str | None
     minimized finding (re-recorded from scratch, linked to the original). Raises
     NotReproduced when the original signature does not reproduce here."""
     target = choose_target(finding, victim)
-    opts = options or Options(acceptance=default_acceptance(replayer.engine_kind),
-                              clock="step" if replayer.engine_kind == "inprocess" else "offset")
-    probe = SessionProbe(replayer, target)
+    opts = options or Options(acceptance=default_acceptance(replayer.step_exact),
+                              clock="step" if replayer.step_exact else "offset")
+    probe = Probe(replayer, target.cls, target.victim, target.arm, target.toggles)
     mini = Minimizer(target, probe, opts)
     t0 = time.monotonic()
     kept, spent = accepts(lambda: probe(finding.trace), opts.acceptance)

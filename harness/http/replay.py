@@ -1,21 +1,18 @@
-"""Replay a trace over HTTP against an OpenAI-compatible vLLM server (asyncio).
+"""Replay a trace over HTTP against an OpenAI-compatible vLLM server, in real time (asyncio).
 
-Each send goes to ``/v1/completions`` at its ``offset_ms`` from the trace start, as a prompt
-of token ids, greedy (temperature 0), with top-2 logprobs and token ids instead of text. A
-cancel closes the request's connection at its offset, or — for a cancel relative to the
-request's life (``At.after_tokens``) — once the stream has delivered that many tokens. What
-was planned and what happened (send, first-token, cancel and finish times, HTTP status,
-error body, tokens, logprobs) lands in a ``History`` exactly like the in-process harness's.
+Each send goes to ``/v1/completions`` at its ``offset_ms`` from the trace start (the wire
+format is http/wire.py). A cancel closes the request's connection at its offset, or — for a
+cancel relative to the request's life (``At.after_tokens``) — once the stream has delivered
+that many tokens. What was planned and what happened (send, first-token, cancel and finish
+times, HTTP status, error body, tokens, logprobs) lands in a ``History`` exactly like the
+in-process harness's.
 
 Timing: a send must cost as little as possible at its instant, so each request's bytes are
 serialized (with h11) before the trace starts and its TCP connection is opened up to
 ``PRECONNECT_MS`` ahead; at the instant the client writes the whole request in one socket
 write and records that moment as the actual send time. Waiting sleeps until ~2 ms before
 the instant, then yields in a tight loop (event-loop timers are only millisecond-accurate).
-Responses are parsed with h11 (chunked SSE streams or JSON bodies). httpx serves the control
-calls (/health, /metrics, /v1/models, /reset_prefix_cache), where timing does not matter.
-
-No API key is ever stored in a record: it lives only in the request bytes and headers.
+Responses are parsed with h11 (chunked SSE streams or JSON bodies).
 """
 
 from __future__ import annotations
@@ -27,20 +24,16 @@ import socket
 import ssl
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlsplit
 
 import h11
-import httpx
 
-from traces import CancelEvent, EventRecord, History, RequestRecord, SendEvent, Trace, expand
-from traces.errors import InfraError
+from kvfuzz.traces import CancelEvent, EventRecord, History, RequestRecord, SendEvent, Trace
 
-from . import metrics as prom
-from .priority import send_priority
+from ..priority import send_priority
+from .control import scrape
+from .wire import HttpTarget, completion_payload, error_text, parse_choice
 
-TOKEN_PREFIX = "token_id:"
 # The last ~2 ms before a planned instant are spent yielding in a loop: the event loop's
 # timers are only millisecond-accurate.
 SPIN_S = 0.002
@@ -48,107 +41,6 @@ SPIN_S = 0.002
 # clock starts), so no send pays for a TCP connect.
 PRECONNECT_MS = 500.0
 READ_SIZE = 65536
-
-
-@dataclass
-class HttpTarget:
-    """Where and as whom to send. ``model`` serves base-model requests; an adapter request
-    names its adapter (``adapter_models`` maps a trace's adapter name to the served name,
-    identity by default)."""
-
-    base_url: str
-    model: str
-    api_key: str | None = field(default=None, repr=False)
-    adapter_models: dict[str, str] = field(default_factory=dict)
-
-    def headers(self) -> dict[str, str]:
-        h = {"content-type": "application/json"}
-        if self.api_key:
-            h["authorization"] = f"Bearer {self.api_key}"
-        return h
-
-    def model_for(self, adapter: str | None) -> str:
-        if adapter is None:
-            return self.model
-        return self.adapter_models.get(adapter, adapter)
-
-    def url(self, path: str) -> str:
-        return self.base_url.rstrip("/") + path
-
-    def endpoint(self) -> tuple[str, int, bool, str]:
-        """(host, port, tls, path prefix) of the base URL."""
-        u = urlsplit(self.base_url)
-        tls = u.scheme == "https"
-        if not u.hostname:
-            raise ValueError(f"no host in {self.base_url!r}")
-        return u.hostname, u.port or (443 if tls else 80), tls, u.path.rstrip("/")
-
-    def raw_request(self, path: str, body: bytes, extra_headers: dict[str, str] | None = None) -> bytes:
-        """A complete HTTP/1.1 POST; one connection per request (``Connection: close``), so a
-        cancel can drop exactly that request's connection."""
-        host, port, tls, prefix = self.endpoint()
-        default_port = 443 if tls else 80
-        headers = [("Host", host if port == default_port else f"{host}:{port}"),
-                   ("Content-Type", "application/json"), ("Accept", "application/json, text/event-stream"),
-                   ("Content-Length", str(len(body))), ("Connection", "close")]
-        if self.api_key:
-            headers.append(("Authorization", f"Bearer {self.api_key}"))
-        headers += list((extra_headers or {}).items())
-        c = h11.Connection(h11.CLIENT)
-        return (c.send(h11.Request(method="POST", target=prefix + path, headers=headers))  # type: ignore[operator]
-                + c.send(h11.Data(data=body)) + c.send(h11.EndOfMessage()))
-
-
-def completion_payload(send: SendEvent, model: str, *, stream: bool, cache_salt: str | None = None) -> dict[str, Any]:
-    """The /v1/completions body for one send (pure; unit-tested)."""
-    body: dict[str, Any] = {
-        "model": model,
-        "prompt": expand(send.prompt),
-        "max_tokens": send.max_tokens,
-        "temperature": 0.0,
-        "logprobs": 2,
-        "return_tokens_as_token_ids": True,
-        # The in-process harness ignores EOS too: every request runs to max_tokens, so a
-        # shorter output is a cancel or an error, never a stop token.
-        "ignore_eos": True,
-        "stream": stream,
-    }
-    if cache_salt:
-        body["cache_salt"] = cache_salt
-    return body
-
-
-def parse_token(tok: str) -> int:
-    if not isinstance(tok, str) or not tok.startswith(TOKEN_PREFIX):
-        raise ValueError(f"server returned token {tok!r}, not 'token_id:N' (is return_tokens_as_token_ids ignored?)")
-    return int(tok[len(TOKEN_PREFIX):])
-
-
-def parse_choice(choice: dict[str, Any]) -> tuple[list[int], list[list[tuple[int, float]]], str | None]:
-    """(token ids, top-2 logprobs per position, finish_reason) of one completion choice, or
-    of one streamed delta."""
-    lp = choice.get("logprobs") or {}
-    tokens = [parse_token(t) for t in (lp.get("tokens") or [])]
-    tops: list[list[tuple[int, float]]] = []
-    for pos in lp.get("top_logprobs") or []:
-        items = sorted(((parse_token(k), float(v)) for k, v in (pos or {}).items()), key=lambda kv: -kv[1])
-        tops.append(items[:2])
-    if not tokens and choice.get("text"):
-        raise ValueError("server returned text without token ids (logprobs missing)")
-    return tokens, tops, choice.get("finish_reason")
-
-
-def error_text(status: int, body: bytes | str) -> str:
-    text = body.decode("utf-8", "replace") if isinstance(body, bytes) else body
-    try:
-        msg = json.loads(text).get("error", {})
-        if isinstance(msg, dict) and msg.get("message"):
-            text = msg["message"]
-        elif isinstance(msg, str) and msg:
-            text = msg
-    except (ValueError, AttributeError):
-        pass
-    return f"HTTP {status}: {' '.join(str(text).split())[:500]}"
 
 
 TRACE_SLACK_S = 5.0
@@ -478,7 +370,7 @@ class Replayer:
         budget = self.timeout_s + last_planned / 1000.0 + self.lead_ms / 1000.0 + TRACE_SLACK_S
         done, pending = await asyncio.wait(tasks, timeout=budget)
         if pending:
-            self.hist.crashed = True
+            self.hist.crashed, self.hist.crash_kind = True, "hang"
             unfinished = sorted(r.send.request_id for r in self.reqs.values() if not r.done)
             self.hist.crash_detail = (f"hang: {len(unfinished)} request(s) unfinished after {budget:.0f} s "
                                       f"({', '.join(unfinished[:5])})")
@@ -504,17 +396,6 @@ class Replayer:
         return self.hist
 
 
-async def scrape(target: HttpTarget) -> dict[str, float]:
-    """/metrics summary, or {} when the server exposes none (not an error: a URL may hide it)."""
-    try:
-        async with httpx.AsyncClient(timeout=10.0, trust_env=False) as client:
-            r = await client.get(target.url("/metrics"), headers=target.headers())
-    except httpx.HTTPError:
-        return {}
-    if r.status_code != 200:
-        return {}
-    return prom.summarize(r.text)
-
 
 def replay_trace(target: HttpTarget, trace: Trace, *, engine: str = "server", arm: str = "default",
                  run_index: int = 0, toggles: Iterable[str] = (), cache_salt: str | None = None,
@@ -530,88 +411,3 @@ def replay_trace(target: HttpTarget, trace: Trace, *, engine: str = "server", ar
 
 
 # -- small synchronous calls used by the engines ------------------------------------------------
-
-
-def _client(timeout: float = 10.0) -> httpx.Client:
-    return httpx.Client(timeout=timeout, trust_env=False)
-
-
-def health(base_url: str, timeout: float = 2.0) -> bool:
-    try:
-        with _client(timeout) as c:
-            return c.get(base_url.rstrip("/") + "/health").status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
-def list_models(target: HttpTarget) -> list[dict[str, Any]]:
-    try:
-        with _client() as c:
-            r = c.get(target.url("/v1/models"), headers=target.headers())
-    except httpx.HTTPError as e:
-        raise InfraError(f"{redact_url(target.base_url)} does not answer: {type(e).__name__}: {e}") from None
-    if r.status_code in (401, 403):
-        raise InfraError(f"{redact_url(target.base_url)}/v1/models: HTTP {r.status_code} (wrong or missing API key: "
-                         f"--api-key or KVFUZZ_API_KEY)")
-    if r.status_code != 200:
-        raise InfraError(f"{redact_url(target.base_url)}/v1/models: {error_text(r.status_code, r.content)}")
-    try:
-        return list(r.json().get("data") or [])
-    except (ValueError, AttributeError):
-        raise InfraError(f"{redact_url(target.base_url)}/v1/models: not an OpenAI model list") from None
-
-
-def reset_prefix_cache(target: HttpTarget, *, attempts: int = 50, wait_s: float = 0.1) -> bool | None:
-    """POST /reset_prefix_cache (vLLM dev mode). True: reset. None: the endpoint does not exist
-    (or is not allowed). False: the server kept refusing (blocks still held)."""
-    with _client() as c:
-        for _ in range(attempts):
-            try:
-                r = c.post(target.url("/reset_prefix_cache"), headers=target.headers())
-            except httpx.HTTPError as e:
-                raise InfraError(f"{redact_url(target.base_url)} does not answer: {type(e).__name__}: {e}") from None
-            if r.status_code in (404, 405, 401, 403):
-                return None
-            if r.status_code == 200:
-                try:
-                    ok = bool(r.json().get("success", True))
-                except ValueError:
-                    ok = True
-                if ok:
-                    return True
-            time.sleep(wait_s)
-    return False
-
-
-def wait_idle(target: HttpTarget, *, timeout_s: float = 30.0) -> bool:
-    """Wait until /metrics shows no running or waiting request (cancelled streams are aborted
-    asynchronously by the server). True if idle (or no metrics), False on timeout."""
-    deadline = time.monotonic() + timeout_s
-    with _client() as c:
-        while True:
-            try:
-                r = c.get(target.url("/metrics"), headers=target.headers())
-            except httpx.HTTPError as e:
-                raise InfraError(f"{redact_url(target.base_url)} does not answer: {type(e).__name__}: {e}") from None
-            if r.status_code != 200:
-                return True
-            n = prom.busy(prom.summarize(r.text))
-            if n is None or n == 0:
-                return True
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.05)
-
-
-def redact_url(url: str) -> str:
-    """The URL without user:password (for records and output)."""
-    u = urlsplit(url)
-    if u.username is None and u.password is None:
-        return url
-    host = u.hostname or ""
-    netloc = f"{host}:{u.port}" if u.port else host
-    return u._replace(netloc=netloc).geturl()
-
-
-def new_salt(kind: str) -> str:
-    return f"kvfuzz-{kind}-{secrets.token_hex(12)}"

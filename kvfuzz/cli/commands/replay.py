@@ -19,14 +19,14 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from kvfuzz import arms as arms_opts
-from kvfuzz.cli import app, console, wide_console
-from traces import Divergence, Finding, Trace, atomic_write_text, load_any, save
-from traces.finding import DIVERGENT_CLASSES
-from traces.foreign import ForeignFinding
-
-CLASS_STYLE = {"corruption": "bold red", "engine-crash": "bold magenta", "error": "red",
-               "numeric-near-tie": "yellow", "truncation": "dim", "ok": "green"}
+from kvfuzz import arms as arm_specs
+from kvfuzz.cli import options, tables
+from kvfuzz.cli.app import app, wide_console
+from kvfuzz.oracle.report import CLASS_STYLE
+from kvfuzz.traces import Divergence, Finding, Trace, atomic_write_text, load_any, save
+from kvfuzz.traces.finding import DIVERGENT_CLASSES
+from kvfuzz.traces.foreign import ForeignFinding
+from kvfuzz.traces.io import finding_path
 
 
 @dataclass
@@ -127,10 +127,10 @@ def replay(
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
     server_arg: Annotated[Optional[list[str]], typer.Option("--server-arg", help="Extra flag for the managed vLLM server (repeatable), e.g. --server-arg=--attention-backend=FLASHINFER.")] = None,
     near_tie: Annotated[Optional[float], typer.Option(help="Margin (nats) below which a divergence is a numeric near-tie (default: per dtype, docs/oracle.md).")] = None,
-    with_: arms_opts.WithOpt = None,
-    without: arms_opts.WithoutOpt = None,
-    arms: arms_opts.ArmsOpt = None,
-    attribute: arms_opts.AttributeOpt = False,
+    with_: options.WithOpt = None,
+    without: options.WithoutOpt = None,
+    arms: options.ArmsOpt = None,
+    attribute: options.AttributeOpt = False,
 ) -> None:
     """Replay finding/trace files and report, per request, whether a divergence reproduces.
 
@@ -139,12 +139,12 @@ def replay(
     from kvfuzz.session import Session, engine_kind
 
     kind = engine_kind(engine, base_url, device)
-    arm_map = arms_opts.build_arms(with_=with_, without=without, arms=arms, device=device) \
+    arm_map = arm_specs.build_arms(with_=with_, without=without, arms=arms, device=device) \
         if (with_ or without or arms) else None
     # Every file is read before any engine starts: bad input fails fast, with exit 2.
     items = [load_item(p) for p in files]
     if kind != "url":  # a local engine reads the directories the files name
-        from traces.paths import check_exists
+        from kvfuzz.traces.paths import check_exists
 
         for item in items:
             check_exists(item.trace.engine, source=str(item.path),
@@ -154,11 +154,12 @@ def replay(
             item.arms = dict(arm_map)
     out.mkdir(parents=True, exist_ok=True)
     session = Session.for_target(kind, device=device, runs=runs, out=out, near_tie=near_tie, base_url=base_url,
-                                 api_key=api_key, model=model, server_flags=server_arg,
-                                 # A server kvfuzz does not manage cannot switch toggles.
-                                 attribute=attribute and kind != "url")
+                                 api_key=api_key, model=model, server_flags=server_arg)
+    # A server kvfuzz does not manage cannot switch toggles, so it cannot attribute.
+    explain = attribute and kind != "url"
     show = wide_console()
-    from harness.http_client import redact_url
+    from kvfuzz.harness.http.wire import redact_url
+    from kvfuzz.triage.attribution import check_attributed
 
     where = redact_url(base_url) if base_url is not None else {"inprocess": "in-process engine", "server": "managed vLLM server"}[kind]
     reproduced_any = False
@@ -168,7 +169,8 @@ def replay(
             arms = url_arms(item) if kind == "url" else item.arms
             print(f"replaying {item.path} ({n}/{len(items)}): {len(item.trace.sends)} requests, "
                   f"{runs} run(s) per arm, on the {where}", flush=True)
-            checked = session.check(item.trace, runs=runs, arms=arms)
+            checked = (check_attributed(session, item.trace, runs=runs, arms=arms) if explain
+                       else session.check(item.trace, runs=runs, arms=arms))
             verdicts = checked.verdicts
             reproduced = any(v.class_ in DIVERGENT_CLASSES for v in verdicts)
             reproduced_any |= reproduced
@@ -176,37 +178,37 @@ def replay(
             agree = agreement(item, verdicts)
             env = checked.recording.environment
             notes = list(item.notes)
-            ref_note = getattr(session.engine, "reference_note", None)
+            ref_note = session.engine.reference_note if session.engine is not None else None
             if ref_note and kind != "inprocess":
                 notes.append(ref_note)
             for line in ([agree] if agree else []) + notes:
                 show.print(f"  note: {line}", markup=False, highlight=False)
-            finding_path = None
+            finding_file = None
             if checked.finding is not None:
                 f = checked.finding
                 f.notes["replay_of"] = {"source": str(item.path), "kind": item.kind}
                 if item.kind == "foreign":
                     f.notes["foreign"] = {"notes": item.notes}
-                finding_path = out / "findings" / f"{f.worst_class()}-{f.id}.json"
-                save(f, finding_path)
-                written.append((str(finding_path), f))
+                finding_file = finding_path(out / "findings", f)
+                save(f, finding_file)
+                written.append((str(finding_file), f))
             summary = {
                 "source": str(item.path), "kind": item.kind, "engine": kind, "runs": runs,
                 "reproduced": reproduced, "agreement": agree, "notes": notes,
                 "expected": sorted(f"{a}:{r}" for a, r in item.expected) if item.expected is not None else None,
                 "verdicts": [v.model_dump(mode="json", by_alias=True) for v in verdicts],
                 "environment": env.model_dump(mode="json"),
-                "finding": str(finding_path) if finding_path else None,
+                "finding": str(finding_file) if finding_file else None,
                 "created": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
             }
             summary_path = out / "replays" / f"{item.path.stem}.replay.json"
             atomic_write_text(summary_path, json.dumps(summary, indent=2) + "\n")
             status = "REPRODUCED" if reproduced else "not reproduced"
             show.print(f"{item.path}: {status} (summary: {summary_path}"
-                       + (f", finding: {finding_path}" if finding_path else "") + ")", markup=False,
+                       + (f", finding: {finding_file}" if finding_file else "") + ")", markup=False,
                        highlight=False)
     finally:
         session.close()
-    arms_opts.print_attribution(show, written)
+    tables.print_attribution(show, written)
     sys.stdout.flush()
     raise typer.Exit(1 if reproduced_any else 0)

@@ -1,0 +1,99 @@
+"""Synchronous control calls to a vLLM server (/health, /v1/models, /reset_prefix_cache,
+/metrics), where timing does not matter: httpx. A server that does not answer raises
+``Unreachable``."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import httpx
+
+from kvfuzz.traces.errors import InfraError, Unreachable
+
+from .. import metrics as prom
+from .wire import HttpTarget, error_text, redact_url
+
+
+def _client(timeout: float = 10.0) -> httpx.Client:
+    return httpx.Client(timeout=timeout, trust_env=False)
+
+
+def health(base_url: str, timeout: float = 2.0) -> bool:
+    try:
+        with _client(timeout) as c:
+            return c.get(base_url.rstrip("/") + "/health").status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def list_models(target: HttpTarget) -> list[dict[str, Any]]:
+    try:
+        with _client() as c:
+            r = c.get(target.url("/v1/models"), headers=target.headers())
+    except httpx.HTTPError as e:
+        raise Unreachable(f"{redact_url(target.base_url)} does not answer: {type(e).__name__}: {e}") from None
+    if r.status_code in (401, 403):
+        raise InfraError(f"{redact_url(target.base_url)}/v1/models: HTTP {r.status_code} (wrong or missing API key: "
+                         f"--api-key or KVFUZZ_API_KEY)")
+    if r.status_code != 200:
+        raise InfraError(f"{redact_url(target.base_url)}/v1/models: {error_text(r.status_code, r.content)}")
+    try:
+        return list(r.json().get("data") or [])
+    except (ValueError, AttributeError):
+        raise InfraError(f"{redact_url(target.base_url)}/v1/models: not an OpenAI model list") from None
+
+
+def reset_prefix_cache(target: HttpTarget, *, attempts: int = 50, wait_s: float = 0.1) -> bool | None:
+    """POST /reset_prefix_cache (vLLM dev mode). True: reset. None: the endpoint does not exist
+    (or is not allowed). False: the server kept refusing (blocks still held)."""
+    with _client() as c:
+        for _ in range(attempts):
+            try:
+                r = c.post(target.url("/reset_prefix_cache"), headers=target.headers())
+            except httpx.HTTPError as e:
+                raise Unreachable(f"{redact_url(target.base_url)} does not answer: {type(e).__name__}: {e}") from None
+            if r.status_code in (404, 405, 401, 403):
+                return None
+            if r.status_code == 200:
+                try:
+                    ok = bool(r.json().get("success", True))
+                except ValueError:
+                    ok = True
+                if ok:
+                    return True
+            time.sleep(wait_s)
+    return False
+
+
+def wait_idle(target: HttpTarget, *, timeout_s: float = 30.0) -> bool:
+    """Wait until /metrics shows no running or waiting request (cancelled streams are aborted
+    asynchronously by the server). True if idle (or no metrics), False on timeout."""
+    deadline = time.monotonic() + timeout_s
+    with _client() as c:
+        while True:
+            try:
+                r = c.get(target.url("/metrics"), headers=target.headers())
+            except httpx.HTTPError as e:
+                raise Unreachable(f"{redact_url(target.base_url)} does not answer: {type(e).__name__}: {e}") from None
+            if r.status_code != 200:
+                return True
+            n = prom.busy(prom.summarize(r.text))
+            if n is None or n == 0:
+                return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+
+
+
+async def scrape(target: HttpTarget) -> dict[str, float]:
+    """/metrics summary, or {} when the server exposes none (not an error: a URL may hide it)."""
+    try:
+        async with httpx.AsyncClient(timeout=10.0, trust_env=False) as client:
+            r = await client.get(target.url("/metrics"), headers=target.headers())
+    except httpx.HTTPError:
+        return {}
+    if r.status_code != 200:
+        return {}
+    return prom.summarize(r.text)

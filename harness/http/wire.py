@@ -1,0 +1,137 @@
+"""The wire format of kvfuzz's requests to an OpenAI-compatible vLLM server (pure).
+
+Each send is a ``/v1/completions`` request with a prompt of token ids, greedy (temperature
+0), top-2 logprobs and token ids instead of text; responses (streamed deltas or JSON bodies)
+come back as token ids and top-2 logprobs. No API key is ever stored in a record: it lives
+only in the request bytes and headers.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+import h11
+
+from kvfuzz.traces import SendEvent, expand
+
+TOKEN_PREFIX = "token_id:"
+
+
+@dataclass
+class HttpTarget:
+    """Where and as whom to send. ``model`` serves base-model requests; an adapter request
+    names its adapter (``adapter_models`` maps a trace's adapter name to the served name,
+    identity by default)."""
+
+    base_url: str
+    model: str
+    api_key: str | None = field(default=None, repr=False)
+    adapter_models: dict[str, str] = field(default_factory=dict)
+
+    def headers(self) -> dict[str, str]:
+        h = {"content-type": "application/json"}
+        if self.api_key:
+            h["authorization"] = f"Bearer {self.api_key}"
+        return h
+
+    def model_for(self, adapter: str | None) -> str:
+        if adapter is None:
+            return self.model
+        return self.adapter_models.get(adapter, adapter)
+
+    def url(self, path: str) -> str:
+        return self.base_url.rstrip("/") + path
+
+    def endpoint(self) -> tuple[str, int, bool, str]:
+        """(host, port, tls, path prefix) of the base URL."""
+        u = urlsplit(self.base_url)
+        tls = u.scheme == "https"
+        if not u.hostname:
+            raise ValueError(f"no host in {self.base_url!r}")
+        return u.hostname, u.port or (443 if tls else 80), tls, u.path.rstrip("/")
+
+    def raw_request(self, path: str, body: bytes, extra_headers: dict[str, str] | None = None) -> bytes:
+        """A complete HTTP/1.1 POST; one connection per request (``Connection: close``), so a
+        cancel can drop exactly that request's connection."""
+        host, port, tls, prefix = self.endpoint()
+        default_port = 443 if tls else 80
+        headers = [("Host", host if port == default_port else f"{host}:{port}"),
+                   ("Content-Type", "application/json"), ("Accept", "application/json, text/event-stream"),
+                   ("Content-Length", str(len(body))), ("Connection", "close")]
+        if self.api_key:
+            headers.append(("Authorization", f"Bearer {self.api_key}"))
+        headers += list((extra_headers or {}).items())
+        c = h11.Connection(h11.CLIENT)
+        return (c.send(h11.Request(method="POST", target=prefix + path, headers=headers))  # type: ignore[operator]
+                + c.send(h11.Data(data=body)) + c.send(h11.EndOfMessage()))
+
+
+def completion_payload(send: SendEvent, model: str, *, stream: bool, cache_salt: str | None = None) -> dict[str, Any]:
+    """The /v1/completions body for one send (pure; unit-tested)."""
+    body: dict[str, Any] = {
+        "model": model,
+        "prompt": expand(send.prompt),
+        "max_tokens": send.max_tokens,
+        "temperature": 0.0,
+        "logprobs": 2,
+        "return_tokens_as_token_ids": True,
+        # The in-process harness ignores EOS too: every request runs to max_tokens, so a
+        # shorter output is a cancel or an error, never a stop token.
+        "ignore_eos": True,
+        "stream": stream,
+    }
+    if cache_salt:
+        body["cache_salt"] = cache_salt
+    return body
+
+
+def parse_token(tok: str) -> int:
+    if not isinstance(tok, str) or not tok.startswith(TOKEN_PREFIX):
+        raise ValueError(f"server returned token {tok!r}, not 'token_id:N' (is return_tokens_as_token_ids ignored?)")
+    return int(tok[len(TOKEN_PREFIX):])
+
+
+def parse_choice(choice: dict[str, Any]) -> tuple[list[int], list[list[tuple[int, float]]], str | None]:
+    """(token ids, top-2 logprobs per position, finish_reason) of one completion choice, or
+    of one streamed delta."""
+    lp = choice.get("logprobs") or {}
+    tokens = [parse_token(t) for t in (lp.get("tokens") or [])]
+    tops: list[list[tuple[int, float]]] = []
+    for pos in lp.get("top_logprobs") or []:
+        items = sorted(((parse_token(k), float(v)) for k, v in (pos or {}).items()), key=lambda kv: -kv[1])
+        tops.append(items[:2])
+    if not tokens and choice.get("text"):
+        raise ValueError("server returned text without token ids (logprobs missing)")
+    return tokens, tops, choice.get("finish_reason")
+
+
+def error_text(status: int, body: bytes | str) -> str:
+    text = body.decode("utf-8", "replace") if isinstance(body, bytes) else body
+    try:
+        msg = json.loads(text).get("error", {})
+        if isinstance(msg, dict) and msg.get("message"):
+            text = msg["message"]
+        elif isinstance(msg, str) and msg:
+            text = msg
+    except (ValueError, AttributeError):
+        pass
+    return f"HTTP {status}: {' '.join(str(text).split())[:500]}"
+
+
+
+def redact_url(url: str) -> str:
+    """The URL without user:password (for records and output)."""
+    u = urlsplit(url)
+    if u.username is None and u.password is None:
+        return url
+    host = u.hostname or ""
+    netloc = f"{host}:{u.port}" if u.port else host
+    return u._replace(netloc=netloc).geturl()
+
+
+def new_salt(kind: str) -> str:
+    return f"kvfuzz-{kind}-{secrets.token_hex(12)}"

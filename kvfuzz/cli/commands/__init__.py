@@ -1,0 +1,4 @@
+"""The CLI commands, one module each. Importing this package registers every command on
+``kvfuzz.cli.app.app``."""
+
+from . import bench, gate, minimize, model, replay, report, run, toggles  # noqa: F401

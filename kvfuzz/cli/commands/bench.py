@@ -1,0 +1,118 @@
+"""``kvfuzz bench``: the detection benchmark's command line and tables (logic: kvfuzz/bench.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.table import Table
+from rich.text import Text
+
+from kvfuzz.cli.app import app, console
+from kvfuzz.traces import atomic_write_text
+from kvfuzz.traces.errors import BadInput
+
+
+def _fmt(v: float | None, unit: str = "") -> str:
+    return "—" if v is None else (f"{v:.0f}{unit}" if isinstance(v, float) else f"{v}{unit}")
+
+
+def render(report: dict) -> Table:
+    table = Table(title="kvfuzz detection benchmark", show_header=True, header_style="bold")
+    table.add_column("toggle", no_wrap=True)
+    for col in ("kind", "engine", "found", "traces median / max", "seconds median / max", "target"):
+        table.add_column(col)
+    for r in report["toggles"]:
+        ok = Text("met", style="green") if r["target_met"] else Text("MISSED", style="bold red")
+        table.add_row(r["name"], r["kind"], r["profile"], r["found"],
+                      f"{_fmt(r['median_traces'])} / {_fmt(r['max_traces'])}",
+                      f"{_fmt(r['median_seconds'])} / {_fmt(r['max_seconds'])}", ok)
+    for s in report["skipped"]:
+        table.add_row(s["name"], "", "", "skipped", s["reason"], "", "")
+    c = report["control"]
+    if c:
+        ok = Text("met", style="green") if c["corruption"] == 0 else Text("FALSE POSITIVES", style="bold red")
+        table.add_row("clean control", "", "all", f"{c['traces']} traces", f"corruption: {c['corruption']}",
+                      f"{c['seconds']:.0f} s", ok)
+    return table
+
+
+def markdown(report: dict) -> str:
+    lines = ["| toggle | kind | arm (engine) | found | traces to detection (median / max) | seconds (median / max) "
+             "| target |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in report["toggles"]:
+        lines.append(f"| `{r['name']}` | {r['kind']} | `{r['arm']}` ({r['profile']}) | {r['found']} | "
+                     f"{_fmt(r['median_traces'])} / {_fmt(r['max_traces'])} | "
+                     f"{_fmt(r['median_seconds'])} / {_fmt(r['max_seconds'])} | "
+                     f"{'met' if r['target_met'] else '**missed**'} |")
+    for s in report["skipped"]:
+        lines.append(f"| `{s['name']}` | | | skipped | {s['reason']} | | |")
+    c = report["control"]
+    if c:
+        lines.append(f"| clean control | | `clean` (all engines) | {c['traces']} traces, {c['seconds']:.0f} s | "
+                     f"corruption findings: **{c['corruption']}** (all classes: {c['divergences_by_class'] or 'none'}) | | "
+                     f"{'met' if c['corruption'] == 0 else '**missed**'} |")
+    return "\n".join(lines) + "\n"
+
+
+def _ints(text: str, flag: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise BadInput(f"expected comma-separated integers, got {text!r}", field=flag) from None
+
+
+@app.command("bench")
+def bench_cmd(
+    seeds: Annotated[str, typer.Option(help="Comma-separated campaign seeds.")] = "0,1,2",
+    budget: Annotated[float, typer.Option(help="Seconds per (toggle, seed) before giving up.")] = 240.0,
+    max_traces: Annotated[Optional[int], typer.Option("--max-traces", help="Traces per (toggle, seed) cap.")] = 100,
+    control_budget: Annotated[float, typer.Option(help="Seconds of the clean control (split over seeds).")] = 600.0,
+    toggles: Annotated[Optional[str], typer.Option(help="Comma-separated toggles (default: all that change "
+                                                        "outputs on this device).")] = None,
+    runs: Annotated[int, typer.Option(min=1, help="Runs of each trace (K), as in kvfuzz run.")] = 3,
+    lora: Annotated[str, typer.Option(help="auto: LoRA engine only for toggles that need LoRA; on; off.")] = "auto",
+    kv_cache_mb: Annotated[int, typer.Option(min=1, help="KV cache size in MiB (small: preemption happens).")] = 8,
+    max_model_len: Annotated[int, typer.Option(min=16, help="Must fit in the KV cache (1 KiB/token for the "
+                                                               "embedded model, one block reserved).")] = 8000,
+    device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+    out: Annotated[Path, typer.Option(help="Directory for campaign state, findings and the JSON report.")] =
+    Path("kvfuzz-bench"),
+    json_path: Annotated[Optional[Path], typer.Option("--json", help="Report file (default OUT/bench.json).")] = None,
+    md: Annotated[bool, typer.Option("--markdown", help="Also print the table as Markdown.")] = False,
+) -> None:
+    """Detection benchmark: traces and seconds until each fault (or missing fix) is found, and
+    the clean control's false positives."""
+    from kvfuzz.bench import run_bench
+    from kvfuzz.harness import toggles as reg
+    from kvfuzz.session import check_device
+
+    seed_list = _ints(seeds, "--seeds")
+    if len(seed_list) < 1:
+        raise BadInput("give at least one seed", field="--seeds")
+    if budget <= 0 or control_budget < 0:
+        raise BadInput("budgets must be positive", field="--budget")
+    check_device(device)
+    if lora not in ("auto", "on", "off"):
+        raise BadInput(f"expected auto, on or off, got {lora!r}", field="--lora")
+    names = None
+    if toggles:
+        names = [x.strip() for x in toggles.split(",") if x.strip()]
+        for n in names:
+            reg.get(n)  # BadInput for unknown names
+    out.mkdir(parents=True, exist_ok=True)
+    report = run_bench(toggles=names, seeds=seed_list, budget=budget, max_traces=max_traces,
+                       control_budget=control_budget, runs=runs, out=out, device=device, lora=lora,
+                       kv_cache_mb=kv_cache_mb, max_model_len=max_model_len,
+                       progress=lambda m: console.print(f"[dim]{m}[/dim]"))
+    path = json_path or out / "bench.json"
+    atomic_write_text(path, json.dumps(report, indent=2) + "\n")
+    console.print(render(report))
+    console.print(f"machine: {report['machine'].get('cpu', '?')} x{report['machine'].get('cpus')}, "
+                  f"load average before/after {report['load_avg_before']} / {report['load_avg_after']}")
+    console.print(f"report written to {path.resolve()}")
+    if md:
+        console.print(markdown(report), markup=False, highlight=False, soft_wrap=True)

@@ -1,0 +1,55 @@
+"""Attribution re-runs: replay a diverged trace in the clean arm (and, when an arm differs
+from clean by several toggles, in each single-toggle arm) so every divergence says which
+toggle explains it, or that none does. The reasoning is pure (oracle/attribution.py)."""
+
+from __future__ import annotations
+
+from kvfuzz.harness.toggles import clean_set
+from kvfuzz.oracle import divergent
+from kvfuzz.oracle.attribution import attribute, plan
+from kvfuzz.session import Session
+from kvfuzz.traces import Finding, Trace
+from kvfuzz.traces.result import Checked, Recording
+
+
+def explain_toggles(session: Session, checked: Checked, *, runs: int | None = None) -> Checked:
+    """``checked`` with every divergence's ``explained_by`` filled in (re-running arms as needed)."""
+    if not divergent(checked.verdicts):
+        return checked
+    rec = checked.recording
+    clean = clean_set(session.device)
+    extra = plan({v.arm for v in divergent(checked.verdicts)}, rec.arms, clean)
+    if extra:
+        more = session.record(rec.trace, runs=runs, arms=extra)
+        # A new recording: rec.arms may be the caller's arm map, reused for the next trace.
+        arms = {**rec.arms, **extra}
+        rec = Recording(trace=rec.trace, histories=[*rec.histories, *more.histories], references=rec.references,
+                        environment=rec.environment.model_copy(update={
+                            "toggles": sorted({t for ts in arms.values() for t in ts})}),
+                        arms=arms, scores=[*rec.scores, *more.scores])
+        checked = session.verdicts_of(rec)
+    verdicts = attribute(checked.verdicts, rec.arms, clean)
+    return Checked(rec, verdicts, session.finding_of(
+        rec, verdicts, notes={"attribution": {"clean": clean, "added_arms": sorted(extra)}}))
+
+
+def check_attributed(session: Session, trace: Trace, *, runs: int | None = None,
+                     arms: dict[str, list[str]] | None = None) -> Checked:
+    """``session.check`` and, when anything diverged, ``explain_toggles``."""
+    return explain_toggles(session, session.check(trace, runs=runs, arms=arms), runs=runs)
+
+
+def explain_finding(session: Session, finding: Finding) -> Finding:
+    """``finding`` with its divergences attributed (re-running arms as needed), keeping its
+    minimization, controls and notes: what a minimized finding gets when its original was
+    attributed, since minimization replays only the finding's own arm."""
+    rec = Recording(trace=finding.trace, histories=list(finding.runs), references=dict(finding.references),
+                    environment=finding.environment, arms=dict(finding.arms))
+    checked = explain_toggles(session, Checked(rec, list(finding.verdicts), finding))
+    new = checked.finding
+    if new is None:
+        return finding
+    new.minimization, new.controls = finding.minimization, list(finding.controls)
+    new.notes = {**finding.notes, **new.notes}
+    new.id = new.compute_id()
+    return new

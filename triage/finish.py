@@ -1,0 +1,78 @@
+"""What happens to a new finding before anyone reads it: control arms, then the minimized
+finding with its own controls (the original kept and linked both ways). ``kvfuzz run`` does
+this for each new finding; ``kvfuzz minimize`` for a finding file."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Literal
+
+from kvfuzz.oracle.controls import reproducing_arms
+from kvfuzz.session import Session
+from kvfuzz.traces import Finding, save
+from kvfuzz.traces.errors import BadInput
+from kvfuzz.traces.io import finding_path
+
+from .attribution import explain_finding
+from .controls import run_controls
+from .minimize import Budget, NotReproduced, Options, minimize_finding
+from .reduce import Acceptance, default_acceptance
+
+
+def add_controls(session: Session, finding: Finding) -> Finding:
+    """Run the control arms of ``finding`` (serialized; batch-invariant where supported)."""
+    from kvfuzz.isolated import check_isolated
+
+    isolated = functools.partial(check_isolated, engine_kind=session.engine_kind, device=session.device)
+    finding.controls = run_controls(session, finding, device=session.device, isolated=isolated)
+    # Stated in the file: every arm (the finding's own and the controls) that reproduced it.
+    finding.notes["reproduced_in"] = reproducing_arms(finding)
+    return finding
+
+
+def acceptance_for(step_exact: bool, repeats: int | None = None, min_hits: int | None = None) -> Acceptance:
+    """The k-of-m rule for an engine, with the user's ``-k`` / ``-m`` where given."""
+    acc = default_acceptance(step_exact)
+    if repeats is None and min_hits is None:
+        return acc
+    k = repeats if repeats is not None else acc.repeats
+    m = min_hits if min_hits is not None else min(acc.min_hits, k)
+    try:
+        return Acceptance(k, m)
+    except ValueError as e:
+        raise BadInput(str(e), field="--min-hits") from None
+
+
+def minimize(session: Session, finding: Finding, *, victim: str | None = None, acceptance: Acceptance | None = None,
+             strategy: Literal["probdd", "ddmin"] = "probdd", max_replays: int | None = 400,
+             max_seconds: float | None = None, engine: bool = True, original_path: str | None = None) -> Finding:
+    """``minimize_finding`` with the acceptance and clock of the session's engine."""
+    opts = Options(acceptance=acceptance or default_acceptance(session.step_exact),
+                   budget=Budget(max_replays=max_replays, max_seconds=max_seconds), strategy=strategy,
+                   clock="step" if session.step_exact else "offset", engine=engine)
+    return minimize_finding(session, finding, victim=victim, options=opts, original_path=original_path)
+
+
+def finish_finding(session: Session, finding: Finding, *, out: Path, do_minimize: bool = True,
+                   controls: bool = True, max_seconds: float | None = 120.0) -> Finding:
+    """Control arms, then (unless disabled) the minimized finding, attributed to toggles like
+    its original was, with its own controls. The original is written to ``out/originals/``
+    and linked both ways; the returned finding is the one the campaign records."""
+    if controls:
+        add_controls(session, finding)
+    if not do_minimize:
+        return finding
+    rel = finding_path(Path("originals"), finding)
+    try:
+        small = minimize(session, finding, max_seconds=max_seconds, original_path=str(rel))
+    except NotReproduced as e:
+        finding.notes["minimize"] = f"not minimized: {e}"
+        return finding
+    if "attribution" in finding.notes:
+        small = explain_finding(session, small)
+    if controls:
+        add_controls(session, small)
+    finding.notes["minimized_to"] = small.id
+    save(finding, out / rel)
+    return small

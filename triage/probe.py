@@ -1,0 +1,60 @@
+"""How triage replays a candidate trace and judges it: the ``Replayer`` seam and the probe.
+
+A replayer is ``kvfuzz.session.Session`` (in-process engine, managed server or URL) or a
+fake in tests. It declares what it can do instead of being probed for it:
+
+- ``step_exact``: events land at exact engine steps, so a replay is deterministic and one
+  replay decides a candidate (the in-process engine). Wall-clock engines are not.
+- ``judge``: one replay of a trace, judged on one victim request only (only its reference is
+  needed, so shrinking the other requests' prompts costs no reference runs).
+- ``check``: the full recording and verdicts (runs x arms), as a finding is made.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from kvfuzz.traces import Trace
+from kvfuzz.traces.result import Checked
+
+
+class Replayer(Protocol):
+    @property
+    def step_exact(self) -> bool: ...
+
+    @property
+    def reference_runs(self) -> int:
+        """Reference runs (requests alone on a clean cache) computed so far."""
+        ...
+
+    def judge(self, trace: Trace, *, victim: str, arm: str, toggles: Sequence[str]) -> str:
+        """The verdict class of ``victim`` in one replay of ``trace`` in ``arm``."""
+        ...
+
+    def check(self, trace: Trace, *, runs: int | None = None, arms: dict[str, list[str]] | None = None) -> Checked:
+        ...
+
+
+class Probe:
+    """One replay of a candidate, judged on the target: does the victim keep its class?"""
+
+    def __init__(self, replayer: Replayer, cls: str, victim: str, arm: str, toggles: Sequence[str]):
+        self.replayer = replayer
+        self.cls, self.victim, self.arm, self.toggles = cls, victim, arm, list(toggles)
+        self._refs0 = replayer.reference_runs
+
+    @property
+    def reference_runs(self) -> int:
+        return self.replayer.reference_runs - self._refs0
+
+    def __call__(self, trace: Trace) -> bool:
+        return self.replayer.judge(trace, victim=self.victim, arm=self.arm, toggles=self.toggles) == self.cls
+
+    def victim_class(self, trace: Trace, runs: int = 1) -> tuple[str | None, Checked]:
+        """The victim's class over ``runs`` full runs (the final verification)."""
+        checked = self.replayer.check(trace, runs=runs, arms={self.arm: list(self.toggles)})
+        for v in checked.verdicts:
+            if v.request_id == self.victim and v.arm == self.arm:
+                return v.class_, checked
+        return None, checked
