@@ -123,6 +123,11 @@ class CampaignState:
     # The source bandit's discounted [reward, pulls] per source (fuzzer/sources.py).
     bandit: dict[str, list[float]] = field(default_factory=dict)
     mutants: str = "graft"
+    # One root cause, one bug bucket (oracle/buckets.py; not the coverage buckets): bucket id -> {prekey, key (as measured on
+    # its first finding), count, first_index, representative, report, findings}.
+    bug_buckets: dict[str, dict] = field(default_factory=dict)
+    # Findings recorded without triage (the share for known buckets was used up): still listed.
+    untriaged: list[str] = field(default_factory=list)
 
     @property
     def buckets(self) -> int:
@@ -315,6 +320,21 @@ class Campaign:
         counts = Counter(st.by_class)
         counts[finding.worst_class()] += 1
         st.by_class = dict(counts)
+        rel = str(path.relative_to(self.out))
+        entries = finding.notes.get("buckets") or []
+        if not entries and finding.worst_class() != "ok":
+            st.untriaged.append(rel)
+        for b in entries:
+            bucket = st.bug_buckets.setdefault(b["id"], {"prekey": b["prekey"], "count": 0, "first_index": i,
+                                                     "findings": []})
+            bucket["count"] += 1
+            bucket["findings"].append(rel)
+            if b.get("first"):
+                # The bucket's regression case: the (minimal) first finding, for `kvfuzz gate`.
+                case = self.out / "buckets" / f"{b['id']}.json"
+                save(finding, case)
+                bucket.update(key=b.get("key"), first_index=i, representative=rel,
+                              case=str(case.relative_to(self.out)), report=f"kvfuzz report {path}")
 
 
 def run_campaign(opts: CampaignOptions, check_trace: Callable[[Trace], Checked],

@@ -32,7 +32,7 @@ from kvfuzz.traces import (
 )
 
 from . import shapes
-from .shapes import at_step, fresh_id, kv_capacity_tokens  # noqa: F401  (kv_capacity_tokens: public)
+from .shapes import at_step, embedded_bytes_per_token, fresh_id, kv_capacity_tokens  # noqa: F401  (kv_capacity_tokens: public)
 
 Event = SendEvent | CancelEvent
 OperatorFn = Callable[[Trace, random.Random], Trace | None]
@@ -337,11 +337,11 @@ def op_long_pressure(trace: Trace, rng: random.Random) -> Trace | None:
     return None if events is None else _rebuild(trace, events)
 
 
-def min_kv_bytes(engine: EngineConfig, bytes_per_token: int = 1024) -> int:
-    """The smallest KV cache vLLM accepts: one request of max_model_len tokens must fit.
-    1 KiB per token is the embedded model (2 layers x 1 KV head x 64 dims x K,V x fp32)."""
+def min_kv_bytes(engine: EngineConfig) -> int:
+    """The smallest KV cache vLLM accepts: one request of max_model_len tokens must fit (the
+    embedded model's bytes per token, shapes.embedded_bytes_per_token)."""
     blocks = -(-engine.max_model_len // engine.block_size) + 1
-    return blocks * engine.block_size * bytes_per_token
+    return blocks * engine.block_size * embedded_bytes_per_token(engine)
 
 
 @operator("small_kv", "The same trace on a KV cache barely larger than one max-length request: "

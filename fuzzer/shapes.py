@@ -60,11 +60,20 @@ def prefill_steps(length: int, engine: EngineConfig) -> int:
     return max(1, -(-length // engine.max_num_batched_tokens))
 
 
-def kv_capacity_tokens(engine: EngineConfig, bytes_per_token: int = 1024) -> int:
-    """About how many tokens the KV cache holds (exact for the embedded model's 1 KiB/token;
-    other models: assume 1.5 x max_model_len)."""
+# KV bytes per token of the embedded model: 2 layers x (K, V) x 1 KV head x 64 dims x the
+# KV dtype's size (the model dtype's: 4 bytes in float32, 2 in 16-bit).
+EMBEDDED_KV_VALUES_PER_TOKEN = 2 * 2 * 64
+
+
+def embedded_bytes_per_token(engine: EngineConfig) -> int:
+    return EMBEDDED_KV_VALUES_PER_TOKEN * (4 if engine.dtype in ("float32", "auto") else 2)
+
+
+def kv_capacity_tokens(engine: EngineConfig) -> int:
+    """About how many tokens the KV cache holds (exact for the embedded model: 1 KiB/token in
+    float32, half that in 16-bit; other models: assume 1.5 x max_model_len)."""
     if engine.model == EMBEDDED_MODEL and engine.kv_cache_bytes:
-        return engine.kv_cache_bytes // bytes_per_token
+        return engine.kv_cache_bytes // embedded_bytes_per_token(engine)
     return int(engine.max_model_len * 1.5)
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Literal, Protocol, runtime_checkable
 
 from kvfuzz.traces import EngineConfig, Environment, History, RequestRecord, SendEvent, Trace
+from kvfuzz.traces.calibration import NoiseKey
 from kvfuzz.traces.history import TopLogprobs
 
 EngineKind = Literal["inprocess", "server", "url"]
@@ -59,6 +60,14 @@ class Engine(Protocol):
         ...
 
     def environment(self) -> Environment: ...
+
+    def kv_capacity_tokens(self) -> int | None:
+        """Tokens the KV cache holds (None: unknown, as for a server over HTTP)."""
+        ...
+
+    def noise_key(self) -> NoiseKey:
+        """What a calibration profile must match to judge this engine's runs."""
+        ...
 
     def log_tail(self, n: int = 40) -> list[str]: ...
 

@@ -8,6 +8,9 @@ from importlib import metadata
 from typing import Any
 
 from kvfuzz.traces import EngineConfig, Environment
+from kvfuzz.traces.calibration import NoiseKey
+
+from .dtypes import resolve_dtype
 
 
 def kvfuzz_version() -> str:
@@ -49,3 +52,31 @@ def describe(*, engine: str, config: EngineConfig, device: str, model_hash: str 
         toggles=list(config.toggles),
         engine_flags=flags if flags is not None else config.model_dump(mode="json", exclude={"toggles"}),
     )
+
+
+def device_name(device: str) -> str:
+    """What kernels a device runs: the CPU model (AVX2 and AVX-512 builds differ) or the GPU."""
+    if device == "cuda":
+        try:
+            import torch
+
+            return str(torch.cuda.get_device_name(0))
+        except Exception:  # noqa: BLE001 - no driver here: the key still names the device kind
+            return "cuda"
+    try:
+        for line in open("/proc/cpuinfo", encoding="utf-8"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def noise_key(config: EngineConfig, *, device: str, model_hash: str | None, name: str | None = None) -> NoiseKey:
+    """What a calibration profile must match to serve this engine (traces/calibration.py)."""
+    return NoiseKey(device=device, device_name=name or device_name(device), dtype=resolve_dtype(config.dtype, device),
+                    model=config.model, model_hash=model_hash, vllm=vllm_version(),
+                    attention_backend=str(config.extra_args.get("attention_backend", "default")),
+                    chunked_prefill=config.enable_chunked_prefill,
+                    max_num_batched_tokens=config.max_num_batched_tokens, block_size=config.block_size,
+                    lora=config.lora.enabled)

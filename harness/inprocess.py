@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,12 +30,14 @@ from kvfuzz.traces import (
     Trace,
     expand,
 )
+from kvfuzz.traces.calibration import NoiseKey
 from kvfuzz.traces.errors import BadInput, InfraError
+from kvfuzz.traces.history import TopLogprobs
 
 from . import toggles as toggle_registry
 from .blocks import BlockEdges
 from .embedded import ResolvedModel, resolve_model
-from .logs import read_tail, route_vllm_logs
+from .logs import quiet_stderr, read_tail, route_vllm_logs
 from .vllm_args import engine_args
 
 log = logging.getLogger("kvfuzz.harness")
@@ -113,25 +115,29 @@ class InProcessEngine:
         _prepare_env()
         t0 = time.perf_counter()
         self._model = resolve_model(self.config)
-        try:
-            from vllm import EngineArgs
-            from vllm.lora.request import LoRARequest
-            from vllm.v1.engine.llm_engine import LLMEngine
-        except ImportError as e:
-            raise InfraError(f"vLLM is not installed ({e}); install kvfuzz[cpu] or kvfuzz[gpu]") from None
+        # vLLM's logger goes to the log file before vLLM is imported (its import logs too), and
+        # so does whatever else the start writes to stderr (warnings, progress bars).
         route_vllm_logs(self.log_file)
-        # Toggles are installed (inactive) before the engine exists: some patch classes that
-        # the engine instantiates.
-        toggle_registry.install(self.config.toggles)
-        try:
-            self._llm = LLMEngine.from_engine_args(EngineArgs(**engine_args(self.config, self._model.model_path,
-                                                                            device=self.device)))
-        except ValueError as e:
-            # vLLM validates its configuration with ValueError (e.g. a KV cache too small for
-            # max_model_len): that is the trace's engine section being wrong, not the machine.
-            raise BadInput(f"vLLM rejected the engine configuration: {e}".splitlines()[0], field="engine") from e
-        except Exception as e:
-            raise InfraError(f"vLLM engine failed to start: {type(e).__name__}: {e}".splitlines()[0]) from e
+        with quiet_stderr(self.log_file):
+            try:
+                from vllm import EngineArgs
+                from vllm.lora.request import LoRARequest
+                from vllm.v1.engine.llm_engine import LLMEngine
+            except ImportError as e:
+                raise InfraError(f"vLLM is not installed ({e}); install kvfuzz[cpu] or kvfuzz[gpu]") from None
+            # Toggles are installed (inactive) before the engine exists: some patch classes
+            # that the engine instantiates.
+            toggle_registry.install(self.config.toggles)
+            try:
+                self._llm = LLMEngine.from_engine_args(EngineArgs(**engine_args(
+                    self.config, self._model.model_path, device=self.device)))
+            except ValueError as e:
+                # vLLM validates its configuration with ValueError (e.g. a KV cache too small
+                # for max_model_len): the trace's engine section is wrong, not the machine.
+                raise BadInput(f"vLLM rejected the engine configuration: {e}".splitlines()[0],
+                               field="engine") from e
+            except Exception as e:
+                raise InfraError(f"vLLM engine failed to start: {type(e).__name__}: {e}".splitlines()[0]) from e
         for i, (name, path) in enumerate(sorted(self._model.adapter_paths.items()), start=1):
             self._lora_requests[name] = LoRARequest(name, i, path)
         self._install_hooks()
@@ -140,10 +146,11 @@ class InProcessEngine:
 
     def close(self) -> None:
         if self._llm is not None:
-            try:
-                self._llm.engine_core.shutdown()
-            except Exception:  # shutting down a broken engine must not mask the real error
-                log.debug("engine shutdown failed", exc_info=True)
+            with quiet_stderr(self.log_file):
+                try:
+                    self._llm.engine_core.shutdown()
+                except Exception:  # shutting down a broken engine must not mask the real error
+                    log.debug("engine shutdown failed", exc_info=True)
             self._llm = None
             import gc
 
@@ -489,7 +496,60 @@ class InProcessEngine:
             raise InfraError(f"reference run for {send.request_id!r} failed: {h.crash_detail}")
         return h.requests[send.request_id]
 
+    def score(self, send: SendEvent, tokens: Sequence[int]) -> list[TopLogprobs]:
+        """Teacher forcing: ``send``'s prompt followed by ``tokens`` as one prompt, alone on a
+        clean slate (no prefix-cache hit can serve it: the cache is empty, so the prompt
+        logprobs are computed, never read from an uninitialised buffer; vLLM #42019) with the
+        reference toggles. Per token: its logprob, then the best other token's."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        from .http.wire import scored_positions
+
+        if self._llm is None:
+            self.start()
+        prompt = expand(send.prompt)
+        # One token must still be generated: a run that used all of max_model_len loses its
+        # last position.
+        scored = [int(x) for x in tokens][: max(0, self.config.max_model_len - len(prompt) - 1)]
+        if not scored:
+            return []
+        self.clean_slate()
+        params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2, ignore_eos=True,
+                                output_kind=RequestOutputKind.FINAL_ONLY)
+        lora = self._lora_requests.get(send.adapter) if send.adapter else None
+        rid = f"kvfuzz-score-{send.request_id}"
+        final = None
+        with toggle_registry.activate(self.reference_toggles):
+            self._llm.add_request(rid, {"prompt_token_ids": prompt + scored}, params, lora_request=lora)
+            for _ in range(self._step_budget_for(len(prompt) + len(scored))):
+                for out in self._llm.step():
+                    if out.request_id == rid and out.finished:
+                        final = out
+                if not self._llm.has_unfinished_requests():
+                    break
+        self._step_capture.clear()
+        if final is None or final.prompt_logprobs is None:
+            raise InfraError(f"teacher-forced scoring of {send.request_id!r} returned no prompt logprobs")
+        rows = [None if d is None else {t: {"logprob": lp.logprob} for t, lp in d.items()}
+                for d in final.prompt_logprobs]
+        return scored_positions(rows, len(prompt), scored)
+
+    def _step_budget_for(self, tokens: int) -> int:
+        return 4 * (tokens // max(1, self.config.max_num_batched_tokens) + 1) + 100
+
     # -- environment ---------------------------------------------------------------------------
+    def kv_capacity_tokens(self) -> int | None:
+        if self._llm is None:
+            self.start()
+        pool = self._core().scheduler.kv_cache_manager.block_pool
+        return int(pool.num_gpu_blocks - 1) * self.config.block_size  # block 0 is the null block
+
+    def noise_key(self) -> NoiseKey:
+        from .environment import noise_key
+
+        return noise_key(self.config, device=self.device, model_hash=self.model_hash)
+
     def environment(self) -> Environment:
         from .environment import describe
 

@@ -6,7 +6,8 @@ import hashlib
 from collections import OrderedDict
 from collections.abc import Callable
 
-from kvfuzz.traces import History, RequestRecord, SendEvent, Trace, expand
+from kvfuzz.traces import Divergence, History, RequestRecord, Scoring, SendEvent, Trace, expand
+from kvfuzz.traces.history import TopLogprobs
 from kvfuzz.traces.result import Recording
 
 from .base import Engine
@@ -74,3 +75,55 @@ def record(engine: Engine, trace: Trace, *, runs: int = 3, arms: dict[str, list[
     env = engine.environment()
     env.toggles = sorted({t for ts in arms.values() for t in ts})
     return Recording(trace=trace, histories=histories, references=references, environment=env, arms=arms)
+
+
+class ScoreStore:
+    """Memoised teacher-forced scorings: a request's prompt plus a run's tokens, alone on a
+    clean cache, keyed like references (engine configuration and reference toggles, adapter,
+    prompt) plus the tokens. Runs that diverged the same way are scored once. Bounded like
+    the reference memo."""
+
+    def __init__(self, max_entries: int = ReferenceStore.DEFAULT_MAX_ENTRIES) -> None:
+        self._memo: OrderedDict[tuple[str, str | None, str, str], list[TopLogprobs]] = OrderedDict()
+        self.max_entries = max(1, max_entries)
+        self.computed = 0
+
+    def get(self, engine: Engine, send: SendEvent, tokens: list[int]) -> list[TopLogprobs]:
+        config, adapter, prompt = ReferenceStore.key(engine, send)
+        k = (config, adapter, prompt, hashlib.sha256(repr(tokens).encode()).hexdigest()[:20])
+        have = self._memo.get(k)
+        if have is not None:
+            self._memo.move_to_end(k)
+            return have
+        got = engine.score(send, tokens)
+        self.computed += 1
+        self._memo[k] = got
+        while len(self._memo) > self.max_entries:
+            self._memo.popitem(last=False)
+        return got
+
+
+def score_diverged(engine: Engine, rec: Recording, verdicts: list[Divergence], store: ScoreStore,
+                   *, per_request: int = 3) -> list[Scoring]:
+    """Teacher-forced scorings of the runs whose tokens differ from their reference, for every
+    request with a divergent verdict (at most ``per_request`` distinct token sequences each:
+    enough to see how a run differs, without scoring every repeat)."""
+    have = {(s.arm, s.run_index, s.request_id) for s in rec.scores}
+    out: list[Scoring] = []
+    for v in verdicts:
+        if v.class_ not in ("corruption", "numeric-near-tie") or v.request_id not in rec.references:
+            continue
+        ref = rec.references[v.request_id]
+        send = rec.trace.send(v.request_id)
+        seen: set[tuple[int, ...]] = set()
+        for h in rec.histories:
+            r = h.requests.get(v.request_id)
+            if h.arm != v.arm or r is None or (h.arm, h.run_index, v.request_id) in have:
+                continue
+            toks = tuple(r.token_ids[: send.max_tokens])
+            if not toks or list(toks) == ref.token_ids[: len(toks)] or toks in seen or len(seen) >= per_request:
+                continue
+            seen.add(toks)
+            out.append(Scoring(request_id=v.request_id, arm=h.arm, run_index=h.run_index, token_ids=list(toks),
+                               logprobs=store.get(engine, send, list(toks))))
+    return out

@@ -19,8 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvfuzz.traces import EngineConfig, Environment, History, RequestRecord, SendEvent, Trace
+from kvfuzz.traces import EngineConfig, Environment, History, RequestRecord, SendEvent, Trace, expand
+from kvfuzz.traces.calibration import NoiseKey
 from kvfuzz.traces.errors import BadInput, EngineDied, EngineHang, InfraError, Unreachable
+from kvfuzz.traces.history import TopLogprobs
 
 from .base import EngineKind
 from .http import control
@@ -304,7 +306,26 @@ class ServerEngine(HttpEngineBase):
             raise InfraError(f"reference run for {send.request_id!r} failed: {rec.error or hist.crash_detail}")
         return rec
 
+    def score(self, send: SendEvent, tokens: Sequence[int]) -> list[TopLogprobs]:
+        """Teacher forcing on the vanilla server after a prefix-cache reset (see
+        ``http.control.score``)."""
+        self._ensure([])
+        self._clean_slate()
+        assert self.target is not None
+        prompt = expand(send.prompt)
+        scored = [int(x) for x in tokens][: max(0, self.config.max_model_len - len(prompt) - 1)]
+        if not scored:
+            return []
+        return control.score(self.target, prompt, scored, adapter=send.adapter, timeout_s=self.request_timeout_s)
+
     # -- environment ---------------------------------------------------------------------------
+    def noise_key(self) -> NoiseKey:
+        from .environment import noise_key
+
+        if self._model_path is None:
+            self._resolve()
+        return noise_key(self.config, device=self.device, model_hash=self._model_hash)
+
     def environment(self) -> Environment:
         from .environment import describe
 

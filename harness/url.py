@@ -12,11 +12,13 @@ and the finding says so (``reference_note``).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
-from kvfuzz.traces import EngineConfig, Environment, History, RequestRecord, SendEvent, Trace
+from kvfuzz.traces import EngineConfig, Environment, History, RequestRecord, SendEvent, Trace, expand
+from kvfuzz.traces.calibration import NoiseKey
 from kvfuzz.traces.errors import BadInput, InfraError, Unreachable
+from kvfuzz.traces.history import TopLogprobs
 
 from .base import EngineKind
 from .http import control
@@ -132,6 +134,27 @@ class UrlEngine(HttpEngineBase):
         if rec.error:
             raise InfraError(f"reference run for {send.request_id!r} failed: {rec.error}")
         return rec
+
+    def score(self, send: SendEvent, tokens: Sequence[int]) -> list[TopLogprobs]:
+        """Teacher forcing with the references' isolation (a prefix-cache reset, or a fresh salt)."""
+        self.start()
+        assert self.target is not None
+        salt = self._before_run()
+        prompt = expand(send.prompt)
+        scored = [int(x) for x in tokens][: max(0, self.config.max_model_len - len(prompt) - 1)]
+        if not scored:
+            return []
+        return control.score(self.target, prompt, scored, adapter=send.adapter, cache_salt=salt,
+                             timeout_s=self.request_timeout_s)
+
+    def noise_key(self) -> NoiseKey:
+        """A server kvfuzz does not manage: its device is unknown, so its profile is its own
+        (measured through the same URL)."""
+        from .environment import noise_key
+
+        self.start()
+        return noise_key(self.config.model_copy(update={"model": self._model or self.config.model}),
+                         device="url", model_hash=None, name=self.shown_url)
 
     def environment(self) -> Environment:
         from .environment import describe

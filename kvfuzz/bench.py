@@ -23,7 +23,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvfuzz.traces import Finding
+from kvfuzz.session import Session
+from kvfuzz.traces import Divergence, EngineConfig, Finding
 
 DETECTING = ("corruption", "engine-crash", "error")
 TARGET_TRACES = 20
@@ -36,7 +37,7 @@ class SeedResult:
     detected: bool
     traces: int  # traces run (including the detecting one)
     seconds: float  # campaign seconds until detection (or the budget used)
-    finding: str | None = None
+    finding: str | None = None  # relative to the bench output directory
     victims: list[str] = field(default_factory=list)
     cls: str | None = None
 
@@ -48,7 +49,13 @@ class ToggleResult:
     arm: str
     toggles: list[str]
     profile: str = "base"  # engine profile: "base" or "lora"
+    dtype: str = "float32"
     seeds: list[SeedResult] = field(default_factory=list)
+    # Divergences the toggle explains, over every finding of its campaigns: how many, and how
+    # many were filed numeric-near-tie by the evidence rule and by the rule before issue 17.
+    divergences: int = 0
+    near_ties: int = 0
+    near_ties_before: int = 0
 
     def found(self) -> list[SeedResult]:
         return [s for s in self.seeds if s.detected]
@@ -93,19 +100,34 @@ def _machine() -> dict:
     return info
 
 
+# The rule before issue 17, for the comparison figure: a flip was a near tie when the
+# reference's margin was below one per-dtype threshold and the drift before it was not above it.
+PREVIOUS_NEAR_TIE = {"float32": 1e-3, "bfloat16": 0.5, "float16": 0.0625}
+
+
+def near_tie_before(d: Divergence, dtype: str) -> bool:
+    if d.class_ not in ("corruption", "numeric-near-tie") or d.margin is None:
+        return False
+    th = PREVIOUS_NEAR_TIE.get(dtype, 0.5)
+    return d.margin < th and not (d.drift is not None and d.drift > th)
+
+
 def _detects(f: Finding | None, toggle: str) -> bool:
     return f is not None and any(d.explained_by == toggle and d.class_ in DETECTING for d in f.divergences)
 
 
-def _campaign(session: Any, arm: str, toggles: list[str], seed: int, *, budget: float, max_traces: int | None,
-              runs: int, out: Path, engine: Any, stop_on: str | None,
+def _campaign(session: Session, arm: str, toggles: list[str], seed: int, *, budget: float, max_traces: int | None,
+              runs: int, out: Path, engine: EngineConfig, stop_on: str | None, runs_fixed: bool = False,
               on_finding: Any = None) -> tuple[Any, float, Any]:
-    """One campaign of ``arm``; stops at the first finding explained by ``stop_on``."""
+    """One campaign of ``arm`` as ``kvfuzz run`` runs it (adaptive runs, attribution and
+    buckets; no minimization, controls or ablation: they come after detection); stops at the
+    first finding explained by ``stop_on``."""
     from kvfuzz.fuzzer import CampaignOptions, run_campaign
-    from kvfuzz.harness.runner import ReferenceStore
-    from kvfuzz.triage.attribution import check_attributed
+    from kvfuzz.harness.runner import ReferenceStore, ScoreStore
+    from kvfuzz.recovery import Recovering
+    from kvfuzz.triage.campaign import CampaignTriage
 
-    session.references = ReferenceStore()
+    session.references, session.scores = ReferenceStore(), ScoreStore()
     opts = CampaignOptions(seed=seed, budget_s=budget, max_traces=max_traces, runs=runs, out=out, engine=engine)
     hit: dict[str, Any] = {}
     t0 = time.monotonic()
@@ -120,7 +142,9 @@ def _campaign(session: Any, arm: str, toggles: list[str], seed: int, *, budget: 
 
     state = None
     try:
-        state = run_campaign(opts, lambda t: check_attributed(session, t, runs=runs, arms={arm: toggles}), outcome)
+        triage = CampaignTriage(session, Recovering(session), {arm: toggles}, out, confirm_runs=runs,
+                                runs_fixed=runs_fixed, minimize=False, controls=False, ablate=False)
+        state = run_campaign(opts, triage, outcome)
     except _Detected:
         pass
     return state, time.monotonic() - t0, hit
@@ -141,18 +165,23 @@ def _profiles(chosen: list[str], lora: str) -> dict[str, list[str]]:
     return out
 
 
-def bench_engine(profile: str, kv_cache_mb: int, max_model_len: int) -> Any:
+def bench_engine(profile: str, kv_cache_mb: int, max_model_len: int, dtype: str = "float32") -> EngineConfig:
     from kvfuzz.fuzzer import default_engine
 
-    return default_engine(lora=profile == "lora", kv_cache_bytes=kv_cache_mb * 2**20, max_model_len=max_model_len)
+    # The same number of KV tokens in every dtype (16-bit halves the bytes per token), so a
+    # fault that needs KV pressure meets the same pressure.
+    scale = 2 if dtype == "float32" else 1
+    return default_engine(lora=profile == "lora", kv_cache_bytes=kv_cache_mb * 2**20 * scale // 2,
+                          max_model_len=max_model_len, dtype=dtype)
 
 
 def run_bench(*, toggles: list[str] | None, seeds: list[int], budget: float, max_traces: int | None,
               control_budget: float, runs: int, out: Path, device: str, lora: str = "auto", kv_cache_mb: int = 8,
-              max_model_len: int = 8000, progress: Any = print, session: Any = None) -> dict:
+              max_model_len: int = 8000, dtypes: list[str] | None = None, runs_fixed: bool = False,
+              progress: Any = print, session: Session | None = None) -> dict:
+    from kvfuzz.calibrate import prepare_bounds
     from kvfuzz.harness import toggles as reg
     from kvfuzz.oracle.attribution import single_arm
-    from kvfuzz.session import Session
 
     clean = reg.clean_set(device)
     changing = reg.output_changing(device)
@@ -184,42 +213,62 @@ def run_bench(*, toggles: list[str] | None, seeds: list[int], budget: float, max
             if d.explained_by is None:
                 unexplained.append(f"{f.id}:{d.arm}:{d.request_id}:{d.class_}")
 
+    dtypes = dtypes or ["float32"]
+    calibrations: dict[str, dict] = {}
     try:
-        for profile, names in profiles.items():
-            engine = engines[profile] = bench_engine(profile, kv_cache_mb, max_model_len)
-            t_start = time.monotonic()
-            session.engine_for(engine)
-            starts[profile] = round(time.monotonic() - t_start, 1)
-            for name in names:
-                arm, arm_toggles = single_arm(name, clean)
-                tr = ToggleResult(name=name, kind=reg.get(name).kind, arm=arm, toggles=arm_toggles, profile=profile)
-                for seed in seeds:
-                    state, secs, hit = _campaign(session, arm, arm_toggles, seed, budget=budget,
-                                                 max_traces=max_traces, runs=runs, out=out / name / f"seed{seed}",
-                                                 engine=engine, stop_on=name)
-                    if hit:
-                        f = hit["outcome"].finding
-                        victims = sorted({d.request_id for d in f.divergences if d.explained_by == name})
-                        sr = SeedResult(seed, True, hit["traces"], round(hit["seconds"], 1), hit["file"], victims,
-                                        f.worst_class())
-                    else:
-                        sr = SeedResult(seed, False, state.traces if state else 0, round(secs, 1))
-                    tr.seeds.append(sr)
-                    progress(f"{name} seed {seed}: " + (f"found after {sr.traces} traces, {sr.seconds:.0f} s"
-                                                        if sr.detected else
-                                                        f"not found in {sr.traces} traces, {sr.seconds:.0f} s"))
-                results.append(tr)
-            # Clean control on this engine: the same seeds (so the same traces the faults ran
-            # on), every applicable fix on, no fault; its share of the control budget.
-            share = control_budget / len(profiles) / max(1, len(seeds))
-            for seed in seeds if share > 0 else []:
-                state, secs, _ = _campaign(session, "clean", clean, seed, budget=share, max_traces=None, runs=runs,
-                                           out=out / "control" / profile / f"seed{seed}", engine=engine,
-                                           stop_on=None, on_finding=note)
-                control_traces += state.traces if state else 0
-                control_seconds += secs
-                progress(f"control ({profile}) seed {seed}: {state.traces if state else 0} traces, {secs:.0f} s, "
-                         f"divergences so far: {by_class or 'none'}")
+        for dtype in dtypes:
+            for profile, names in profiles.items():
+                label = f"{profile}/{dtype}"
+                engine = engines[label] = bench_engine(profile, kv_cache_mb, max_model_len, dtype)
+                t_start = time.monotonic()
+                session.engine_for(engine)
+                starts[label] = round(time.monotonic() - t_start, 1)
+                # The default campaign calibrates its noise bounds first (not counted in any figure).
+                t_cal = time.monotonic()
+                bounds = prepare_bounds(session, engine, calibrate_if_missing=True, progress=progress)
+                calibrations[label] = {**bounds.to_json(), "seconds": round(time.monotonic() - t_cal, 1)}
+                for name in names:
+                    arm, arm_toggles = single_arm(name, clean)
+                    tr = ToggleResult(name=name, kind=reg.get(name).kind, arm=arm, toggles=arm_toggles,
+                                      profile=profile, dtype=dtype)
+
+                    def count(f: Finding, tr: ToggleResult = tr) -> None:
+                        for d in f.divergences:
+                            if d.explained_by == tr.name and d.class_ in ("corruption", "numeric-near-tie"):
+                                tr.divergences += 1
+                                tr.near_ties += d.class_ == "numeric-near-tie"
+                                tr.near_ties_before += near_tie_before(d, tr.dtype)
+
+                    for seed in seeds:
+                        state, secs, hit = _campaign(session, arm, arm_toggles, seed, budget=budget,
+                                                     max_traces=max_traces, runs=runs,
+                                                     out=out / dtype / name / f"seed{seed}", engine=engine,
+                                                     stop_on=name, runs_fixed=runs_fixed, on_finding=count)
+                        if hit:
+                            f = hit["outcome"].finding
+                            victims = sorted({d.request_id for d in f.divergences if d.explained_by == name})
+                            # Relative to the bench's --out, so `kvfuzz report OUT/<finding>` works.
+                            rel = f"{dtype}/{name}/seed{seed}/{hit['file']}" if hit["file"] else None
+                            sr = SeedResult(seed, True, hit["traces"], round(hit["seconds"], 1), rel,
+                                            victims, f.worst_class())
+                        else:
+                            sr = SeedResult(seed, False, state.traces if state else 0, round(secs, 1))
+                        tr.seeds.append(sr)
+                        progress(f"{name} ({dtype}) seed {seed}: " + (
+                            f"found after {sr.traces} traces, {sr.seconds:.0f} s" if sr.detected else
+                            f"not found in {sr.traces} traces, {sr.seconds:.0f} s"))
+                    results.append(tr)
+                # Clean control on this engine: the same seeds (so the same traces the faults ran
+                # on), every applicable fix on, no fault; its share of the control budget.
+                share = control_budget / len(profiles) / len(dtypes) / max(1, len(seeds))
+                for seed in seeds if share > 0 else []:
+                    state, secs, _ = _campaign(session, "clean", clean, seed, budget=share, max_traces=None,
+                                               runs=runs, out=out / dtype / "control" / profile / f"seed{seed}",
+                                               engine=engine, stop_on=None, runs_fixed=runs_fixed, on_finding=note)
+                    control_traces += state.traces if state else 0
+                    control_seconds += secs
+                    progress(f"control ({label}) seed {seed}: {state.traces if state else 0} traces, {secs:.0f} s, "
+                             f"divergences so far: {by_class or 'none'}")
     finally:
         if own:
             session.close()
@@ -230,10 +279,11 @@ def run_bench(*, toggles: list[str] | None, seeds: list[int], budget: float, max
         "load_avg_after": [round(x, 2) for x in os.getloadavg()],
         "command": "kvfuzz " + " ".join(sys.argv[1:]),
         "config": {"device": device, "seeds": seeds, "budget_s": budget, "max_traces": max_traces, "runs": runs,
+                   "runs_fixed": runs_fixed,
                    "control_budget_s": control_budget, "lora": lora, "kv_cache_mb": kv_cache_mb,
-                   "max_model_len": max_model_len,
+                   "max_model_len": max_model_len, "dtypes": dtypes,
                    "engines": {p: e.model_dump(mode="json") for p, e in engines.items()},
-                   "engine_start_s": starts},
+                   "engine_start_s": starts, "calibration": calibrations},
         "clean_arm": clean,
         "targets": {"median_traces": TARGET_TRACES, "median_seconds": TARGET_SECONDS, "control_corruption": 0},
         "toggles": [{**asdict(r), **r.summary()} for r in results],

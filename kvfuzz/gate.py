@@ -23,7 +23,7 @@ SELF_TEST_CLEAN = "clean"
 
 def bundled_corpus() -> Path:
     """``traces/regressions/`` as installed (package data)."""
-    return Path(str(resources.files("traces") / "regressions"))
+    return Path(str(resources.files("kvfuzz.traces") / "regressions"))
 
 
 def collect(paths: list[Path]) -> list[Path]:
@@ -103,6 +103,12 @@ def apply_overrides(trace: Trace, overrides: list[str], *, source: str | None = 
         err = e.errors()[0]
         where = ".".join(str(x) for x in err["loc"])
         raise BadInput(f"after --override: {where}: {err['msg']}", source=source, field="--override") from None
+
+
+def in_dtype(trace: Trace, dtype: str) -> Trace:
+    """``trace`` on its engine in ``dtype`` (``--dtype``): the KV cache keeps its capacity in
+    tokens, so the trace's KV pressure survives (EngineConfig.with_dtype)."""
+    return trace.model_copy(update={"engine": trace.engine.with_dtype(dtype)})
 
 
 @dataclass

@@ -117,6 +117,16 @@ class Recovering:
             self._consecutive = 0
         return checked
 
+    def explain(self, checked: Checked, *, runs: int | None = None) -> Checked:
+        """Toggle attribution of a checked trace (its re-runs), with the same crash handling."""
+        from kvfuzz.triage.attribution import explain_toggles
+
+        try:
+            return explain_toggles(self.session, checked, runs=runs)
+        except InfraError as e:
+            crashed = self._crashed(checked.recording.trace, e, checked.recording.arms)
+            return crashed
+
     def _crashed(self, trace: Trace, error: InfraError, arms: dict[str, list[str]] | None) -> Checked:
         engine = self.session.engine
         self.crashes += 1

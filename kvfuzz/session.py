@@ -15,10 +15,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvfuzz.harness.base import Engine, EngineKind
-from kvfuzz.harness.runner import ReferenceStore, record
-from kvfuzz.oracle import Thresholds, check, classify_run, divergent, make_finding
+from kvfuzz.harness.runner import ReferenceStore, ScoreStore, record, score_diverged
+from kvfuzz.oracle import NoiseBounds, bounds_from, check, classify_run, default_bounds, divergent, make_finding
 from kvfuzz.oracle.check import ENGINE
-from kvfuzz.traces import EngineConfig, Trace
+from kvfuzz.traces import Divergence, EngineConfig, Finding, Scoring, Trace
+from kvfuzz.traces.calibration import CalibrationProfile, find_profile
 from kvfuzz.traces.errors import BadInput
 from kvfuzz.traces.result import Checked, Recording
 
@@ -54,10 +55,16 @@ class Session:
     engine_kind: EngineKind = "inprocess"
     device: str = "cpu"
     runs: int = 3
-    thresholds: Thresholds = field(default_factory=Thresholds)
+    # Noise bounds the user set (near_tie, drift, teacher); the others come from the matching
+    # calibration profile in ``profiles_dir`` (default: the kvfuzz cache), else the defaults.
+    bound_overrides: dict[str, float] = field(default_factory=dict)
+    profiles_dir: Path | None = None
+    # Profiles named on the command line, used for every engine whose key they match.
+    profiles: list[CalibrationProfile] = field(default_factory=list)
     log_file: Path | None = None
     engine: Engine | None = None
     references: ReferenceStore = field(default_factory=ReferenceStore)
+    scores: ScoreStore = field(default_factory=ScoreStore)
     # engine_kind "server": how to run the managed server; "url": the server's address.
     server_options: ServerOptions | None = None
     base_url: str | None = None
@@ -65,16 +72,17 @@ class Session:
     model: str | None = None
     # In-process engine: wall-clock deadline of one run of a trace (docs/reliability.md).
     trace_deadline_s: float | None = 600.0
+    _bounds: dict[str, NoiseBounds] = field(default_factory=dict, repr=False)
 
     @classmethod
-    def for_target(cls, kind: EngineKind, *, device: str, runs: int, out: Path, near_tie: float | None = None,
-                   base_url: str | None = None, api_key: str | None = None, model: str | None = None,
-                   server_flags: list[str] | None = None) -> "Session":
+    def for_target(cls, kind: EngineKind, *, device: str, runs: int, out: Path,
+                   bounds: dict[str, float] | None = None, base_url: str | None = None, api_key: str | None = None,
+                   model: str | None = None, server_flags: list[str] | None = None) -> "Session":
         """A session on the engine the replay-style commands name (in-process, a managed
         server with its logs in ``out``, or a server at ``base_url``)."""
         from kvfuzz.harness.server import ServerOptions
 
-        return cls(engine_kind=kind, device=device, runs=runs, thresholds=Thresholds(near_tie=near_tie),
+        return cls(engine_kind=kind, device=device, runs=runs, bound_overrides=dict(bounds or {}),
                    log_file=out / "engine.log", base_url=base_url, api_key=api_key, model=model,
                    server_options=ServerOptions(device=device, extra_flags=list(server_flags or []), log_dir=out))
 
@@ -131,20 +139,60 @@ class Session:
         """Replay ``trace`` ``runs`` times in each arm (default: its own toggles), with references."""
         return record(self.engine_for(trace.engine), trace, runs=runs or self.runs, arms=arms, store=self.references)
 
+    # -- noise bounds ------------------------------------------------------------------------------
+    def bounds_for(self, config: EngineConfig) -> NoiseBounds:
+        """The bounds for runs of ``config``: from the calibration profile that matches its
+        engine (device, dtype, model, flags), else the dtype's defaults; the user's overrides win."""
+        k = config.key()
+        if k not in self._bounds:
+            key = self.engine_for(config).noise_key()
+            profile = next((p for p in self.profiles if p.key == key), None) or find_profile(key, self.profiles_dir)
+            self._bounds[k] = self._with_overrides(bounds_from(profile) if profile else default_bounds(config.dtype))
+        return self._bounds[k]
+
+    def use_profile(self, config: EngineConfig, profile: CalibrationProfile) -> NoiseBounds:
+        """Judge runs of ``config`` by ``profile`` (just measured, or named on the command line)."""
+        self._bounds[config.key()] = self._with_overrides(bounds_from(profile))
+        return self._bounds[config.key()]
+
+    def _with_overrides(self, bounds: NoiseBounds) -> NoiseBounds:
+        return bounds.with_overrides(**self.bound_overrides)
+
+    # -- verdicts ------------------------------------------------------------------------------------
     def verdicts_of(self, rec: Recording, *, notes: dict | None = None) -> Checked:
-        """The oracle's verdicts on a recording and, when anything diverged, the finding."""
-        verdicts = check(rec.trace, rec.histories, rec.references, self.thresholds)
+        """The oracle's verdicts on a recording and, when anything diverged, the finding. A run
+        that diverged is scored by teacher forcing first (its own tokens, the request alone on a
+        clean cache): the evidence that tells a 16-bit near tie from wrong KV."""
+        bounds = self.bounds_for(rec.trace.engine)
+        verdicts = check(rec.trace, rec.histories, rec.references, bounds, rec.scores)
+        if divergent(verdicts) and self.engine is not None:
+            more = score_diverged(self.engine, rec, verdicts, self.scores)
+            if more:
+                rec.scores.extend(more)
+                verdicts = check(rec.trace, rec.histories, rec.references, bounds, rec.scores)
         return Checked(rec, verdicts, self.finding_of(rec, verdicts, notes=notes))
 
-    def finding_of(self, rec: Recording, verdicts: list, *, notes: dict | None = None):
+    def finding_of(self, rec: Recording, verdicts: list[Divergence], *, notes: dict | None = None) -> Finding | None:
         if not divergent(verdicts):
             return None
         finding = make_finding(rec.trace, rec.histories, rec.references, verdicts, rec.environment, rec.arms,
-                               thresholds=self.thresholds)
+                               bounds=self.bounds_for(rec.trace.engine), scores=rec.scores)
         if self.engine is not None and self.engine.reference_note:
             finding.notes["references"] = self.engine.reference_note
         finding.notes.update(notes or {})
         return finding
+
+    def confirm(self, rec: Recording, runs: int) -> Recording:
+        """``rec`` with each of its arms replayed until it has ``runs`` runs (adaptive runs: a
+        trace runs once, and again only when something diverged, to measure the rate)."""
+        engine = self.engine_for(rec.trace.engine)
+        histories = list(rec.histories)
+        for arm, toggles in rec.arms.items():
+            have = sum(1 for h in histories if h.arm == arm)
+            for k in range(have, runs):
+                histories.append(engine.replay(rec.trace, arm=arm, run_index=k, toggles=toggles))
+        return Recording(trace=rec.trace, histories=histories, references=rec.references,
+                         environment=rec.environment, arms=dict(rec.arms), scores=list(rec.scores))
 
     def check(self, trace: Trace, *, runs: int | None = None,
               arms: dict[str, list[str]] | None = None) -> Checked:
@@ -153,14 +201,23 @@ class Session:
 
     def judge(self, trace: Trace, *, victim: str, arm: str, toggles: Sequence[str]) -> str:
         """The verdict class of ``victim`` in one replay of ``trace``: only the victim's reference
-        is needed, so shrinking other requests' prompts costs no reference runs."""
+        (and, if it diverged, its teacher-forced scoring) is needed, so shrinking other
+        requests' prompts costs no reference runs."""
         engine = self.engine_for(trace.engine)
         h = engine.replay(trace, arm=arm, run_index=0, toggles=list(toggles))
         if victim == ENGINE:
             return "engine-crash" if h.crashed else "ok"
         send = trace.send(victim)
         ref = self.references.get(engine, send)
-        return classify_run(send, ref, h.requests.get(victim), h, self.thresholds.resolve(trace.engine.dtype)).cls
+        rec = h.requests.get(victim)
+        bounds = self.bounds_for(trace.engine)
+        verdict = classify_run(send, ref, rec, h, bounds)
+        if verdict.cls == "numeric-near-tie" and rec is not None:
+            # Only teacher forcing can still call it corruption (it never makes corruption noise).
+            toks = rec.token_ids[: send.max_tokens]
+            scoring = Scoring(request_id=victim, arm=arm, token_ids=toks, logprobs=self.scores.get(engine, send, toks))
+            verdict = classify_run(send, ref, rec, h, bounds, scoring)
+        return verdict.cls
 
     def close(self) -> None:
         """Done with the engine: closed, or back to the process's engine pool if there is one."""

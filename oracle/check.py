@@ -8,49 +8,17 @@ years later.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvfuzz.traces import Divergence, History, RequestRecord, SendEvent, Trace
+from kvfuzz.traces import Divergence, History, RequestRecord, Scoring, SendEvent, Trace
 from kvfuzz.traces.finding import DIVERGENT_CLASSES, SEVERITY
 
-from .diff import Comparison, compare, early_stop_comparison
+from .diff import Comparison, compare, early_stop_comparison, teacher_drifts
+from .noise import NoiseBounds, default_bounds
 from .stats import wilson
 
 ENGINE = "<engine>"  # pseudo request id for an engine crash that hit no live request
-
-
-# Default near-tie thresholds (nats) per model dtype; see docs/oracle.md for the measurements
-# (benchmarks/margins.py) and the reasoning. float32 is measured here; the 16-bit values
-# follow from their resolution (a bf16 logit near 16-32 moves in steps of 0.125, and the vLLM
-# reports show batch-order flips at exact ties and 0.125 gaps) and await a GPU re-measurement.
-NEAR_TIE_DEFAULTS: dict[str, float] = {"float32": 1e-3, "bfloat16": 0.5, "float16": 0.0625}
-_DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
-                  "half": "float16"}
-
-
-def dtype_name(dtype: str | None) -> str:
-    d = (dtype or "auto").lower().removeprefix("torch.")
-    return _DTYPE_ALIASES.get(d, d)
-
-
-@dataclass(frozen=True)
-class Thresholds:
-    """A first divergence where the reference's top-1/top-2 logprob margin is below
-    ``near_tie`` is floating-point noise territory (``numeric-near-tie``), above it a
-    ``corruption``. ``near_tie=None`` takes the default for the engine's dtype. See
-    docs/oracle.md for how the defaults were chosen."""
-
-    near_tie: float | None = None
-
-    def near_tie_for(self, dtype: str | None) -> float:
-        if self.near_tie is not None:
-            return self.near_tie
-        # "auto" and unknown dtypes get the largest (most conservative) default: a 16-bit
-        # model must not have its numeric noise reported as corruption.
-        return NEAR_TIE_DEFAULTS.get(dtype_name(dtype), max(NEAR_TIE_DEFAULTS.values()))
-
-    def resolve(self, dtype: str | None) -> "Thresholds":
-        return Thresholds(near_tie=self.near_tie_for(dtype))
 
 
 @dataclass
@@ -58,10 +26,28 @@ class RunVerdict:
     cls: str
     comparison: Comparison | None = None
     detail: str | None = None
+    # Teacher forcing: the largest drift over the run and how many positions exceeded the bound.
+    teacher: float | None = None
+    teacher_over: int | None = None
+    evidence: tuple[str, ...] = ()
+
+
+def _pair_shift(cmp: Comparison) -> float | None:
+    """How far the two tokens' logit difference moved between the reference and the run, at
+    least: the reference's margin of its token over the runner-up plus the run's margin of its
+    token over its runner-up (each top-1/top-2, so a lower bound when the other token was not
+    the runner-up). Noise of size d moves it by at most about d."""
+    if cmp.ref_margin is None:
+        return None
+    return cmp.ref_margin + (cmp.run_margin or 0.0)
 
 
 def classify_run(send: SendEvent, ref: RequestRecord | None, rec: RequestRecord | None, hist: History,
-                 th: Thresholds) -> RunVerdict:
+                 bounds: NoiseBounds, scoring: Scoring | None = None) -> RunVerdict:
+    """One run of one request against its reference. A differing token is
+    ``numeric-near-tie`` only when every piece of evidence calls it noise (docs/oracle.md):
+    the pair shift at the flip, the drift of the logprobs before it and, when the run was
+    scored by teacher forcing, the drift at every position of the run, each within its bound."""
     finished = rec is not None and (rec.finish_reason is not None or rec.cancelled)
     if hist.crashed and not finished:
         return RunVerdict("engine-crash", detail=hist.crash_detail)
@@ -71,37 +57,49 @@ def classify_run(send: SendEvent, ref: RequestRecord | None, rec: RequestRecord 
         return RunVerdict("error", detail=rec.error)
     if ref is None:
         return RunVerdict("error", detail="no reference output")
-    near_tie = th.near_tie_for(None)
     cmp = compare(ref, rec, send.max_tokens)
     if cmp.kind == "same":
         return RunVerdict("ok", cmp)
     if cmp.kind == "prefix":
         if _stopped_early(ref, rec, cmp.compared):
             # The run chose end-of-sequence where the reference chose a token: that is a
-            # different token (just not one in token_ids), judged by the same margin rule.
+            # different token (just not one in token_ids), judged by the same rule.
             cmp = early_stop_comparison(ref, rec, cmp.compared)
         else:
             why = "cancelled" if rec.cancelled else f"ended after {cmp.compared} tokens ({rec.finish_reason})"
             return RunVerdict("truncation", cmp, detail=why)
     got = "end of sequence" if cmp.got_token is None else str(cmp.got_token)
-    if cmp.ref_margin is not None and cmp.ref_margin < near_tie:
-        if cmp.prefix_drift is not None and cmp.prefix_drift > near_tie:
-            # A near tie flipped, but the logprobs before it had already moved by more than the
-            # noise the threshold allows: the run did not see the reference's context. (A small
-            # KV corruption flips the nearest tie first, so this is where it shows.)
-            return RunVerdict("corruption", cmp,
-                              detail=f"token {cmp.first_divergence}: reference {cmp.ref_token}, got {got}; reference "
-                                     f"margin {cmp.ref_margin:.3g} < {near_tie:g}, but the logprobs before it had "
-                                     f"drifted by {cmp.prefix_drift:.3g} nats (> {near_tie:g}: not noise)")
-        return RunVerdict("numeric-near-tie", cmp,
-                          detail=f"token {cmp.first_divergence}: reference {cmp.ref_token}, got {got}; reference "
-                                 f"margin {cmp.ref_margin:.3g} < {near_tie:g}")
-    m = "unknown" if cmp.ref_margin is None else f"{cmp.ref_margin:.3g}"
-    runner_up = "" if cmp.got_token is None or cmp.ref_runner_up in (None, cmp.got_token) else \
-        f"; {cmp.got_token} was not even the reference's runner-up ({cmp.ref_runner_up})"
-    return RunVerdict("corruption", cmp,
-                      detail=f"token {cmp.first_divergence}: reference {cmp.ref_token}, got {got} "
-                             f"(reference margin {m} >= {near_tie:g}{runner_up})")
+    head = f"token {cmp.first_divergence}: reference {cmp.ref_token}, got {got}"
+    drifts = teacher_drifts(rec, scoring) if scoring is not None else None
+    teacher = max(drifts) if drifts else None
+    over = sum(d > bounds.teacher for d in drifts) if drifts else None
+
+    corrupt: list[tuple[str, str]] = []
+    shift = _pair_shift(cmp)
+    if shift is None:
+        corrupt.append(("margin", "reference margin unknown"))
+    elif shift >= bounds.near_tie:
+        parts = f"reference margin {cmp.ref_margin:.3g}" + (
+            f" + the run's own margin {cmp.run_margin:.3g}" if cmp.run_margin is not None else "")
+        corrupt.append(("margin", f"the pair shift {shift:.3g} >= {bounds.near_tie:.3g} ({parts})"))
+    if cmp.prefix_drift is not None and cmp.prefix_drift > bounds.drift:
+        corrupt.append(("drift", f"the logprobs before it had drifted by {cmp.prefix_drift:.3g} "
+                                 f"(> {bounds.drift:.3g})"))
+    if teacher is not None and teacher > bounds.teacher:
+        corrupt.append(("teacher", f"teacher-forced alone on a clean cache, the run's own tokens differ by up to "
+                                   f"{teacher:.3g} at {over} of {len(drifts or [])} positions (> {bounds.teacher:.3g})"))
+    if corrupt:
+        runner_up = "" if cmp.got_token is None or cmp.ref_runner_up in (None, cmp.got_token) else \
+            f"; {cmp.got_token} was not even the reference's runner-up ({cmp.ref_runner_up})"
+        return RunVerdict("corruption", cmp, detail=f"{head}: not noise: " + "; ".join(w for _, w in corrupt)
+                          + runner_up, teacher=teacher, teacher_over=over, evidence=tuple(k for k, _ in corrupt))
+    noise = [f"pair shift {shift:.3g} < {bounds.near_tie:.3g}"]
+    if cmp.prefix_drift is not None:
+        noise.append(f"drift {cmp.prefix_drift:.3g} <= {bounds.drift:.3g}")
+    noise.append(f"teacher-forced drift {teacher:.3g} <= {bounds.teacher:.3g}" if teacher is not None
+                 else "not scored by teacher forcing")
+    return RunVerdict("numeric-near-tie", cmp, detail=f"{head}: noise by every measure: " + ", ".join(noise),
+                      teacher=teacher, teacher_over=over)
 
 
 def _stopped_early(ref: RequestRecord, rec: RequestRecord, n: int) -> bool:
@@ -118,9 +116,11 @@ class _Acc:
 
 
 def check(trace: Trace, histories: list[History], references: dict[str, RequestRecord],
-          thresholds: Thresholds | None = None) -> list[Divergence]:
-    """Verdicts for every request of ``trace`` in every arm present in ``histories``."""
-    th = (thresholds or Thresholds()).resolve(trace.engine.dtype)
+          bounds: NoiseBounds | None = None, scores: Sequence[Scoring] = ()) -> list[Divergence]:
+    """Verdicts for every request of ``trace`` in every arm present in ``histories``, with the
+    teacher-forced ``scores`` of diverged runs where there are any."""
+    th = bounds or default_bounds(trace.engine.dtype)
+    scored = {(s.arm, s.run_index, s.request_id): s for s in scores}
     by_arm: dict[str, list[History]] = defaultdict(list)
     for h in histories:
         by_arm[h.arm].append(h)
@@ -132,7 +132,7 @@ def check(trace: Trace, histories: list[History], references: dict[str, RequestR
             touched = False
             for rid, acc in accs.items():
                 rec = h.requests.get(rid)
-                v = classify_run(acc.send, references.get(rid), rec, h, th)
+                v = classify_run(acc.send, references.get(rid), rec, h, th, scored.get((h.arm, h.run_index, rid)))
                 touched |= v.cls == "engine-crash"
                 acc.verdicts.append(v)
                 if rec is not None and not rec.cancelled and v.cls != "engine-crash":
@@ -156,17 +156,20 @@ def _aggregate(rid: str, arm: str, acc: _Acc, ref: RequestRecord | None) -> Dive
     firsts = [v.comparison.first_divergence for v in diverged
               if v.comparison is not None and v.comparison.first_divergence is not None]
     first = min(firsts) if firsts else None
-    margin = drift = None
+    margin = drift = run_margin = None
     if first is not None:
         for v in diverged:
             if v.comparison and v.comparison.first_divergence == first:
-                margin, drift = v.comparison.ref_margin, v.comparison.prefix_drift
+                margin, drift, run_margin = v.comparison.ref_margin, v.comparison.prefix_drift, v.comparison.run_margin
                 break
+    teachers = [v.teacher for v in diverged if v.teacher is not None]
+    overs = [v.teacher_over for v in diverged if v.teacher_over is not None]
     lo, hi = wilson(len(diverged), len(vs))
     return Divergence(
         request_id=rid, class_=worst.cls, arm=arm, first_divergence=first, runs_diverged=len(diverged),
-        runs=len(vs), margin=margin, drift=drift, variants=max(1, len(set(acc.sequences))), rate_low=lo, rate_high=hi,
-        detail=worst.detail,
+        runs=len(vs), margin=margin, drift=drift, run_margin=run_margin, teacher_drift=max(teachers, default=None),
+        teacher_over=max(overs, default=None), evidence=list(worst.evidence),
+        variants=max(1, len(set(acc.sequences))), rate_low=lo, rate_high=hi, detail=worst.detail,
     )
 
 

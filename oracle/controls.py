@@ -11,6 +11,9 @@ from kvfuzz.traces.finding import DIVERGENT_CLASSES, SEVERITY
 
 SERIALIZED = "serialized"
 BATCH_INVARIANT = "batch-invariant"
+# A 16-bit finding replayed in float32: the same schedule (step-exact, every request runs to
+# max_tokens), 1000x less batch-order noise.
+FLOAT32 = "float32"
 
 
 def signature_of(finding: Finding) -> tuple[str, set[str]]:
@@ -82,3 +85,28 @@ def reproducing_arms(finding: Finding) -> list[str]:
     arms = [a for a in finding.arms
             if any(d.arm == a and d.class_ == worst and d.request_id in victims for d in finding.divergences)]
     return arms + [c.name for c in finding.controls if c.available and c.reproduced]
+
+
+def escalate(finding: Finding) -> Finding:
+    """Re-file a ``numeric-near-tie`` as ``corruption`` when the float32 control reproduces its
+    request as corruption: 16-bit batch-order noise vanishes in float32, an allocator or
+    scheduler fault does not. (Never the other way: a corruption stays one.)"""
+    f32 = next((c for c in finding.controls if c.name == FLOAT32 and c.available), None)
+    if f32 is None:
+        return finding
+    hit = {v.request_id for v in f32.verdicts if v.class_ == "corruption"}
+
+    def up(d: Divergence) -> Divergence:
+        if d.class_ != "numeric-near-tie" or d.request_id not in hit:
+            return d
+        return d.model_copy(update={"class_": "corruption", "evidence": [*d.evidence, f"control:{FLOAT32}"],
+                                    "detail": f"{d.detail}; but the float32 control reproduces it as corruption "
+                                              f"(16-bit noise would vanish there)"})
+
+    divergences = [up(d) for d in finding.divergences]
+    if divergences == finding.divergences:
+        return finding
+    new = finding.model_copy(update={"divergences": divergences, "verdicts": [up(v) for v in finding.verdicts]})
+    new.notes = {**finding.notes, "reproduced_in": reproducing_arms(new)}
+    new.id = new.compute_id()
+    return new

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from kvfuzz.traces import RequestRecord
+from kvfuzz.traces import RequestRecord, Scoring
 
 
 @dataclass(frozen=True)
@@ -88,3 +88,22 @@ def compare(ref: RequestRecord, got: RequestRecord, expected_len: int) -> Compar
         # only vouch for the common part.
         return Comparison("same", compared=len(ref_tokens))
     return Comparison("same", compared=len(got_tokens))
+
+
+def teacher_drifts(rec: RequestRecord, scoring: Scoring) -> list[float]:
+    """Per generated position, |the run's decode logprob of its token - the same token's logprob
+    when the request alone on a clean cache is teacher-forced through the run's tokens|. The
+    scoring covers the run's tokens in order (a scoring of other tokens says nothing about this
+    run: none); positions without both logprobs are skipped."""
+    if list(scoring.token_ids) != list(rec.token_ids[: len(scoring.token_ids)]):
+        return []
+    out: list[float] = []
+    for i, tok in enumerate(scoring.token_ids):
+        if i >= len(rec.logprobs) or i >= len(scoring.logprobs) or not rec.logprobs[i] or not scoring.logprobs[i]:
+            continue
+        run_tok, run_lp = rec.logprobs[i][0]
+        scored_tok, scored_lp = scoring.logprobs[i][0]
+        if int(run_tok) != tok or int(scored_tok) != tok:
+            continue  # not the same token: the scoring is of another run
+        out.append(abs(float(run_lp) - float(scored_lp)))
+    return out

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import datetime as _dt
+from collections.abc import Sequence
 
-from kvfuzz.traces import Divergence, Environment, Finding, History, RequestRecord, Trace
+from kvfuzz.traces import Divergence, Environment, Finding, History, RequestRecord, Scoring, Trace
 
-from .check import Thresholds, divergent
+from .check import divergent
+from .noise import NoiseBounds, default_bounds
 
 
 def make_finding(trace: Trace, histories: list[History], references: dict[str, RequestRecord],
                  verdicts: list[Divergence], environment: Environment,
-                 arms: dict[str, list[str]] | None = None, thresholds: Thresholds | None = None) -> Finding:
+                 arms: dict[str, list[str]] | None = None, bounds: NoiseBounds | None = None,
+                 scores: Sequence[Scoring] = ()) -> Finding:
     f = Finding(
         trace=trace,
         environment=environment,
@@ -22,8 +25,9 @@ def make_finding(trace: Trace, histories: list[History], references: dict[str, R
         arms=arms or {h.arm: list(h.toggles) for h in histories},
         created=_dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
     )
-    # The threshold the verdicts were judged with, so a report can say which side a margin fell.
-    f.notes["oracle"] = {"near_tie": (thresholds or Thresholds()).near_tie_for(trace.engine.dtype),
-                         "dtype": trace.engine.dtype}
+    f.scores = list(scores)
+    # The bounds the verdicts were judged with and where they came from (a calibration profile
+    # or the dtype's defaults), so a report can say which side each piece of evidence fell.
+    f.notes["oracle"] = (bounds or default_bounds(trace.engine.dtype)).to_json()
     f.id = f.compute_id()
     return f

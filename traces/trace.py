@@ -64,6 +64,16 @@ class EngineConfig(_Strict):
     # Conversion between the two clocks when a trace gives only one of them.
     ms_per_step: float = Field(default=10.0, gt=0, le=60_000)
 
+    def with_dtype(self, dtype: str) -> "EngineConfig":
+        """This engine in another dtype, its KV cache keeping its capacity in tokens (16-bit KV
+        takes half float32's bytes): a trace's KV pressure — which request is preempted when,
+        which blocks are recycled — is part of its schedule, and must not vanish with the dtype."""
+        size = {"float32": 4, "bfloat16": 2, "float16": 2}
+        update: dict[str, Any] = {"dtype": dtype}
+        if self.kv_cache_bytes is not None and self.dtype in size and dtype in size:
+            update["kv_cache_bytes"] = self.kv_cache_bytes * size[dtype] // size[self.dtype]
+        return self.model_copy(update=update)
+
     def key(self) -> str:
         """Stable hash of the fields that affect outputs (used to memoise references)."""
         data = self.model_dump(mode="json", exclude={"toggles", "ms_per_step"})

@@ -5,6 +5,10 @@
   behind for the next (prefix cache, freed blocks, adapter slots), not a race in a batch.
   If it does not, batching is part of the trigger — which is also where batch-order
   floating-point noise lives, so the near-tie margin and the batch-invariant arm matter.
+- ``float32`` (16-bit findings only): the same trace in float32. The schedule is the same
+  (step-exact, every request runs to its max_tokens) and batch-order noise is 1000x smaller:
+  an allocator or scheduler fault reproduces, 16-bit noise vanishes. A near tie it reproduces
+  as corruption is re-filed as corruption (oracle/controls.py ``escalate``).
 - ``batch-invariant``: the same trace with ``VLLM_BATCH_INVARIANT=1`` (batch-order-independent
   kernels). A divergence that survives it is not batch-order numerics. vLLM implements it
   with Triton kernels only: on the CPU build it crashes at the first forward pass, so there
@@ -23,12 +27,14 @@ from collections.abc import Callable
 
 from kvfuzz.oracle.controls import (
     BATCH_INVARIANT,
+    FLOAT32,
     SERIALIZED,
     control_result,
     primary_arm,
     serialization_overlaps,
 )
 from kvfuzz.traces import CancelEvent, ControlResult, Divergence, Finding, Lineage, SendEvent, Trace
+from kvfuzz.traces.errors import BadInput, InfraError
 
 from .probe import Replayer
 
@@ -99,6 +105,9 @@ def run_controls(replayer: Replayer, finding: Finding, *, device: str = "cpu", r
     out.append(control_result(SERIALIZED, [v for v in checked.verdicts if v.arm == SERIALIZED], finding,
                               runs=runs, toggles=toggles, trace=ser, note=note))
 
+    if finding.trace.engine.dtype in ("bfloat16", "float16"):
+        out.append(float32_control(replayer, finding, runs=runs, toggles=toggles))
+
     ok, why = batch_invariant_support(device)
     if not ok or isolated is None:
         out.append(ControlResult(name=BATCH_INVARIANT, reproduced=False, available=False, toggles=toggles,
@@ -112,3 +121,16 @@ def run_controls(replayer: Replayer, finding: Finding, *, device: str = "cpu", r
         else:
             out.append(control_result(BATCH_INVARIANT, verdicts, finding, runs=runs, toggles=toggles, trace=None))
     return out
+
+
+def float32_control(replayer: Replayer, finding: Finding, *, runs: int, toggles: list[str]) -> ControlResult:
+    """The finding's trace replayed in float32 (another engine: a restart, or the pooled one)."""
+    # The same KV capacity in tokens (the schedule's preemptions and recycling stay the same).
+    trace = finding.trace.model_copy(update={"engine": finding.trace.engine.with_dtype("float32")})
+    try:
+        checked = replayer.check(trace, runs=runs, arms={FLOAT32: toggles})
+    except (BadInput, InfraError) as e:  # e.g. a KV cache that holds the 16-bit context but not float32's
+        return ControlResult(name=FLOAT32, reproduced=False, available=False, toggles=toggles,
+                             detail=f"the float32 engine could not run it: {e}".splitlines()[0])
+    return control_result(FLOAT32, [v for v in checked.verdicts if v.arm == FLOAT32], finding, runs=runs,
+                          toggles=toggles, trace=trace)

@@ -8,7 +8,7 @@ import functools
 from pathlib import Path
 from typing import Literal
 
-from kvfuzz.oracle.controls import reproducing_arms
+from kvfuzz.oracle.controls import escalate, reproducing_arms
 from kvfuzz.session import Session
 from kvfuzz.traces import Finding, save
 from kvfuzz.traces.errors import BadInput
@@ -62,17 +62,23 @@ def finish_finding(session: Session, finding: Finding, *, out: Path, do_minimize
     if controls:
         add_controls(session, finding)
     if not do_minimize:
-        return finding
-    rel = finding_path(Path("originals"), finding)
+        return escalate(finding)
+    # Minimized on the class its own arm gives (a replay cannot see what a control re-filed).
+    shown = escalate(finding)
+    rel = finding_path(Path("originals"), shown)
     try:
         small = minimize(session, finding, max_seconds=max_seconds, original_path=str(rel))
     except NotReproduced as e:
-        finding.notes["minimize"] = f"not minimized: {e}"
-        return finding
+        shown.notes["minimize"] = f"not minimized: {e}"
+        return shown
+    if shown.id != finding.id and small.minimization is not None:  # linked to the original as filed
+        small.minimization.original = shown.id
+        small.notes["minimized_from"]["id"] = shown.id
     if "attribution" in finding.notes:
         small = explain_finding(session, small)
     if controls:
         add_controls(session, small)
-    finding.notes["minimized_to"] = small.id
-    save(finding, out / rel)
+        small = escalate(small)
+    shown.notes["minimized_to"] = small.id
+    save(shown, out / rel)
     return small

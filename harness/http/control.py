@@ -12,7 +12,7 @@ import httpx
 from kvfuzz.traces.errors import InfraError, Unreachable
 
 from .. import metrics as prom
-from .wire import HttpTarget, error_text, redact_url
+from .wire import HttpTarget, error_text, redact_url, scored_positions
 
 
 def _client(timeout: float = 10.0) -> httpx.Client:
@@ -97,3 +97,26 @@ async def scrape(target: HttpTarget) -> dict[str, float]:
     if r.status_code != 200:
         return {}
     return prom.summarize(r.text)
+
+
+def score(target: HttpTarget, prompt: list[int], tokens: list[int], *, adapter: str | None,
+          cache_salt: str | None = None, timeout_s: float = 300.0) -> list[list[tuple[int, float]]]:
+    """Teacher forcing through /v1/completions: ``prompt`` + ``tokens`` as one prompt with
+    ``prompt_logprobs`` (a vLLM extension; non-streaming), one token generated. Per scored
+    token: its logprob first, then the best other token's (traces.history.Scoring)."""
+    body: dict[str, Any] = {"model": target.model_for(adapter), "prompt": prompt + tokens, "max_tokens": 1,
+                            "temperature": 0.0, "prompt_logprobs": 2, "stream": False}
+    if cache_salt:
+        body["cache_salt"] = cache_salt
+    try:
+        with _client(timeout_s) as c:
+            r = c.post(target.url("/v1/completions"), json=body, headers=target.headers())
+    except httpx.HTTPError as e:
+        raise Unreachable(f"{redact_url(target.base_url)} does not answer: {type(e).__name__}: {e}") from None
+    if r.status_code != 200:
+        raise InfraError(f"teacher-forced scoring failed: {error_text(r.status_code, r.content)}")
+    try:
+        rows = r.json()["choices"][0]["prompt_logprobs"]
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise InfraError("teacher-forced scoring: the server returned no prompt_logprobs") from None
+    return scored_positions(rows, len(prompt), tokens)

@@ -66,3 +66,6 @@ class HttpEngineBase:
 
     def recover(self) -> bool:
         return False
+
+    def kv_capacity_tokens(self) -> int | None:
+        return None

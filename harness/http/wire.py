@@ -135,3 +135,22 @@ def redact_url(url: str) -> str:
 
 def new_salt(kind: str) -> str:
     return f"kvfuzz-{kind}-{secrets.token_hex(12)}"
+
+
+def scored_positions(rows: list[Any], start: int, tokens: list[int]) -> list[list[tuple[int, float]]]:
+    """From prompt logprobs (one entry per prompt position: None first, then {token id:
+    {logprob, rank}} with the prompt's own token always present), the entries of ``tokens``,
+    which begin at position ``start``."""
+    out: list[list[tuple[int, float]]] = []
+    for i, tok in enumerate(tokens):
+        row = rows[start + i] if start + i < len(rows) else None
+        if not row:
+            break
+        entries = {int(str(k).removeprefix("token_id:")): v for k, v in row.items()}
+        if tok not in entries:
+            break
+        lp = entries[tok]["logprob"] if isinstance(entries[tok], dict) else entries[tok]
+        others = sorted(((t, v["logprob"] if isinstance(v, dict) else v) for t, v in entries.items() if t != tok),
+                        key=lambda kv: -float(kv[1]))
+        out.append([(tok, float(lp)), *[(int(t), float(v)) for t, v in others[:1]]])
+    return out

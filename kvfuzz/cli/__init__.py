@@ -16,7 +16,13 @@ from .app import app, debug_enabled, err_console
 
 
 def main() -> None:
+    from kvfuzz.harness.logs import route_vllm_logs
+
     from . import commands  # noqa: F401  (each command module registers itself on app)
+
+    # Until an engine names its log file: vLLM's records and library warnings (a toggle's
+    # self-check imports vLLM) stay off the terminal. --verbose shows them.
+    route_vllm_logs(None)
 
     try:
         app(standalone_mode=True)

@@ -20,14 +20,18 @@ app = typer.Typer(
 model_app = typer.Typer(no_args_is_help=True, help="The embedded default model.")
 app.add_typer(model_app, name="model")
 
-console = Console(stderr=False)
-err_console = Console(stderr=True)
+def make_console(*, stderr: bool = False) -> Console:
+    """The terminal's width on a terminal. Piped, or in a CI log, rich would assume 80 columns
+    and squeeze or clip wide tables (toggle names, finding paths, verdicts): there the width is
+    $COLUMNS, else 200, and table cells fold rather than clip."""
+    probe = Console(stderr=stderr)
+    if probe.is_terminal:
+        return probe
+    return Console(stderr=stderr, width=int(os.environ.get("COLUMNS") or 0) or 200)
 
 
-def wide_console() -> Console:
-    """``console`` on a terminal; piped or logged, a 160-column one, so wide tables (toggle
-    names, finding paths, verdicts) are not squeezed into 80 columns."""
-    return console if console.is_terminal else Console(width=160, soft_wrap=True)
+console = make_console()
+err_console = make_console(stderr=True)
 
 
 def debug_enabled() -> bool:
@@ -35,6 +39,11 @@ def debug_enabled() -> bool:
 
 
 @app.callback()
-def _root(debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks on errors.")] = False) -> None:
+def _root(debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks on errors.")] = False,
+          verbose: Annotated[bool, typer.Option("--verbose", help="Show vLLM's and torch's own output (warnings, "
+                                                "progress bars); otherwise it goes to the engine log.")] = False,
+          ) -> None:
     if debug:
         os.environ["KVFUZZ_DEBUG"] = "1"
+    if verbose:
+        os.environ["KVFUZZ_VERBOSE"] = "1"

@@ -104,9 +104,29 @@ class CampaignDisplay:
         table.add_row("findings", str(state.findings))
         for cls, n in sorted(state.by_class.items()):
             table.add_row(f"  {cls}", Text(str(n), style=CLASS_STYLE.get(cls, "")))
+        table.add_row("bug buckets", str(len(state.bug_buckets)))
+        if state.untriaged:
+            table.add_row("  untriaged findings", str(len(state.untriaged)))
         self.console.print(table)
+        if state.bug_buckets:
+            self.console.print(bucket_table(state.bug_buckets, out))
         where = out / "findings"
         self.console.print(f"findings written to: {where.resolve()}" + ("" if state.findings else " (none)"))
         self.console.print(f"campaign state: {(out / 'campaign.json').resolve()}")
         if getattr(state, "corpus_dir", None):
             self.console.print(f"corpus: {Path(state.corpus_dir).resolve()}")
+
+
+def bucket_table(buckets: dict[str, dict], out: Path) -> Table:
+    """One row per bug bucket: how many findings, where it first showed, what it is, and the
+    report of its (minimal) first finding."""
+    table = Table(title="bug buckets (one root cause each; regression cases in OUT/buckets/)", header_style="bold")
+    for col in ("bucket", "findings", "first trace", "what", "report"):
+        table.add_column(col, overflow="fold")
+    for bid, b in sorted(buckets.items(), key=lambda kv: (-kv[1].get("count", 0), kv[0])):
+        key = b.get("key") or {}
+        cls = str(key.get("class", b.get("prekey", "?").split("|")[0]))
+        table.add_row(bid, str(b.get("count", 0)), str(b.get("first_index", "?")),
+                      Text(key.get("text", b.get("prekey", "")), style=CLASS_STYLE.get(cls, "")),
+                      b.get("report", "(not triaged)"))
+    return table

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+
+from kvfuzz.traces.calibration import CalibrationProfile
+from kvfuzz.traces.errors import BadInput
 
 WithOpt = Annotated[Optional[list[str]], typer.Option(
     "--with", metavar="TOGGLE",
@@ -18,3 +22,47 @@ ArmsOpt = Annotated[Optional[str], typer.Option(
 AttributeOpt = Annotated[bool, typer.Option(
     "--attribute/--no-attribute",
     help="Re-run diverging traces in the clean and single-toggle arms to explain each divergence.")]
+DtypeOpt = Annotated[Optional[str], typer.Option(
+    "--dtype", metavar="DTYPE",
+    help="auto, float32, bfloat16 or float16 (auto: bfloat16 on cuda, what users serve; float32 on cpu).")]
+NearTieOpt = Annotated[Optional[float], typer.Option(
+    "--near-tie", help="Noise bound (nats) on the pair shift at the first differing token; same as "
+                       "--bound near_tie=X (default: the calibration profile, else per dtype; docs/oracle.md).")]
+BoundOpt = Annotated[Optional[list[str]], typer.Option(
+    "--bound", metavar="NAME=NATS",
+    help="Set a noise bound (repeatable): near_tie, drift or teacher. Recorded in every finding.")]
+CalibrationOpt = Annotated[Optional[Path], typer.Option(
+    "--calibration", metavar="FILE", help="Judge by this calibration profile (kvfuzz calibrate) instead of "
+                                           "the one the cache holds for the engine.")]
+
+BOUND_NAMES = ("near_tie", "drift", "teacher")
+
+
+def parse_bounds(near_tie: float | None, bounds: list[str] | None) -> dict[str, float]:
+    """``--near-tie`` and ``--bound NAME=NATS`` -> overrides; bad input names the flag."""
+    out: dict[str, float] = {}
+    if near_tie is not None:
+        out["near_tie"] = near_tie
+    for item in bounds or []:
+        name, sep, raw = item.partition("=")
+        if not sep or name not in BOUND_NAMES:
+            raise BadInput(f"{item!r}: expected NAME=NATS with NAME one of {', '.join(BOUND_NAMES)}", field="--bound")
+        try:
+            out[name] = float(raw)
+        except ValueError:
+            raise BadInput(f"{item!r}: {raw!r} is not a number", field="--bound") from None
+    for name, value in out.items():
+        if not value >= 0:
+            raise BadInput(f"{name} must be >= 0, got {value:g}", field="--near-tie" if name == "near_tie" else "--bound")
+    return out
+
+
+def load_calibration(path: Path | None) -> CalibrationProfile | None:
+    """``--calibration FILE``, read before any engine starts (bad input: exit 2, one line)."""
+    if path is None:
+        return None
+    from kvfuzz.traces.calibration import load_profile
+
+    if not path.is_file():
+        raise BadInput("no such file", source=str(path), field="--calibration")
+    return load_profile(path)

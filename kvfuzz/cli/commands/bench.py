@@ -21,39 +21,49 @@ def _fmt(v: float | None, unit: str = "") -> str:
 
 def render(report: dict) -> Table:
     table = Table(title="kvfuzz detection benchmark", show_header=True, header_style="bold")
-    table.add_column("toggle", no_wrap=True)
-    for col in ("kind", "engine", "found", "traces median / max", "seconds median / max", "target"):
-        table.add_column(col)
+    table.add_column("toggle", overflow="fold")
+    for col in ("kind", "engine", "dtype", "found", "traces median / max", "seconds median / max",
+                "near-tie share (before)", "target"):
+        table.add_column(col, overflow="fold")
     for r in report["toggles"]:
         ok = Text("met", style="green") if r["target_met"] else Text("MISSED", style="bold red")
-        table.add_row(r["name"], r["kind"], r["profile"], r["found"],
+        table.add_row(r["name"], r["kind"], r["profile"], r.get("dtype", "float32"), r["found"],
                       f"{_fmt(r['median_traces'])} / {_fmt(r['max_traces'])}",
-                      f"{_fmt(r['median_seconds'])} / {_fmt(r['max_seconds'])}", ok)
+                      f"{_fmt(r['median_seconds'])} / {_fmt(r['max_seconds'])}", _share(r), ok)
     for s in report["skipped"]:
-        table.add_row(s["name"], "", "", "skipped", s["reason"], "", "")
+        table.add_row(s["name"], "", "", "", "skipped", s["reason"], "", "", "")
     c = report["control"]
     if c:
         ok = Text("met", style="green") if c["corruption"] == 0 else Text("FALSE POSITIVES", style="bold red")
-        table.add_row("clean control", "", "all", f"{c['traces']} traces", f"corruption: {c['corruption']}",
-                      f"{c['seconds']:.0f} s", ok)
+        table.add_row("clean control", "", "all", "all", f"{c['traces']} traces", f"corruption: {c['corruption']}",
+                      f"{c['seconds']:.0f} s", "", ok)
     return table
 
 
+def _share(r: dict) -> str:
+    """Of the divergences the toggle explains, the share filed numeric-near-tie: by the
+    evidence rule, and (in brackets) by the rule before issue 17 on the same divergences."""
+    n = r.get("divergences", 0)
+    if not n:
+        return "—"
+    return f"{r['near_ties']}/{n} ({r['near_ties_before']}/{n})"
+
+
 def markdown(report: dict) -> str:
-    lines = ["| toggle | kind | arm (engine) | found | traces to detection (median / max) | seconds (median / max) "
-             "| target |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| toggle | kind | arm (engine) | dtype | found | traces to detection (median / max) "
+             "| seconds (median / max) | filed near-tie: evidence rule (rule before #17) | target |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in report["toggles"]:
-        lines.append(f"| `{r['name']}` | {r['kind']} | `{r['arm']}` ({r['profile']}) | {r['found']} | "
-                     f"{_fmt(r['median_traces'])} / {_fmt(r['max_traces'])} | "
-                     f"{_fmt(r['median_seconds'])} / {_fmt(r['max_seconds'])} | "
+        lines.append(f"| `{r['name']}` | {r['kind']} | `{r['arm']}` ({r['profile']}) | {r.get('dtype', 'float32')} | "
+                     f"{r['found']} | {_fmt(r['median_traces'])} / {_fmt(r['max_traces'])} | "
+                     f"{_fmt(r['median_seconds'])} / {_fmt(r['max_seconds'])} | {_share(r)} | "
                      f"{'met' if r['target_met'] else '**missed**'} |")
     for s in report["skipped"]:
-        lines.append(f"| `{s['name']}` | | | skipped | {s['reason']} | | |")
+        lines.append(f"| `{s['name']}` | | | | skipped | {s['reason']} | | | |")
     c = report["control"]
     if c:
-        lines.append(f"| clean control | | `clean` (all engines) | {c['traces']} traces, {c['seconds']:.0f} s | "
-                     f"corruption findings: **{c['corruption']}** (all classes: {c['divergences_by_class'] or 'none'}) | | "
+        lines.append(f"| clean control | | `clean` (all engines) | all | {c['traces']} traces, {c['seconds']:.0f} s | "
+                     f"corruption findings: **{c['corruption']}** (all classes: {c['divergences_by_class'] or 'none'}) | | | "
                      f"{'met' if c['corruption'] == 0 else '**missed**'} |")
     return "\n".join(lines) + "\n"
 
@@ -73,12 +83,16 @@ def bench_cmd(
     control_budget: Annotated[float, typer.Option(help="Seconds of the clean control (split over seeds).")] = 600.0,
     toggles: Annotated[Optional[str], typer.Option(help="Comma-separated toggles (default: all that change "
                                                         "outputs on this device).")] = None,
-    runs: Annotated[int, typer.Option(min=1, help="Runs of each trace (K), as in kvfuzz run.")] = 3,
+    runs: Annotated[int, typer.Option(min=1, help="Confirmation runs (K), as in kvfuzz run.")] = 3,
+    runs_fixed: Annotated[bool, typer.Option("--runs-fixed", help="Every trace K times (the campaign before "
+                                                                  "adaptive runs).")] = False,
     lora: Annotated[str, typer.Option(help="auto: LoRA engine only for toggles that need LoRA; on; off.")] = "auto",
     kv_cache_mb: Annotated[int, typer.Option(min=1, help="KV cache size in MiB (small: preemption happens).")] = 8,
     max_model_len: Annotated[int, typer.Option(min=16, help="Must fit in the KV cache (1 KiB/token for the "
                                                                "embedded model, one block reserved).")] = 8000,
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+    dtype: Annotated[Optional[str], typer.Option("--dtype", metavar="DTYPES", help="Comma-separated dtypes, "
+                                                 "benchmarked side by side (auto: the device's; default auto).")] = None,
     out: Annotated[Path, typer.Option(help="Directory for campaign state, findings and the JSON report.")] =
     Path("kvfuzz-bench"),
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Report file (default OUT/bench.json).")] = None,
@@ -88,6 +102,7 @@ def bench_cmd(
     the clean control's false positives."""
     from kvfuzz.bench import run_bench
     from kvfuzz.harness import toggles as reg
+    from kvfuzz.harness.dtypes import check_dtype
     from kvfuzz.session import check_device
 
     seed_list = _ints(seeds, "--seeds")
@@ -96,6 +111,9 @@ def bench_cmd(
     if budget <= 0 or control_budget < 0:
         raise BadInput("budgets must be positive", field="--budget")
     check_device(device)
+    dtypes = [check_dtype(d.strip(), device) for d in (dtype or "auto").split(",") if d.strip()]
+    if not dtypes:
+        raise BadInput("give at least one dtype", field="--dtype")
     if lora not in ("auto", "on", "off"):
         raise BadInput(f"expected auto, on or off, got {lora!r}", field="--lora")
     names = None
@@ -106,7 +124,7 @@ def bench_cmd(
     out.mkdir(parents=True, exist_ok=True)
     report = run_bench(toggles=names, seeds=seed_list, budget=budget, max_traces=max_traces,
                        control_budget=control_budget, runs=runs, out=out, device=device, lora=lora,
-                       kv_cache_mb=kv_cache_mb, max_model_len=max_model_len,
+                       kv_cache_mb=kv_cache_mb, max_model_len=max_model_len, dtypes=dtypes, runs_fixed=runs_fixed,
                        progress=lambda m: console.print(f"[dim]{m}[/dim]"))
     path = json_path or out / "bench.json"
     atomic_write_text(path, json.dumps(report, indent=2) + "\n")

@@ -21,7 +21,7 @@ from rich.text import Text
 
 from kvfuzz import arms as arm_specs
 from kvfuzz.cli import options
-from kvfuzz.cli.app import app, console, wide_console
+from kvfuzz.cli.app import app, console
 from kvfuzz.traces import atomic_write_text
 from kvfuzz.traces.errors import BadInput
 
@@ -49,8 +49,10 @@ def gate(
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
     server_arg: Annotated[Optional[list[str]], typer.Option("--server-arg", help="Extra flag for the managed vLLM "
                                                                                  "server (repeatable).")] = None,
-    near_tie: Annotated[Optional[float], typer.Option(help="Margin (nats) below which a divergence is a numeric "
-                                                           "near-tie (default: per dtype).")] = None,
+    dtype: options.DtypeOpt = None,
+    near_tie: options.NearTieOpt = None,
+    bound: options.BoundOpt = None,
+    calibration: options.CalibrationOpt = None,
     override: Annotated[Optional[list[str]], typer.Option(
         "--override", metavar="KEY=VALUE", help="Set an engine setting of every trace (repeatable), e.g. "
         "model=Qwen/Qwen2.5-0.5B-Instruct, dtype=bfloat16, extra_args.attention_backend=FLASHINFER.")] = None,
@@ -67,19 +69,27 @@ def gate(
         collect,
         default_runs,
         gate_plan,
+        in_dtype,
         load,
         replay_engine_args,
         self_test_plan,
     )
+    from kvfuzz.harness.dtypes import check_dtype
     from kvfuzz.session import Session, engine_kind
 
     kind = engine_kind(engine, base_url, device)
+    bounds = options.parse_bounds(near_tie, bound)
+    dtype_r = check_dtype(dtype, device) if dtype is not None else None
+    profile = options.load_calibration(calibration)
     if self_test and (with_ or without or arms):
         raise BadInput("--self-test chooses its own arms (clean, and each trace's expect.fails_in)", field="--arms")
     if self_test and kind == "url":
         raise BadInput("--self-test needs toggles, which a --base-url server cannot apply", field="--self-test")
     # Every file is read before any engine starts: bad input fails fast, with exit 2.
     entries = [load(p, override) for p in collect(list(paths) if paths else [bundled_corpus()])]
+    if dtype_r is not None:  # every trace in this dtype (auto: the device's), same KV capacity in tokens
+        for e in entries:
+            e.trace = in_dtype(e.trace, dtype_r)
     if self_test:
         planned = self_test_plan(entries, device)
         what = "self-test"
@@ -93,8 +103,9 @@ def gate(
     k = runs or default_runs(kind)
     out.mkdir(parents=True, exist_ok=True)
 
-    session = Session.for_target(kind, device=device, runs=k, out=out, near_tie=near_tie, base_url=base_url,
+    session = Session.for_target(kind, device=device, runs=k, out=out, bounds=bounds, base_url=base_url,
                                  api_key=api_key, model=model, server_flags=server_arg)
+    session.profiles += [profile] if profile else []
     runner = GateRunner(session, runs=k, strict=strict, engine_args=replay_engine_args(kind, device),
                         findings_dir=out / "findings")
     cases = []
@@ -108,7 +119,7 @@ def gate(
     finally:
         session.close()
         _write_reports(cases, out=out, junit=junit, summary=summary, what=what, complete=len(cases) == len(planned))
-    show = wide_console()
+    show = console
     show.print(_table(cases, what))
     bad = [c for c in cases if not c.ok]
     blind = [c for c in bad if c.expect_fail]

@@ -9,6 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from kvfuzz.cli import options
 from kvfuzz.cli.app import app, console
 from kvfuzz.traces import load_finding, save
 from kvfuzz.traces.errors import BadInput
@@ -33,10 +34,17 @@ def minimize_cmd(
     controls: Annotated[bool, typer.Option("--controls/--no-controls", help="Run the control arms on the result.")] = True,
     engine: Annotated[str, typer.Option(help="inprocess or server (a managed vLLM server).")] = "inprocess",
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+    dtype: options.DtypeOpt = None,
+    near_tie: options.NearTieOpt = None,
+    bound: options.BoundOpt = None,
+    calibration: options.CalibrationOpt = None,
 ) -> None:
     """Shrink a finding to the fewest requests, tokens and steps that keep its signature.
 
     Exit codes: 0 written, 1 not reproduced here (nothing written), 2 bad input, 3 engine failure."""
+    from kvfuzz.gate import in_dtype
+    from kvfuzz.harness.dtypes import check_dtype
+    from kvfuzz.oracle.controls import escalate
     from kvfuzz.session import Session, engine_kind
     from kvfuzz.triage.finish import acceptance_for, add_controls, minimize
     from kvfuzz.triage.minimize import NotReproduced
@@ -45,14 +53,19 @@ def minimize_cmd(
         raise BadInput(f"unknown strategy {strategy!r} (probdd or ddmin)", field="--strategy")
     kind = engine_kind(engine, None, device)
     acceptance = acceptance_for(kind == "inprocess", repeats, min_hits)
+    bounds = options.parse_bounds(near_tie, bound)
+    profile = options.load_calibration(calibration)
     finding = load_finding(file)
     if not finding.divergences:
         raise BadInput("the finding has no divergence to minimize", source=str(file), field="divergences")
     if victim is not None and victim not in {d.request_id for d in finding.divergences}:
         raise BadInput(f"request {victim!r} did not diverge in this finding", source=str(file), field="--victim")
+    if dtype is not None:  # minimize in this dtype (auto: the device's), whatever the file says
+        finding.trace = in_dtype(finding.trace, check_dtype(dtype, device))
     out = out or file.with_name(file.name.removesuffix(".json") + ".min.json")
     t0 = time.monotonic()
-    session = Session(engine_kind=kind, device=device, log_file=out.with_suffix(".engine.log"))
+    session = Session(engine_kind=kind, device=device, log_file=out.with_suffix(".engine.log"),
+                      bound_overrides=bounds, profiles=[profile] if profile else [])
     try:
         session.engine_for(finding.trace.engine)
         console.print(f"minimizing {file} ({len(finding.trace.sends)} requests, signature {finding.signature()})")
@@ -64,7 +77,7 @@ def minimize_cmd(
             console.print(f"[red]not minimized[/red]: {e}; nothing written")
             raise typer.Exit(1) from None
         if controls:
-            add_controls(session, small)
+            small = escalate(add_controls(session, small))
     finally:
         session.close()
     save(small, out)

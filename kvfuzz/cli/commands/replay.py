@@ -21,7 +21,7 @@ from rich.text import Text
 
 from kvfuzz import arms as arm_specs
 from kvfuzz.cli import options, tables
-from kvfuzz.cli.app import app, wide_console
+from kvfuzz.cli.app import app, console
 from kvfuzz.oracle.report import CLASS_STYLE
 from kvfuzz.traces import Divergence, Finding, Trace, atomic_write_text, load_any, save
 from kvfuzz.traces.finding import DIVERGENT_CLASSES
@@ -126,7 +126,10 @@ def replay(
     out: Annotated[Path, typer.Option(help="Output directory (replay summaries, new findings, server logs).")] = Path("kvfuzz-out"),
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
     server_arg: Annotated[Optional[list[str]], typer.Option("--server-arg", help="Extra flag for the managed vLLM server (repeatable), e.g. --server-arg=--attention-backend=FLASHINFER.")] = None,
-    near_tie: Annotated[Optional[float], typer.Option(help="Margin (nats) below which a divergence is a numeric near-tie (default: per dtype, docs/oracle.md).")] = None,
+    dtype: options.DtypeOpt = None,
+    near_tie: options.NearTieOpt = None,
+    bound: options.BoundOpt = None,
+    calibration: options.CalibrationOpt = None,
     with_: options.WithOpt = None,
     without: options.WithoutOpt = None,
     arms: options.ArmsOpt = None,
@@ -136,9 +139,13 @@ def replay(
 
     Each file replays in its own arms (a finding's, else its trace's toggles) unless --arms /
     --with / --without say otherwise; --attribute explains divergences by toggles as `kvfuzz run` does."""
+    from kvfuzz.gate import in_dtype
+    from kvfuzz.harness.dtypes import check_dtype
     from kvfuzz.session import Session, engine_kind
 
     kind = engine_kind(engine, base_url, device)
+    bounds = options.parse_bounds(near_tie, bound)
+    profile = options.load_calibration(calibration)
     arm_map = arm_specs.build_arms(with_=with_, without=without, arms=arms, device=device) \
         if (with_ or without or arms) else None
     # Every file is read before any engine starts: bad input fails fast, with exit 2.
@@ -152,12 +159,16 @@ def replay(
     if arm_map is not None:
         for item in items:
             item.arms = dict(arm_map)
+    if dtype is not None:  # replay in this dtype (auto: the device's), whatever the file says
+        for item in items:
+            item.trace = in_dtype(item.trace, check_dtype(dtype, device))
     out.mkdir(parents=True, exist_ok=True)
-    session = Session.for_target(kind, device=device, runs=runs, out=out, near_tie=near_tie, base_url=base_url,
+    session = Session.for_target(kind, device=device, runs=runs, out=out, bounds=bounds, base_url=base_url,
                                  api_key=api_key, model=model, server_flags=server_arg)
+    session.profiles += [profile] if profile else []
     # A server kvfuzz does not manage cannot switch toggles, so it cannot attribute.
     explain = attribute and kind != "url"
-    show = wide_console()
+    show = console
     from kvfuzz.harness.http.wire import redact_url
     from kvfuzz.triage.attribution import check_attributed
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
@@ -10,8 +9,7 @@ import typer
 
 from kvfuzz import arms as arm_specs
 from kvfuzz.cli import options, tables
-from kvfuzz.cli.app import app, console, wide_console
-from kvfuzz.traces import Trace
+from kvfuzz.cli.app import app, console, err_console
 from kvfuzz.traces.errors import BadInput
 
 
@@ -20,7 +18,12 @@ def run(
     budget: Annotated[Optional[float], typer.Option(help="Seconds to fuzz (default 60 unless --traces).")] = None,
     traces_n: Annotated[Optional[int], typer.Option("--traces", help="Number of traces to run.")] = None,
     seed: Annotated[int, typer.Option(help="Campaign seed.")] = 0,
-    runs: Annotated[int, typer.Option(min=1, help="Runs of each trace (K).")] = 3,
+    runs: Annotated[int, typer.Option(min=1, help="Confirmation runs (K): a trace runs once, and up to K times "
+                                                  "when something diverged, to measure the rate.")] = 3,
+    runs_fixed: Annotated[bool, typer.Option("--runs-fixed", help="Run every trace K times (for benchmarks: the "
+                                                                  "behaviour before adaptive runs).")] = False,
+    explain_: Annotated[bool, typer.Option("--explain/--no-explain", help="Causal ablation of the first finding "
+                                           "of each bucket (which engine mechanisms it needs).")] = True,
     out: Annotated[Path, typer.Option(help="Output directory.")] = Path("kvfuzz-out"),
     lora: Annotated[bool, typer.Option("--lora/--no-lora", help="Mix LoRA adapter requests in.")] = False,
     resume: Annotated[bool, typer.Option(help="Continue the interrupted campaign in --out (same seed sequence).")] = False,
@@ -33,8 +36,13 @@ def run(
                                                           "(default: all; see docs/fuzzer.md).")] = None,
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
     kv_cache_mb: Annotated[int, typer.Option(min=1, help="KV cache size in MiB.")] = 24,
-    near_tie: Annotated[Optional[float], typer.Option(help="Margin (nats) below which a divergence is a numeric "
-                                                           "near-tie (default: per dtype, docs/oracle.md).")] = None,
+    dtype: options.DtypeOpt = None,
+    near_tie: options.NearTieOpt = None,
+    bound: options.BoundOpt = None,
+    calibration: options.CalibrationOpt = None,
+    calibrate: Annotated[bool, typer.Option("--calibrate/--no-calibrate", help="With no calibration profile for "
+                                            "this engine, measure one first (about a minute; kept in the cache). "
+                                            "--no-calibrate: the dtype's default bounds.")] = True,
     minimize: Annotated[bool, typer.Option("--minimize/--no-minimize", help="Minimize each finding (the original "
                                                                              "is kept in OUT/originals).")] = True,
     minimize_seconds: Annotated[float, typer.Option(min=1, help="Time limit per minimization.")] = 120.0,
@@ -61,9 +69,10 @@ def run(
     By default each trace runs on unmodified vLLM (arm "vanilla") and every divergence is
     re-run in the clean arm to say which toggle explains it; unexplained ones are candidate
     new vLLM bugs and are listed first."""
+    from kvfuzz.calibrate import prepare_bounds
     from kvfuzz.cli.display import CampaignDisplay
     from kvfuzz.fuzzer import CampaignOptions, default_engine, run_campaign
-    from kvfuzz.oracle import Thresholds
+    from kvfuzz.harness.dtypes import check_dtype
     from kvfuzz.session import Session
     from kvfuzz.session import engine_kind as resolve_engine_kind
     from kvfuzz.traces import load_finding
@@ -74,8 +83,9 @@ def run(
         raise BadInput("must be positive", field="--budget")
     kind = resolve_engine_kind(engine_name, None, device)
     arm_map = arm_specs.build_arms(with_=with_, without=without, arms=arms, device=device)
-    if near_tie is not None and not near_tie >= 0:
-        raise BadInput("must be >= 0", field="--near-tie")
+    overrides_b = options.parse_bounds(near_tie, bound)
+    dtype_r = check_dtype(dtype, device)
+    options.load_calibration(calibration)  # bad input before the engine starts
     if not trace_timeout > 0:
         raise BadInput("must be positive", field="--trace-timeout")
     if port is not None and not 0 < port < 65536:
@@ -99,7 +109,7 @@ def run(
     out.mkdir(parents=True, exist_ok=True)
     if max_model_len is not None:
         overrides["max_model_len"] = max_model_len
-    engine = default_engine(lora=lora, kv_cache_bytes=kv_cache_mb * 2**20, **overrides)
+    engine = default_engine(lora=lora, kv_cache_bytes=kv_cache_mb * 2**20, dtype=dtype_r, **overrides)
     if corpus is not None and corpus.exists() and not corpus.is_dir():
         raise BadInput("is not a directory", source=str(corpus), field="--corpus")
     if resume and not (out / "campaign.json").exists():
@@ -127,28 +137,18 @@ def run(
 
         server_options = ServerOptions(device=device, extra_flags=list(server_arg or []), log_dir=out, port=port,
                                        request_timeout_s=trace_timeout)
-    session = Session(engine_kind=kind, device=device, runs=runs, thresholds=Thresholds(near_tie=near_tie),
+    session = Session(engine_kind=kind, device=device, runs=runs, bound_overrides=overrides_b,
                       log_file=out / "engine.log", server_options=server_options, trace_deadline_s=trace_timeout)
     from kvfuzz.recovery import Recovering
-    from kvfuzz.traces.result import Checked
-    from kvfuzz.triage.finish import finish_finding
+    from kvfuzz.triage.campaign import CampaignTriage
 
     # A trace that kills or hangs the engine becomes an engine-crash finding; the engine restarts.
-    guard = Recovering(session, attribute=attribute)
+    guard = Recovering(session)
     display = CampaignDisplay(console, budget_s=budget, max_traces=traces_n)
-
-    def check_trace(t: Trace) -> Checked:
-        checked = guard.check(t, arms=arm_map)
-        finding = checked.finding
-        if finding is None or not (minimize or controls) or finding.worst_class() == "engine-crash":
-            # An engine crash is not minimized here: each replay could crash the engine again.
-            return checked
-        display.status(f"finding {finding.id}: " + ("minimizing" if minimize else "control arms"))
-        small = finish_finding(session, finding, out=out, do_minimize=minimize, controls=controls,
-                               max_seconds=minimize_seconds)
-        display.status("fuzzing")
-        # The campaign learns coverage from this trace's histories and records the small finding.
-        return dataclasses.replace(checked, finding=small)
+    # One bug, one bucket: a new bucket's first finding is triaged fully, later ones cheaply.
+    triage = CampaignTriage(session, guard, arm_map, out, confirm_runs=runs, runs_fixed=runs_fixed,
+                            attribute=attribute, minimize=minimize, controls=controls, ablate=explain_,
+                            minimize_seconds=minimize_seconds, status=display.status)
 
     try:
         with display:
@@ -156,14 +156,20 @@ def run(
             display.status("starting vLLM %s (log: %s)" % ("engine" if kind == "inprocess" else "server",
                                                            out / log_name))
             session.engine_for(engine)
+            warned: list[str] = []
+            bounds = prepare_bounds(session, engine, profile_file=calibration, calibrate_if_missing=calibrate,
+                                    progress=display.status, warn=warned.append)
             display.status("fuzzing")
-            state = run_campaign(opts, check_trace, display.update)
+            state = run_campaign(opts, triage, display.update, on_start=lambda c: triage.restore(c.state.bug_buckets))
     finally:
         session.close()
+    for line in warned:
+        err_console.print(f"kvfuzz: warning: {line}", markup=False, highlight=False, soft_wrap=True)
     display.summary(state, out)
+    console.print(bounds.describe(), markup=False, highlight=False)
     console.print("arms: " + "; ".join(f"{a} = [{', '.join(ts) or 'no toggles'}]" for a, ts in arm_map.items()),
                   markup=False, highlight=False)
     findings = [(f, load_finding(out / f)) for f in state.finding_files]
-    tables.print_attribution(wide_console(), findings)
+    tables.print_attribution(console, findings)
 
 

@@ -56,7 +56,7 @@ def toggles_cmd(
         return
     table = Table(title=f"kvfuzz toggles on {vllm_version() or 'no vLLM'} ({device})", show_header=True,
                   header_style="bold", show_lines=verbose)
-    table.add_column("toggle", no_wrap=True)
+    table.add_column("toggle", overflow="fold")
     for col in ("kind", "models", "process", "changes outputs on", "on " + device, "status"):
         table.add_column(col)
     if verbose:

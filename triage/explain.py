@@ -1,0 +1,154 @@
+"""Causal ablation (``kvfuzz explain FINDING``; also run on the first finding of each bucket
+in a campaign): replay a finding with one engine mechanism taken away at a time and record
+which removals make the victim's divergence disappear.
+
+ClusterFuzz buckets crashes by stack; kvfuzz has no stack, but it can switch mechanisms off
+and watch. The mechanisms, named as toggles name what they need (harness/toggles, ``needs``):
+
+- ``prefix-caching`` — prefix caching off;
+- ``chunked-prefill`` — chunked prefill off, with a token budget as large as the context (so no
+  prompt is split);
+- ``preemption`` — a KV cache large enough for every request at once: nothing is preempted,
+  no freed block is recycled;
+- ``concurrency`` — the requests one at a time, in send order (relative cancels kept);
+- ``cancels`` — every cancel removed;
+- ``lora`` — every request on the base model, LoRA off;
+- ``lora-swaps`` — as many adapter slots as adapters (none is evicted and reloaded);
+- ``numerics`` — float32 instead of a 16-bit dtype (the same KV capacity in tokens).
+
+A mechanism the trace does not use (no cancels, prefix caching already off...) is ``n/a``.
+Each ablation is one replay judged on the victim (``Session.judge``); the engine-level ones
+restart the engine (another configuration). Pure choices live in ``ablate``; the replays in
+``explain``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from kvfuzz.fuzzer.shapes import embedded_bytes_per_token
+from kvfuzz.oracle.controls import primary_arm
+from kvfuzz.traces import EMBEDDED_MODEL, Ablation, CancelEvent, Explanation, Finding, SendEvent, Trace
+from kvfuzz.traces.errors import BadInput, InfraError
+from kvfuzz.traces.finding import SEVERITY
+
+from .controls import steps_alone
+from .minimize import choose_target
+from .probe import Replayer
+
+Ablate = Callable[[Trace], tuple[Trace | None, str]]
+
+
+def _engine(trace: Trace, **update: object) -> Trace:
+    return trace.model_copy(update={"engine": trace.engine.model_copy(update=update)})
+
+
+def no_prefix_caching(trace: Trace) -> tuple[Trace | None, str]:
+    if not trace.engine.enable_prefix_caching:
+        return None, "prefix caching is already off"
+    return _engine(trace, enable_prefix_caching=False), "prefix caching off"
+
+
+def no_chunked_prefill(trace: Trace) -> tuple[Trace | None, str]:
+    e = trace.engine
+    longest = max((s.prompt.length for s in trace.sends), default=0)
+    if not e.enable_chunked_prefill and longest <= e.max_num_batched_tokens:
+        return None, "no prompt is split"
+    return (_engine(trace, enable_chunked_prefill=False, max_num_batched_tokens=max(e.max_model_len, e.max_num_batched_tokens)),
+            f"chunked prefill off, token budget {max(e.max_model_len, e.max_num_batched_tokens)}")
+
+
+def no_kv_pressure(trace: Trace) -> tuple[Trace | None, str]:
+    e = trace.engine
+    if e.kv_cache_bytes is None:
+        return None, "the KV cache is sized by vLLM (gpu_memory_utilization), not by the trace"
+    demand = sum(s.prompt.length + s.max_tokens for s in trace.sends) + e.block_size * (len(trace.sends) + 2)
+    per_token = embedded_bytes_per_token(e) if e.model == EMBEDDED_MODEL else None
+    size = 2 * demand * per_token if per_token else 8 * e.kv_cache_bytes
+    size = max(size, e.kv_cache_bytes)
+    return _engine(trace, kv_cache_bytes=size), f"KV cache {size / 2**20:.0f} MiB (every request fits at once)"
+
+
+def no_concurrency(trace: Trace) -> tuple[Trace | None, str]:
+    sends = sorted(enumerate(trace.sends), key=lambda x: (x[1].at.step_or(trace.engine.ms_per_step), x[0]))
+    if len(sends) < 2:
+        return None, "one request"
+    events: list[SendEvent | CancelEvent] = []
+    step = 0
+    for _, s in sends:
+        events.append(s.model_copy(update={"at": s.at.model_copy(update={"step": step, "offset_ms": None})}))
+        # Relative cancels (after N tokens) keep their meaning one request at a time.
+        events += [c for c in trace.cancels if c.request_id == s.request_id and c.at.after_tokens is not None
+                   and c.at.step is None and c.at.offset_ms is None]
+        step += steps_alone(s, trace)
+    return trace.model_copy(update={"events": events}), "requests one at a time, in send order"
+
+
+def no_cancels(trace: Trace) -> tuple[Trace | None, str]:
+    if not trace.cancels:
+        return None, "no cancels"
+    return trace.model_copy(update={"events": list(trace.sends)}), "every cancel removed"
+
+
+def no_adapters(trace: Trace) -> tuple[Trace | None, str]:
+    if not any(s.adapter for s in trace.sends):
+        return None, "no adapter requests"
+    events = [e.model_copy(update={"adapter": None}) if isinstance(e, SendEvent) else e for e in trace.events]
+    lora = trace.engine.lora.model_copy(update={"enabled": False, "adapters": {}})
+    return trace.model_copy(update={"events": events, "engine": trace.engine.model_copy(update={"lora": lora})}), \
+        "every request on the base model, LoRA off"
+
+
+def resident_adapters(trace: Trace) -> tuple[Trace | None, str]:
+    used = {s.adapter for s in trace.sends if s.adapter}
+    lora = trace.engine.lora
+    if not used or len(used) <= lora.max_loras:
+        return None, "no more adapters than slots"
+    return (_engine(trace, lora=lora.model_copy(update={"max_loras": len(used)})),
+            f"{len(used)} adapter slots for {len(used)} adapters")
+
+
+def float32(trace: Trace) -> tuple[Trace | None, str]:
+    if trace.engine.dtype == "float32":
+        return None, "already float32"
+    return trace.model_copy(update={"engine": trace.engine.with_dtype("float32")}), "float32"
+
+
+ABLATIONS: dict[str, Ablate] = {
+    "prefix-caching": no_prefix_caching, "chunked-prefill": no_chunked_prefill, "preemption": no_kv_pressure,
+    "concurrency": no_concurrency, "cancels": no_cancels, "lora": no_adapters, "lora-swaps": resident_adapters,
+    "numerics": float32,
+}
+
+
+def _valid(trace: Trace) -> Trace:
+    return Trace.model_validate(trace.model_dump(mode="json"))  # an ablation must still be a valid trace
+
+
+def explain(replayer: Replayer, finding: Finding, *, victim: str | None = None,
+            mechanisms: list[str] | None = None) -> Explanation:
+    """Replay ``finding`` once per mechanism taken away, judged on its victim (default: the
+    one minimization would keep)."""
+    t0 = time.monotonic()
+    target = choose_target(finding, victim)
+    arm, toggles = primary_arm(finding)
+    out = Explanation(victim=target.victim, cls=target.cls, arm=arm)
+    for name in mechanisms or list(ABLATIONS):
+        ablated, change = ABLATIONS[name](finding.trace)
+        if ablated is None:
+            out.ablations.append(Ablation(mechanism=name, change=change, outcome="n/a"))
+            continue
+        try:
+            cls = replayer.judge(_valid(ablated), victim=target.victim, arm=arm, toggles=toggles)
+        except (BadInput, InfraError, ValueError) as e:  # e.g. vLLM rejects the changed engine
+            out.ablations.append(Ablation(mechanism=name, change=change, outcome="failed",
+                                          detail=str(e).splitlines()[0][:300]))
+            continue
+        out.replays += 1
+        # It persists when the victim still diverges at least as badly.
+        persists = SEVERITY[cls] <= SEVERITY[target.cls]
+        out.ablations.append(Ablation(mechanism=name, change=change, victim_class=cls,
+                                      outcome="persists" if persists else "disappears"))
+    out.seconds = round(time.monotonic() - t0, 1)
+    return out
