@@ -123,8 +123,9 @@ class Ablation(_Data):
     mechanism: str  # prefix-caching, chunked-prefill, preemption, concurrency, cancels, lora, lora-swaps, numerics
     change: str  # what was changed, in words
     # disappears: the victim no longer diverges that way (the mechanism is needed);
-    # persists: it still does; n/a: the trace does not use it; failed: the replay could not run.
-    outcome: Literal["disappears", "persists", "n/a", "failed"]
+    # persists: it still does; n/a: the trace does not use it; failed: the replay could not run;
+    # skipped: the triage time box ran out first (kvfuzz explain FINDING runs it in full).
+    outcome: Literal["disappears", "persists", "n/a", "failed", "skipped"]
     victim_class: str | None = None
     detail: str | None = None
 

@@ -127,9 +127,10 @@ def _valid(trace: Trace) -> Trace:
 
 
 def explain(replayer: Replayer, finding: Finding, *, victim: str | None = None,
-            mechanisms: list[str] | None = None) -> Explanation:
+            mechanisms: list[str] | None = None, deadline: float | None = None) -> Explanation:
     """Replay ``finding`` once per mechanism taken away, judged on its victim (default: the
-    one minimization would keep)."""
+    one minimization would keep). Past ``deadline`` (time.monotonic()), the mechanisms left are
+    recorded as skipped."""
     t0 = time.monotonic()
     target = choose_target(finding, victim)
     arm, toggles = primary_arm(finding)
@@ -138,6 +139,10 @@ def explain(replayer: Replayer, finding: Finding, *, victim: str | None = None,
         ablated, change = ABLATIONS[name](finding.trace)
         if ablated is None:
             out.ablations.append(Ablation(mechanism=name, change=change, outcome="n/a"))
+            continue
+        if deadline is not None and time.monotonic() > deadline:
+            out.ablations.append(Ablation(mechanism=name, change=change, outcome="skipped",
+                                          detail="triage time box spent"))
             continue
         try:
             cls = replayer.judge(_valid(ablated), victim=target.victim, arm=arm, toggles=toggles)

@@ -94,18 +94,7 @@ def run(
         raise BadInput("only with --engine server", field="--port")
     overrides: dict[str, Any] = {}
     if model is not None:
-        if not model.is_dir():
-            raise BadInput("no such model directory" if not model.exists() else "is not a directory",
-                           source=str(model), field="--model")
-        if not (model / "config.json").is_file():
-            raise BadInput("not a model directory (no config.json)", source=str(model), field="--model")
-        if lora:
-            raise BadInput("--lora uses the embedded model's adapters; it cannot be combined with --model",
-                           field="--model")
-        overrides["model"] = str(model.resolve())
-        from kvfuzz.traces.paths import allow
-
-        allow(model)  # named on the command line: its findings may be replayed from here
+        overrides["model"] = options.model_dir(model, lora)
     out.mkdir(parents=True, exist_ok=True)
     if max_model_len is not None:
         overrides["max_model_len"] = max_model_len
@@ -148,8 +137,16 @@ def run(
     # One bug, one bucket: a new bucket's first finding is triaged fully, later ones cheaply.
     triage = CampaignTriage(session, guard, arm_map, out, confirm_runs=runs, runs_fixed=runs_fixed,
                             attribute=attribute, minimize=minimize, controls=controls, ablate=explain_,
-                            minimize_seconds=minimize_seconds, status=display.status)
+                            minimize_seconds=minimize_seconds, budget_s=budget, status=display.status)
 
+    # Triage replays under other engine configurations (ablations: prefix caching off, a larger
+    # KV cache, float32...). Keeping them alive next to the campaign's engine saves two engine
+    # starts per configuration per bucket (in-process engines are small: the model is tiny).
+    pooled = kind == "inprocess" and (explain_ or minimize or controls)
+    if pooled:
+        from kvfuzz.harness.inprocess import share_engines
+
+        share_engines(6)
     try:
         with display:
             log_name = "engine.log" if kind == "inprocess" else "server-1.log"
@@ -163,6 +160,10 @@ def run(
             state = run_campaign(opts, triage, display.update, on_start=lambda c: triage.restore(c.state.bug_buckets))
     finally:
         session.close()
+        if pooled:
+            from kvfuzz.harness.inprocess import unshare_engines
+
+            unshare_engines()
     for line in warned:
         err_console.print(f"kvfuzz: warning: {line}", markup=False, highlight=False, soft_wrap=True)
     display.summary(state, out)
