@@ -43,3 +43,13 @@ def test_new_bucket_box_is_the_smaller_of_minimize_seconds_and_the_budget_share(
     assert box(3600) == 120.0
     assert box(300) == NEW_BUCKET_SHARE * 300 < 120.0  # a 5-minute campaign keeps fuzzing
     assert box(600, minimize_seconds=30) == 30
+
+
+def test_a_skipped_ablation_is_not_reported_as_measured():
+    from kvfuzz.oracle.buckets import describe
+
+    f = finding()
+    f.explanation = explain(Recorder(), f, deadline=time.monotonic() - 1)
+    assert f.explanation.summary().startswith("not ablated: the triage time box ran out")
+    key = describe(f"corruption|{f.divergences[0].explained_by}", f)
+    assert "needs: not measured" in key["text"] and key["needs"] == []

@@ -150,11 +150,19 @@ class Explanation(_Data):
     def not_needed(self) -> list[str]:
         return [a.mechanism for a in self.ablations if a.outcome == "persists"]
 
+    @property
+    def skipped(self) -> list[str]:
+        return [a.mechanism for a in self.ablations if a.outcome == "skipped"]
+
     def summary(self) -> str:
         words = MECHANISM_WORDS
+        if self.skipped and not (self.needs or self.not_needed):
+            return "not ablated: the triage time box ran out (kvfuzz explain FINDING)"
         needs = ", ".join(words.get(m, m) for m in self.needs) or "none of the mechanisms tried"
         other = ", ".join(words.get(m, m) for m in self.not_needed)
-        return f"needs: {needs}" + (f"; does not need: {other}" if other else "")
+        left = ", ".join(words.get(m, m) for m in self.skipped)
+        return (f"needs: {needs}" + (f"; does not need: {other}" if other else "")
+                + (f"; not tried (time box): {left}" if left else ""))
 
 
 # How mechanisms read in reports (the names match Toggle.needs in harness/toggles).

@@ -112,8 +112,8 @@ class CampaignTriage:
         small = finding
         if self.minimize or self.controls:
             self.status(f"finding {finding.id}: " + ("minimizing" if self.minimize else "control arms"))
-            # Minimization gets most of what is left; the ablation of the (small) result the rest.
-            left = max(1.0, 0.7 * (deadline - time.monotonic()))
+            # Minimization gets half of what is left; the ablation of the (small) result the rest.
+            left = max(1.0, 0.5 * (deadline - time.monotonic()))
             small = finish_finding(self.session, finding, out=self.out, do_minimize=self.minimize,
                                    controls=self.controls, max_seconds=left)
         if self.ablate:
