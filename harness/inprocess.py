@@ -123,9 +123,14 @@ class InProcessEngine:
         # Toggles are installed (inactive) before the engine exists: some patch classes that
         # the engine instantiates.
         toggle_registry.install(self.config.toggles)
+        args = engine_args(self.config, self._model.model_path, device=self.device)
+        if isinstance(args.get("kv_transfer_config"), dict):
+            # EngineArgs takes the config object (the server's CLI parses the same JSON into it).
+            from vllm.config import KVTransferConfig
+
+            args["kv_transfer_config"] = KVTransferConfig(**args["kv_transfer_config"])
         try:
-            self._llm = LLMEngine.from_engine_args(EngineArgs(**engine_args(self.config, self._model.model_path,
-                                                                            device=self.device)))
+            self._llm = LLMEngine.from_engine_args(EngineArgs(**args))
         except ValueError as e:
             # vLLM validates its configuration with ValueError (e.g. a KV cache too small for
             # max_model_len): that is the trace's engine section being wrong, not the machine.
@@ -238,7 +243,9 @@ class InProcessEngine:
                 if not llm.has_unfinished_requests():
                     break
                 llm.step()
-        if not llm.reset_prefix_cache():
+        # With a KV connector its store is emptied too: a run must not load KV stored by the last.
+        reset = llm.reset_prefix_cache(reset_connector=True) if self.config.kv_connector else llm.reset_prefix_cache()
+        if not reset:
             raise InfraError("could not reset the prefix cache: blocks still in use after all requests ended")
         from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue
 

@@ -9,6 +9,7 @@ from .history import EventRecord, History, RequestRecord, StepRecord
 from .io import atomic_write_text, load_any, load_finding, load_trace, parse_finding, parse_trace, save
 from .prompts import expand
 from .trace import (
+    EMBEDDED_HYBRID,
     EMBEDDED_MODEL,
     SCHEMA_VERSION,
     At,
@@ -34,7 +35,7 @@ def json_schemas() -> dict[str, dict]:
 
 __all__ = [
     "At", "BadInput", "CancelEvent", "ControlResult", "DIVERGENT_CLASSES", "Divergence",
-    "EMBEDDED_MODEL", "EngineConfig", "Environment", "Expectation", "EventRecord", "Finding", "GenPrompt",
+    "EMBEDDED_HYBRID", "EMBEDDED_MODEL", "EngineConfig", "Environment", "Expectation", "EventRecord", "Finding", "GenPrompt",
     "History", "InfraError", "KvfuzzError", "Lineage", "LoraSettings", "Minimization",
     "RequestRecord", "SCHEMA_VERSION", "SendEvent", "StepRecord", "TokenPrompt", "Trace",
     "atomic_write_text", "expand", "json_schemas", "load_any", "load_finding", "load_trace",
