@@ -1,0 +1,93 @@
+"""Fast tests of the hybrid-model pieces (no vLLM): the embedded hybrid build, the
+``kv_connector`` engine setting and how it reaches vLLM, and the #44409 regression trace."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from kvfuzz.harness import embedded
+from kvfuzz.harness.vllm_args import engine_args, server_command
+from kvfuzz.traces import EMBEDDED_HYBRID, EngineConfig, LoraSettings, Trace, load_trace
+from kvfuzz.traces.errors import BadInput
+
+CORPUS = Path(__file__).resolve().parent.parent / "traces" / "regressions"
+REGRESSION = CORPUS / "vllm-44409-cross-group-external.json"
+
+
+def test_hybrid_build_is_deterministic_and_pinned(tmp_path):
+    a = embedded.build_hybrid(tmp_path / "a")
+    b = embedded.build_hybrid(tmp_path / "b")
+    assert a.content_hash == b.content_hash == embedded.HYBRID_EXPECTED_HASH
+    assert a.adapters == {}
+    assert embedded.content_hash(a.root) == a.content_hash
+    # The default is unchanged by the hybrid's existence.
+    assert embedded.build(tmp_path / "d").content_hash == embedded.EXPECTED_HASH != a.content_hash
+
+
+def test_hybrid_config_full_attention_first_with_a_window():
+    cfg = embedded._hybrid_config()
+    assert cfg["architectures"] == ["LlamaForCausalLM"]
+    # Group order follows the first layer; the fault of vllm#44409 needs full attention first.
+    assert cfg["layer_types"] == ["full_attention", "sliding_attention"]
+    assert cfg["sliding_window"] == 128 and cfg["sliding_window"] % 32 == 0
+    assert cfg["initializer_range"] == 0.2 and cfg["hidden_size"] // cfg["num_attention_heads"] == 64
+
+
+def test_hybrid_model_resolves_and_refuses_lora(monkeypatch, tmp_path):
+    monkeypatch.setenv("KVFUZZ_CACHE", str(tmp_path))
+    r = embedded.resolve_model(EngineConfig(model=EMBEDDED_HYBRID))
+    assert r.model_hash == embedded.HYBRID_EXPECTED_HASH and r.adapter_paths == {}
+    with pytest.raises(BadInput) as e:
+        embedded.resolve_model(EngineConfig(model=EMBEDDED_HYBRID, lora=LoraSettings(enabled=True)))
+    assert e.value.field == "engine.lora.enabled"
+    with pytest.raises(BadInput, match="tiny-hybrid"):
+        embedded.resolve_model(EngineConfig(model="embedded:nope"))
+
+
+def test_kv_connector_setting_is_optional_and_invisible_when_unset():
+    plain = EngineConfig()
+    assert "kv_connector" not in plain.model_dump(mode="json")
+    # An old trace (no such field) loads unchanged and keeps its ids and reference key.
+    old = Trace.model_validate({"engine": {"max_model_len": 4096}})
+    assert old.engine.kv_connector is None
+    assert old.model_dump(mode="json") == Trace.model_validate(old.model_dump(mode="json")).model_dump(mode="json")
+    on = plain.model_copy(update={"kv_connector": "kvfuzz-store"})
+    assert on.key() != plain.key()
+    assert EngineConfig.model_validate(on.model_dump(mode="json")).kv_connector == "kvfuzz-store"
+
+
+def test_kv_connector_bad_values_name_the_field():
+    with pytest.raises(ValidationError) as e:
+        EngineConfig(kv_connector="OffloadingConnector")
+    assert e.value.errors()[0]["loc"] == ("kv_connector",)
+    with pytest.raises(ValidationError, match="kv_connector"):
+        EngineConfig(kv_connector="kvfuzz-store", lora=LoraSettings(enabled=True))
+
+
+def test_kv_connector_reaches_inprocess_and_server_alike():
+    cfg = EngineConfig(model=EMBEDDED_HYBRID, kv_connector="kvfuzz-store")
+    ktc = engine_args(cfg, "/m")["kv_transfer_config"]
+    assert ktc == {"kv_connector": "HMAStoreConnector", "kv_connector_module_path": "kvfuzz.harness.kv_connector",
+                   "kv_role": "kv_both"}
+    cmd = server_command(cfg, model_path="/m", adapter_paths={}, port=8000)
+    assert json.loads(cmd[cmd.index("--kv-transfer-config") + 1]) == ktc
+    assert "kv_transfer_config" not in engine_args(EngineConfig(), "/m")
+
+
+def test_44409_regression_pins_its_engine():
+    t = load_trace(REGRESSION)
+    e = t.engine
+    assert e.model == EMBEDDED_HYBRID and e.kv_connector == "kvfuzz-store"
+    # The block count, not the bytes, fixes the free-queue positions (same in bfloat16).
+    assert e.extra_args["num_gpu_blocks_override"] == 127
+    assert e.extra_args["prefix_cache_retention_interval"] == 32
+    assert t.expect is not None and t.expect.fails_in == ["with:fault-cross-group-one-phase"]
+    # R shares S+T with B (external tokens) and S with A2 (local hit), with a tail of its own.
+    by = {s.request_id: s.prompt for s in t.sends}
+    assert by["R"].prefix_group == by["B"].prefix_group == by["A2"].prefix_group
+    assert by["R"].prefix_len == by["B"].prefix_len == 192 and by["A2"].prefix_len == 128
+    assert by["R"].seed != by["B"].seed
