@@ -87,6 +87,21 @@ def _holders(scheduler: Any) -> dict[str, list[int]] | None:
         return None
 
 
+def _record_admission(capture: dict[str, Any], coord: Any, request_id: str, new_computed_blocks: Any,
+                      num_local_computed_tokens: int, num_external_computed_tokens: int, *args: Any,
+                      **kwargs: Any) -> None:
+    hits = [sum(1 for b in g if not b.is_null) for g in new_computed_blocks]
+    capture["external"] = capture.get("external", 0) + int(num_external_computed_tokens)
+    acc = capture.setdefault("group_hits", [0] * len(hits))
+    for i, n in enumerate(hits):
+        acc[i] += n
+    owner: dict[int, int] = {}
+    for g, manager in enumerate(coord.single_type_managers):
+        for b in manager.req_to_blocks.get(request_id, ()):
+            if not b.is_null and owner.setdefault(b.block_id, g) != g:
+                capture["cross_group_shared"] = capture.get("cross_group_shared", 0) + 1
+
+
 class InProcessEngine:
     """One in-process vLLM engine for one ``EngineConfig``."""
 
@@ -231,6 +246,21 @@ class InProcessEngine:
             return evicted
 
         pool._maybe_evict_cached_block = evict
+
+        # Admissions with prefix hits or connector tokens, per KV cache group (coverage of the
+        # hybrid and external-KV paths). Looked up on the class per call, like evict above.
+        coord = scheduler.kv_cache_manager.coordinator
+        coord_cls = type(coord)
+
+        def admit(*args: Any, **kwargs: Any) -> Any:
+            out = coord_cls.allocate_new_computed_blocks(coord, *args, **kwargs)
+            try:
+                _record_admission(capture, coord, *args, **kwargs)
+            except (AttributeError, TypeError, IndexError):  # another vLLM layout: coverage only
+                log.debug("admission not recorded", exc_info=True)
+            return out
+
+        coord.allocate_new_computed_blocks = admit
 
     # -- clean slate -------------------------------------------------------------------------
     def clean_slate(self) -> None:
@@ -465,6 +495,9 @@ class InProcessEngine:
             rec.lora_running = {k: int(v) for k, v in (stats.running_lora_adapters or {}).items()}
             rec.evictions = len(stats.kv_cache_eviction_events or [])
         rec.evictions = max(rec.evictions, int(cap.get("evicted", 0)))
+        rec.external_tokens = int(cap.get("external", 0))
+        rec.group_hits = list(cap.get("group_hits", []))
+        rec.cross_group_shared = int(cap.get("cross_group_shared", 0))
         holders = cap.get("blocks")
         if holders is not None:
             rec.block_edges = self._edges.step(

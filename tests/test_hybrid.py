@@ -91,3 +91,34 @@ def test_44409_regression_pins_its_engine():
     assert by["R"].prefix_group == by["B"].prefix_group == by["A2"].prefix_group
     assert by["R"].prefix_len == by["B"].prefix_len == 192 and by["A2"].prefix_len == 128
     assert by["R"].seed != by["B"].seed
+
+
+# -- coverage of the hybrid and external-KV paths ---------------------------------------------------
+
+
+def test_hybrid_coverage_buckets_from_steps():
+    from kvfuzz.fuzzer.feedback import signature
+    from kvfuzz.traces import History, StepRecord
+
+    steps = [StepRecord(step=0, group_hits=[4, 2], kv_usage=0.3),
+             StepRecord(step=1, group_hits=[4, 2], external_tokens=64, waiting=1, kv_usage=0.92),
+             StepRecord(step=2, external_tokens=96, group_hits=[0, 0], kv_usage=0.5, cross_group_shared=1)]
+    sig = signature(History(trace_id="t", engine="inprocess", steps=steps))
+    assert {"group-hits:g0:8-15", "group-hits:g1:4-7", "ext-tokens:4-7", "ext-admissions:2", "ext:with-local-hits",
+            "ext:pressure:kv90/wait", "groups:block-in-two-groups"} <= sig
+    # The same run on a one-group model without a connector adds none of them.
+    plain = [s.model_copy(update={"group_hits": [s.group_hits[0]], "external_tokens": 0, "cross_group_shared": 0})
+             for s in steps]
+    sig = signature(History(trace_id="t", engine="inprocess", steps=plain))
+    assert not {b for b in sig if b.startswith(("group-hits", "ext", "groups:"))}
+
+
+def test_server_external_tokens_from_metrics():
+    from kvfuzz.fuzzer.feedback import signature
+    from kvfuzz.harness.metrics import summarize
+    from kvfuzz.traces import History
+
+    after = summarize('vllm:external_prefix_cache_hits_total{engine="0",model_name="m"} 160.0\n')
+    h = History(trace_id="t", engine="server", metrics_before={"vllm:external_prefix_cache_hits_total": 32.0},
+                metrics_after=after)
+    assert "ext-tokens:4-7" in signature(h)
