@@ -141,15 +141,24 @@ def _profiles(chosen: list[str], lora: str) -> dict[str, list[str]]:
     return out
 
 
-def bench_engine(profile: str, kv_cache_mb: int, max_model_len: int) -> Any:
+def bench_engine(profile: str, kv_cache_mb: int | None, max_model_len: int | None, model: str | None = None) -> Any:
     from kvfuzz.fuzzer import default_engine
+    from kvfuzz.traces import EMBEDDED_HYBRID
 
-    return default_engine(lora=profile == "lora", kv_cache_bytes=kv_cache_mb * 2**20, max_model_len=max_model_len)
+    if model == EMBEDDED_HYBRID:
+        # The hybrid model with the kvfuzz-store connector (fuzzer/hybrid.py): blocks pinned.
+        from kvfuzz.fuzzer.hybrid import BLOCK_BYTES, DEFAULT_BLOCKS, hybrid_engine
+
+        blocks = kv_cache_mb * 2**20 // BLOCK_BYTES["float32"] if kv_cache_mb else DEFAULT_BLOCKS
+        return hybrid_engine(blocks=blocks, **({"max_model_len": max_model_len} if max_model_len else {}))
+    return default_engine(lora=profile == "lora", kv_cache_bytes=(kv_cache_mb or 8) * 2**20,
+                          max_model_len=max_model_len or 8000)
 
 
 def run_bench(*, toggles: list[str] | None, seeds: list[int], budget: float, max_traces: int | None,
-              control_budget: float, runs: int, out: Path, device: str, lora: str = "auto", kv_cache_mb: int = 8,
-              max_model_len: int = 8000, progress: Any = print, session: Any = None) -> dict:
+              control_budget: float, runs: int, out: Path, device: str, lora: str = "auto",
+              kv_cache_mb: int | None = 8, max_model_len: int | None = 8000, progress: Any = print,
+              session: Any = None, model: str | None = None) -> dict:
     from kvfuzz.harness import toggles as reg
     from kvfuzz.oracle.attribution import single_arm
     from kvfuzz.session import Session
@@ -186,7 +195,7 @@ def run_bench(*, toggles: list[str] | None, seeds: list[int], budget: float, max
 
     try:
         for profile, names in profiles.items():
-            engine = engines[profile] = bench_engine(profile, kv_cache_mb, max_model_len)
+            engine = engines[profile] = bench_engine(profile, kv_cache_mb, max_model_len, model)
             t_start = time.monotonic()
             session.engine_for(engine)
             starts[profile] = round(time.monotonic() - t_start, 1)
@@ -230,7 +239,7 @@ def run_bench(*, toggles: list[str] | None, seeds: list[int], budget: float, max
         "load_avg_after": [round(x, 2) for x in os.getloadavg()],
         "command": "kvfuzz " + " ".join(sys.argv[1:]),
         "config": {"device": device, "seeds": seeds, "budget_s": budget, "max_traces": max_traces, "runs": runs,
-                   "control_budget_s": control_budget, "lora": lora, "kv_cache_mb": kv_cache_mb,
+                   "control_budget_s": control_budget, "lora": lora, "kv_cache_mb": kv_cache_mb, "model": model,
                    "max_model_len": max_model_len,
                    "engines": {p: e.model_dump(mode="json") for p, e in engines.items()},
                    "engine_start_s": starts},

@@ -122,3 +122,60 @@ def test_server_external_tokens_from_metrics():
     h = History(trace_id="t", engine="server", metrics_before={"vllm:external_prefix_cache_hits_total": 32.0},
                 metrics_after=after)
     assert "ext-tokens:4-7" in signature(h)
+
+
+# -- generator shapes for the hybrid model -----------------------------------------------------------
+
+
+def test_cross_group_return_sizes_its_fillers_from_the_block_count():
+    import random
+
+    from kvfuzz.fuzzer.hybrid import cross_group_return, hybrid_engine
+
+    eng = hybrid_engine()
+    seen = set()
+    for seed in range(60):
+        events, end = cross_group_return(eng, random.Random(seed), 0)
+        by = {e.request_id: e for e in events}
+        L = by["xA"].prompt.prefix_len // 32
+        e = by["xB"].prompt.prefix_len // 32 - L
+        seen.add((L, e))
+        assert L * 32 > 128 - 32 and 1 <= e <= 3  # S covers the window; the window still holds a hit at L+e
+        assert by["xR"].prompt.prefix_group == by["xB"].prompt.prefix_group == by["xQ"].prompt.prefix_group
+        assert by["xR"].prompt.prefix_len == by["xB"].prompt.prefix_len and by["xR"].prompt.seed != by["xB"].prompt.seed
+        fillers = [x for x in events if x.request_id.startswith("xH")]
+        assert all((f.prompt.length + 1) % 32 == 0 and f.at.step == 14 for f in fillers)
+        k = 126 - (L + 7) - 5 - 4  # S[L-1]'s place in the free queue when A2 is done
+        assert sum((f.prompt.length + 1) // 32 for f in fillers) * 2 == k - k % 2
+        assert k % 2 == 0 or e >= 2
+        assert sum(f.prompt.length for f in fillers) <= eng.max_num_batched_tokens  # one prefill step
+        assert by["xR"].at.step == 15 and end == 16
+        assert all(x.prompt.length + x.max_tokens <= eng.max_model_len for x in events)
+    assert len(seen) >= 6
+    assert cross_group_return(EngineConfig(), random.Random(0), 0) is None  # the default model: no shape
+
+
+def test_generated_hybrid_traces_carry_the_shapes_and_default_traces_do_not():
+    from kvfuzz.fuzzer import default_engine, generate
+    from kvfuzz.fuzzer.hybrid import hybrid_engine
+
+    eng = hybrid_engine()
+    cross = returns = 0
+    for seed in range(40):
+        t = generate(seed, eng)
+        ids = {s.request_id for s in t.sends}
+        if "xR" in ids:
+            cross += 1
+            r = t.send("xR").at.step
+            # The recipe runs on an idle engine: nothing else is sent before R is admitted.
+            assert all(s.at.step > r or s.request_id.startswith("x") for s in t.sends)
+        if any(i.startswith("hfirst") for i in ids):
+            returns += 1
+            first = next(s for s in t.sends if s.request_id.startswith("hfirst"))
+            assert first.prompt.prefix_len > 128
+            back = [s for s in t.sends if s.request_id.startswith(f"{first.request_id}_back")]
+            assert back and all(s.prompt.prefix_group == first.prompt.prefix_group for s in back)
+    assert 4 <= cross <= 20 and 4 <= returns <= 25
+    for seed in range(20):
+        ids = {s.request_id for s in generate(seed, default_engine()).sends}
+        assert not any(i.startswith(("xR", "hfirst")) for i in ids)
