@@ -91,3 +91,22 @@ def test_44409_regression_in_bfloat16(session, trace):
     assert session.check(t, runs=1, arms={"clean": clean}).finding is None
     bad = session.check(t, runs=1, arms={"fault": sorted({*clean, CROSS_GROUP_ONE_PHASE})})
     assert next(v for v in bad.verdicts if v.request_id == "R").class_ == "corruption"
+
+
+def test_fault_self_check_refuses_a_coordinator_without_the_two_phases(monkeypatch):
+    import dataclasses
+
+    from vllm.v1.core.kv_cache_coordinator import KVCacheCoordinator
+
+    copy = dataclasses.replace(toggles.get(CROSS_GROUP_ONE_PHASE), name="test-copy-cross-group", installed=False)
+    toggles.REGISTRY[copy.name] = copy
+    try:
+        def allocate_new_computed_blocks(self, request_id, new_computed_blocks, num_local_computed_tokens,
+                                         num_external_computed_tokens, skip_zeroing_group_ids=()):
+            return None  # same signature, no longer the code the fault reorders
+
+        monkeypatch.setattr(KVCacheCoordinator, "allocate_new_computed_blocks", allocate_new_computed_blocks)
+        with pytest.raises(toggles.ToggleError, match="allocate_new_computed_blocks no longer contains"):
+            toggles.install([copy.name])
+    finally:
+        toggles.REGISTRY.pop(copy.name, None)
