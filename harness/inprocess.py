@@ -89,6 +89,21 @@ def _holders(scheduler: Any) -> dict[str, list[int]] | None:
         return None
 
 
+def _record_admission(capture: dict[str, Any], coord: Any, request_id: str, new_computed_blocks: Any,
+                      num_local_computed_tokens: int, num_external_computed_tokens: int, *args: Any,
+                      **kwargs: Any) -> None:
+    hits = [sum(1 for b in g if not b.is_null) for g in new_computed_blocks]
+    capture["external"] = capture.get("external", 0) + int(num_external_computed_tokens)
+    acc = capture.setdefault("group_hits", [0] * len(hits))
+    for i, n in enumerate(hits):
+        acc[i] += n
+    owner: dict[int, int] = {}
+    for g, manager in enumerate(coord.single_type_managers):
+        for b in manager.req_to_blocks.get(request_id, ()):
+            if not b.is_null and owner.setdefault(b.block_id, g) != g:
+                capture["cross_group_shared"] = capture.get("cross_group_shared", 0) + 1
+
+
 class InProcessEngine:
     """One in-process vLLM engine for one ``EngineConfig``."""
 
@@ -128,9 +143,14 @@ class InProcessEngine:
             # Toggles are installed (inactive) before the engine exists: some patch classes
             # that the engine instantiates.
             toggle_registry.install(self.config.toggles)
+            args = engine_args(self.config, self._model.model_path, device=self.device)
+            if isinstance(args.get("kv_transfer_config"), dict):
+                # EngineArgs takes the config object (the server's CLI parses the same JSON into it).
+                from vllm.config import KVTransferConfig
+
+                args["kv_transfer_config"] = KVTransferConfig(**args["kv_transfer_config"])
             try:
-                self._llm = LLMEngine.from_engine_args(EngineArgs(**engine_args(
-                    self.config, self._model.model_path, device=self.device)))
+                self._llm = LLMEngine.from_engine_args(EngineArgs(**args))
             except ValueError as e:
                 # vLLM validates its configuration with ValueError (e.g. a KV cache too small
                 # for max_model_len): the trace's engine section is wrong, not the machine.
@@ -234,6 +254,21 @@ class InProcessEngine:
 
         pool._maybe_evict_cached_block = evict
 
+        # Admissions with prefix hits or connector tokens, per KV cache group (coverage of the
+        # hybrid and external-KV paths). Looked up on the class per call, like evict above.
+        coord = scheduler.kv_cache_manager.coordinator
+        coord_cls = type(coord)
+
+        def admit(*args: Any, **kwargs: Any) -> Any:
+            out = coord_cls.allocate_new_computed_blocks(coord, *args, **kwargs)
+            try:
+                _record_admission(capture, coord, *args, **kwargs)
+            except (AttributeError, TypeError, IndexError):  # another vLLM layout: coverage only
+                log.debug("admission not recorded", exc_info=True)
+            return out
+
+        coord.allocate_new_computed_blocks = admit
+
     # -- clean slate -------------------------------------------------------------------------
     def clean_slate(self) -> None:
         """Return the engine to the state of a fresh start (no requests, empty prefix cache,
@@ -245,7 +280,9 @@ class InProcessEngine:
                 if not llm.has_unfinished_requests():
                     break
                 llm.step()
-        if not llm.reset_prefix_cache():
+        # With a KV connector its store is emptied too: a run must not load KV stored by the last.
+        reset = llm.reset_prefix_cache(reset_connector=True) if self.config.kv_connector else llm.reset_prefix_cache()
+        if not reset:
             raise InfraError("could not reset the prefix cache: blocks still in use after all requests ended")
         from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue
 
@@ -465,6 +502,9 @@ class InProcessEngine:
             rec.lora_running = {k: int(v) for k, v in (stats.running_lora_adapters or {}).items()}
             rec.evictions = len(stats.kv_cache_eviction_events or [])
         rec.evictions = max(rec.evictions, int(cap.get("evicted", 0)))
+        rec.external_tokens = int(cap.get("external", 0))
+        rec.group_hits = list(cap.get("group_hits", []))
+        rec.cross_group_shared = int(cap.get("cross_group_shared", 0))
         holders = cap.get("blocks")
         if holders is not None:
             rec.block_edges = self._edges.step(

@@ -35,7 +35,8 @@ def run(
     operators: Annotated[Optional[str], typer.Option(help="Comma-separated mutation operators to use "
                                                           "(default: all; see docs/fuzzer.md).")] = None,
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
-    kv_cache_mb: Annotated[int, typer.Option(min=1, help="KV cache size in MiB.")] = 24,
+    kv_cache_mb: Annotated[Optional[int], typer.Option(min=1, help="KV cache size in MiB (default 24; "
+                                                                    "embedded:tiny-hybrid: 2, i.e. 127 blocks).")] = None,
     dtype: options.DtypeOpt = None,
     near_tie: options.NearTieOpt = None,
     bound: options.BoundOpt = None,
@@ -52,7 +53,8 @@ def run(
     port: Annotated[Optional[int], typer.Option(help="Port of the managed server on 127.0.0.1 (default: a free "
                                                      "one).")] = None,
     model: Annotated[Optional[Path], typer.Option(help="A model directory to fuzz instead of the embedded "
-                                                       "default (no --lora).")] = None,
+                                                       "default (no --lora), or embedded:tiny-hybrid (the hybrid "
+                                                       "model with the kvfuzz-store KV connector; docs/hybrid.md).")] = None,
     max_requests: Annotated[int, typer.Option(min=1, max=1000, help="Most requests in a generated trace.")] = 10,
     max_model_len: Annotated[Optional[int], typer.Option(min=64, help="Engine context length; also caps generated "
                                                                       "prompt lengths (small = fast traces).")] = None,
@@ -93,12 +95,28 @@ def run(
     if port is not None and kind != "server":
         raise BadInput("only with --engine server", field="--port")
     overrides: dict[str, Any] = {}
+    hybrid = False
+    if model is not None and str(model).startswith("embedded:"):
+        from kvfuzz.traces import EMBEDDED_HYBRID, EMBEDDED_MODEL
+
+        if str(model) not in (EMBEDDED_MODEL, EMBEDDED_HYBRID):
+            raise BadInput(f"unknown embedded model {str(model)!r} (have {EMBEDDED_MODEL}, {EMBEDDED_HYBRID})",
+                           field="--model")
+        hybrid, model = str(model) == EMBEDDED_HYBRID, None
+        if hybrid and lora:
+            raise BadInput(f"{EMBEDDED_HYBRID} has no LoRA adapters; drop --lora", field="--model")
     if model is not None:
         overrides["model"] = options.model_dir(model, lora)
     out.mkdir(parents=True, exist_ok=True)
     if max_model_len is not None:
         overrides["max_model_len"] = max_model_len
-    engine = default_engine(lora=lora, kv_cache_bytes=kv_cache_mb * 2**20, dtype=dtype_r, **overrides)
+    if hybrid:
+        from kvfuzz.fuzzer.hybrid import BLOCK_BYTES, DEFAULT_BLOCKS, hybrid_engine
+
+        engine = hybrid_engine(blocks=kv_cache_mb * 2**20 // BLOCK_BYTES["float32"] if kv_cache_mb else DEFAULT_BLOCKS,
+                               dtype=dtype_r, **overrides)
+    else:
+        engine = default_engine(lora=lora, kv_cache_bytes=(kv_cache_mb or 24) * 2**20, dtype=dtype_r, **overrides)
     if corpus is not None and corpus.exists() and not corpus.is_dir():
         raise BadInput("is not a directory", source=str(corpus), field="--corpus")
     if resume and not (out / "campaign.json").exists():
