@@ -204,6 +204,7 @@ def test_replay_command_names_the_engine_and_device_but_no_url():
 
 @pytest.mark.engine
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # 14 cases, ~3 min idle; a loaded 2-core box took > 15 min (2026-11-23)
 def test_self_test_of_the_bundled_corpus_in_bfloat16(tmp_path, kvfuzz_cli):
     """CI's regression gate, once (issue 20), in the real target's numerics (issue 17): every
     fault arm a bundled trace names fails in bfloat16 too (no BLIND: the 16-bit verdict rule
