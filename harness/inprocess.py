@@ -149,8 +149,10 @@ class InProcessEngine:
                 from vllm.config import KVTransferConfig
 
                 args["kv_transfer_config"] = KVTransferConfig(**args["kv_transfer_config"])
+            _set_kv_agent(None)  # vLLM reuses a process-wide connector if one is set
             try:
                 self._llm = LLMEngine.from_engine_args(EngineArgs(**args))
+                self._kv_agent = _set_kv_agent(None)
             except ValueError as e:
                 # vLLM validates its configuration with ValueError (e.g. a KV cache too small
                 # for max_model_len): the trace's engine section is wrong, not the machine.
@@ -164,7 +166,20 @@ class InProcessEngine:
         self.start_seconds = time.perf_counter() - t0
         return self
 
+    def _use_kv_agent(self) -> None:
+        """vLLM keeps the worker's KV connector in a process-wide global: with several engines
+        in one process (the engine pool), each must step with its own (or none). Without this a
+        default engine stepped after a hybrid engine with the kvfuzz-store connector failed with
+        an AssertionError at step 0 (CI, 2026-11-23)."""
+        _set_kv_agent(getattr(self, "_kv_agent", None))
+
     def close(self) -> None:
+        if getattr(self, "_kv_agent", None) is not None:
+            try:
+                self._kv_agent.shutdown()
+            except Exception:
+                log.debug("connector shutdown failed", exc_info=True)
+            self._kv_agent = None
         if self._llm is not None:
             with quiet_stderr(self.log_file):
                 try:
@@ -273,6 +288,7 @@ class InProcessEngine:
     def clean_slate(self) -> None:
         """Return the engine to the state of a fresh start (no requests, empty prefix cache,
         free blocks in id order, zeroed KV, no resident adapters)."""
+        self._use_kv_agent()
         llm = self._llm
         if llm.has_unfinished_requests():
             llm.abort_request(list(self._core().scheduler.requests), internal=True)
@@ -328,6 +344,7 @@ class InProcessEngine:
         """Run ``trace`` once from a clean slate and record its history."""
         if self._llm is None:
             self.start()
+        self._use_kv_agent()
         if not self.compatible(trace.engine):
             raise BadInput("trace engine configuration differs from the running engine's", field="engine")
         names = list(trace.engine.toggles if toggles is None else toggles)
@@ -541,6 +558,7 @@ class InProcessEngine:
         clean slate (no prefix-cache hit can serve it: the cache is empty, so the prompt
         logprobs are computed, never read from an uninitialised buffer; vLLM #42019) with the
         reference toggles. Per token: its logprob, then the best other token's."""
+        self._use_kv_agent()
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -671,3 +689,14 @@ def unshare_engines() -> None:
 
 def engine_pool() -> EnginePool | None:
     return _POOL
+
+
+def _set_kv_agent(agent: Any) -> Any:
+    """Set vLLM's process-wide KV connector (worker side); return the one it replaces."""
+    try:
+        from vllm.distributed.kv_transfer import kv_transfer_state as kts
+    except ImportError:
+        return None
+    old = kts._KV_CONNECTOR_AGENT
+    kts._KV_CONNECTOR_AGENT = agent
+    return old

@@ -13,6 +13,10 @@ from __future__ import annotations
 
 import os
 import sys
+
+# CLI tests read table cells from stdout. pytest-xdist workers inherit an 80-column $COLUMNS,
+# where rich folds names across lines (CI, 2026-11-23); the CLI's own rule for pipes is 200.
+os.environ["COLUMNS"] = "200"
 from dataclasses import dataclass
 from pathlib import Path
 
