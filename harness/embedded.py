@@ -111,7 +111,10 @@ def _write_json(path: Path, obj: object) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
-def _model_tensors(seed: int) -> dict[str, object]:
+def _model_tensors(seed: int, *, layers: int = LAYERS, qkv_bias: bool = True) -> dict[str, object]:
+    """Qwen2 layout (q/k/v biases, zero) by default; ``qkv_bias=False`` is the Llama layout of
+    the hybrid model. The biases take no random draws, so both share one draw order (and
+    content hash) scheme."""
     import numpy as np
 
     rs = np.random.RandomState(seed)
@@ -120,40 +123,12 @@ def _model_tensors(seed: int) -> dict[str, object]:
         return (rs.standard_normal(size=shape) * INIT_STD).astype("<f4")
 
     t: dict[str, object] = {"model.embed_tokens.weight": normal(VOCAB, HIDDEN)}
-    for i in range(LAYERS):
+    for i in range(layers):
         p = f"model.layers.{i}."
-        t[p + "self_attn.q_proj.weight"] = normal(HEADS * HEAD_DIM, HIDDEN)
-        t[p + "self_attn.q_proj.bias"] = np.zeros(HEADS * HEAD_DIM, "<f4")
-        t[p + "self_attn.k_proj.weight"] = normal(KV_HEADS * HEAD_DIM, HIDDEN)
-        t[p + "self_attn.k_proj.bias"] = np.zeros(KV_HEADS * HEAD_DIM, "<f4")
-        t[p + "self_attn.v_proj.weight"] = normal(KV_HEADS * HEAD_DIM, HIDDEN)
-        t[p + "self_attn.v_proj.bias"] = np.zeros(KV_HEADS * HEAD_DIM, "<f4")
-        t[p + "self_attn.o_proj.weight"] = normal(HIDDEN, HEADS * HEAD_DIM)
-        t[p + "mlp.gate_proj.weight"] = normal(INTERMEDIATE, HIDDEN)
-        t[p + "mlp.up_proj.weight"] = normal(INTERMEDIATE, HIDDEN)
-        t[p + "mlp.down_proj.weight"] = normal(HIDDEN, INTERMEDIATE)
-        t[p + "input_layernorm.weight"] = np.ones(HIDDEN, "<f4")
-        t[p + "post_attention_layernorm.weight"] = np.ones(HIDDEN, "<f4")
-    t["model.norm.weight"] = np.ones(HIDDEN, "<f4")
-    t["lm_head.weight"] = normal(VOCAB, HIDDEN)
-    return t
-
-
-def _hybrid_tensors(seed: int) -> dict[str, object]:
-    """Llama layout (no attention biases), same sizes and initialisation as the default."""
-    import numpy as np
-
-    rs = np.random.RandomState(seed)
-
-    def normal(*shape: int) -> object:
-        return (rs.standard_normal(size=shape) * INIT_STD).astype("<f4")
-
-    t: dict[str, object] = {"model.embed_tokens.weight": normal(VOCAB, HIDDEN)}
-    for i in range(len(HYBRID_LAYER_TYPES)):
-        p = f"model.layers.{i}."
-        t[p + "self_attn.q_proj.weight"] = normal(HEADS * HEAD_DIM, HIDDEN)
-        t[p + "self_attn.k_proj.weight"] = normal(KV_HEADS * HEAD_DIM, HIDDEN)
-        t[p + "self_attn.v_proj.weight"] = normal(KV_HEADS * HEAD_DIM, HIDDEN)
+        for name, rows in (("q", HEADS), ("k", KV_HEADS), ("v", KV_HEADS)):
+            t[p + f"self_attn.{name}_proj.weight"] = normal(rows * HEAD_DIM, HIDDEN)
+            if qkv_bias:
+                t[p + f"self_attn.{name}_proj.bias"] = np.zeros(rows * HEAD_DIM, "<f4")
         t[p + "self_attn.o_proj.weight"] = normal(HIDDEN, HEADS * HEAD_DIM)
         t[p + "mlp.gate_proj.weight"] = normal(INTERMEDIATE, HIDDEN)
         t[p + "mlp.up_proj.weight"] = normal(INTERMEDIATE, HIDDEN)
@@ -327,7 +302,7 @@ def _build_into(root: Path) -> str:
 def _build_hybrid_into(root: Path) -> str:
     model_dir = root / "model"
     model_dir.mkdir(parents=True)
-    _write_safetensors(model_dir / "model.safetensors", _hybrid_tensors(seed=20261123))
+    _write_safetensors(model_dir / "model.safetensors", _model_tensors(seed=20261123, layers=len(HYBRID_LAYER_TYPES), qkv_bias=False))
     _write_json(model_dir / "config.json", _hybrid_config())
     _write_json(model_dir / "generation_config.json", {"bos_token_id": 2, "eos_token_id": 1})
     _write_json(model_dir / "tokenizer.json", _tokenizer())
