@@ -12,10 +12,14 @@ Repeats of a duplicate are skipped on a step-exact engine, where they are identi
 in-process replay is deterministic: tests/test_engine.py); wall-clock engines confirm every
 divergent trace. Time spent on findings of known buckets is capped at ``share`` of the
 campaign so far: beyond it, a finding is recorded untriaged (listed, replayable, never dropped).
+Untriaged findings add no triage time, so the share falls back under the cap as the campaign
+goes on and a later finding is attributed again: a second bug that keeps recurring is delayed,
+not lost.
 
 A new bucket's triage is time-boxed: ``minimize_seconds`` (--minimize-seconds), and at most
 ``NEW_BUCKET_SHARE`` of the campaign's budget when it has one, so a 10-minute campaign that
-finds a bug keeps fuzzing most of its time (issue 18: >= 0.7x the clean traces/min). What the
+finds a bug keeps fuzzing most of its time (issue 18: >= 0.7x the clean traces/min). Control
+arms run on the minimized finding (triage/finish.py), inside the box. What the
 box cuts short is marked (a partial minimization, ablations "skipped"); `kvfuzz minimize` and
 `kvfuzz explain` finish it from the finding file.
 """
@@ -37,10 +41,11 @@ from kvfuzz.traces.result import Checked
 from .explain import explain
 from .finish import finish_finding
 
-# A campaign spends at most this share of its time on findings of buckets it already has.
-KNOWN_BUCKET_SHARE = 0.25
-# ...and at most this share of its budget on triaging any one new bucket.
-NEW_BUCKET_SHARE = 0.2
+# A campaign spends at most this share of its time on findings of buckets it already has...
+KNOWN_BUCKET_SHARE = 0.1
+# ...and at most this share of its budget on triaging any one new bucket. Together they keep a
+# campaign with one bug fuzzing >= 75% of its time (issue 18 asks >= 0.7x the clean rate).
+NEW_BUCKET_SHARE = 0.15
 
 
 @dataclass
