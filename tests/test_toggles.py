@@ -214,7 +214,7 @@ def test_installed_toggles_are_inert_when_off(session, lora_engine_config):
     from kvfuzz.fuzzer import GenOptions, generate
     from kvfuzz.traces.history import step_view
 
-    t = generate(5, lora_engine_config, GenOptions(adapters=["a", "b"], p_cancel=0.5))
+    t = generate(5, lora_engine_config, GenOptions(adapters=["a", "b"], p_cancel=0.5, p_long=0.0))
     eng = session.engine_for(t.engine)
     before = eng.replay(t, toggles=[LORA_CPU_MASK])
     reg.install(ALL)
