@@ -163,7 +163,10 @@ class Driver:
         self.running: dict[int, str] = {}
         self.deaths: dict[int, list[dict]] = {}
         self.arms = arms
+        # CPU of this whole process while the loop ran (Ray's client threads included), and the
+        # part spent committing (learn, record, generate, write state).
         self.driver_cpu_s = 0.0
+        self.commit_cpu_s = 0.0
         self.committed = 0
 
     # -- the limit ---------------------------------------------------------------------------
@@ -217,6 +220,7 @@ class Driver:
         import resource
 
         st = self.state
+        r0 = resource.getrusage(resource.RUSAGE_SELF)
         start = time.monotonic()
         base_seconds = st.seconds
         self.started = start
@@ -258,7 +262,9 @@ class Driver:
             if committed or events:
                 self._sync()
             c1 = resource.getrusage(resource.RUSAGE_SELF)
-            self.driver_cpu_s += (c1.ru_utime - c0.ru_utime) + (c1.ru_stime - c0.ru_stime)
+            self.commit_cpu_s += (c1.ru_utime - c0.ru_utime) + (c1.ru_stime - c0.ru_stime)
+        r1 = resource.getrusage(resource.RUSAGE_SELF)
+        self.driver_cpu_s = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
         st.complete = True
         st.seconds = round(base_seconds + time.monotonic() - start, 3)
         self._sync()

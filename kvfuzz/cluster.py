@@ -34,6 +34,10 @@ FAST_CONNECT = {
 # (``RayExecutor.actor_name``), so an operator (or a test) can find a campaign's workers with
 # ray.get_actor. A killed actor's name is released asynchronously: names are never reused.
 NAMESPACE = "kvfuzz"
+# A local start on a loaded machine: the raylet aborts when the dashboard agent has not written
+# its port within agent_register_timeout_ms, and the driver gives the GCS 30 s per connect;
+# measured on a 2-core box at load average 30-45, both were missed (docs/benchmarks.md, "Ray").
+SLOW_MACHINE_START = {"RAY_agent_register_timeout_ms": "600000", "RAY_py_gcs_connect_timeout_s": "300"}
 # Ray gives a starting raylet a fixed 30 s to register with its GCS; a machine under heavy load
 # can miss that, so a local start is tried this many times.
 LOCAL_START_ATTEMPTS = 4
@@ -71,11 +75,21 @@ def _resolve(address: str) -> tuple[str, str, int]:
     return kind, host.strip("[]"), int(port)
 
 
+def _reachable(host: str, port: int) -> None:
+    try:
+        with socket.create_connection((host, port), timeout=2.0):
+            pass
+    except OSError as e:
+        raise InfraError(f"cannot reach Ray at {host}:{port}: {e.strerror or e}") from None
+
+
 def connect(address: str | None, *, num_cpus: float | None = None, env: dict[str, str] | None = None) -> bool:
     """Join the Ray cluster at ``address`` (None: start a local Ray instance). Returns True when
     this process started Ray (and must stop it). A bad or unreachable address raises
     InfraError (exit 3) with one line; Ray's own retry chatter goes to a file it names."""
     where = _resolve(address) if address is not None else None  # bad input first (exit 2)
+    if where is not None:
+        _reachable(where[1], where[2])
     why = ray_available()
     if why:
         raise InfraError(why)
@@ -87,6 +101,9 @@ def connect(address: str | None, *, num_cpus: float | None = None, env: dict[str
         if ray.is_initialized():
             return False
     if address is None:
+        if "ray" not in sys.modules:
+            for k, v in SLOW_MACHINE_START.items():
+                os.environ.setdefault(k, v)
         import ray
 
         kw: dict[str, Any] = {}
@@ -106,11 +123,6 @@ def connect(address: str | None, *, num_cpus: float | None = None, env: dict[str
                     _kill_half_started_ray()
         raise InfraError(f"could not start a local Ray instance ({LOCAL_START_ATTEMPTS} attempts): {error}")
     kind, host, port = where
-    try:
-        with socket.create_connection((host, port), timeout=2.0):
-            pass
-    except OSError as e:
-        raise InfraError(f"cannot reach Ray at {host}:{port}: {e.strerror or e}") from None
     if "ray" not in sys.modules:
         for k, v in FAST_CONNECT.items():
             os.environ.setdefault(k, v)
@@ -231,6 +243,11 @@ class WorkerCore:
 
         self.spec = spec
         self.name = name
+        # Engines at a lower priority than the cluster's control plane (a busy raylet misses
+        # Ray's fixed start-up deadlines): KVFUZZ_WORKER_NICE, passed to every worker.
+        want = int(os.environ.get("KVFUZZ_WORKER_NICE", "0") or 0)
+        if want > os.nice(0):
+            os.nice(want - os.nice(0))
         log_dir = Path(spec.log_dir) / name
         log_dir.mkdir(parents=True, exist_ok=True)
         try:

@@ -19,6 +19,10 @@ pytestmark = [
     pytest.mark.engine, pytest.mark.slow,
     pytest.mark.skipif(importlib.util.find_spec("ray") is None,
                        reason="ray is not installed (pip install 'kvfuzz[ray]'); the --ray tests need it"),
+    # Opt-in: a local Ray instance plus 2 engine actors (three campaigns and a gate) takes
+    # minutes on a 2-core machine, more than the CI budget allows (docs/benchmarks.md, "Ray").
+    pytest.mark.skipif(not os.environ.get("KVFUZZ_RAY_TESTS"),
+                       reason="set KVFUZZ_RAY_TESTS=1 to run the real-Ray tests (minutes on 2 cores)"),
 ]
 
 # Small traces (<= 3 requests, context 256) on the LoRA engine with the adapter-namespace fault
@@ -51,7 +55,8 @@ def local_ray():
 
     from kvfuzz.cluster import connect, worker_env
 
-    connect(None, num_cpus=2, env=worker_env(1))
+    # KVFUZZ_TEST_RAY_ADDRESS: join a running cluster (e.g. `ray start --head`) instead.
+    connect(os.environ.get("KVFUZZ_TEST_RAY_ADDRESS"), num_cpus=2, env=worker_env(1))
     yield
     ray.shutdown()
 

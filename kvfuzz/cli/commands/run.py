@@ -231,9 +231,11 @@ def _run_on_ray(address: str, opts: Any, *, kind: str, device: str, runs: int, r
         err_console.print(f"kvfuzz: warning: {line}", markup=False, highlight=False, soft_wrap=True)
     display.summary(state, opts.out)
     per = 1000 * driver.driver_cpu_s / max(1, driver.committed)
+    commit = 1000 * driver.commit_cpu_s / max(1, driver.committed)
     console.print(f"ray: {workers} worker(s) on {len({i['host'] for i in infos})} host(s), window {state.window}; "
                   f"per worker {dict(sorted(state.by_worker.items()))}; re-queued {state.requeued} trace(s) after "
-                  f"{len(state.worker_deaths)} worker death(s); driver CPU {per:.2f} ms per trace",
+                  f"{len(state.worker_deaths)} worker death(s); driver CPU {per:.1f} ms per trace "
+                  f"({commit:.1f} ms committing)",
                   markup=False, highlight=False)
     console.print(infos[0]["bounds"], markup=False, highlight=False)
     console.print("arms: " + "; ".join(f"{a} = [{', '.join(ts) or 'no toggles'}]" for a, ts in arm_map.items()),
