@@ -89,6 +89,11 @@ class Executor(Protocol):
 
     def alive(self) -> bool: ...
 
+    def crash_finding(self, trace: Trace, arms: dict[str, list[str]] | None, deaths: list[dict]) -> Finding:
+        """The engine-crash finding for a trace that killed its worker every time it ran (built
+        by the executor: the fuzzer does not import the harness or the oracle)."""
+        ...
+
 
 def read_pending(out: Path) -> dict[int, tuple[Trace, str]]:
     """index -> (trace, source) from the pending log; the last record of an index wins and a
@@ -108,28 +113,6 @@ def read_pending(out: Path) -> dict[int, tuple[Trace, str]]:
             raise BadInput(f"cannot resume: unreadable pending trace on line {n + 1} ({e})",
                            source=str(path)) from None
     return got
-
-
-def crashed_worker_finding(trace: Trace, arms: dict[str, list[str]] | None, deaths: list[dict]) -> Finding:
-    """An engine-crash finding for a trace that killed its worker process every time it ran
-    (no engine survived to describe itself: the environment is the trace's)."""
-    import datetime as _dt
-
-    from kvfuzz.harness.environment import describe
-    from kvfuzz.oracle.check import ENGINE
-    from kvfuzz.traces import Divergence
-
-    detail = f"the worker process died while running this trace ({len(deaths)} times): {deaths[-1]['detail']}"
-    arm = next(iter(arms or {"default": []}))
-    div = Divergence(request_id=ENGINE, class_="engine-crash", arm=arm, runs_diverged=len(deaths), runs=len(deaths),
-                     detail=detail)
-    env = describe(engine="inprocess", config=trace.engine, device="cpu", model_hash=None)
-    f = Finding(trace=trace, environment=env, runs=[], divergences=[div], verdicts=[div],
-                arms=arms or {arm: list(trace.engine.toggles)},
-                created=_dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat())
-    f.notes["engine_crash"] = {"kind": "worker-died", "detail": detail, "deaths": deaths}
-    f.id = f.compute_id()
-    return f
 
 
 class Driver:
@@ -284,7 +267,7 @@ class Driver:
         if len(deaths) >= MAX_WORKER_DEATHS_PER_TRACE:
             trace = self.generated[ev.index][0]
             self.done[ev.index] = Result(ev.index, ev.worker,
-                                         finding=crashed_worker_finding(trace, self.arms, deaths))
+                                         finding=self.ex.crash_finding(trace, self.arms, deaths))
             return
         st.requeued += 1
         self.queue.appendleft(ev.index)  # lowest first: it holds the commit point
@@ -329,4 +312,4 @@ class Driver:
             finding.notes["triage"] = "duplicate of a known bucket (another worker opened it first)"
 
 
-__all__ = ["Driver", "Executor", "Lost", "Result", "Task", "crashed_worker_finding"]
+__all__ = ["Driver", "Executor", "Lost", "Result", "Task"]

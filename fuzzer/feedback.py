@@ -68,6 +68,7 @@ def signature(history: History, trace: Trace | None = None) -> Signature:
 
     if history.steps:
         _step_features(history, adapters, max_loras, bs, f)
+        _hybrid_features(history, bs, f)
     else:
         _metric_features(history, bs, f)
     _request_features(history, bs, f)
@@ -144,6 +145,34 @@ def _step_features(h: History, adapters: dict[str, str | None], max_loras: int, 
         f.add(f"lora-swaps:{bucket(swaps)}")
 
 
+def _hybrid_features(h: History, bs: int, f: set[str]) -> None:
+    """Several KV cache groups and a KV connector (docs/hybrid.md): prefix hits per group,
+    connector-supplied tokens, admissions that take both (the vllm#44409 precondition), and
+    connector admissions under KV pressure. Adds nothing for runs without either."""
+    ext = admits = 0
+    hits: list[int] = []
+    for s in h.steps:
+        for i, n in enumerate(s.group_hits):
+            hits += [0] * (i + 1 - len(hits))
+            hits[i] += n
+        if s.external_tokens:
+            ext += s.external_tokens
+            admits += 1
+            if len(s.group_hits) > 1 and any(s.group_hits):
+                f.add("ext:with-local-hits")
+            if s.preempted or s.waiting or s.kv_usage >= 0.8:
+                f.add(f"ext:pressure:kv{_decile(s.kv_usage)}{'/preempt' if s.preempted else ''}"
+                      f"{'/wait' if s.waiting else ''}")
+        if s.cross_group_shared:
+            f.add("groups:block-in-two-groups")
+    if len(hits) > 1:
+        for i, n in enumerate(hits):
+            f.add(f"group-hits:g{i}:{bucket(n)}")
+    if ext:
+        f.add(f"ext-tokens:{bucket(ext // bs)}")  # in blocks
+        f.add(f"ext-admissions:{bucket(admits)}")
+
+
 def _metric_features(h: History, bs: int, f: set[str]) -> None:
     def delta(name: str) -> float:
         return h.metrics_after.get(name, 0.0) - h.metrics_before.get(name, 0.0)
@@ -154,6 +183,9 @@ def _metric_features(h: History, bs: int, f: set[str]) -> None:
     hits, queries = delta("vllm:prefix_cache_hits_total"), delta("vllm:prefix_cache_queries_total")
     f.add(f"prefix-hits:{bucket(hits // bs)}")
     f.add(f"prefix-ratio:{_ratio(int(hits), int(queries))}")
+    ext = delta("vllm:external_prefix_cache_hits_total")
+    if ext > 0:
+        f.add(f"ext-tokens:{bucket(int(ext) // bs)}")
 
 
 def _request_features(h: History, bs: int, f: set[str]) -> None:

@@ -18,9 +18,9 @@ import random
 from dataclasses import dataclass, field
 
 from kvfuzz.traces import At, CancelEvent, EngineConfig, GenPrompt, Lineage, LoraSettings, SendEvent, Trace
-from kvfuzz.traces.trace import EMBEDDED_MODEL
+from kvfuzz.traces.trace import EMBEDDED_HYBRID, EMBEDDED_MODEL
 
-from . import shapes
+from . import hybrid, shapes
 
 GENERATOR = "random-v2"
 
@@ -58,6 +58,10 @@ class GenOptions:
     p_interrupted_prefill: float = 0.2
     # The trace also carries KV-cache pressure that forces a preemption (shapes.pressure).
     p_pressure: float = 0.2
+    # Hybrid-model engines only (fuzzer/hybrid.py): a prefix longer than the window evicted and
+    # requested again (external KV), and the #44409 recipe (cross_group_return).
+    p_hybrid_return: float = 0.3
+    p_cross_group: float = 0.25
 
 
 def _length(rng: random.Random, bs: int, opts: GenOptions) -> int:
@@ -132,4 +136,6 @@ def _additions(rng: random.Random, engine: EngineConfig, opts: GenOptions, event
         events = shapes.interrupted_prefill(engine, rng, events, rng.randint(0, last + 2), adapter=adapter)
     if rng.random() < opts.p_pressure:
         events = shapes.pressure(engine, rng, events, rng.randint(max(0, last - 4), last + 4)) or events
+    if engine.model == EMBEDDED_HYBRID:
+        events = hybrid.additions(rng, engine, opts.p_hybrid_return, opts.p_cross_group, events, last)
     return shapes.in_time_order(events, engine)

@@ -13,6 +13,10 @@ Built locally and deterministically (no hub downloads exist here). Two choices m
 Shape: 2 layers, hidden 128, 2 attention heads (head_dim 64; the CPU backend rejects 16),
 1 KV head, vocab 512, 32768 positions (so 8192-token prompts from the vLLM reports fit in a
 16384-token context).
+
+A second model, ``embedded:tiny-hybrid`` (``build_hybrid``), is the same size as a Llama whose
+layer 0 is full attention and layer 1 sliding-window attention (window 128): vLLM's hybrid KV
+cache manager gives it two KV cache groups (docs/hybrid.md says why this layer order).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import os
 import shutil
 import struct
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -62,8 +67,18 @@ class EmbeddedModel:
     content_hash: str
 
 
-def cache_root() -> Path:
-    return kvfuzz_cache() / "models" / f"{MODEL_NAME}-v{BUILD_VERSION}"
+# The hybrid model. Layer order matters: vLLM orders KV cache groups by their first layer, and
+# only with the full-attention group first can that group's external-token allocation evict
+# the sliding-window group's not-yet-touched prefix hits (vllm#44409; docs/hybrid.md).
+HYBRID_NAME = "tiny-hybrid"
+HYBRID_BUILD_VERSION = 1
+HYBRID_LAYER_TYPES = ("full_attention", "sliding_attention")
+HYBRID_WINDOW = 128  # 4 blocks of 32: wide enough that the window still holds prefix hits
+HYBRID_EXPECTED_HASH = "16e79ddcff48e839"
+
+
+def cache_root(name: str = MODEL_NAME, version: int = BUILD_VERSION) -> Path:
+    return kvfuzz_cache() / "models" / f"{name}-v{version}"
 
 
 # -- writing ------------------------------------------------------------------------------
@@ -96,7 +111,10 @@ def _write_json(path: Path, obj: object) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
-def _model_tensors(seed: int) -> dict[str, object]:
+def _model_tensors(seed: int, *, layers: int = LAYERS, qkv_bias: bool = True) -> dict[str, object]:
+    """Qwen2 layout (q/k/v biases, zero) by default; ``qkv_bias=False`` is the Llama layout of
+    the hybrid model. The biases take no random draws, so both share one draw order (and
+    content hash) scheme."""
     import numpy as np
 
     rs = np.random.RandomState(seed)
@@ -105,14 +123,12 @@ def _model_tensors(seed: int) -> dict[str, object]:
         return (rs.standard_normal(size=shape) * INIT_STD).astype("<f4")
 
     t: dict[str, object] = {"model.embed_tokens.weight": normal(VOCAB, HIDDEN)}
-    for i in range(LAYERS):
+    for i in range(layers):
         p = f"model.layers.{i}."
-        t[p + "self_attn.q_proj.weight"] = normal(HEADS * HEAD_DIM, HIDDEN)
-        t[p + "self_attn.q_proj.bias"] = np.zeros(HEADS * HEAD_DIM, "<f4")
-        t[p + "self_attn.k_proj.weight"] = normal(KV_HEADS * HEAD_DIM, HIDDEN)
-        t[p + "self_attn.k_proj.bias"] = np.zeros(KV_HEADS * HEAD_DIM, "<f4")
-        t[p + "self_attn.v_proj.weight"] = normal(KV_HEADS * HEAD_DIM, HIDDEN)
-        t[p + "self_attn.v_proj.bias"] = np.zeros(KV_HEADS * HEAD_DIM, "<f4")
+        for name, rows in (("q", HEADS), ("k", KV_HEADS), ("v", KV_HEADS)):
+            t[p + f"self_attn.{name}_proj.weight"] = normal(rows * HEAD_DIM, HIDDEN)
+            if qkv_bias:
+                t[p + f"self_attn.{name}_proj.bias"] = np.zeros(rows * HEAD_DIM, "<f4")
         t[p + "self_attn.o_proj.weight"] = normal(HIDDEN, HEADS * HEAD_DIM)
         t[p + "mlp.gate_proj.weight"] = normal(INTERMEDIATE, HIDDEN)
         t[p + "mlp.up_proj.weight"] = normal(INTERMEDIATE, HIDDEN)
@@ -165,6 +181,38 @@ def _config() -> dict[str, object]:
         "use_cache": True,
         "bos_token_id": 2,
         "eos_token_id": 1,
+    }
+
+
+def _hybrid_config() -> dict[str, object]:
+    # vLLM's llama.py reads layer_types + sliding_window per layer (transformers' Llama ignores
+    # them; only vLLM runs this model). Qwen2 cannot mix layer types (max_window_layers).
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": VOCAB,
+        "hidden_size": HIDDEN,
+        "intermediate_size": INTERMEDIATE,
+        "num_hidden_layers": len(HYBRID_LAYER_TYPES),
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS,
+        "head_dim": HEAD_DIM,
+        "hidden_act": "silu",
+        "mlp_bias": False,
+        "attention_bias": False,
+        "max_position_embeddings": MAX_POSITIONS,
+        "initializer_range": INIT_STD,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "layer_types": list(HYBRID_LAYER_TYPES),
+        "sliding_window": HYBRID_WINDOW,
+        "attention_dropout": 0.0,
+        "torch_dtype": "float32",
+        "use_cache": True,
+        "bos_token_id": 2,
+        "eos_token_id": 1,
+        "pad_token_id": 3,
     }
 
 
@@ -251,12 +299,26 @@ def _build_into(root: Path) -> str:
     return digest
 
 
-def _load(root: Path) -> EmbeddedModel | None:
+def _build_hybrid_into(root: Path) -> str:
+    model_dir = root / "model"
+    model_dir.mkdir(parents=True)
+    _write_safetensors(model_dir / "model.safetensors", _model_tensors(seed=20261123, layers=len(HYBRID_LAYER_TYPES), qkv_bias=False))
+    _write_json(model_dir / "config.json", _hybrid_config())
+    _write_json(model_dir / "generation_config.json", {"bos_token_id": 2, "eos_token_id": 1})
+    _write_json(model_dir / "tokenizer.json", _tokenizer())
+    _write_json(model_dir / "tokenizer_config.json", _tokenizer_config())
+    digest = content_hash(root)
+    _write_json(root / MANIFEST, {"name": HYBRID_NAME, "build_version": HYBRID_BUILD_VERSION,
+                                   "content_hash": digest, "adapters": []})
+    return digest
+
+
+def _load(root: Path, adapter_names: tuple[str, ...] = ADAPTERS) -> EmbeddedModel | None:
     try:
         manifest = json.loads((root / MANIFEST).read_text())
     except (OSError, ValueError):
         return None
-    adapters = {a: root / "adapters" / a for a in ADAPTERS}
+    adapters = {a: root / "adapters" / a for a in adapter_names}
     if not (root / "model" / "model.safetensors").exists() or not all(p.exists() for p in adapters.values()):
         return None
     return EmbeddedModel(root=root, model_dir=root / "model", adapters=adapters,
@@ -269,9 +331,19 @@ def build(root: Path | None = None, *, force: bool = False, verify: bool = False
     The build happens in a temporary sibling directory that is renamed into place, so a
     concurrent or interrupted build never leaves a half-written model behind.
     """
-    root = Path(root) if root else cache_root()
+    return _build(Path(root) if root else cache_root(), _build_into, ADAPTERS, force=force, verify=verify)
+
+
+def build_hybrid(root: Path | None = None, *, force: bool = False, verify: bool = False) -> EmbeddedModel:
+    """Build ``embedded:tiny-hybrid`` (no adapters) like ``build``."""
+    root = Path(root) if root else cache_root(HYBRID_NAME, HYBRID_BUILD_VERSION)
+    return _build(root, _build_hybrid_into, (), force=force, verify=verify)
+
+
+def _build(root: Path, build_into: Callable[[Path], str], adapter_names: tuple[str, ...], *, force: bool,
+           verify: bool) -> EmbeddedModel:
     if not force:
-        existing = _load(root)
+        existing = _load(root, adapter_names)
         if existing is not None:
             if verify and content_hash(root) != existing.content_hash:
                 raise BadInput("embedded model files changed since they were built; rebuild with "
@@ -280,14 +352,14 @@ def build(root: Path | None = None, *, force: bool = False, verify: bool = False
     root.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}.", dir=root.parent))
     try:
-        _build_into(tmp)
+        build_into(tmp)
         if root.exists():
             shutil.rmtree(root)
         os.replace(tmp, root)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    model = _load(root)
+    model = _load(root, adapter_names)
     assert model is not None
     return model
 
@@ -314,16 +386,23 @@ class ResolvedModel:
 def resolve_model(config: "EngineConfig") -> ResolvedModel:
     """The model and LoRA adapters ``config`` names, the embedded ones built if needed. One
     place for every engine: in-process, managed server."""
-    from kvfuzz.traces import EMBEDDED_MODEL
+    from kvfuzz.traces import EMBEDDED_HYBRID, EMBEDDED_MODEL
 
-    uses_embedded = config.model.startswith("embedded:") or any(
+    if config.model == EMBEDDED_HYBRID and config.lora.enabled:
+        # The embedded adapters are shaped for tiny-qwen2 (attention biases, its weights).
+        raise BadInput(f"{EMBEDDED_HYBRID} has no LoRA adapters", field="engine.lora.enabled")
+    uses_embedded = config.model == EMBEDDED_MODEL or any(
         v.startswith("embedded:") for v in config.lora.adapters.values())
     model = build() if uses_embedded else None
     if config.model == EMBEDDED_MODEL:
         assert model is not None
         path, digest = str(model.model_dir), model.content_hash
+    elif config.model == EMBEDDED_HYBRID:
+        hybrid = build_hybrid()
+        path, digest = str(hybrid.model_dir), hybrid.content_hash
     elif config.model.startswith("embedded:"):
-        raise BadInput(f"unknown embedded model {config.model!r} (have {EMBEDDED_MODEL})", field="engine.model")
+        raise BadInput(f"unknown embedded model {config.model!r} (have {EMBEDDED_MODEL}, {EMBEDDED_HYBRID})",
+                       field="engine.model")
     else:
         p = Path(config.model)
         if (p.is_absolute() or config.model.startswith(".")) and not p.exists():

@@ -89,6 +89,21 @@ def _holders(scheduler: Any) -> dict[str, list[int]] | None:
         return None
 
 
+def _record_admission(capture: dict[str, Any], coord: Any, request_id: str, new_computed_blocks: Any,
+                      num_local_computed_tokens: int, num_external_computed_tokens: int, *args: Any,
+                      **kwargs: Any) -> None:
+    hits = [sum(1 for b in g if not b.is_null) for g in new_computed_blocks]
+    capture["external"] = capture.get("external", 0) + int(num_external_computed_tokens)
+    acc = capture.setdefault("group_hits", [0] * len(hits))
+    for i, n in enumerate(hits):
+        acc[i] += n
+    owner: dict[int, int] = {}
+    for g, manager in enumerate(coord.single_type_managers):
+        for b in manager.req_to_blocks.get(request_id, ()):
+            if not b.is_null and owner.setdefault(b.block_id, g) != g:
+                capture["cross_group_shared"] = capture.get("cross_group_shared", 0) + 1
+
+
 class InProcessEngine:
     """One in-process vLLM engine for one ``EngineConfig``."""
 
@@ -128,9 +143,16 @@ class InProcessEngine:
             # Toggles are installed (inactive) before the engine exists: some patch classes
             # that the engine instantiates.
             toggle_registry.install(self.config.toggles)
+            args = engine_args(self.config, self._model.model_path, device=self.device)
+            if isinstance(args.get("kv_transfer_config"), dict):
+                # EngineArgs takes the config object (the server's CLI parses the same JSON into it).
+                from vllm.config import KVTransferConfig
+
+                args["kv_transfer_config"] = KVTransferConfig(**args["kv_transfer_config"])
+            _set_kv_agent(None)  # vLLM reuses a process-wide connector if one is set
             try:
-                self._llm = LLMEngine.from_engine_args(EngineArgs(**engine_args(
-                    self.config, self._model.model_path, device=self.device)))
+                self._llm = LLMEngine.from_engine_args(EngineArgs(**args))
+                self._kv_agent = _set_kv_agent(None)
             except ValueError as e:
                 # vLLM validates its configuration with ValueError (e.g. a KV cache too small
                 # for max_model_len): the trace's engine section is wrong, not the machine.
@@ -144,7 +166,20 @@ class InProcessEngine:
         self.start_seconds = time.perf_counter() - t0
         return self
 
+    def _use_kv_agent(self) -> None:
+        """vLLM keeps the worker's KV connector in a process-wide global: with several engines
+        in one process (the engine pool), each must step with its own (or none). Without this a
+        default engine stepped after a hybrid engine with the kvfuzz-store connector failed with
+        an AssertionError at step 0 (CI, 2026-11-23)."""
+        _set_kv_agent(getattr(self, "_kv_agent", None))
+
     def close(self) -> None:
+        if getattr(self, "_kv_agent", None) is not None:
+            try:
+                self._kv_agent.shutdown()
+            except Exception:
+                log.debug("connector shutdown failed", exc_info=True)
+            self._kv_agent = None
         if self._llm is not None:
             with quiet_stderr(self.log_file):
                 try:
@@ -234,10 +269,26 @@ class InProcessEngine:
 
         pool._maybe_evict_cached_block = evict
 
+        # Admissions with prefix hits or connector tokens, per KV cache group (coverage of the
+        # hybrid and external-KV paths). Looked up on the class per call, like evict above.
+        coord = scheduler.kv_cache_manager.coordinator
+        coord_cls = type(coord)
+
+        def admit(*args: Any, **kwargs: Any) -> Any:
+            out = coord_cls.allocate_new_computed_blocks(coord, *args, **kwargs)
+            try:
+                _record_admission(capture, coord, *args, **kwargs)
+            except (AttributeError, TypeError, IndexError):  # another vLLM layout: coverage only
+                log.debug("admission not recorded", exc_info=True)
+            return out
+
+        coord.allocate_new_computed_blocks = admit
+
     # -- clean slate -------------------------------------------------------------------------
     def clean_slate(self) -> None:
         """Return the engine to the state of a fresh start (no requests, empty prefix cache,
         free blocks in id order, zeroed KV, no resident adapters)."""
+        self._use_kv_agent()
         llm = self._llm
         if llm.has_unfinished_requests():
             llm.abort_request(list(self._core().scheduler.requests), internal=True)
@@ -245,7 +296,9 @@ class InProcessEngine:
                 if not llm.has_unfinished_requests():
                     break
                 llm.step()
-        if not llm.reset_prefix_cache():
+        # With a KV connector its store is emptied too: a run must not load KV stored by the last.
+        reset = llm.reset_prefix_cache(reset_connector=True) if self.config.kv_connector else llm.reset_prefix_cache()
+        if not reset:
             raise InfraError("could not reset the prefix cache: blocks still in use after all requests ended")
         from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue
 
@@ -291,6 +344,7 @@ class InProcessEngine:
         """Run ``trace`` once from a clean slate and record its history."""
         if self._llm is None:
             self.start()
+        self._use_kv_agent()
         if not self.compatible(trace.engine):
             raise BadInput("trace engine configuration differs from the running engine's", field="engine")
         names = list(trace.engine.toggles if toggles is None else toggles)
@@ -465,6 +519,9 @@ class InProcessEngine:
             rec.lora_running = {k: int(v) for k, v in (stats.running_lora_adapters or {}).items()}
             rec.evictions = len(stats.kv_cache_eviction_events or [])
         rec.evictions = max(rec.evictions, int(cap.get("evicted", 0)))
+        rec.external_tokens = int(cap.get("external", 0))
+        rec.group_hits = list(cap.get("group_hits", []))
+        rec.cross_group_shared = int(cap.get("cross_group_shared", 0))
         holders = cap.get("blocks")
         if holders is not None:
             rec.block_edges = self._edges.step(
@@ -501,6 +558,7 @@ class InProcessEngine:
         clean slate (no prefix-cache hit can serve it: the cache is empty, so the prompt
         logprobs are computed, never read from an uninitialised buffer; vLLM #42019) with the
         reference toggles. Per token: its logprob, then the best other token's."""
+        self._use_kv_agent()
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -631,3 +689,14 @@ def unshare_engines() -> None:
 
 def engine_pool() -> EnginePool | None:
     return _POOL
+
+
+def _set_kv_agent(agent: Any) -> Any:
+    """Set vLLM's process-wide KV connector (worker side); return the one it replaces."""
+    try:
+        from vllm.distributed.kv_transfer import kv_transfer_state as kts
+    except ImportError:
+        return None
+    old = kts._KV_CONNECTOR_AGENT
+    kts._KV_CONNECTOR_AGENT = agent
+    return old

@@ -22,6 +22,8 @@ KEPT = (
     "vllm:prompt_tokens_cached_total",
     "vllm:prompt_tokens_total",
     "vllm:generation_tokens_total",
+    # Tokens a KV connector supplied (external prefix cache; docs/hybrid.md).
+    "vllm:external_prefix_cache_hits_total",
 )
 # vllm:request_success_total is split by finished_reason; kept per reason.
 _SUCCESS = "vllm:request_success_total"

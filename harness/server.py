@@ -254,7 +254,7 @@ class ServerEngine(HttpEngineBase):
         try:
             if not control.wait_idle(self.target):
                 raise EngineHang(f"vLLM server still busy 30 s after a run (log: {self.server.log_path})")
-            if not control.reset_prefix_cache(self.target):
+            if not control.reset_prefix_cache(self.target, reset_external=self.config.kv_connector is not None):
                 raise InfraError(f"vLLM server refused to reset its prefix cache (log: {self.server.log_path})")
         except InfraError as e:
             if not self.server.alive():

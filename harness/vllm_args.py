@@ -44,8 +44,22 @@ def engine_args(config: EngineConfig, model_path: str, *, device: str = "cpu") -
         args["kv_cache_memory_bytes"] = config.kv_cache_bytes
     if config.lora.enabled:
         args.update(enable_lora=True, max_loras=config.lora.max_loras, max_lora_rank=config.lora.max_lora_rank)
+    if config.kv_connector is not None:
+        args["kv_transfer_config"] = kv_transfer_config(config.kv_connector)
     args.update(config.extra_args)
     return args
+
+
+# kvfuzz's own connector, loaded by module path in the EngineCore (harness/kv_connector.py).
+CONNECTOR_MODULE = "kvfuzz.harness.kv_connector"
+
+
+def kv_transfer_config(name: str) -> dict[str, Any]:
+    """vLLM's kv_transfer_config (as JSON data) for a connector of ``EngineConfig.KV_CONNECTORS``."""
+    if name == "kvfuzz-store":
+        return {"kv_connector": "HMAStoreConnector", "kv_connector_module_path": CONNECTOR_MODULE,
+                "kv_role": "kv_both"}
+    raise ValueError(f"unknown KV connector {name!r}")
 
 
 

@@ -165,20 +165,30 @@ def _profiles(chosen: list[str], lora: str) -> dict[str, list[str]]:
     return out
 
 
-def bench_engine(profile: str, kv_cache_mb: int, max_model_len: int, dtype: str = "float32") -> EngineConfig:
+def bench_engine(profile: str, kv_cache_mb: int | None, max_model_len: int | None, dtype: str = "float32",
+                 model: str | None = None) -> EngineConfig:
     from kvfuzz.fuzzer import default_engine
+    from kvfuzz.traces import EMBEDDED_HYBRID
 
+    if model == EMBEDDED_HYBRID:
+        # The hybrid model with the kvfuzz-store connector (fuzzer/hybrid.py): blocks pinned,
+        # so the count (and the queue positions the #44409 fault needs) is the same in every dtype.
+        from kvfuzz.fuzzer.hybrid import BLOCK_BYTES, DEFAULT_BLOCKS, hybrid_engine
+
+        blocks = kv_cache_mb * 2**20 // BLOCK_BYTES["float32"] if kv_cache_mb else DEFAULT_BLOCKS
+        return hybrid_engine(blocks=blocks, dtype=dtype, **({"max_model_len": max_model_len} if max_model_len else {}))
     # The same number of KV tokens in every dtype (16-bit halves the bytes per token), so a
     # fault that needs KV pressure meets the same pressure.
     scale = 2 if dtype == "float32" else 1
-    return default_engine(lora=profile == "lora", kv_cache_bytes=kv_cache_mb * 2**20 * scale // 2,
-                          max_model_len=max_model_len, dtype=dtype)
+    return default_engine(lora=profile == "lora", kv_cache_bytes=(kv_cache_mb or 8) * 2**20 * scale // 2,
+                          max_model_len=max_model_len or 8000, dtype=dtype)
 
 
 def run_bench(*, toggles: list[str] | None, seeds: list[int], budget: float, max_traces: int | None,
-              control_budget: float, runs: int, out: Path, device: str, lora: str = "auto", kv_cache_mb: int = 8,
-              max_model_len: int = 8000, dtypes: list[str] | None = None, runs_fixed: bool = False,
-              progress: Any = print, session: Session | None = None) -> dict:
+              control_budget: float, runs: int, out: Path, device: str, lora: str = "auto",
+              kv_cache_mb: int | None = 8, max_model_len: int | None = 8000, dtypes: list[str] | None = None,
+              runs_fixed: bool = False, progress: Any = print, session: Session | None = None,
+              model: str | None = None) -> dict:
     from kvfuzz.calibrate import prepare_bounds
     from kvfuzz.harness import toggles as reg
     from kvfuzz.oracle.attribution import single_arm
@@ -219,7 +229,7 @@ def run_bench(*, toggles: list[str] | None, seeds: list[int], budget: float, max
         for dtype in dtypes:
             for profile, names in profiles.items():
                 label = f"{profile}/{dtype}"
-                engine = engines[label] = bench_engine(profile, kv_cache_mb, max_model_len, dtype)
+                engine = engines[label] = bench_engine(profile, kv_cache_mb, max_model_len, dtype, model)
                 t_start = time.monotonic()
                 session.engine_for(engine)
                 starts[label] = round(time.monotonic() - t_start, 1)
@@ -280,7 +290,7 @@ def run_bench(*, toggles: list[str] | None, seeds: list[int], budget: float, max
         "command": "kvfuzz " + " ".join(sys.argv[1:]),
         "config": {"device": device, "seeds": seeds, "budget_s": budget, "max_traces": max_traces, "runs": runs,
                    "runs_fixed": runs_fixed,
-                   "control_budget_s": control_budget, "lora": lora, "kv_cache_mb": kv_cache_mb,
+                   "control_budget_s": control_budget, "lora": lora, "kv_cache_mb": kv_cache_mb, "model": model,
                    "max_model_len": max_model_len, "dtypes": dtypes,
                    "engines": {p: e.model_dump(mode="json") for p, e in engines.items()},
                    "engine_start_s": starts, "calibration": calibrations},

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvfuzz.traces import Finding, Trace
 from kvfuzz.traces.errors import BadInput, InfraError, KvfuzzError
 
 # Ray's C++ core reads RAY_* variables once, when ray is imported: they are set before that.
@@ -204,6 +205,8 @@ class WorkerSpec:
     controls: bool = True
     ablate: bool = True
     minimize_seconds: float = 120.0
+    # The campaign's --budget: a new bucket's triage box is at most a share of it (triage/campaign.py).
+    budget_s: float | None = None
     log_dir: str = "kvfuzz-out/workers"
     threads: int = 1
 
@@ -267,11 +270,18 @@ class WorkerCore:
                                bound_overrides=dict(spec.bound_overrides), log_file=log_dir / "engine.log",
                                server_options=server_options, trace_deadline_s=spec.trace_timeout)
         self.guard = Recovering(self.session)
+        # As in a serial campaign (kvfuzz run): triage's ablation engines stay alive next to the
+        # worker's own, saving engine starts per bucket.
+        self.pooled = spec.engine_kind == "inprocess" and (spec.ablate or spec.minimize or spec.controls)
+        if self.pooled:
+            from kvfuzz.harness.inprocess import share_engines
+
+            share_engines(6)
         self.scratch = Path(tempfile.mkdtemp(prefix=f"kvfuzz-{name}-"))
         self.triage = CampaignTriage(self.session, self.guard, spec.arms, self.scratch, confirm_runs=spec.runs,
                                      runs_fixed=spec.runs_fixed, attribute=spec.attribute, minimize=spec.minimize,
                                      controls=spec.controls, ablate=spec.ablate,
-                                     minimize_seconds=spec.minimize_seconds)
+                                     minimize_seconds=spec.minimize_seconds, budget_s=spec.budget_s)
 
     def ready(self) -> dict:
         return {"name": self.name, "pid": os.getpid(), "host": socket.gethostname()}
@@ -322,6 +332,11 @@ class WorkerCore:
 
     def stop(self) -> None:
         self.session.close()
+        if self.pooled:
+            from kvfuzz.harness.inprocess import unshare_engines
+
+            self.pooled = False
+            unshare_engines()
 
 
 def ray_worker_class(ray, spec: WorkerSpec):
@@ -331,6 +346,30 @@ def ray_worker_class(ray, spec: WorkerSpec):
     if spec.device == "cuda":
         return ray.remote(num_gpus=1, num_cpus=1, max_restarts=0)(WorkerCore)
     return ray.remote(num_cpus=spec.threads, max_restarts=0)(WorkerCore)
+
+
+def worker_died_finding(trace: Trace, arms: dict[str, list[str]] | None, deaths: list[dict], *,
+                        engine: str = "inprocess", device: str = "cpu") -> Finding:
+    """An engine-crash finding for a trace that killed its worker process every time it ran
+    (no engine survived to describe itself: the environment is the trace's). Here, not in
+    fuzzer/distributed.py: the fuzzer does not import the harness or the oracle."""
+    import datetime as _dt
+
+    from kvfuzz.harness.environment import describe
+    from kvfuzz.oracle.check import ENGINE
+    from kvfuzz.traces import Divergence
+
+    detail = f"the worker process died while running this trace ({len(deaths)} times): {deaths[-1]['detail']}"
+    arm = next(iter(arms or {"default": []}))
+    div = Divergence(request_id=ENGINE, class_="engine-crash", arm=arm, runs_diverged=len(deaths), runs=len(deaths),
+                     detail=detail)
+    env = describe(engine=engine, config=trace.engine, device=device, model_hash=None)
+    f = Finding(trace=trace, environment=env, runs=[], divergences=[div], verdicts=[div],
+                arms=arms or {arm: list(trace.engine.toggles)},
+                created=_dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat())
+    f.notes["engine_crash"] = {"kind": "worker-died", "detail": detail, "deaths": deaths}
+    f.id = f.compute_id()
+    return f
 
 
 class RayExecutor:
@@ -357,6 +396,9 @@ class RayExecutor:
         self.prefix = f"kvfuzz-{os.getpid()}-{RayExecutor.created}"
 
     created = 0
+
+    def crash_finding(self, trace: Trace, arms: dict[str, list[str]] | None, deaths: list[dict]) -> Finding:
+        return worker_died_finding(trace, arms, deaths, engine=self.spec.engine_kind, device=self.spec.device)
 
     def actor_name(self, worker: str) -> str:
         return f"{self.prefix}-{worker}"
@@ -546,4 +588,5 @@ def local_cpus(workers: int, threads: int) -> float:
     return float(max(os.cpu_count() or 1, workers * threads))
 
 
-__all__ = ["RayExecutor", "WorkerCore", "WorkerSpec", "connect", "local_cpus", "ray_available", "worker_env"]
+__all__ = ["RayExecutor", "WorkerCore", "WorkerSpec", "connect", "local_cpus", "ray_available", "worker_died_finding",
+           "worker_env"]

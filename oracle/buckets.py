@@ -67,8 +67,12 @@ def describe(prekey: str, finding: Finding) -> dict:
     ex = finding.explanation
     key = {"class": cls, "explained_by": explained, "needs": ex.needs if ex else None,
            "not_needed": ex.not_needed if ex else None, "shape": shape(finding)}
-    needs = ", ".join(MECHANISM_WORDS.get(m, m) for m in ex.needs) if ex and ex.needs else (
-        "not measured" if ex is None else "none of the mechanisms tried")
+    if ex is None or (ex.skipped and not (ex.needs or ex.not_needed)):
+        needs = "not measured"  # no ablation, or the triage time box ran out first
+    else:
+        needs = ", ".join(MECHANISM_WORDS.get(m, m) for m in ex.needs) or "none of the mechanisms tried"
+        if ex.skipped:
+            needs += f" (not tried: {', '.join(MECHANISM_WORDS.get(m, m) for m in ex.skipped)})"
     s = key["shape"]
     key["text"] = (f"{cls}, {'explained by ' + explained if explained != 'unexplained' else 'unexplained'}; "
                    f"needs: {needs}; {s['requests']} request(s) ({', '.join(s['events'])})")

@@ -85,6 +85,9 @@ class Case:
         parts = [f"{v.request_id}: {v.class_} in {v.runs_diverged}/{v.runs} runs"
                  + (f", first divergent token {v.first_divergence}" if v.first_divergence is not None else "")
                  + (f", margin {v.margin:.3g}" if v.margin is not None else "")
+                 # A small margin alone reads like noise: say what decided (docs/oracle.md).
+                 + (f", teacher-forced drift {v.teacher_drift:.3g}" if v.teacher_drift is not None else "")
+                 + (f", evidence: {'+'.join(v.evidence)}" if v.evidence else "")
                  + (f" ({v.detail})" if v.detail and v.class_ != "corruption" else "")
                  for v in bad]
         return "; ".join(parts)

@@ -20,7 +20,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from kvfuzz.traces import At, CancelEvent, EngineConfig, Expectation, GenPrompt, LoraSettings, SendEvent, Trace  # noqa: E402
+from kvfuzz.traces import (  # noqa: E402
+    EMBEDDED_HYBRID,
+    At,
+    CancelEvent,
+    EngineConfig,
+    Expectation,
+    GenPrompt,
+    LoraSettings,
+    SendEvent,
+    Trace,
+)
 
 OUT = ROOT / "traces" / "regressions"
 MS = 10.0  # ms per step: each event carries both clocks, consistent with each other
@@ -159,8 +169,47 @@ def cpu_lora_mixed_batch() -> Trace:
                       fails_in=["without:fix-lora-cpu-no-lora-tokens"])
 
 
+def cross_group_external_44409() -> Trace:
+    # Hybrid model (group 0 full attention, group 1 sliding window 128), the kvfuzz store
+    # connector, 127 blocks. S = the first 128 tokens of group "s44409" (4 blocks), T = the next
+    # 64 (2 blocks). docs/hybrid.md walks through the free queue step by step.
+    #  B  = S+T+5: the connector stores S and T for both groups.
+    #  Q2 = S+200, long decode: holds group 0's S blocks; its group-1 S blocks leave the window.
+    #  A2 = S+5: hits S, finishes while Q2 runs: its group-1 S blocks reach the free queue, the
+    #       last of them 106 entries from the head (measured on this configuration).
+    #  H0, H1: prompts of 31 and 22 blocks minus one token take 53 blocks in each group: 106.
+    #  R  = S+T+5 (other tail): local hit on S in both groups plus 64 external tokens. Group 0
+    #       needs 2 blocks for them; the queue head is group 1's S[3], S[2], which group 1 is
+    #       about to touch as hits. Two-phase (vLLM as shipped) touches them first; one-phase
+    #       hands them to group 0, whose external KV load then overwrites them.
+    # num_gpu_blocks_override fixes the block count, so the queue positions (and the trace) hold
+    # in bfloat16 too, where the same bytes would give twice the blocks. Sliding-window retention
+    # every block (32; vLLM's default 0 keeps only replay boundaries) caches the fillers'
+    # out-of-window blocks: uncached, they would be freed to the queue head and shield the hits. R's tail (seed 11)
+    # is one whose first reference token has a margin above the bfloat16 near-tie threshold
+    # (1.31 nats; with seed 2 the corrupted first token was a 0.34-nat near tie in bfloat16).
+    eng = EngineConfig(model=EMBEDDED_HYBRID, kv_connector="kvfuzz-store", max_model_len=1024,
+                       max_num_batched_tokens=4096, kv_cache_bytes=2 * 2**20,
+                       extra_args={"num_gpu_blocks_override": 127, "prefix_cache_retention_interval": 32})
+    ev = [send("B", 0, 197, 8, group="s44409", plen=192, seed=1),
+          send("Q2", 9, 328, 60, group="s44409", plen=128, seed=3),
+          send("A2", 11, 133, 3, group="s44409", plen=128, seed=4),
+          send("H0", 14, 31 * 32 - 1, 4, seed=5),
+          send("H1", 14, 22 * 32 - 1, 4, seed=6),
+          send("R", 15, 197, 8, group="s44409", plen=192, seed=11)]
+    return regression("vllm-44409-cross-group-external", eng, ev,
+                      report="https://github.com/vllm-project/vllm/pull/44409 (issue #33775)",
+                      shape="hybrid model (full + sliding-window groups), KV connector, memory pressure: a request "
+                            "with a local prefix hit and external tokens is admitted while the free queue's head is "
+                            "a later group's not-yet-touched hit block",
+                      connector="kvfuzz-store (harness/kv_connector.py): vLLM's own connectors do not serve "
+                                "external KV on CPU with several KV cache groups (docs/hybrid.md)",
+                      models="vLLM #44409 (one-phase cross-group allocation evicts a later group's hits)",
+                      fails_in=["with:fault-cross-group-one-phase"])
+
+
 BUILDERS = [finding_00450, finding_01410, finding_00030, lora_thrash_38606, concurrent_prefill_39589,
-            cpu_lora_mixed_batch]
+            cpu_lora_mixed_batch, cross_group_external_44409]
 
 
 def render(t: Trace) -> str:

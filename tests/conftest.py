@@ -13,6 +13,10 @@ from __future__ import annotations
 
 import os
 import sys
+
+# CLI tests read table cells from stdout. pytest-xdist workers inherit an 80-column $COLUMNS,
+# where rich folds names across lines (CI, 2026-11-23); the CLI's own rule for pipes is 200.
+os.environ["COLUMNS"] = "200"
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,7 +36,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # rename that an installed kvfuzz would fail on. The tests see only what `pip install` provides.
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT]
 
-ENGINE_MARKS = ("engine", "server", "slow")
+# In order of cost: a server start, a child process or long campaign, a shared engine.
+ENGINE_MARKS = ("server", "slow", "engine")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -42,15 +47,22 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     tier = config.getoption("--tier")
-    if tier == "all" or config.getoption("-m"):
-        return
-    keep, drop = [], []
+    if not (tier == "all" or config.getoption("-m")):
+        keep, drop = [], []
+        for item in items:
+            heavy = any(item.get_closest_marker(m) for m in ENGINE_MARKS)
+            (keep if heavy == (tier == "engine") else drop).append(item)
+        if drop:
+            config.hook.pytest_deselected(items=drop)
+            items[:] = keep
+    # Longest files first: with `-n 2 --dist loadfile` (.ci/run) a file runs on one worker, and
+    # the server module (five server starts) started last would leave the other worker idle.
+    weight: dict[str, int] = {}
     for item in items:
-        heavy = any(item.get_closest_marker(m) for m in ENGINE_MARKS)
-        (keep if heavy == (tier == "engine") else drop).append(item)
-    if drop:
-        config.hook.pytest_deselected(items=drop)
-        items[:] = keep
+        w = next((i for i, m in enumerate(ENGINE_MARKS) if item.get_closest_marker(m)), len(ENGINE_MARKS))
+        weight[item.nodeid.split("::")[0]] = min(w, weight.get(item.nodeid.split("::")[0], w))
+    order = {id(item): n for n, item in enumerate(items)}
+    items.sort(key=lambda it: (weight[it.nodeid.split("::")[0]], order[id(it)]))
 
 
 _FIRST_VLLM: list[str] = []

@@ -88,7 +88,7 @@ def test_build_arms_vocabulary(toggles_apply):
     arms = build_arms(arms="all")
     assert arms["clean"] == cpu_clean and arms["without:fix-lora-cpu-no-lora-tokens"] == []
     assert {a for a in arms if a.startswith("with:")} == {
-        "with:fault-cancel-frees-shared-blocks", "with:fault-lora-hash-namespace",
+        "with:fault-cancel-frees-shared-blocks", "with:fault-cross-group-one-phase", "with:fault-lora-hash-namespace",
         "with:fault-preempt-resume-stale-blocks", "with:fault-prefix-hit-before-write"}
     assert build_arms(arms="vanilla,clean", with_=[ns]) == {f"vanilla,with:{ns}": [ns],
                                                             f"clean,with:{ns}": sorted([*cpu_clean, ns])}

@@ -41,6 +41,11 @@ class FakeCluster:
     def submit(self, worker, task):
         self.running[worker] = task
 
+    def crash_finding(self, trace, arms, deaths):
+        from kvfuzz.cluster import worker_died_finding
+
+        return worker_died_finding(trace, arms, deaths)
+
     def wait(self, timeout_s):
         if self.stop_after is not None and self.finished >= self.stop_after:
             raise KeyboardInterrupt  # the driver is stopped mid-campaign

@@ -18,6 +18,7 @@ from .history import EventRecord, History, RequestRecord, Scoring, StepRecord
 from .io import atomic_write_text, load_any, load_finding, load_trace, parse_finding, parse_trace, save
 from .prompts import expand
 from .trace import (
+    EMBEDDED_HYBRID,
     EMBEDDED_MODEL,
     SCHEMA_VERSION,
     At,
@@ -43,7 +44,8 @@ def json_schemas() -> dict[str, dict]:
 
 __all__ = [
     "Ablation", "At", "BadInput", "CancelEvent", "ControlResult", "DIVERGENT_CLASSES", "Divergence",
-    "EMBEDDED_MODEL", "EngineConfig", "Environment", "Expectation", "Explanation", "EventRecord", "Finding", "GenPrompt",
+    "EMBEDDED_HYBRID", "EMBEDDED_MODEL", "EngineConfig", "Environment", "Expectation", "Explanation", "EventRecord",
+    "Finding", "GenPrompt",
     "History", "InfraError", "KvfuzzError", "Lineage", "LoraSettings", "Minimization",
     "RequestRecord", "SCHEMA_VERSION", "Scoring", "SendEvent", "StepRecord", "TokenPrompt", "Trace",
     "atomic_write_text", "expand", "json_schemas", "load_any", "load_finding", "load_trace",

@@ -123,8 +123,9 @@ class Ablation(_Data):
     mechanism: str  # prefix-caching, chunked-prefill, preemption, concurrency, cancels, lora, lora-swaps, numerics
     change: str  # what was changed, in words
     # disappears: the victim no longer diverges that way (the mechanism is needed);
-    # persists: it still does; n/a: the trace does not use it; failed: the replay could not run.
-    outcome: Literal["disappears", "persists", "n/a", "failed"]
+    # persists: it still does; n/a: the trace does not use it; failed: the replay could not run;
+    # skipped: the triage time box ran out first (kvfuzz explain FINDING runs it in full).
+    outcome: Literal["disappears", "persists", "n/a", "failed", "skipped"]
     victim_class: str | None = None
     detail: str | None = None
 
@@ -149,11 +150,19 @@ class Explanation(_Data):
     def not_needed(self) -> list[str]:
         return [a.mechanism for a in self.ablations if a.outcome == "persists"]
 
+    @property
+    def skipped(self) -> list[str]:
+        return [a.mechanism for a in self.ablations if a.outcome == "skipped"]
+
     def summary(self) -> str:
         words = MECHANISM_WORDS
+        if self.skipped and not (self.needs or self.not_needed):
+            return "not ablated: the triage time box ran out (kvfuzz explain FINDING)"
         needs = ", ".join(words.get(m, m) for m in self.needs) or "none of the mechanisms tried"
         other = ", ".join(words.get(m, m) for m in self.not_needed)
-        return f"needs: {needs}" + (f"; does not need: {other}" if other else "")
+        left = ", ".join(words.get(m, m) for m in self.skipped)
+        return (f"needs: {needs}" + (f"; does not need: {other}" if other else "")
+                + (f"; not tried (time box): {left}" if left else ""))
 
 
 # How mechanisms read in reports (the names match Toggle.needs in harness/toggles).

@@ -81,6 +81,12 @@ class StepRecord(_Data):
     # Block-lifecycle interactions this step (harness/blocks.py): e.g. "reuse:cancel:prefill:0"
     # = a request took a block whose last owner was cancelled mid-prefill this same step.
     block_edges: list[str] = Field(default_factory=list)
+    # Admissions this step (in-process): tokens a KV connector supplied, prefix-hit blocks per
+    # KV cache group (hybrid models have several), and block ids that one request got in two
+    # groups at once (vllm#44409's symptom; never non-zero on a correct allocator).
+    external_tokens: int = 0
+    group_hits: list[int] = Field(default_factory=list)
+    cross_group_shared: int = 0
 
 
 class Scoring(_Data):

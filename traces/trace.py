@@ -12,12 +12,18 @@ import hashlib
 import json
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
 SCHEMA_VERSION = 1
 
 # Embedded default model (see harness/embedded.py); a path or hub name selects another model.
 EMBEDDED_MODEL = "embedded:tiny-qwen2"
+# Embedded hybrid model: full-attention + sliding-window layers, two KV cache groups (docs/hybrid.md).
+EMBEDDED_HYBRID = "embedded:tiny-hybrid"
+
+# KV connectors kvfuzz can attach (harness/vllm_args.py maps a name to vLLM's kv_transfer_config).
+# "kvfuzz-store": harness/kv_connector.py, external KV with correct contents (docs/hybrid.md).
+KV_CONNECTORS = ("kvfuzz-store",)
 
 # Upper bounds: finding files come from strangers; absurd numbers are bad input, not a
 # reason to allocate memory or wait forever.
@@ -63,6 +69,31 @@ class EngineConfig(_Strict):
     extra_args: dict[str, Any] = Field(default_factory=dict)
     # Conversion between the two clocks when a trace gives only one of them.
     ms_per_step: float = Field(default=10.0, gt=0, le=60_000)
+    # A KV connector serving external KV (one of KV_CONNECTORS), or none. Written out only when
+    # set, so traces without it keep their bytes, trace ids and reference keys.
+    kv_connector: str | None = None
+
+    @field_validator("kv_connector")
+    @classmethod
+    def _known_connector(cls, v: str | None) -> str | None:
+        if v is not None and v not in KV_CONNECTORS:
+            raise ValueError(f"unknown KV connector {v!r} (known: {', '.join(KV_CONNECTORS)})")
+        return v
+
+    @model_validator(mode="after")
+    def _connector_without_lora(self) -> "EngineConfig":
+        if self.kv_connector is not None and self.lora.enabled:
+            # The store's keys are token ids only: adapters would share each other's KV.
+            raise ValueError("kv_connector: the kvfuzz store does not key blocks by LoRA adapter; "
+                             "turn lora off or the connector off")
+        return self
+
+    @model_serializer(mode="wrap")
+    def _drop_unset_connector(self, handler: Any) -> Any:
+        data = handler(self)
+        if isinstance(data, dict) and data.get("kv_connector") is None:
+            data.pop("kv_connector", None)
+        return data
 
     def with_dtype(self, dtype: str) -> "EngineConfig":
         """This engine in another dtype, its KV cache keeping its capacity in tokens (16-bit KV

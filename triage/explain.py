@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable
 
 from kvfuzz.fuzzer.shapes import embedded_bytes_per_token
+from kvfuzz.oracle.buckets import CHEAP_MECHANISMS
 from kvfuzz.oracle.controls import primary_arm
 from kvfuzz.traces import EMBEDDED_MODEL, Ablation, CancelEvent, Explanation, Finding, SendEvent, Trace
 from kvfuzz.traces.errors import BadInput, InfraError
@@ -127,28 +128,37 @@ def _valid(trace: Trace) -> Trace:
 
 
 def explain(replayer: Replayer, finding: Finding, *, victim: str | None = None,
-            mechanisms: list[str] | None = None) -> Explanation:
+            mechanisms: list[str] | None = None, deadline: float | None = None) -> Explanation:
     """Replay ``finding`` once per mechanism taken away, judged on its victim (default: the
-    one minimization would keep)."""
+    one minimization would keep). Past ``deadline`` (time.monotonic()), the mechanisms left are
+    recorded as skipped."""
     t0 = time.monotonic()
     target = choose_target(finding, victim)
     arm, toggles = primary_arm(finding)
     out = Explanation(victim=target.victim, cls=target.cls, arm=arm)
-    for name in mechanisms or list(ABLATIONS):
+    names = mechanisms or list(ABLATIONS)
+    # Against a deadline, the ablations that keep the engine (no restart) go first; the
+    # record keeps the canonical order either way.
+    order = sorted(names, key=lambda m: m not in CHEAP_MECHANISMS) if deadline is not None else names
+    done: dict[str, Ablation] = {}
+    for name in order:
         ablated, change = ABLATIONS[name](finding.trace)
         if ablated is None:
-            out.ablations.append(Ablation(mechanism=name, change=change, outcome="n/a"))
+            done[name] = Ablation(mechanism=name, change=change, outcome="n/a")
+            continue
+        if deadline is not None and time.monotonic() > deadline:
+            done[name] = Ablation(mechanism=name, change=change, outcome="skipped", detail="triage time box spent")
             continue
         try:
             cls = replayer.judge(_valid(ablated), victim=target.victim, arm=arm, toggles=toggles)
         except (BadInput, InfraError, ValueError) as e:  # e.g. vLLM rejects the changed engine
-            out.ablations.append(Ablation(mechanism=name, change=change, outcome="failed",
-                                          detail=str(e).splitlines()[0][:300]))
+            done[name] = Ablation(mechanism=name, change=change, outcome="failed", detail=str(e).splitlines()[0][:300])
             continue
         out.replays += 1
         # It persists when the victim still diverges at least as badly.
         persists = SEVERITY[cls] <= SEVERITY[target.cls]
-        out.ablations.append(Ablation(mechanism=name, change=change, victim_class=cls,
-                                      outcome="persists" if persists else "disappears"))
+        done[name] = Ablation(mechanism=name, change=change, victim_class=cls,
+                              outcome="persists" if persists else "disappears")
+    out.ablations = [done[n] for n in names]
     out.seconds = round(time.monotonic() - t0, 1)
     return out

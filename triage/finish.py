@@ -1,5 +1,5 @@
-"""What happens to a new finding before anyone reads it: control arms, then the minimized
-finding with its own controls (the original kept and linked both ways). ``kvfuzz run`` does
+"""What happens to a new finding before anyone reads it: the minimized finding with its
+control arms (the original kept and linked both ways). ``kvfuzz run`` does
 this for each new finding; ``kvfuzz minimize`` for a finding file."""
 
 from __future__ import annotations
@@ -56,29 +56,27 @@ def minimize(session: Session, finding: Finding, *, victim: str | None = None, a
 
 def finish_finding(session: Session, finding: Finding, *, out: Path, do_minimize: bool = True,
                    controls: bool = True, max_seconds: float | None = 120.0) -> Finding:
-    """Control arms, then (unless disabled) the minimized finding, attributed to toggles like
-    its original was, with its own controls. The original is written to ``out/originals/``
-    and linked both ways; the returned finding is the one the campaign records."""
-    if controls:
-        add_controls(session, finding)
+    """The minimized finding (unless disabled), attributed to toggles like its original was,
+    with its control arms. The original is written to ``out/originals/`` and linked both ways;
+    the returned finding is the one the campaign records.
+
+    Controls run on the minimized finding, not on the original: on a two- or three-request
+    witness they cost a fraction of what they cost on the trace as found (each arm replays it,
+    serialized runs request by request), and they are what a maintainer reads. The original
+    gets them only when there is nothing smaller (minimization off or not reproduced)."""
     if not do_minimize:
-        return escalate(finding)
-    # Minimized on the class its own arm gives (a replay cannot see what a control re-filed).
-    shown = escalate(finding)
-    rel = finding_path(Path("originals"), shown)
+        return escalate(add_controls(session, finding) if controls else finding)
+    rel = finding_path(Path("originals"), finding)
     try:
         small = minimize(session, finding, max_seconds=max_seconds, original_path=str(rel))
     except NotReproduced as e:
+        shown = escalate(add_controls(session, finding) if controls else finding)
         shown.notes["minimize"] = f"not minimized: {e}"
         return shown
-    if shown.id != finding.id and small.minimization is not None:  # linked to the original as filed
-        small.minimization.original = shown.id
-        small.notes["minimized_from"]["id"] = shown.id
     if "attribution" in finding.notes:
         small = explain_finding(session, small)
     if controls:
-        add_controls(session, small)
-        small = escalate(small)
-    shown.notes["minimized_to"] = small.id
-    save(shown, out / rel)
+        small = escalate(add_controls(session, small))
+    finding.notes["minimized_to"] = small.id
+    save(finding, out / rel)
     return small

@@ -44,13 +44,16 @@ def list_models(target: HttpTarget) -> list[dict[str, Any]]:
         raise InfraError(f"{redact_url(target.base_url)}/v1/models: not an OpenAI model list") from None
 
 
-def reset_prefix_cache(target: HttpTarget, *, attempts: int = 50, wait_s: float = 0.1) -> bool | None:
+def reset_prefix_cache(target: HttpTarget, *, attempts: int = 50, wait_s: float = 0.1,
+                       reset_external: bool = False) -> bool | None:
     """POST /reset_prefix_cache (vLLM dev mode). True: reset. None: the endpoint does not exist
-    (or is not allowed). False: the server kept refusing (blocks still held)."""
+    (or is not allowed). False: the server kept refusing (blocks still held).
+    ``reset_external``: also empty the KV connector's cache."""
+    params = {"reset_external": "true"} if reset_external else None
     with _client() as c:
         for _ in range(attempts):
             try:
-                r = c.post(target.url("/reset_prefix_cache"), headers=target.headers())
+                r = c.post(target.url("/reset_prefix_cache"), headers=target.headers(), params=params)
             except httpx.HTTPError as e:
                 raise Unreachable(f"{redact_url(target.base_url)} does not answer: {type(e).__name__}: {e}") from None
             if r.status_code in (404, 405, 401, 403):

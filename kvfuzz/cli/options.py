@@ -71,3 +71,19 @@ def load_calibration(path: Path | None) -> CalibrationProfile | None:
     if not path.is_file():
         raise BadInput("no such file", source=str(path), field="--calibration")
     return load_profile(path)
+
+
+def model_dir(model: Path, lora: bool) -> str:
+    """``--model DIR`` checked (a model directory; not with ``--lora``) and resolved; findings
+    of it may then be replayed from here."""
+    from kvfuzz.traces.paths import allow
+
+    if not model.is_dir():
+        raise BadInput("no such model directory" if not model.exists() else "is not a directory",
+                       source=str(model), field="--model")
+    if not (model / "config.json").is_file():
+        raise BadInput("not a model directory (no config.json)", source=str(model), field="--model")
+    if lora:
+        raise BadInput("--lora uses the embedded model's adapters; it cannot be combined with --model", field="--model")
+    allow(model)
+    return str(model.resolve())

@@ -87,9 +87,13 @@ def bench_cmd(
     runs_fixed: Annotated[bool, typer.Option("--runs-fixed", help="Every trace K times (the campaign before "
                                                                   "adaptive runs).")] = False,
     lora: Annotated[str, typer.Option(help="auto: LoRA engine only for toggles that need LoRA; on; off.")] = "auto",
-    kv_cache_mb: Annotated[int, typer.Option(min=1, help="KV cache size in MiB (small: preemption happens).")] = 8,
-    max_model_len: Annotated[int, typer.Option(min=16, help="Must fit in the KV cache (1 KiB/token for the "
-                                                               "embedded model, one block reserved).")] = 8000,
+    kv_cache_mb: Annotated[Optional[int], typer.Option(min=1, help="KV cache size in MiB (small: preemption "
+                                                                    "happens; default 8, embedded:tiny-hybrid 2).")] = None,
+    max_model_len: Annotated[Optional[int], typer.Option(min=16, help="Must fit in the KV cache (1 KiB/token for the "
+                                                                         "embedded model, one block reserved; default "
+                                                                         "8000, embedded:tiny-hybrid 1024).")] = None,
+    model: Annotated[Optional[str], typer.Option(help="embedded:tiny-hybrid: benchmark on the hybrid model with the "
+                                                      "kvfuzz-store connector (docs/hybrid.md).")] = None,
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
     dtype: Annotated[Optional[str], typer.Option("--dtype", metavar="DTYPES", help="Comma-separated dtypes, "
                                                  "benchmarked side by side (auto: the device's; default auto).")] = None,
@@ -116,6 +120,12 @@ def bench_cmd(
         raise BadInput("give at least one dtype", field="--dtype")
     if lora not in ("auto", "on", "off"):
         raise BadInput(f"expected auto, on or off, got {lora!r}", field="--lora")
+    from kvfuzz.traces import EMBEDDED_HYBRID, EMBEDDED_MODEL
+
+    if model is not None and model not in (EMBEDDED_MODEL, EMBEDDED_HYBRID):
+        raise BadInput(f"unknown model {model!r} (embedded:tiny-qwen2 or {EMBEDDED_HYBRID})", field="--model")
+    if model == EMBEDDED_HYBRID and lora == "on":
+        raise BadInput(f"{EMBEDDED_HYBRID} has no LoRA adapters", field="--lora")
     names = None
     if toggles:
         names = [x.strip() for x in toggles.split(",") if x.strip()]
@@ -124,7 +134,9 @@ def bench_cmd(
     out.mkdir(parents=True, exist_ok=True)
     report = run_bench(toggles=names, seeds=seed_list, budget=budget, max_traces=max_traces,
                        control_budget=control_budget, runs=runs, out=out, device=device, lora=lora,
-                       kv_cache_mb=kv_cache_mb, max_model_len=max_model_len, dtypes=dtypes, runs_fixed=runs_fixed,
+                       kv_cache_mb=kv_cache_mb if kv_cache_mb or model == EMBEDDED_HYBRID else 8,
+                       max_model_len=max_model_len if max_model_len or model == EMBEDDED_HYBRID else 8000,
+                       model=None if model == EMBEDDED_MODEL else model, dtypes=dtypes, runs_fixed=runs_fixed,
                        progress=lambda m: console.print(f"[dim]{m}[/dim]"))
     path = json_path or out / "bench.json"
     atomic_write_text(path, json.dumps(report, indent=2) + "\n")

@@ -11,7 +11,7 @@ from rich.table import Table
 
 from kvfuzz.cli import options
 from kvfuzz.cli.app import app, console
-from kvfuzz.traces.calibration import CalibrationProfile
+from kvfuzz.traces.calibration import FULL_BUDGET_S, CalibrationProfile
 from kvfuzz.traces.errors import BadInput
 
 
@@ -57,7 +57,8 @@ def calibrate_cmd(
     max_model_len: Annotated[Optional[int], typer.Option(min=64, help="Engine context length.")] = None,
     requests: Annotated[int, typer.Option(min=4, max=512, help="Requests measured in each context.")] = 16,
     max_tokens: Annotated[int, typer.Option(min=2, max=4096, help="Tokens each request generates.")] = 24,
-    budget: Annotated[float, typer.Option(help="Seconds; contexts beyond it are skipped (and listed).")] = 60.0,
+    budget: Annotated[float, typer.Option(help="Seconds of measurement (after the engine starts); contexts beyond "
+                                          "it are skipped and listed. kvfuzz run uses 60.")] = FULL_BUDGET_S,
     seed: Annotated[int, typer.Option(help="Seed of the request mix.")] = 0,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Write the profile here (a file, or a "
                                                 "directory for <dtype>-<key>.json) instead of the kvfuzz cache, "
@@ -78,12 +79,7 @@ def calibrate_cmd(
         raise BadInput("must be positive", field="--budget")
     overrides: dict = {"dtype": check_dtype(dtype, device)}
     if model is not None:
-        if not (model / "config.json").is_file():
-            raise BadInput("not a model directory (no config.json)", source=str(model), field="--model")
-        if lora:
-            raise BadInput("--lora uses the embedded model's adapters; it cannot be combined with --model",
-                           field="--model")
-        overrides["model"] = str(model.resolve())
+        overrides["model"] = options.model_dir(model, lora)
     if max_model_len is not None:
         overrides["max_model_len"] = max_model_len
     config = default_engine(lora=lora, kv_cache_bytes=kv_cache_mb * 2**20, **overrides)

@@ -36,7 +36,8 @@ def model_build(
     out: Annotated[Optional[Path], typer.Option(help="Directory (default: the kvfuzz cache).")] = None,
     force: Annotated[bool, typer.Option(help="Rebuild even if present.")] = False,
 ) -> None:
-    """Build the embedded tiny Qwen2 model, tokenizer and LoRA adapters (deterministic)."""
+    """Build the embedded tiny Qwen2 model, tokenizer and LoRA adapters, and next to them the
+    hybrid model embedded:tiny-hybrid (deterministic)."""
     from kvfuzz.harness import embedded
 
     m = embedded.build(out, force=force)
@@ -44,5 +45,9 @@ def model_build(
     for name, p in m.adapters.items():
         console.print(f"adapter  {name}: {p}")
     console.print(f"content hash {m.content_hash}")
+    # With --out, the hybrid model goes into a sibling directory of the default's.
+    h = embedded.build_hybrid(out.with_name(out.name + "-hybrid") if out else None, force=force)
+    console.print(f"hybrid   {h.model_dir}")
+    console.print(f"content hash {h.content_hash}")
 
 

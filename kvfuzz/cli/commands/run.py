@@ -35,7 +35,8 @@ def run(
     operators: Annotated[Optional[str], typer.Option(help="Comma-separated mutation operators to use "
                                                           "(default: all; see docs/fuzzer.md).")] = None,
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
-    kv_cache_mb: Annotated[int, typer.Option(min=1, help="KV cache size in MiB.")] = 24,
+    kv_cache_mb: Annotated[Optional[int], typer.Option(min=1, help="KV cache size in MiB (default 24; "
+                                                                    "embedded:tiny-hybrid: 2, i.e. 127 blocks).")] = None,
     dtype: options.DtypeOpt = None,
     near_tie: options.NearTieOpt = None,
     bound: options.BoundOpt = None,
@@ -52,7 +53,8 @@ def run(
     port: Annotated[Optional[int], typer.Option(help="Port of the managed server on 127.0.0.1 (default: a free "
                                                      "one).")] = None,
     model: Annotated[Optional[Path], typer.Option(help="A model directory to fuzz instead of the embedded "
-                                                       "default (no --lora).")] = None,
+                                                       "default (no --lora), or embedded:tiny-hybrid (the hybrid "
+                                                       "model with the kvfuzz-store KV connector; docs/hybrid.md).")] = None,
     max_requests: Annotated[int, typer.Option(min=1, max=1000, help="Most requests in a generated trace.")] = 10,
     max_model_len: Annotated[Optional[int], typer.Option(min=64, help="Engine context length; also caps generated "
                                                                       "prompt lengths (small = fast traces).")] = None,
@@ -102,23 +104,28 @@ def run(
     if port is not None and kind != "server":
         raise BadInput("only with --engine server", field="--port")
     overrides: dict[str, Any] = {}
-    if model is not None:
-        if not model.is_dir():
-            raise BadInput("no such model directory" if not model.exists() else "is not a directory",
-                           source=str(model), field="--model")
-        if not (model / "config.json").is_file():
-            raise BadInput("not a model directory (no config.json)", source=str(model), field="--model")
-        if lora:
-            raise BadInput("--lora uses the embedded model's adapters; it cannot be combined with --model",
-                           field="--model")
-        overrides["model"] = str(model.resolve())
-        from kvfuzz.traces.paths import allow
+    hybrid = False
+    if model is not None and str(model).startswith("embedded:"):
+        from kvfuzz.traces import EMBEDDED_HYBRID, EMBEDDED_MODEL
 
-        allow(model)  # named on the command line: its findings may be replayed from here
+        if str(model) not in (EMBEDDED_MODEL, EMBEDDED_HYBRID):
+            raise BadInput(f"unknown embedded model {str(model)!r} (have {EMBEDDED_MODEL}, {EMBEDDED_HYBRID})",
+                           field="--model")
+        hybrid, model = str(model) == EMBEDDED_HYBRID, None
+        if hybrid and lora:
+            raise BadInput(f"{EMBEDDED_HYBRID} has no LoRA adapters; drop --lora", field="--model")
+    if model is not None:
+        overrides["model"] = options.model_dir(model, lora)
     out.mkdir(parents=True, exist_ok=True)
     if max_model_len is not None:
         overrides["max_model_len"] = max_model_len
-    engine = default_engine(lora=lora, kv_cache_bytes=kv_cache_mb * 2**20, dtype=dtype_r, **overrides)
+    if hybrid:
+        from kvfuzz.fuzzer.hybrid import BLOCK_BYTES, DEFAULT_BLOCKS, hybrid_engine
+
+        engine = hybrid_engine(blocks=kv_cache_mb * 2**20 // BLOCK_BYTES["float32"] if kv_cache_mb else DEFAULT_BLOCKS,
+                               dtype=dtype_r, **overrides)
+    else:
+        engine = default_engine(lora=lora, kv_cache_bytes=(kv_cache_mb or 24) * 2**20, dtype=dtype_r, **overrides)
     if corpus is not None and corpus.exists() and not corpus.is_dir():
         raise BadInput("is not a directory", source=str(corpus), field="--corpus")
     if resume and not (out / "campaign.json").exists():
@@ -163,8 +170,16 @@ def run(
     # One bug, one bucket: a new bucket's first finding is triaged fully, later ones cheaply.
     triage = CampaignTriage(session, guard, arm_map, out, confirm_runs=runs, runs_fixed=runs_fixed,
                             attribute=attribute, minimize=minimize, controls=controls, ablate=explain_,
-                            minimize_seconds=minimize_seconds, status=display.status)
+                            minimize_seconds=minimize_seconds, budget_s=budget, status=display.status)
 
+    # Triage replays under other engine configurations (ablations: prefix caching off, a larger
+    # KV cache, float32...). Keeping them alive next to the campaign's engine saves two engine
+    # starts per configuration per bucket (in-process engines are small: the model is tiny).
+    pooled = kind == "inprocess" and (explain_ or minimize or controls)
+    if pooled:
+        from kvfuzz.harness.inprocess import share_engines
+
+        share_engines(6)
     try:
         with display:
             log_name = "engine.log" if kind == "inprocess" else "server-1.log"
@@ -178,6 +193,10 @@ def run(
             state = run_campaign(opts, triage, display.update, on_start=lambda c: triage.restore(c.state.bug_buckets))
     finally:
         session.close()
+        if pooled:
+            from kvfuzz.harness.inprocess import unshare_engines
+
+            unshare_engines()
     for line in warned:
         err_console.print(f"kvfuzz: warning: {line}", markup=False, highlight=False, soft_wrap=True)
     display.summary(state, out)
@@ -205,7 +224,8 @@ def _run_on_ray(address: str, opts: Any, *, kind: str, device: str, runs: int, r
     spec = WorkerSpec(engine_kind=kind, device=device, runs=runs, bound_overrides=dict(overrides),
                       server_flags=list(server_arg or []), trace_timeout=trace_timeout, arms=arm_map,
                       runs_fixed=runs_fixed, attribute=attribute, minimize=minimize, controls=controls, ablate=ablate,
-                      minimize_seconds=minimize_seconds, log_dir=str((opts.out / "workers").resolve()),
+                      minimize_seconds=minimize_seconds, budget_s=opts.budget_s,
+                      log_dir=str((opts.out / "workers").resolve()),
                       threads=threads)
     display = CampaignDisplay(console, budget_s=opts.budget_s, max_traces=opts.max_traces)
     owns = connect(None if address == "local" else address, num_cpus=local_cpus(workers, threads),

@@ -1,0 +1,55 @@
+"""Triage time boxes (issue 18): the ablation stops at its deadline and says so; a new
+bucket's triage box follows --minimize-seconds and the campaign's budget. Pure logic, no
+engine: the replayer below records what it was asked to replay."""
+
+import time
+
+from test_report import finding
+
+from kvfuzz.triage.campaign import NEW_BUCKET_SHARE, CampaignTriage
+from kvfuzz.triage.explain import explain
+
+
+class Recorder:
+    def __init__(self):
+        self.replays = 0
+
+    def judge(self, trace, *, victim, arm, toggles):
+        self.replays += 1
+        return "ok"  # every mechanism "needed": the divergence disappears
+
+
+def test_ablation_past_its_deadline_skips_the_rest_and_says_so():
+    f = finding()
+    r = Recorder()
+    ex = explain(r, f, deadline=time.monotonic() - 1)
+    assert r.replays == 0
+    skipped = [a for a in ex.ablations if a.outcome == "skipped"]
+    assert skipped and all(a.detail == "triage time box spent" for a in skipped)
+    assert ex.needs == [] and ex.not_needed == []  # nothing claimed that was not measured
+    # Without a deadline the same finding is ablated: the replays happen.
+    full = explain(Recorder(), f)
+    assert full.replays > 0 and not any(a.outcome == "skipped" for a in full.ablations)
+    assert {a.mechanism for a in full.ablations} == {a.mechanism for a in ex.ablations}
+
+
+def test_new_bucket_box_is_the_smaller_of_minimize_seconds_and_the_budget_share(tmp_path):
+    def box(budget, minimize_seconds=120.0):
+        t = CampaignTriage(session=None, guard=None, arms={}, out=tmp_path, minimize_seconds=minimize_seconds,
+                           budget_s=budget)
+        return t.new_bucket_box
+
+    assert box(None) == 120.0  # --traces N: only --minimize-seconds bounds it
+    assert box(3600) == 120.0
+    assert box(300) == NEW_BUCKET_SHARE * 300 < 120.0  # a 5-minute campaign keeps fuzzing
+    assert box(600, minimize_seconds=30) == 30
+
+
+def test_a_skipped_ablation_is_not_reported_as_measured():
+    from kvfuzz.oracle.buckets import describe
+
+    f = finding()
+    f.explanation = explain(Recorder(), f, deadline=time.monotonic() - 1)
+    assert f.explanation.summary().startswith("not ablated: the triage time box ran out")
+    key = describe(f"corruption|{f.divergences[0].explained_by}", f)
+    assert "needs: not measured" in key["text"] and key["needs"] == []
