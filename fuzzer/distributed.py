@@ -160,15 +160,18 @@ class Driver:
         return self.state.next_index + (self.opts.max_traces - self.state.traces)
 
     def _generate(self, i: int, pending: dict[int, tuple[Trace, str]] | None = None) -> None:
-        end = self._last_index()
-        if end is not None and i >= end:
-            return
+        """Draw (or read back) trace ``i`` and log it; queue it if it is within the trace budget.
+        Indices past the budget are drawn and logged too, not run: trace i is drawn from the
+        state after index i - window, so a campaign stopped by --traces N and resumed with more
+        must find traces N .. N + window - 1 in the pending log to continue the same sequence."""
         got = pending.get(i) if pending else None
         trace, source = got if got is not None else self.camp.next_trace(i)
         self.generated[i] = (trace, source)
         self.log.write(json.dumps({"index": i, "source": source, "trace": trace.model_dump(mode="json")}) + "\n")
         self.logged += 1
-        self.queue.append(i)
+        end = self._last_index()
+        if end is None or i < end:
+            self.queue.append(i)
 
     def _first_window(self) -> None:
         """Indices next_index .. next_index + window - 1. On --resume their generation is already
@@ -252,8 +255,9 @@ class Driver:
         st.seconds = round(base_seconds + time.monotonic() - start, 3)
         self._sync()
         self.log.close()
-        if not self.generated:  # nothing left to resume
-            (self.out / PENDING_LOG).unlink(missing_ok=True)
+        # The pending log keeps only the drawn, unrun window: what a later --resume continues with.
+        self._open_log()
+        self.log.close()
         return st
 
     def _known(self) -> dict[str, str]:
@@ -283,8 +287,9 @@ class Driver:
             atomic_write_text(self.out / rel, text)
         if res.finding is not None:
             self._first_in_order(res.finding)
-            self.camp.record_finding(i, trace, source, res.finding)
+            # Before record_finding: it writes the file, and the file must name its worker.
             res.finding.notes.setdefault("worker", res.worker)
+            self.camp.record_finding(i, trace, source, res.finding)
         st.traces += 1
         self.committed += 1
         st.next_index = i + 1

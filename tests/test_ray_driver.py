@@ -99,7 +99,21 @@ def test_the_trace_sequence_does_not_depend_on_worker_count_completion_order_or_
     assert s3.requeued == 3 and len(s3.worker_deaths) == 3 and s3.findings == 0
     # At most `window` traces are in flight: with 4 workers and a window of 3, one stays idle.
     assert len(s2.by_worker) == 3
-    assert not (tmp_path / "c" / "pending.jsonl").exists()
+    # The next window is drawn, logged and not run: a later --resume with more traces needs it.
+    from kvfuzz.fuzzer.distributed import read_pending
+
+    assert sorted(read_pending(tmp_path / "c")) == [24, 25, 26]
+
+
+def test_a_campaign_stopped_by_its_trace_count_resumes_the_same_sequence(tmp_path):
+    """--traces 10, then --resume --traces 20, draws what one --traces 20 campaign draws: the
+    traces past the first budget come from the pending log, not from the state at its end."""
+    whole, _ = campaign(tmp_path / "whole", 20, 3, 5)
+    first, s1 = campaign(tmp_path / "cut", 10, 2, 6)
+    assert s1.complete and s1.traces == 10
+    rest, s2 = campaign(tmp_path / "cut", 20, 3, 7, resume=True)
+    assert {**first, **rest} == whole and set(first) & set(rest) == set()
+    assert s2.traces == 20
 
 
 def test_window_one_is_the_serial_campaign(tmp_path, monkeypatch):
@@ -146,6 +160,8 @@ def test_a_trace_that_kills_its_worker_twice_is_an_engine_crash_finding(tmp_path
 
     f = load_finding(tmp_path / state.finding_files[0])
     assert f.notes["engine_crash"]["kind"] == "worker-died" and f.notes["campaign"]["index"] == 1
+    # The file on disk names the worker it came from (set before the file is written).
+    assert f.notes["worker"] in {d["worker"] for d in state.worker_deaths}
 
 
 def test_bare_ray_means_a_local_instance():
