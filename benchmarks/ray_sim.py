@@ -53,6 +53,9 @@ def main() -> int:
         async def ready(self):
             return {"pid": os.getpid(), "host": "sim"}
 
+        async def stop(self):  # the executor's shutdown asks idle workers to close their engines
+            return None
+
         async def run(self, task):
             rng = random.Random(task.trace.trace_id())
             await asyncio.sleep(sleep_s * rng.uniform(0.8, 1.2))
