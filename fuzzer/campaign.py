@@ -128,6 +128,12 @@ class CampaignState:
     bug_buckets: dict[str, dict] = field(default_factory=dict)
     # Findings recorded without triage (the share for known buckets was used up): still listed.
     untriaged: list[str] = field(default_factory=list)
+    # Campaigns on many workers (fuzzer/distributed.py): the window of the determinism rule,
+    # traces committed per worker, traces re-queued after their worker died, and those deaths.
+    window: int | None = None
+    by_worker: dict[str, int] = field(default_factory=dict)
+    requeued: int = 0
+    worker_deaths: list[dict] = field(default_factory=list)
 
     @property
     def buckets(self) -> int:

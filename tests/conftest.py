@@ -81,6 +81,10 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
         print(f"\nERROR: the fast tier imported vLLM (first seen after {_FIRST_VLLM[0] if _FIRST_VLLM else '?'});"
               " mark the test that does with @pytest.mark.engine", file=sys.stderr)
+    # Ray is optional (the [ray] extra) and imported only by --ray: the fast tier never needs it.
+    if session.config.getoption("--tier") == "fast" and not session.config.getoption("-m") and "ray" in sys.modules:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        print("\nERROR: the fast tier imported ray; mark the test that does with @pytest.mark.engine", file=sys.stderr)
 
 
 @pytest.fixture(scope="session")

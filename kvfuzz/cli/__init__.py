@@ -7,6 +7,7 @@ would not start, died, or a URL does not answer).
 
 from __future__ import annotations
 
+import re
 import sys
 import traceback
 
@@ -24,6 +25,7 @@ def main() -> None:
     # self-check imports vLLM) stay off the terminal. --verbose shows them.
     route_vllm_logs(None)
 
+    sys.argv[1:] = bare_ray(sys.argv[1:])
     try:
         app(standalone_mode=True)
     except KvfuzzError as e:
@@ -36,4 +38,21 @@ def main() -> None:
         sys.exit(130)
 
 
-__all__ = ["app", "main"]
+_RAY_ADDRESS = re.compile(r"^(auto|local|ray://.*|\[?[\w.:-]*\]?:\d+)$")
+
+
+def bare_ray(args: list[str]) -> list[str]:
+    """``--ray`` with no address means a local Ray instance (``--ray local``): Click options
+    cannot take an optional value, so a bare ``--ray`` (next word absent, an option, or not
+    an address, e.g. a gate PATH) gets ``local`` inserted."""
+    out = list(args)
+    for k, a in enumerate(out):
+        if a == "--":
+            break
+        if a == "--ray" and (k + 1 == len(out) or not _RAY_ADDRESS.match(out[k + 1])):
+            out.insert(k + 1, "local")
+            break
+    return out
+
+
+__all__ = ["app", "bare_ray", "main"]

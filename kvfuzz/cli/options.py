@@ -35,6 +35,11 @@ CalibrationOpt = Annotated[Optional[Path], typer.Option(
     "--calibration", metavar="FILE", help="Judge by this calibration profile (kvfuzz calibrate) instead of "
                                            "the one the cache holds for the engine.")]
 
+RayOpt = Annotated[Optional[str], typer.Option(
+    "--ray", metavar="[ADDRESS]",
+    help="Run on Ray workers: auto, host:port, ray://host:port; --ray alone starts a local Ray instance "
+         "(needs the [ray] extra; docs/scale.md).")]
+
 BOUND_NAMES = ("near_tie", "drift", "teacher")
 
 

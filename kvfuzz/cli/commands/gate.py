@@ -61,6 +61,9 @@ def gate(
     with_: options.WithOpt = None,
     without: options.WithoutOpt = None,
     arms: options.ArmsOpt = None,
+    ray_address: options.RayOpt = None,
+    workers: Annotated[Optional[int], typer.Option(min=1, help="With --ray: how many workers (one engine each; "
+                                                               "default 2).")] = None,
 ) -> None:
     """Replay a corpus of findings/traces as a CI regression gate."""
     from kvfuzz.gate import (
@@ -78,6 +81,10 @@ def gate(
     from kvfuzz.session import Session, engine_kind
 
     kind = engine_kind(engine, base_url, device)
+    if workers is not None and ray_address is None:
+        raise BadInput("only with --ray", field="--workers")
+    if ray_address is not None and kind == "url":
+        raise BadInput("a --base-url server is one engine: nothing to shard", field="--ray")
     bounds = options.parse_bounds(near_tie, bound)
     dtype_r = check_dtype(dtype, device) if dtype is not None else None
     profile = options.load_calibration(calibration)
@@ -103,6 +110,11 @@ def gate(
     k = runs or default_runs(kind)
     out.mkdir(parents=True, exist_ok=True)
 
+    if ray_address is not None:
+        _gate_on_ray(ray_address, planned, what=what, files=len(entries), k=k, kind=kind, device=device,
+                     bounds=bounds, profile=profile, server_arg=server_arg, strict=strict, out=out, junit=junit,
+                     summary=summary, workers=workers or 2)
+        return
     session = Session.for_target(kind, device=device, runs=k, out=out, bounds=bounds, base_url=base_url,
                                  api_key=api_key, model=model, server_flags=server_arg)
     session.profiles += [profile] if profile else []
@@ -119,6 +131,10 @@ def gate(
     finally:
         session.close()
         _write_reports(cases, out=out, junit=junit, summary=summary, what=what, complete=len(cases) == len(planned))
+    _conclude(cases, what, out=out, junit=junit, summary=summary)
+
+
+def _conclude(cases, what: str, *, out: Path, junit: Path | None, summary: Path | None) -> None:
     show = console
     show.print(_table(cases, what))
     bad = [c for c in cases if not c.ok]
@@ -129,6 +145,50 @@ def gate(
                f"(summary: {summary or out / 'gate-summary.md'}" + (f", JUnit: {junit}" if junit else "") + ")",
                markup=False, highlight=False)
     raise typer.Exit(1 if bad else 0)
+
+
+def _gate_on_ray(address: str, planned, *, what: str, files: int, k: int, kind: str, device: str, bounds, profile,
+                 server_arg, strict: bool, out: Path, junit: Path | None, summary: Path | None, workers: int) -> None:
+    """The gate's cases spread over Ray workers (docs/scale.md); the same reports, in plan order."""
+    from kvfuzz.cluster import RayExecutor, WorkerSpec, connect, local_cpus, worker_env
+    from kvfuzz.gate import replay_engine_args
+    from kvfuzz.traces import save
+    from kvfuzz.traces.io import finding_path
+
+    spec = WorkerSpec(engine_kind=kind, device=device, runs=k, bound_overrides=dict(bounds),
+                      server_flags=list(server_arg or []), log_dir=str((out / "workers").resolve()), threads=1)
+    owns = connect(None if address == "local" else address, num_cpus=local_cpus(workers, 1), env=worker_env(1))
+    import ray
+
+    print(f"kvfuzz {what}: {len(planned)} case(s) from {files} file(s), {k} run(s) each, on {workers} Ray "
+          f"worker(s)", flush=True)
+    cases: list = [None] * len(planned)
+    done = [0]
+
+    def shown(n: int, got) -> None:
+        case, finding = got
+        cases[n] = case
+        done[0] += 1
+        if finding is not None and case.diverged and not case.expect_fail:
+            finding.notes["gate"] = {"source": case.source, "arm": case.arm}
+            save(finding, finding_path(out / "findings", finding))
+        console.print(Text.assemble((f"[{done[0]}/{len(planned)}] ", "dim"), (f"{case.status:9}", STYLE[case.status]),
+                                    f" {case.name}  arm {case.arm}  ({case.seconds:.1f}s)"), highlight=False)
+
+    try:
+        ex = RayExecutor(spec, workers)
+        try:
+            ex.start_lazy()
+            ex.map("gate", planned, k, strict, replay_engine_args(kind, device), [profile] if profile else [],
+                   on_result=shown)
+        finally:
+            ex.shutdown()
+    finally:
+        if owns:
+            ray.shutdown()
+        ran = [c for c in cases if c is not None]
+        _write_reports(ran, out=out, junit=junit, summary=summary, what=what, complete=len(ran) == len(planned))
+    _conclude(ran, what, out=out, junit=junit, summary=summary)
 
 
 def _table(cases, what: str) -> Table:

@@ -65,6 +65,13 @@ def run(
     without: options.WithoutOpt = None,
     arms: options.ArmsOpt = None,
     attribute: options.AttributeOpt = True,
+    ray_address: options.RayOpt = None,
+    workers: Annotated[Optional[int], typer.Option(min=1, help="With --ray: how many workers (one engine each; "
+                                                               "default 2).")] = None,
+    window: Annotated[Optional[int], typer.Option(min=1, help="With --ray: trace i is drawn from the feedback of "
+                                                              "traces 0..i-WINDOW (default 2 x workers; the same "
+                                                              "seed and window give the same campaign whatever the "
+                                                              "worker count; docs/scale.md).")] = None,
 ) -> None:
     """Fuzz the embedded default model on the in-process vLLM engine or a managed vLLM server.
 
@@ -81,6 +88,8 @@ def run(
 
     if budget is None and traces_n is None:
         budget = 60.0
+    if ray_address is None and (workers is not None or window is not None):
+        raise BadInput("only with --ray", field="--workers" if workers is not None else "--window")
     if budget is not None and budget <= 0:
         raise BadInput("must be positive", field="--budget")
     kind = resolve_engine_kind(engine_name, None, device)
@@ -138,6 +147,12 @@ def run(
                            resume=resume, corpus=corpus, mode="feedback" if feedback else "random", operators=ops,
                            # Naming an engine-changing operator (small_kv) is asking for restarts.
                            allow_engine_changes=bool(ops) and any(OPERATORS[o].changes_engine for o in ops))
+    if ray_address is not None:
+        _run_on_ray(ray_address, opts, kind=kind, device=device, runs=runs, runs_fixed=runs_fixed, overrides=overrides_b,
+                    server_arg=server_arg, trace_timeout=trace_timeout, arm_map=arm_map, attribute=attribute,
+                    minimize=minimize, controls=controls, ablate=explain_, minimize_seconds=minimize_seconds,
+                    calibrate=calibrate, calibration=calibration, workers=workers or 2, window=window)
+        return
     server_options = None
     if kind == "server":
         from kvfuzz.harness.server import ServerOptions
@@ -192,3 +207,58 @@ def run(
     tables.print_attribution(console, findings)
 
 
+
+
+def _run_on_ray(address: str, opts: Any, *, kind: str, device: str, runs: int, runs_fixed: bool, overrides: dict,
+                server_arg: list[str] | None, trace_timeout: float, arm_map: dict[str, list[str]], attribute: bool,
+                minimize: bool, controls: bool, ablate: bool, minimize_seconds: float, calibrate: bool,
+                calibration: Path | None, workers: int, window: int | None) -> None:
+    """The campaign on Ray workers (docs/scale.md): the driver here owns the state, each worker
+    an engine. Ray is imported only on this path."""
+    from kvfuzz.cli.display import CampaignDisplay
+    from kvfuzz.cluster import RayExecutor, WorkerSpec, connect, local_cpus, worker_env
+    from kvfuzz.fuzzer.distributed import Driver
+    from kvfuzz.traces import load_finding
+
+    threads = 1
+    spec = WorkerSpec(engine_kind=kind, device=device, runs=runs, bound_overrides=dict(overrides),
+                      server_flags=list(server_arg or []), trace_timeout=trace_timeout, arms=arm_map,
+                      runs_fixed=runs_fixed, attribute=attribute, minimize=minimize, controls=controls, ablate=ablate,
+                      minimize_seconds=minimize_seconds, budget_s=opts.budget_s,
+                      log_dir=str((opts.out / "workers").resolve()),
+                      threads=threads)
+    display = CampaignDisplay(console, budget_s=opts.budget_s, max_traces=opts.max_traces)
+    owns = connect(None if address == "local" else address, num_cpus=local_cpus(workers, threads),
+                   env=worker_env(threads))
+    import ray
+
+    driver = None
+    try:
+        with display:
+            ex = RayExecutor(spec, workers, status=display.status)
+            try:
+                infos = ex.start(opts.engine, calibrate=calibrate,
+                                 profile_file=str(calibration) if calibration else None)
+                display.status(f"fuzzing on {workers} Ray worker(s)")
+                driver = Driver(opts, ex, window=window or 2 * workers, arms=arm_map, on_outcome=display.update)
+                state = driver.run()
+            finally:
+                ex.shutdown()
+    finally:
+        if owns:
+            ray.shutdown()
+    for line in infos[0]["warnings"]:
+        err_console.print(f"kvfuzz: warning: {line}", markup=False, highlight=False, soft_wrap=True)
+    display.summary(state, opts.out)
+    per = 1000 * driver.driver_cpu_s / max(1, driver.committed)
+    commit = 1000 * driver.commit_cpu_s / max(1, driver.committed)
+    console.print(f"ray: {workers} worker(s) on {len({i['host'] for i in infos})} host(s), window {state.window}; "
+                  f"per worker {dict(sorted(state.by_worker.items()))}; re-queued {state.requeued} trace(s) after "
+                  f"{len(state.worker_deaths)} worker death(s); driver CPU {per:.1f} ms per trace "
+                  f"({commit:.1f} ms committing)",
+                  markup=False, highlight=False)
+    console.print(infos[0]["bounds"], markup=False, highlight=False)
+    console.print("arms: " + "; ".join(f"{a} = [{', '.join(ts) or 'no toggles'}]" for a, ts in arm_map.items()),
+                  markup=False, highlight=False)
+    findings = [(f, load_finding(opts.out / f)) for f in state.finding_files]
+    tables.print_attribution(console, findings)
