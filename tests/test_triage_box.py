@@ -6,7 +6,7 @@ import time
 
 from test_report import finding
 
-from kvfuzz.triage.campaign import NEW_BUCKET_SHARE, CampaignTriage
+from kvfuzz.triage.campaign import MIN_NEW_BUCKET_BOX_S, NEW_BUCKET_SHARE, CampaignTriage
 from kvfuzz.triage.explain import explain
 
 
@@ -42,6 +42,7 @@ def test_new_bucket_box_is_the_smaller_of_minimize_seconds_and_the_budget_share(
     assert box(None) == 120.0  # --traces N: only --minimize-seconds bounds it
     assert box(3600) == 120.0
     assert box(300) == NEW_BUCKET_SHARE * 300 < 120.0  # a 5-minute campaign keeps fuzzing
+    assert box(60) == MIN_NEW_BUCKET_BOX_S  # a one-minute campaign still minimizes its bug
     assert box(600, minimize_seconds=30) == 30
 
 

@@ -46,6 +46,8 @@ KNOWN_BUCKET_SHARE = 0.1
 # ...and at most this share of its budget on triaging any one new bucket. Together they keep a
 # campaign with one bug fuzzing >= 75% of its time (issue 18 asks >= 0.7x the clean rate).
 NEW_BUCKET_SHARE = 0.15
+# ...but never less than this: a one-minute campaign (the README's) still minimizes its bug.
+MIN_NEW_BUCKET_BOX_S = 30.0
 
 
 @dataclass
@@ -105,7 +107,7 @@ class CampaignTriage:
         """Seconds one new bucket's triage may take."""
         if self.budget_s is None:
             return self.minimize_seconds
-        return min(self.minimize_seconds, NEW_BUCKET_SHARE * self.budget_s)
+        return min(self.minimize_seconds, max(MIN_NEW_BUCKET_BOX_S, NEW_BUCKET_SHARE * self.budget_s))
 
     def _triage(self, checked: Checked, keys: list[str]) -> Checked:
         deadline = time.monotonic() + self.new_bucket_box
