@@ -11,9 +11,11 @@ vLLM and torch are imported lazily, on ``start()``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
+import weakref
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -152,6 +154,7 @@ class InProcessEngine:
             _set_kv_agent(None)  # vLLM reuses a process-wide connector if one is set
             try:
                 self._llm = LLMEngine.from_engine_args(EngineArgs(**args))
+                _LIVE.add(self)
                 self._kv_agent = _set_kv_agent(None)
             except ValueError as e:
                 # vLLM validates its configuration with ValueError (e.g. a KV cache too small
@@ -181,7 +184,8 @@ class InProcessEngine:
                 log.debug("connector shutdown failed", exc_info=True)
             self._kv_agent = None
         if self._llm is not None:
-            with quiet_stderr(self.log_file):
+            _LIVE.discard(self)
+            with quiet_stderr(self.log_file), _keep_dist_state(bool(_LIVE)):
                 try:
                     self._llm.engine_core.shutdown()
                 except Exception:  # shutting down a broken engine must not mask the real error
@@ -689,6 +693,29 @@ def unshare_engines() -> None:
 
 def engine_pool() -> EnginePool | None:
     return _POOL
+
+
+# In-process engines alive in this process (the engine pool keeps several).
+_LIVE: "weakref.WeakSet[InProcessEngine]" = weakref.WeakSet()
+
+
+@contextlib.contextmanager
+def _keep_dist_state(others_alive: bool):
+    """vLLM's EngineCore.shutdown tears down the process-wide distributed state (model-parallel
+    groups) it assumes it owns; with other engines alive in the process their next step fails
+    ("pipeline model parallel group is not initialized", CI 2026-11-23). While others are
+    alive, that teardown is skipped; the last engine closed still does it."""
+    if not others_alive:
+        yield
+        return
+    from vllm.v1.engine import core
+
+    saved = core.cleanup_dist_env_and_memory
+    core.cleanup_dist_env_and_memory = lambda *a, **k: None
+    try:
+        yield
+    finally:
+        core.cleanup_dist_env_and_memory = saved
 
 
 def _set_kv_agent(agent: Any) -> Any:

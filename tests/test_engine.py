@@ -108,3 +108,25 @@ def test_lora_slots_do_not_leak_between_traces(session, lora_engine_config):
     before = step_view(eng.replay(probe))
     eng.replay(Trace(engine=cfg, events=[s("x", 0, "a", 5), s("y", 0, "b", 6)]))  # fills both slots
     assert step_view(eng.replay(probe)) == before
+
+
+def test_closing_one_engine_leaves_the_others_in_the_process_working(tmp_path):
+    """vLLM's EngineCore.shutdown tears down process-wide distributed state; with the engine
+    pool's other engines alive, their next step failed ("pipeline model parallel group is not
+    initialized"). harness/inprocess.py keeps that state while other engines are alive."""
+    from kvfuzz.fuzzer import default_engine
+    from kvfuzz.harness.inprocess import InProcessEngine
+
+    a = InProcessEngine(default_engine(max_model_len=256), log_file=tmp_path / "a.log").start()
+    b = InProcessEngine(default_engine(max_model_len=512), log_file=tmp_path / "b.log").start()
+    try:
+        t = Trace(engine=a.config, events=[SendEvent(request_id="r0", at=At(step=0), max_tokens=4,
+                                                     prompt=GenPrompt(length=40, seed=1))])
+        before = a.replay(t)
+        b.close()
+        after = a.replay(t)
+        assert not after.crashed, after.crash_detail
+        assert after.requests["r0"].token_ids == before.requests["r0"].token_ids
+    finally:
+        b.close()
+        a.close()
