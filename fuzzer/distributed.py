@@ -183,14 +183,18 @@ class Driver:
         for i in range(first, first + self.window):
             self._generate(i, pending)
 
-    def _open_log(self) -> None:
-        """A fresh pending log holding only the uncommitted traces (it is rewritten whenever it
-        has grown well past the window, so it stays small)."""
+    def _compact_log(self) -> None:
+        """Rewrite the pending log to hold only the uncommitted traces (drawn, not yet run)."""
         lines = [json.dumps({"index": i, "source": src, "trace": t.model_dump(mode="json")})
                  for i, (t, src) in sorted(self.generated.items())]
         atomic_write_text(self.out / PENDING_LOG, "".join(x + "\n" for x in lines))
-        self.log = open(self.out / PENDING_LOG, "a", encoding="utf-8")
         self.logged = len(lines)
+
+    def _open_log(self) -> None:
+        """A fresh pending log, open for appending (it is rewritten whenever it has grown well
+        past the window, so it stays small)."""
+        self._compact_log()
+        self.log = open(self.out / PENDING_LOG, "a", encoding="utf-8")
 
     def _sync(self) -> None:
         """The commit point: pending log on disk first, then the state that counts its traces."""
@@ -256,8 +260,7 @@ class Driver:
         self._sync()
         self.log.close()
         # The pending log keeps only the drawn, unrun window: what a later --resume continues with.
-        self._open_log()
-        self.log.close()
+        self._compact_log()
         return st
 
     def _known(self) -> dict[str, str]:

@@ -17,7 +17,8 @@ goes on and a later finding is attributed again: a second bug that keeps recurri
 not lost.
 
 A new bucket's triage is time-boxed: ``minimize_seconds`` (--minimize-seconds), and at most
-``NEW_BUCKET_SHARE`` of the campaign's budget when it has one, so a 10-minute campaign that
+``NEW_BUCKET_SHARE`` of the campaign's budget when it has one (never below
+``MIN_NEW_BUCKET_BOX_S``), so a 10-minute campaign that
 finds a bug keeps fuzzing most of its time (issue 18: >= 0.7x the clean traces/min). Control
 arms run on the minimized finding (triage/finish.py), inside the box. What the
 box cuts short is marked (a partial minimization, ablations "skipped"); `kvfuzz minimize` and
