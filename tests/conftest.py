@@ -14,6 +14,13 @@ from __future__ import annotations
 import os
 import sys
 
+# One OpenMP thread per process, set before anything loads torch. vLLM runs torch with one
+# thread for serving, but its CPU kernels' OpenMP pool still starts one thread per core; with
+# two pytest workers (each with its engines, servers and children) that is 4+ spinning threads
+# on 2 cores, and every engine test ran 3-10x slower (bfloat16 corpus trace: 11 s alone, 111 s
+# in CI; docs/benchmarks.md). The children the tests start inherit it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 # CLI tests read table cells from stdout. pytest-xdist workers inherit an 80-column $COLUMNS,
 # where rich folds names across lines (CI, 2026-11-23); the CLI's own rule for pipes is 200.
 os.environ["COLUMNS"] = "200"

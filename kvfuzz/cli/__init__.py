@@ -7,6 +7,7 @@ would not start, died, or a URL does not answer).
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 import traceback
@@ -17,6 +18,12 @@ from .app import app, debug_enabled, err_console
 
 
 def main() -> None:
+    # One OpenMP thread per engine process, as vLLM already runs torch for serving (set before
+    # anything loads torch; OMP_NUM_THREADS in the environment wins). vLLM's CPU kernels
+    # otherwise start one OpenMP thread per core, and several engines on one machine (kvfuzz
+    # bench arms, two campaigns, a test run) spin against each other: two concurrent gate runs
+    # took 3x longer each (docs/benchmarks.md, "OpenMP threads"); one alone is no faster.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     from kvfuzz.harness.logs import route_vllm_logs
 
     from . import commands  # noqa: F401  (each command module registers itself on app)
