@@ -56,7 +56,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 # Engines kept alive in a test process, one per engine configuration (harness/inprocess.py
 # EnginePool): tests, and CLI commands run in-process, share them instead of starting new ones.
-POOL_SIZE = 4
+# 12: an engine of the embedded model adds about 28 MiB, and the explain ablations of one
+# finding alone use 3-4 configurations (with 4, `kvfuzz run` end to end restarted its own).
+POOL_SIZE = 12
 
 
 def pytest_configure(config: pytest.Config) -> None:

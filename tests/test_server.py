@@ -143,7 +143,11 @@ def test_references_do_not_reuse_the_runs_prefix_cache(server):
 def test_campaign_through_the_managed_server(session, tmp_path):
     """What `kvfuzz run --engine server` does: generated traces checked through the server."""
     opts = CampaignOptions(seed=5, budget_s=None, max_traces=2, runs=2, out=tmp_path,
-                           engine=session.engine.config, gen=GenOptions(adapters=[], max_requests=6))
+                           engine=session.engine.config,
+                           # The campaign path, not long prefills (those are the in-process tests'):
+                           # HTTP runs and references of 6k-token prompts and KV-pressure holders
+                           # cost 20 s here and check nothing more.
+                           gen=GenOptions(adapters=[], max_requests=6, p_long=0.0, p_pressure=0.0))
     state = run_campaign(opts, lambda t: session.check(t))
     assert state.traces == 2 and state.complete
     assert state.findings == 0, json.loads((tmp_path / "campaign.json").read_text())
@@ -237,6 +241,10 @@ def campaign(server, logs):
     session = Session(engine_kind="server", runs=1, server_options=server.options)
     session.engine = server
     guard = Recovering(session)
+    # The hang is noticed when a request misses its deadline: 10 s here, where a whole trace
+    # (2-3 short base-model requests) answers in about a second; the module's 30 s stays for
+    # the other tests' longer traces.
+    deadline, server.request_timeout_s = server.request_timeout_s, 10.0
     # No toggles anywhere: runs and references (vanilla) share the server. Base-model requests
     # only, so the known CPU LoRA bug (docs/findings.md) stays out of this test.
     gen = GenOptions(min_requests=2, max_requests=3, max_tokens=(24, 32), p_long=0.0, p_cancel=0.0, gaps=(0,),
@@ -274,6 +282,7 @@ def campaign(server, logs):
                "base_url": server.server.base_url if server.server is not None else None, "logs": logs}
     finally:
         ServerEngine._http_replay = orig
+        server.request_timeout_s = deadline
         for _, pid in signalled:  # nothing of a crashed server may outlive the test
             if _group_alive(pid):
                 os.killpg(pid, signal.SIGKILL)
