@@ -11,17 +11,17 @@ spec.loader.exec_module(uv_args)
 
 
 def test_pip_sources_become_uv_options_once_each():
-    text = """:env:.find-links='/opt/wheels'
+    text = """:env:.find-links='/srv/wheels'
 global.cert='/etc/ssl/certs/ca.crt'
 global.constraint='/etc/pip/constraints.txt'
 global.extra-index-url='file:///a/simple file:///b/simple'
-global.find-links='/opt/wheels'
+global.find-links='/srv/wheels'
 global.index-url='https://mirror.example/simple'
 user.index-url='https://other.example/simple'
 global.timeout='60'
 """
     assert uv_args.uv_options(text) == [
-        "--find-links", "/opt/wheels", "--constraint", "/etc/pip/constraints.txt",
+        "--find-links", "/srv/wheels", "--constraint", "/etc/pip/constraints.txt",
         "--extra-index-url", "file:///a/simple", "--extra-index-url", "file:///b/simple",
         "--index-url", "https://mirror.example/simple"]
 
