@@ -17,10 +17,15 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from kvfuzz.traces import Finding, Trace
 from kvfuzz.traces.errors import BadInput, InfraError, KvfuzzError
+
+if TYPE_CHECKING:
+    from kvfuzz.recovery import Recovering
+    from kvfuzz.session import Session
+    from kvfuzz.triage.campaign import CampaignTriage
 
 # Ray's C++ core reads RAY_* variables once, when ray is imported: they are set before that.
 # Without them a bad address retries for about 14 minutes (docs/scale.md, "Connecting").
@@ -190,7 +195,8 @@ def worker_env(threads: int) -> dict[str, str]:
 
 @dataclass
 class WorkerSpec:
-    """Everything a worker needs to build its session and triage (picklable, no engine)."""
+    """Everything a campaign worker needs to build its session and triage (picklable, no
+    engine): a Ray actor's, and `kvfuzz run`'s own without --ray (one place builds both)."""
 
     engine_kind: str = "inprocess"
     device: str = "cpu"
@@ -209,6 +215,36 @@ class WorkerSpec:
     budget_s: float | None = None
     log_dir: str = "kvfuzz-out/workers"
     threads: int = 1
+
+    @property
+    def pooled(self) -> bool:
+        """Whether triage's engines share a pool: its ablations replay under other engine
+        configurations, and keeping those alive next to the campaign's engine saves engine
+        starts per bucket (in-process engines of the embedded model are small)."""
+        return self.engine_kind == "inprocess" and (self.ablate or self.minimize or self.controls)
+
+    def build_session(self, log_dir: Path, *, port: int | None = None) -> "Session":
+        """The campaign's session; its engine and server logs go to ``log_dir``."""
+        from kvfuzz.harness.server import ServerOptions
+        from kvfuzz.session import Session
+
+        server_options = None
+        if self.engine_kind == "server":
+            server_options = ServerOptions(device=self.device, extra_flags=list(self.server_flags), log_dir=log_dir,
+                                           port=port, request_timeout_s=self.trace_timeout)
+        return Session(engine_kind=self.engine_kind, device=self.device, runs=self.runs,  # type: ignore[arg-type]
+                       bound_overrides=dict(self.bound_overrides), log_file=log_dir / "engine.log",
+                       server_options=server_options, trace_deadline_s=self.trace_timeout)
+
+    def build_triage(self, session: "Session", guard: "Recovering", out: Path, *,
+                     status: Callable[[str], None] = lambda _m: None) -> "CampaignTriage":
+        """One bug, one bucket: a new bucket's first finding is triaged fully, later ones cheaply."""
+        from kvfuzz.triage.campaign import CampaignTriage
+
+        return CampaignTriage(session, guard, self.arms, out, confirm_runs=self.runs, runs_fixed=self.runs_fixed,
+                              attribute=self.attribute, minimize=self.minimize, controls=self.controls,
+                              ablate=self.ablate, minimize_seconds=self.minimize_seconds, budget_s=self.budget_s,
+                              status=status)
 
 
 # Kills a worker's managed vLLM server when the worker process is gone (ray.kill is SIGKILL:
@@ -239,10 +275,7 @@ class WorkerCore:
     def __init__(self, spec: WorkerSpec, name: str):
         import subprocess
 
-        from kvfuzz.harness.server import ServerOptions
         from kvfuzz.recovery import Recovering
-        from kvfuzz.session import Session
-        from kvfuzz.triage.campaign import CampaignTriage
 
         self.spec = spec
         self.name = name
@@ -259,29 +292,19 @@ class WorkerCore:
             torch.set_num_threads(max(1, spec.threads))
         except ImportError:
             pass
-        server_options = None
         if spec.engine_kind == "server":
-            server_options = ServerOptions(device=spec.device, extra_flags=list(spec.server_flags), log_dir=log_dir,
-                                           request_timeout_s=spec.trace_timeout)
             subprocess.Popen([sys.executable, "-c", _WATCHDOG, str(os.getpid()), str(log_dir / "server.pid")],
                              start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL)
-        self.session = Session(engine_kind=spec.engine_kind, device=spec.device, runs=spec.runs,  # type: ignore[arg-type]
-                               bound_overrides=dict(spec.bound_overrides), log_file=log_dir / "engine.log",
-                               server_options=server_options, trace_deadline_s=spec.trace_timeout)
+        self.session = spec.build_session(log_dir)
         self.guard = Recovering(self.session)
-        # As in a serial campaign (kvfuzz run): triage's ablation engines stay alive next to the
-        # worker's own, saving engine starts per bucket.
-        self.pooled = spec.engine_kind == "inprocess" and (spec.ablate or spec.minimize or spec.controls)
+        self.pooled = spec.pooled
         if self.pooled:
             from kvfuzz.harness.inprocess import share_engines
 
             share_engines(6)
         self.scratch = Path(tempfile.mkdtemp(prefix=f"kvfuzz-{name}-"))
-        self.triage = CampaignTriage(self.session, self.guard, spec.arms, self.scratch, confirm_runs=spec.runs,
-                                     runs_fixed=spec.runs_fixed, attribute=spec.attribute, minimize=spec.minimize,
-                                     controls=spec.controls, ablate=spec.ablate,
-                                     minimize_seconds=spec.minimize_seconds, budget_s=spec.budget_s)
+        self.triage = spec.build_triage(self.session, self.guard, self.scratch)
 
     def ready(self) -> dict:
         return {"name": self.name, "pid": os.getpid(), "host": socket.gethostname()}

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 
@@ -11,6 +11,9 @@ from kvfuzz import arms as arm_specs
 from kvfuzz.cli import options, tables
 from kvfuzz.cli.app import app, console, err_console
 from kvfuzz.traces.errors import BadInput
+
+if TYPE_CHECKING:
+    from kvfuzz.cluster import WorkerSpec
 
 
 @app.command()
@@ -82,7 +85,6 @@ def run(
     from kvfuzz.cli.display import CampaignDisplay
     from kvfuzz.fuzzer import CampaignOptions, default_engine, run_campaign
     from kvfuzz.harness.dtypes import check_dtype
-    from kvfuzz.session import Session
     from kvfuzz.session import engine_kind as resolve_engine_kind
     from kvfuzz.traces import load_finding
 
@@ -147,35 +149,27 @@ def run(
                            resume=resume, corpus=corpus, mode="feedback" if feedback else "random", operators=ops,
                            # Naming an engine-changing operator (small_kv) is asking for restarts.
                            allow_engine_changes=bool(ops) and any(OPERATORS[o].changes_engine for o in ops))
-    if ray_address is not None:
-        _run_on_ray(ray_address, opts, kind=kind, device=device, runs=runs, runs_fixed=runs_fixed, overrides=overrides_b,
-                    server_arg=server_arg, trace_timeout=trace_timeout, arm_map=arm_map, attribute=attribute,
-                    minimize=minimize, controls=controls, ablate=explain_, minimize_seconds=minimize_seconds,
-                    calibrate=calibrate, calibration=calibration, workers=workers or 2, window=window)
-        return
-    server_options = None
-    if kind == "server":
-        from kvfuzz.harness.server import ServerOptions
+    # What builds the campaign's session and triage, here or on each Ray worker (kvfuzz/cluster.py;
+    # it imports no Ray).
+    from kvfuzz.cluster import WorkerSpec
 
-        server_options = ServerOptions(device=device, extra_flags=list(server_arg or []), log_dir=out, port=port,
-                                       request_timeout_s=trace_timeout)
-    session = Session(engine_kind=kind, device=device, runs=runs, bound_overrides=overrides_b,
-                      log_file=out / "engine.log", server_options=server_options, trace_deadline_s=trace_timeout)
+    spec = WorkerSpec(engine_kind=kind, device=device, runs=runs, bound_overrides=dict(overrides_b),
+                      server_flags=list(server_arg or []), trace_timeout=trace_timeout, arms=arm_map,
+                      runs_fixed=runs_fixed, attribute=attribute, minimize=minimize, controls=controls,
+                      ablate=explain_, minimize_seconds=minimize_seconds, budget_s=budget,
+                      log_dir=str((out / "workers").resolve()), threads=1)
+    if ray_address is not None:
+        _run_on_ray(ray_address, opts, spec, arm_map=arm_map, calibrate=calibrate, calibration=calibration,
+                    workers=workers or 2, window=window)
+        return
+    session = spec.build_session(out, port=port)
     from kvfuzz.recovery import Recovering
-    from kvfuzz.triage.campaign import CampaignTriage
 
     # A trace that kills or hangs the engine becomes an engine-crash finding; the engine restarts.
     guard = Recovering(session)
     display = CampaignDisplay(console, budget_s=budget, max_traces=traces_n)
-    # One bug, one bucket: a new bucket's first finding is triaged fully, later ones cheaply.
-    triage = CampaignTriage(session, guard, arm_map, out, confirm_runs=runs, runs_fixed=runs_fixed,
-                            attribute=attribute, minimize=minimize, controls=controls, ablate=explain_,
-                            minimize_seconds=minimize_seconds, budget_s=budget, status=display.status)
-
-    # Triage replays under other engine configurations (ablations: prefix caching off, a larger
-    # KV cache, float32...). Keeping them alive next to the campaign's engine saves two engine
-    # starts per configuration per bucket (in-process engines are small: the model is tiny).
-    pooled = kind == "inprocess" and (explain_ or minimize or controls)
+    triage = spec.build_triage(session, guard, out, status=display.status)
+    pooled = spec.pooled
     if pooled:
         from kvfuzz.harness.inprocess import share_engines
 
@@ -209,24 +203,16 @@ def run(
 
 
 
-def _run_on_ray(address: str, opts: Any, *, kind: str, device: str, runs: int, runs_fixed: bool, overrides: dict,
-                server_arg: list[str] | None, trace_timeout: float, arm_map: dict[str, list[str]], attribute: bool,
-                minimize: bool, controls: bool, ablate: bool, minimize_seconds: float, calibrate: bool,
+def _run_on_ray(address: str, opts: Any, spec: WorkerSpec, *, arm_map: dict[str, list[str]], calibrate: bool,
                 calibration: Path | None, workers: int, window: int | None) -> None:
     """The campaign on Ray workers (docs/scale.md): the driver here owns the state, each worker
     an engine. Ray is imported only on this path."""
     from kvfuzz.cli.display import CampaignDisplay
-    from kvfuzz.cluster import RayExecutor, WorkerSpec, connect, local_cpus, worker_env
+    from kvfuzz.cluster import RayExecutor, connect, local_cpus, worker_env
     from kvfuzz.fuzzer.distributed import Driver
     from kvfuzz.traces import load_finding
 
-    threads = 1
-    spec = WorkerSpec(engine_kind=kind, device=device, runs=runs, bound_overrides=dict(overrides),
-                      server_flags=list(server_arg or []), trace_timeout=trace_timeout, arms=arm_map,
-                      runs_fixed=runs_fixed, attribute=attribute, minimize=minimize, controls=controls, ablate=ablate,
-                      minimize_seconds=minimize_seconds, budget_s=opts.budget_s,
-                      log_dir=str((opts.out / "workers").resolve()),
-                      threads=threads)
+    threads = spec.threads
     display = CampaignDisplay(console, budget_s=opts.budget_s, max_traces=opts.max_traces)
     owns = connect(None if address == "local" else address, num_cpus=local_cpus(workers, threads),
                    env=worker_env(threads))
