@@ -205,3 +205,28 @@ def test_kvfuzz_run_without_ray_does_not_import_ray(tmp_path):
             "try:\n    cli.main()\nexcept SystemExit as e:\n    print(e.code, 'ray' in sys.modules, 'vllm' in sys.modules)\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.stdout.split() == ["2", "False", "False"], r.stdout + r.stderr
+
+
+def test_one_spec_builds_the_session_and_triage_of_run_and_of_each_ray_worker(tmp_path):
+    """`kvfuzz run` without --ray and every Ray worker build their session and triage from a
+    WorkerSpec (kvfuzz/cluster.py): the spec's settings must all arrive (no engine starts)."""
+    from kvfuzz.cluster import WorkerSpec
+
+    spec = WorkerSpec(engine_kind="server", device="cpu", runs=2, bound_overrides={"near_tie": 0.5},
+                      server_flags=["--max-num-seqs", "4"], trace_timeout=42.0, arms={"vanilla": []},
+                      runs_fixed=True, minimize=False, controls=False, ablate=False, minimize_seconds=17.0,
+                      budget_s=300.0)
+    s = spec.build_session(tmp_path, port=8123)
+    assert (s.engine_kind, s.device, s.runs, s.bound_overrides) == ("server", "cpu", 2, {"near_tie": 0.5})
+    assert s.log_file == tmp_path / "engine.log" and s.trace_deadline_s == 42.0
+    o = s.server_options
+    assert (o.port, o.log_dir, o.extra_flags, o.request_timeout_s) == (8123, tmp_path, ["--max-num-seqs", "4"], 42.0)
+    seen = []
+    t = spec.build_triage(s, None, tmp_path, status=seen.append)
+    assert (t.arms, t.confirm_runs, t.runs_fixed, t.minimize, t.controls, t.ablate) == (
+        {"vanilla": []}, 2, True, False, False, False)
+    assert (t.minimize_seconds, t.budget_s, t.attribute) == (17.0, 300.0, True)
+    t.status("x")
+    assert seen == ["x"]
+    assert not spec.pooled and WorkerSpec(engine_kind="inprocess").pooled
+    assert WorkerSpec(engine_kind="inprocess").build_session(tmp_path).server_options is None
