@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from kvfuzz.traces import EngineConfig, Finding, Trace, atomic_write_text, save
+from kvfuzz.traces import EngineConfig, Finding, Trace, atomic_write_text, save, sweep_partial_writes
 from kvfuzz.traces.errors import BadInput
 from kvfuzz.traces.io import finding_path
 from kvfuzz.traces.result import Checked
@@ -186,6 +186,9 @@ def load_state(out: Path, opts: CampaignOptions) -> CampaignState:
             raise BadInput("cannot resume: the engine options differ from the interrupted campaign's",
                            source=str(path), field="engine")
         state.complete = False
+        # A kill between an atomic write's temporary file and its rename leaves the file
+        # behind (the target is intact); the resumed campaign owns the directory now.
+        sweep_partial_writes(out)
         return state
     return CampaignState(seed=opts.seed, engine=opts.engine.model_dump(mode="json"), runs=opts.runs,
                          mode=opts.mode, arms=opts.arms, corpus_dir=str(opts.corpus_dir), operators=opts.operators,

@@ -117,6 +117,22 @@ def test_resume_after_an_interruption_continues_the_exact_sequence(tmp_path, cra
     assert (b.corpus, b.chosen, b.coverage, b.next_index) == (a.corpus, a.chosen, a.coverage, 20)
 
 
+def test_resume_sweeps_what_a_killed_atomic_write_left(tmp_path):
+    """SIGKILL between an atomic write's temporary file and its rename leaves the temporary file
+    (the target is intact). The resumed campaign removes such leftovers, and nothing else."""
+    run_campaign(opts(tmp_path, 2), FakeChecker())
+    out = tmp_path / "out"
+    left = [out / ".campaign.json.k3j_x.tmp", out / "corpus" / ".abc.json.q1w2.tmp"]
+    for p in left:
+        p.write_text('{"half": ')
+    keep = [out / ".notes", out / "corpus" / "notes.tmp"]  # not the atomic writer's pattern
+    for p in keep:
+        p.write_text("mine")
+    run_campaign(opts(tmp_path, 3, resume=True), FakeChecker())
+    assert not any(p.exists() for p in left) and all(p.read_text() == "mine" for p in keep)
+    assert json.loads((out / "campaign.json").read_text())["next_index"] == 3
+
+
 def test_resume_refuses_another_seed(tmp_path):
     run_campaign(opts(tmp_path, 2), FakeChecker())
     o = opts(tmp_path, 4, resume=True)

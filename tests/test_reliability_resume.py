@@ -62,9 +62,9 @@ def test_sigkill_then_resume_loses_nothing_and_keeps_the_sequence(tmp_path, sess
     state = json.loads((out / "campaign.json").read_text())  # valid JSON: written atomically
     assert state["complete"] is False and state["traces"] < TRACES
     before = {p.name: load_finding(p) for p in (out / "findings").glob("*.json")}  # every one loads
-    assert before and not list(out.rglob(".*.tmp"))  # no half-written file was left behind
-    for p in (out / "corpus").glob("*.json"):
-        json.loads(p.read_text())
+    assert before
+    for p in [*(out / "corpus").glob("*.json"), *(out / "buckets").glob("*.json")]:
+        json.loads(p.read_text())  # whole files only: what the kill interrupted is a .tmp
 
     # The kill needs a real process; the resume does not: it runs in this process, on the
     # test run's shared engine, reading only what the killed process left on disk.
@@ -72,6 +72,9 @@ def test_sigkill_then_resume_loses_nothing_and_keeps_the_sequence(tmp_path, sess
     assert r.returncode == 0, r.stderr[-2000:]
     state = json.loads((out / "campaign.json").read_text())
     assert state["complete"] is True and state["traces"] == TRACES and state["next_index"] == TRACES
+    # A write the kill caught before its rename left a temporary file (seen in CI, 2026-11-23: a
+    # bucket file); the resume removed it.
+    assert not list(out.rglob(".*.tmp"))
     after = {p.name: load_finding(p) for p in (out / "findings").glob("*.json")}
     for name, f in before.items():  # nothing reported before the kill is lost or changed
         assert name in after and after[name].trace == f.trace and after[name].divergences == f.divergences

@@ -47,6 +47,20 @@ def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
         os.close(dir_fd)
 
 
+def sweep_partial_writes(root: str | os.PathLike[str]) -> list[Path]:
+    """Delete the temporary files (``.NAME.*.tmp``) that an ``atomic_write_text`` killed before
+    its rename left under ``root``, and return them. The files they were meant to replace are
+    intact (old or new, never half); the leftovers are only clutter. Call it only on a directory
+    no live process writes into, e.g. a campaign's output when it resumes."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    swept = sorted(p for p in root.rglob(".*.tmp") if p.is_file())
+    for p in swept:
+        p.unlink(missing_ok=True)
+    return swept
+
+
 def save(model: BaseModel, path: str | os.PathLike[str]) -> None:
     atomic_write_text(path, model.model_dump_json(indent=2, by_alias=True) + "\n")
 
