@@ -257,7 +257,8 @@ def campaign(server, logs):
                      adapters=[], p_interrupted_prefill=0.0, p_pressure=0.0)
     index = {"i": -1}
     signalled: list[tuple[str, int]] = []
-    orig = ServerEngine._http_replay
+    stop_next: list[int] = []  # armed for the hang: SIGSTOP right after the run's /metrics
+    orig, orig_scrape = ServerEngine._http_replay, http_replay.scrape
 
     def http_replay_with_faults(self, trace, **kw):
         # The fault lands after the server accepted the run's setup, right before its
@@ -269,9 +270,18 @@ def campaign(server, logs):
                 os.kill(pid, signal.SIGKILL)  # the API server process itself dies
                 signalled.append(("kill", pid))
             elif index["i"] == HANG_AT and "stop" not in done:
-                os.killpg(pid, signal.SIGSTOP)  # the whole server stops answering
-                signalled.append(("stop", pid))
+                stop_next.append(pid)
         return orig(self, trace, **kw)
+
+    async def scrape_then_stop(target):
+        # The hang starts after the run's opening /metrics scrape, so the run waits out the
+        # request deadline only (a stopped server would also hold the scrape for its 10 s).
+        metrics = await orig_scrape(target)
+        if stop_next:
+            pid = stop_next.pop()
+            os.killpg(pid, signal.SIGSTOP)  # the whole server stops answering
+            signalled.append(("stop", pid))
+        return metrics
 
     outcomes = []
 
@@ -280,6 +290,7 @@ def campaign(server, logs):
         return guard.check(t, arms={"vanilla": []})
 
     ServerEngine._http_replay = http_replay_with_faults
+    http_replay.scrape = scrape_then_stop
     try:
         state = run_campaign(CampaignOptions(seed=7, budget_s=None, max_traces=TRACES, runs=1, out=out,
                                              engine=server.config, gen=gen, mode="random"), check_one,
@@ -288,6 +299,7 @@ def campaign(server, logs):
                "base_url": server.server.base_url if server.server is not None else None, "logs": logs}
     finally:
         ServerEngine._http_replay = orig
+        http_replay.scrape = orig_scrape
         server.request_timeout_s = deadline
         for _, pid in signalled:  # nothing of a crashed server may outlive the test
             if _group_alive(pid):
