@@ -11,8 +11,8 @@ PY="${PYTHON:-python3}"
 extra="${KVFUZZ_EXTRA:-cpu}"
 quiet() { "$@" --quiet --disable-pip-version-check 2> >(grep -v "^WARNING: Location" >&2); }
 quiet_pip() {
-  [ -x .venv/bin/pip ] || .venv/bin/python -m ensurepip --upgrade >/dev/null
-  quiet .venv/bin/pip "$@"
+  [ -x .venv/bin/pip ] || .venv/bin/python -m ensurepip --upgrade --default-pip >/dev/null
+  quiet .venv/bin/python -m pip "$@"
 }
 # uv into the venv with the invoking Python's pip (pip >= 22.3 has --python), else the venv's.
 get_uv() { quiet "$PY" -m pip --python .venv/bin/python install uv 2>/dev/null || quiet_pip install uv; }
@@ -29,7 +29,10 @@ excludes=()
 [ "$extra" != cpu ] || excludes=(--excludes scripts/cpu-excludes.txt)
 installed=
 if [ "${KVFUZZ_INSTALLER:-uv}" = uv ] && get_uv; then
-  mapfile -t sources < <(.venv/bin/python scripts/uv_args.py)
+  # pip's configuration is the machine's: any pip reads it (the venv has none yet, normally).
+  pip_py=.venv/bin/python
+  [ -x .venv/bin/pip ] || pip_py="$PY"
+  mapfile -t sources < <("$pip_py" scripts/uv_args.py)
   if .venv/bin/uv pip install --quiet --python .venv/bin/python --index-strategy unsafe-best-match \
        --compile-bytecode "${excludes[@]}" "${sources[@]}" pip -e ".[${extra},test]"; then
     installed=uv
