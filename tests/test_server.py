@@ -271,6 +271,9 @@ def campaign(server, logs):
                 signalled.append(("kill", pid))
             elif index["i"] == HANG_AT and "stop" not in done:
                 stop_next.append(pid)
+                # A stopped server never answers: any deadline finds the hang, and a short one
+                # leaves no other trace at risk of a false hang (restored after the campaign).
+                self.request_timeout_s = 3.0
         return orig(self, trace, **kw)
 
     async def scrape_then_stop(target):
