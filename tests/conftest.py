@@ -64,17 +64,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             items[:] = keep
     # Longest files first (list scheduling): with `-n 2 --dist loadfile` (.ci/run) a file runs
     # on one worker, and a long file started last leaves the other worker idle. The measured
-    # files lead, then the rest by marker cost.
-    def key(item: pytest.Item) -> tuple[float, int]:
-        path = item.nodeid.split("::")[0]
-        return -FILE_SECONDS.get(path.rsplit("/", 1)[-1], 0.0), weight[path]
-
-    weight: dict[str, int] = {}
+    # files lead, then the rest by marker cost; the sort is stable, so each file keeps its order.
+    rank: dict[str, tuple[float, int]] = {}
     for item in items:
-        w = next((i for i, m in enumerate(ENGINE_MARKS) if item.get_closest_marker(m)), len(ENGINE_MARKS))
-        weight[item.nodeid.split("::")[0]] = min(w, weight.get(item.nodeid.split("::")[0], w))
-    order = {id(item): n for n, item in enumerate(items)}
-    items.sort(key=lambda it: (*key(it), order[id(it)]))
+        path = item.nodeid.split("::")[0]
+        mark = next((i for i, m in enumerate(ENGINE_MARKS) if item.get_closest_marker(m)), len(ENGINE_MARKS))
+        r = (-FILE_SECONDS.get(Path(path).name, 0.0), mark)
+        rank[path] = min(r, rank.get(path, r))
+    items.sort(key=lambda it: rank[it.nodeid.split("::")[0]])
 
 
 # Wall seconds of the longest test files in a CI run (2026-11-23, 2-core machine, two
