@@ -247,9 +247,9 @@ def campaign(server, logs):
     session = Session(engine_kind="server", runs=1, server_options=server.options)
     session.engine = server
     guard = Recovering(session)
-    # The hang is noticed when a request misses its deadline: 10 s here, where a whole trace
-    # (2-3 short base-model requests) answers in about a second; the module's 30 s stays for
-    # the other tests' longer traces.
+    # The hang is noticed when a request misses its deadline: 10 s for the campaign's traces,
+    # which (2-3 short base-model requests) answer in about a second, and 3 s for the one that
+    # is hung on purpose (below); the module's 30 s stays for the other tests' longer traces.
     deadline, server.request_timeout_s = server.request_timeout_s, 10.0
     # No toggles anywhere: runs and references (vanilla) share the server. Base-model requests
     # only, so the known CPU LoRA bug (docs/findings.md) stays out of this test.

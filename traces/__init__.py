@@ -57,6 +57,6 @@ __all__ = [
     "Finding", "GenPrompt",
     "History", "InfraError", "KvfuzzError", "Lineage", "LoraSettings", "Minimization",
     "RequestRecord", "SCHEMA_VERSION", "Scoring", "SendEvent", "StepRecord", "TokenPrompt", "Trace",
-    "atomic_write_text", "sweep_partial_writes", "expand", "json_schemas", "load_any", "load_finding", "load_trace",
-    "parse_finding", "parse_trace", "save",
+    "atomic_write_text", "expand", "json_schemas", "load_any", "load_finding", "load_trace",
+    "parse_finding", "parse_trace", "save", "sweep_partial_writes",
 ]

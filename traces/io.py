@@ -22,12 +22,17 @@ if TYPE_CHECKING:
 MAX_FILE_BYTES = 256 * 2**20
 
 
+# An atomic write's temporary file: ``.NAME.<random>.tmp`` beside its target (hidden, and
+# never a name kvfuzz reads).
+_TMP_PREFIX, _TMP_SUFFIX = ".", ".tmp"
+
+
 def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
     """Write via a temporary file in the same directory, fsync, rename: a reader (or a crash)
     sees the old file or the new one, never half of one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f"{_TMP_PREFIX}{path.name}.", suffix=_TMP_SUFFIX, dir=path.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
@@ -55,7 +60,7 @@ def sweep_partial_writes(root: str | os.PathLike[str]) -> list[Path]:
     root = Path(root)
     if not root.is_dir():
         return []
-    swept = sorted(p for p in root.rglob(".*.tmp") if p.is_file())
+    swept = sorted(p for p in root.rglob(f"{_TMP_PREFIX}*{_TMP_SUFFIX}") if p.is_file())
     for p in swept:
         p.unlink(missing_ok=True)
     return swept
