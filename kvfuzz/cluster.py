@@ -225,11 +225,12 @@ class WorkerSpec:
 
     def build_session(self, log_dir: Path, *, port: int | None = None) -> "Session":
         """The campaign's session; its engine and server logs go to ``log_dir``."""
-        from kvfuzz.harness.server import ServerOptions
         from kvfuzz.session import Session
 
         server_options = None
         if self.engine_kind == "server":
+            from kvfuzz.harness.server import ServerOptions
+
             server_options = ServerOptions(device=self.device, extra_flags=list(self.server_flags), log_dir=log_dir,
                                            port=port, request_timeout_s=self.trace_timeout)
         return Session(engine_kind=self.engine_kind, device=self.device, runs=self.runs,  # type: ignore[arg-type]
