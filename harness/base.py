@@ -11,6 +11,7 @@ from typing import Literal, Protocol, runtime_checkable
 from kvfuzz.traces import EngineConfig, Environment, History, RequestRecord, SendEvent, Trace
 from kvfuzz.traces.calibration import NoiseKey
 from kvfuzz.traces.history import TopLogprobs
+from kvfuzz.traces.trace import Binding
 
 EngineKind = Literal["inprocess", "server", "url"]
 
@@ -50,11 +51,13 @@ class Engine(Protocol):
     def replay(self, trace: Trace, *, arm: str = "default", run_index: int = 0,
                toggles: Iterable[str] | None = None) -> History: ...
 
-    def run_alone(self, send: SendEvent, *, max_tokens: int | None = None) -> RequestRecord:
-        """``send`` alone on a clean cache with the reference toggles: its reference."""
+    def run_alone(self, send: SendEvent, *, max_tokens: int | None = None,
+                  binding: Binding | None = None) -> RequestRecord:
+        """``send`` alone on a clean cache with the reference toggles: its reference, its adapter
+        name bound to ``binding``'s weights (default: the engine configuration's)."""
         ...
 
-    def score(self, send: SendEvent, tokens: Sequence[int]) -> list[TopLogprobs]:
+    def score(self, send: SendEvent, tokens: Sequence[int], *, binding: Binding | None = None) -> list[TopLogprobs]:
         """Teacher forcing: ``send``'s prompt followed by ``tokens``, alone on a clean cache;
         per token, its logprob first, then the best others (see ``traces.history.Scoring``)."""
         ...

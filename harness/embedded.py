@@ -364,14 +364,63 @@ def _build(root: Path, build_into: Callable[[Path], str], adapter_names: tuple[s
     return model
 
 
+# Weight variants of the embedded adapters (``embedded:a@v2``): same shape and rank, other
+# deterministic weights, for adapter reloads that really change what an adapter computes. v1 is
+# the adapter itself. Built on first use next to (not inside) the model, whose content hash
+# they must not change; each variant is content-hashed on its own (``adapter_hash``).
+VARIANT_SEED_STRIDE = 100
+
+
+def variants_root(version: int = BUILD_VERSION) -> Path:
+    return kvfuzz_cache() / f"{MODEL_NAME}-v{version}-variants"
+
+
+def build_variant(name: str, version: int, *, root: Path | None = None) -> Path:
+    """The directory of embedded adapter ``name``'s weight variant ``version`` (>= 2), built
+    atomically (temporary sibling renamed into place) unless already there."""
+    if name not in ADAPTERS:
+        raise BadInput(f"unknown embedded adapter {name!r} (have {list(ADAPTERS)})", field="source")
+    root = Path(root) if root else variants_root()
+    target = root / f"{name}@v{version}"
+    if (target / "adapter_model.safetensors").exists():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=root))
+    try:
+        seed = 1000 + ADAPTERS.index(name) + VARIANT_SEED_STRIDE * (version - 1)
+        _write_safetensors(tmp / "adapter_model.safetensors", _adapter_tensors(seed=seed))
+        _write_json(tmp / "adapter_config.json", _adapter_config())
+        try:
+            os.replace(tmp, target)
+        except OSError:  # a concurrent builder won the rename: same bytes
+            if not (target / "adapter_model.safetensors").exists():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
 def resolve_adapter(spec: str, model: EmbeddedModel | None) -> Path:
-    """``embedded:NAME`` -> the embedded adapter's directory; anything else is a path."""
-    if spec.startswith("embedded:"):
-        name = spec.split(":", 1)[1]
-        if model is None or name not in model.adapters:
-            raise BadInput(f"unknown embedded adapter {name!r} (have {list(ADAPTERS)})", field="engine.lora.adapters")
-        return model.adapters[name]
-    return Path(spec)
+    """``embedded:NAME`` -> the embedded adapter's directory, ``embedded:NAME@vN`` -> its
+    weight variant N (built on first use); anything else is a path."""
+    from kvfuzz.traces.trace import parse_embedded_source
+
+    try:
+        parsed = parse_embedded_source(spec)
+    except ValueError as e:
+        raise BadInput(str(e), field="engine.lora.adapters") from None
+    if parsed is None:
+        return Path(spec)
+    name, version = parsed
+    if model is None or name not in model.adapters:
+        raise BadInput(f"unknown embedded adapter {name!r} (have {list(ADAPTERS)})", field="engine.lora.adapters")
+    return model.adapters[name] if version == 1 else build_variant(name, version)
+
+
+def adapter_hash(path: str | Path) -> str:
+    """Content hash of an adapter directory's files (recorded per binding in every history)."""
+    return content_hash(Path(path))
 
 
 @dataclass(frozen=True)

@@ -35,10 +35,19 @@ from kvfuzz.traces import (
 from kvfuzz.traces.calibration import NoiseKey
 from kvfuzz.traces.errors import BadInput, InfraError
 from kvfuzz.traces.history import TopLogprobs
+from kvfuzz.traces.trace import (
+    ADAPTER_EVENT_TYPES,
+    AdapterEvent,
+    Binding,
+    LoadAdapterEvent,
+    ReloadAdapterEvent,
+    UnloadAdapterEvent,
+)
 
 from . import toggles as toggle_registry
+from .adapters import AdapterBook, Bound
 from .blocks import BlockEdges
-from .embedded import ResolvedModel, resolve_model
+from .embedded import ResolvedModel, resolve_adapter, resolve_model
 from .logs import quiet_stderr, read_tail, route_vllm_logs
 from .vllm_args import engine_args
 
@@ -120,6 +129,8 @@ class InProcessEngine:
         self._llm: Any = None
         self._model: ResolvedModel | None = None
         self._lora_requests: dict[str, Any] = {}
+        self._ref_lora_ids: dict[str, int] = {}
+        self._workdir: Path | None = None
         self._step_capture: dict[str, Any] = {}
         self._edges = BlockEdges()
         self._reference_toggles: list[str] | None = None
@@ -166,6 +177,8 @@ class InProcessEngine:
         for i, (name, path) in enumerate(sorted(self._model.adapter_paths.items()), start=1):
             self._lora_requests[name] = LoRARequest(name, i, path)
         self._install_hooks()
+        if self.config.lora.enabled:
+            self._install_lora_hooks()
         self.start_seconds = time.perf_counter() - t0
         return self
 
@@ -191,6 +204,11 @@ class InProcessEngine:
                 except Exception:  # shutting down a broken engine must not mask the real error
                     log.debug("engine shutdown failed", exc_info=True)
             self._llm = None
+            if self._workdir is not None:
+                import shutil
+
+                shutil.rmtree(self._workdir, ignore_errors=True)
+                self._workdir = None
             import gc
 
             gc.collect()
@@ -225,7 +243,7 @@ class InProcessEngine:
         return self._model.model_hash if self._model is not None else None
 
     def compatible(self, config: EngineConfig) -> bool:
-        return config.key() == self.config.key()
+        return config.engine_key() == self.config.engine_key()
 
     # -- observation hooks -------------------------------------------------------------------
     def _core(self) -> Any:
@@ -287,6 +305,50 @@ class InProcessEngine:
             return out
 
         coord.allocate_new_computed_blocks = admit
+
+    def _install_lora_hooks(self) -> None:
+        """Count what the worker's LoRA manager does each step (coverage of adapter churn): reads
+        from disk, LRU evictions from CPU memory, slot (re)assignments, in-place reloads."""
+        capture = self._step_capture
+
+        def bump(key: str) -> None:
+            capture[key] = capture.get(key, 0) + 1
+
+        def hook(worker: Any) -> bool:
+            runner = getattr(worker, "model_runner", worker)
+            wm = getattr(runner, "lora_manager", None)
+            manager = getattr(wm, "_adapter_manager", None)
+            if wm is None or manager is None:
+                return False
+            wm_cls, mgr_cls = type(wm), type(manager)
+
+            def load(lora_request: Any, *a: Any, **k: Any) -> Any:
+                bump("lora_reloads" if getattr(lora_request, "load_inplace", False)
+                     and lora_request.lora_int_id in wm.list_adapters() else "lora_loads")
+                return wm_cls._load_adapter(wm, lora_request, *a, **k)
+
+            def activate(adapter_id: int, *a: Any, **k: Any) -> Any:
+                done = mgr_cls.activate_adapter(manager, adapter_id, *a, **k)
+                if done:
+                    bump("lora_slot_changes")
+                return done
+
+            def oldest(*a: Any, **k: Any) -> Any:
+                gone = mgr_cls.remove_oldest_adapter(manager, *a, **k)
+                if gone:
+                    bump("lora_evictions")
+                return gone
+
+            wm._load_adapter = load
+            manager.activate_adapter = activate
+            if hasattr(mgr_cls, "remove_oldest_adapter"):
+                manager.remove_oldest_adapter = oldest
+            return True
+
+        try:
+            self._llm.collective_rpc(hook)
+        except Exception:  # another vLLM layout: the counts are coverage only
+            log.debug("LoRA manager hooks not installed", exc_info=True)
 
     # -- clean slate -------------------------------------------------------------------------
     def clean_slate(self) -> None:
@@ -366,7 +428,7 @@ class InProcessEngine:
         hist = History(trace_id=trace.trace_id(), engine="inprocess", arm=arm, run_index=run_index,
                        toggles=toggles)
         # Absolute-time events in trace order within a step; relative cancels checked each step.
-        timed: list[tuple[int, int, SendEvent | CancelEvent]] = []
+        timed: list[tuple[int, int, SendEvent | CancelEvent | AdapterEvent]] = []
         relative: list[tuple[int, CancelEvent]] = []
         for i, ev in enumerate(trace.events):
             if isinstance(ev, CancelEvent) and ev.at.after_tokens is not None:
@@ -378,6 +440,7 @@ class InProcessEngine:
         budget = max_steps if max_steps is not None else last_planned + self._step_budget(trace)
 
         recs: dict[str, RequestRecord] = {}
+        book = self._adapter_book(trace) if trace.engine.lora.enabled else None
         self._edges = BlockEdges()
         internal: dict[str, str] = {}  # vLLM internal id -> our request id
         live: set[str] = set()
@@ -414,21 +477,33 @@ class InProcessEngine:
                     params = SamplingParams(temperature=0.0, max_tokens=ev.max_tokens, logprobs=2,
                                             ignore_eos=True, output_kind=RequestOutputKind.DELTA)
                     tokens = expand(ev.prompt)
-                    lora = self._lora_requests.get(ev.adapter) if ev.adapter else None
-                    if ev.adapter and lora is None:
-                        raise BadInput(f"unknown adapter {ev.adapter!r}", field=f"events[{i}].adapter")
-                    iid = llm.add_request(ev.request_id, {"prompt_token_ids": tokens}, params, lora_request=lora)
+                    bound = book.get(ev.adapter) if (book is not None and ev.adapter) else None
+                    if ev.adapter and bound is None:
+                        raise BadInput(f"adapter {ev.adapter!r} is not loaded", field=f"events[{i}].adapter")
+                    lora = self._lora_request(bound) if bound is not None else None
+                    prompt: dict[str, Any] = {"prompt_token_ids": tokens}
+                    if ev.cache_salt is not None:
+                        prompt["cache_salt"] = ev.cache_salt
+                    iid = llm.add_request(ev.request_id, prompt, params, lora_request=lora)
                     internal[iid] = ev.request_id
                     live.add(ev.request_id)
                     recs[ev.request_id] = RequestRecord(
                         request_id=ev.request_id, adapter=ev.adapter, prompt_len=len(tokens),
                         max_tokens=ev.max_tokens, sent_step=step, planned_offset_ms=ev.at.offset_ms,
-                        sent_ms=now_ms())
+                        sent_ms=now_ms(), adapter_source=bound.source if bound else None,
+                        adapter_hash=bound.content_hash if bound else None)
                     hist.events.append(EventRecord(index=i, kind="send", request_id=ev.request_id,
                                                    planned_step=planned, actual_step=step,
                                                    planned_offset_ms=ev.at.offset_ms, actual_offset_ms=now_ms()))
-                else:
+                elif isinstance(ev, CancelEvent):
                     cancel(i, ev, planned)
+                else:
+                    assert book is not None  # the trace validator requires lora.enabled
+                    got = self._apply_lifecycle(book, ev)
+                    hist.events.append(EventRecord(index=i, kind=ev.kind, adapter=ev.name,
+                                                   adapter_hash=got.content_hash if got else None,
+                                                   planned_step=planned, actual_step=step,
+                                                   planned_offset_ms=ev.at.offset_ms, actual_offset_ms=now_ms()))
             # 2) relative cancels whose condition holds
             still = []
             for i, ev in pending_rel:
@@ -497,6 +572,44 @@ class InProcessEngine:
         hist.wall_seconds = time.perf_counter() - t0
         return hist
 
+    # -- adapters --------------------------------------------------------------------------------
+    def _adapter_book(self, trace: Trace) -> AdapterBook:
+        """This run's adapter bindings. Working copies (names reloaded in place) live in a
+        directory of this engine's, the same path every run."""
+        if self._workdir is None and any(isinstance(e, ReloadAdapterEvent) and e.same_path for e in trace.lifecycle):
+            import tempfile
+
+            self._workdir = Path(tempfile.mkdtemp(prefix="kvfuzz-adapters-"))
+        return AdapterBook(trace, self._resolve_source, self._workdir)
+
+    def _resolve_source(self, source: str) -> Path:
+        from .embedded import build
+
+        return resolve_adapter(source, build() if source.startswith("embedded:") else None)
+
+    def _lora_request(self, bound: Bound) -> Any:
+        from vllm.lora.request import LoRARequest
+
+        return LoRARequest(bound.name, bound.lora_id, bound.path, load_inplace=bound.inplace)
+
+    def _apply_lifecycle(self, book: AdapterBook, ev: AdapterEvent) -> Bound | None:
+        """One adapter lifecycle event through vLLM's own API: ``add_lora`` (a reload with
+        ``load_inplace``, keeping the adapter id, as the server's /v1/load_lora_adapter does) and
+        ``remove_lora``. Returns the new binding (None for an unload)."""
+        llm = self._llm
+        if isinstance(ev, LoadAdapterEvent):
+            bound = book.load(ev)
+            llm.add_lora(self._lora_request(bound))
+            return bound
+        if isinstance(ev, UnloadAdapterEvent):
+            gone = book.unload(ev)
+            llm.remove_lora(gone.lora_id)
+            return None
+        assert isinstance(ev, ReloadAdapterEvent)
+        bound = book.reload(ev)
+        llm.add_lora(self._lora_request(bound))
+        return bound
+
     def _step_budget(self, trace: Trace) -> int:
         # Generous: every token of every request in its own step, plus preemption recompute.
         total = sum(e.prompt.length + e.max_tokens for e in trace.sends)
@@ -526,6 +639,10 @@ class InProcessEngine:
         rec.external_tokens = int(cap.get("external", 0))
         rec.group_hits = list(cap.get("group_hits", []))
         rec.cross_group_shared = int(cap.get("cross_group_shared", 0))
+        rec.lora_loads = int(cap.get("lora_loads", 0))
+        rec.lora_evictions = int(cap.get("lora_evictions", 0))
+        rec.lora_slot_changes = int(cap.get("lora_slot_changes", 0))
+        rec.lora_reloads = int(cap.get("lora_reloads", 0))
         holders = cap.get("blocks")
         if holders is not None:
             rec.block_edges = self._edges.step(
@@ -547,9 +664,12 @@ class InProcessEngine:
             self._reference_toggles = toggle_registry.clean_set(self.device)
         return self._reference_toggles
 
-    def run_alone(self, send: SendEvent, *, max_tokens: int | None = None) -> RequestRecord:
-        """``send`` alone on a clean slate with the clean arm's fixes: the reference output."""
-        one = Trace(engine=self.config.model_copy(update={"toggles": []}),
+    def run_alone(self, send: SendEvent, *, max_tokens: int | None = None,
+                  binding: Binding | None = None) -> RequestRecord:
+        """``send`` alone on a clean slate with the clean arm's fixes: the reference output.
+        ``binding``: the weights its adapter name was bound to at its admission (default: the
+        engine configuration's); the reference runs with exactly those."""
+        one = Trace(engine=self._alone_engine(send, binding),
                     events=[send.model_copy(update={"at": send.at.model_copy(update={"step": 0, "offset_ms": None}),
                                                    "max_tokens": max_tokens or send.max_tokens})])
         h = self.replay(one, arm="reference", toggles=self.reference_toggles)
@@ -557,7 +677,17 @@ class InProcessEngine:
             raise InfraError(f"reference run for {send.request_id!r} failed: {h.crash_detail}")
         return h.requests[send.request_id]
 
-    def score(self, send: SendEvent, tokens: Sequence[int]) -> list[TopLogprobs]:
+    def _alone_engine(self, send: SendEvent, binding: Binding | None) -> EngineConfig:
+        """The engine section of a solo run: no toggles, and the send's adapter name bound to
+        the binding's weights (an engine-config change the engine key ignores, since adapters
+        are bound per run)."""
+        engine = self.config.model_copy(update={"toggles": []})
+        if binding is not None and send.adapter is not None:
+            lora = engine.lora.model_copy(update={"adapters": {**engine.lora.adapters, send.adapter: binding.source}})
+            engine = engine.model_copy(update={"lora": lora})
+        return engine
+
+    def score(self, send: SendEvent, tokens: Sequence[int], *, binding: Binding | None = None) -> list[TopLogprobs]:
         """Teacher forcing: ``send``'s prompt followed by ``tokens`` as one prompt, alone on a
         clean slate (no prefix-cache hit can serve it: the cache is empty, so the prompt
         logprobs are computed, never read from an uninitialised buffer; vLLM #42019) with the
@@ -579,7 +709,11 @@ class InProcessEngine:
         self.clean_slate()
         params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2, ignore_eos=True,
                                 output_kind=RequestOutputKind.FINAL_ONLY)
-        lora = self._lora_requests.get(send.adapter) if send.adapter else None
+        lora = None
+        if send.adapter:
+            book = AdapterBook(Trace(engine=self._alone_engine(send, binding)), self._resolve_source, None)
+            bound = book.get(send.adapter)
+            lora = self._lora_request(bound) if bound is not None else None
         rid = f"kvfuzz-score-{send.request_id}"
         final = None
         with toggle_registry.activate(self.reference_toggles):

@@ -9,8 +9,10 @@ from collections.abc import Callable
 from kvfuzz.traces import Divergence, History, RequestRecord, Scoring, SendEvent, Trace, expand
 from kvfuzz.traces.history import TopLogprobs
 from kvfuzz.traces.result import Recording
+from kvfuzz.traces.trace import Binding
 
 from .base import Engine
+from .environment import stamp
 
 
 class ReferenceStore:
@@ -31,20 +33,23 @@ class ReferenceStore:
         self.evicted = 0
 
     @staticmethod
-    def key(engine: Engine, send: SendEvent) -> tuple[str, str | None, str]:
+    def key(engine: Engine, send: SendEvent, binding: Binding | None) -> tuple[str, str | None, str]:
         digest = hashlib.sha256(repr(expand(send.prompt)).encode()).hexdigest()[:20]
-        # References run with the engine's reference toggles (the clean arm's fixes).
-        config = engine.config.key() + "/" + ",".join(engine.reference_toggles)
-        return (config, send.adapter, digest)
+        # References run with the engine's reference toggles (the clean arm's fixes). The
+        # adapter is named by the weights bound at admission, not by its name: a name rebound
+        # by a lifecycle event is other weights, and two names bound to one source are one.
+        config = engine.config.engine_key() + "/" + ",".join(engine.reference_toggles)
+        return (config, binding.source if binding is not None else None, digest)
 
-    def get(self, engine: Engine, send: SendEvent) -> RequestRecord:
-        k = self.key(engine, send)
+    def get(self, engine: Engine, send: SendEvent, binding: Binding | None) -> RequestRecord:
+        """The reference of ``send`` admitted with ``binding`` (``Trace.bindings_at_admission``)."""
+        k = self.key(engine, send, binding)
         have = self._memo.get(k)
         if have is not None and len(have.token_ids) >= send.max_tokens:
             self.hits += 1
             self._memo.move_to_end(k)
             return have.model_copy(update={"request_id": send.request_id})
-        rec = engine.run_alone(send)
+        rec = engine.run_alone(send, binding=binding)
         self.computed += 1
         self._memo[k] = rec
         self._memo.move_to_end(k)
@@ -66,12 +71,13 @@ def record(engine: Engine, trace: Trace, *, runs: int = 3, arms: dict[str, list[
     histories: list[History] = []
     for arm, toggles in arms.items():
         for k in range(runs):
-            h = engine.replay(trace, arm=arm, run_index=k, toggles=toggles)
+            h = stamp(engine.replay(trace, arm=arm, run_index=k, toggles=toggles), engine.kind)
             histories.append(h)
             if on_run:
                 on_run(h)
     store = store if store is not None else ReferenceStore()
-    references = {s.request_id: store.get(engine, s) for s in trace.sends}
+    bindings = trace.bindings_at_admission()
+    references = {s.request_id: store.get(engine, s, bindings.get(s.request_id)) for s in trace.sends}
     env = engine.environment()
     env.toggles = sorted({t for ts in arms.values() for t in ts})
     return Recording(trace=trace, histories=histories, references=references, environment=env, arms=arms)
@@ -88,14 +94,14 @@ class ScoreStore:
         self.max_entries = max(1, max_entries)
         self.computed = 0
 
-    def get(self, engine: Engine, send: SendEvent, tokens: list[int]) -> list[TopLogprobs]:
-        config, adapter, prompt = ReferenceStore.key(engine, send)
+    def get(self, engine: Engine, send: SendEvent, tokens: list[int], binding: Binding | None) -> list[TopLogprobs]:
+        config, adapter, prompt = ReferenceStore.key(engine, send, binding)
         k = (config, adapter, prompt, hashlib.sha256(repr(tokens).encode()).hexdigest()[:20])
         have = self._memo.get(k)
         if have is not None:
             self._memo.move_to_end(k)
             return have
-        got = engine.score(send, tokens)
+        got = engine.score(send, tokens, binding=binding)
         self.computed += 1
         self._memo[k] = got
         while len(self._memo) > self.max_entries:
@@ -109,6 +115,7 @@ def score_diverged(engine: Engine, rec: Recording, verdicts: list[Divergence], s
     request with a divergent verdict (at most ``per_request`` distinct token sequences each:
     enough to see how a run differs, without scoring every repeat)."""
     have = {(s.arm, s.run_index, s.request_id) for s in rec.scores}
+    bindings = rec.trace.bindings_at_admission()
     out: list[Scoring] = []
     for v in verdicts:
         if v.class_ not in ("corruption", "numeric-near-tie") or v.request_id not in rec.references:
@@ -125,5 +132,5 @@ def score_diverged(engine: Engine, rec: Recording, verdicts: list[Divergence], s
                 continue
             seen.add(toks)
             out.append(Scoring(request_id=v.request_id, arm=h.arm, run_index=h.run_index, token_ids=list(toks),
-                               logprobs=store.get(engine, send, list(toks))))
+                               logprobs=store.get(engine, send, list(toks), bindings.get(v.request_id))))
     return out

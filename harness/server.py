@@ -23,6 +23,7 @@ from kvfuzz.traces import EngineConfig, Environment, History, RequestRecord, Sen
 from kvfuzz.traces.calibration import NoiseKey
 from kvfuzz.traces.errors import BadInput, EngineDied, EngineHang, InfraError, Unreachable
 from kvfuzz.traces.history import TopLogprobs
+from kvfuzz.traces.trace import Binding
 
 from .base import EngineKind
 from .http import control
@@ -145,6 +146,13 @@ class ServerEngine(HttpEngineBase):
             raise InfraError("vLLM is not installed; install kvfuzz[cpu] or kvfuzz[gpu]")
         if self._model_path is None:
             self._resolve()
+        if self.toggles:
+            # The server runs this interpreter's vLLM: a toggle that cannot apply to it is refused
+            # here (exit 2, naming toggle and release) rather than failing inside the server's
+            # plugin. Installed patches are inert in this process until activated.
+            from . import toggles as toggle_registry
+
+            toggle_registry.install(self.toggles)
         port = self.options.port if self.options.port is not None else free_port()
         if self.options.port is not None and not port_free(port):
             raise BadInput(f"port {port} is already in use on {HOST}", field="--port")
@@ -293,7 +301,8 @@ class ServerEngine(HttpEngineBase):
         raise EngineHang(f"vLLM server (pid {self.server.pid}) hang: stopped answering /health {when} "
                          f"(log: {self.server.log_path})", history=hist)
 
-    def run_alone(self, send: SendEvent, *, max_tokens: int | None = None) -> RequestRecord:
+    def run_alone(self, send: SendEvent, *, max_tokens: int | None = None,
+                  binding: Binding | None = None) -> RequestRecord:
         # Vanilla, on purpose: a lone request needs no fix today (the CPU LoRA bug needs a mixed
         # batch), and the current server then serves references without a restart.
         self._ensure([])
@@ -306,7 +315,7 @@ class ServerEngine(HttpEngineBase):
             raise InfraError(f"reference run for {send.request_id!r} failed: {rec.error or hist.crash_detail}")
         return rec
 
-    def score(self, send: SendEvent, tokens: Sequence[int]) -> list[TopLogprobs]:
+    def score(self, send: SendEvent, tokens: Sequence[int], *, binding: Binding | None = None) -> list[TopLogprobs]:
         """Teacher forcing on the vanilla server after a prefix-cache reset (see
         ``http.control.score``)."""
         self._ensure([])

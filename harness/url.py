@@ -19,6 +19,7 @@ from kvfuzz.traces import EngineConfig, Environment, History, RequestRecord, Sen
 from kvfuzz.traces.calibration import NoiseKey
 from kvfuzz.traces.errors import BadInput, InfraError, Unreachable
 from kvfuzz.traces.history import TopLogprobs
+from kvfuzz.traces.trace import Binding
 
 from .base import EngineKind
 from .http import control
@@ -124,7 +125,8 @@ class UrlEngine(HttpEngineBase):
             return new_salt("run")
         return None
 
-    def run_alone(self, send: SendEvent, *, max_tokens: int | None = None) -> RequestRecord:
+    def run_alone(self, send: SendEvent, *, max_tokens: int | None = None,
+                  binding: Binding | None = None) -> RequestRecord:
         self.start()
         salt = self._before_run()
         one = self._alone_trace(self.config, send, max_tokens)
@@ -135,7 +137,7 @@ class UrlEngine(HttpEngineBase):
             raise InfraError(f"reference run for {send.request_id!r} failed: {rec.error}")
         return rec
 
-    def score(self, send: SendEvent, tokens: Sequence[int]) -> list[TopLogprobs]:
+    def score(self, send: SendEvent, tokens: Sequence[int], *, binding: Binding | None = None) -> list[TopLogprobs]:
         """Teacher forcing with the references' isolation (a prefix-cache reset, or a fresh salt)."""
         self.start()
         assert self.target is not None

@@ -37,6 +37,7 @@ from kvfuzz.traces.calibration import (
     save_profile,
 )
 from kvfuzz.traces.errors import BadInput
+from kvfuzz.traces.trace import Binding
 
 
 @dataclass(frozen=True)
@@ -128,7 +129,7 @@ def calibrate(session: Session, config: EngineConfig, plan: Plan = Plan(),
     sends = calibration_sends(config, plan)
     refs: dict[str, RequestRecord] = {}
     for s in sends:
-        refs[s.request_id] = session.references.get(engine, s)
+        refs[s.request_id] = session.references.get(engine, s, Binding.initial(config, s.adapter))
     say(f"calibrating: {len(sends)} requests alone ({time.monotonic() - t0:.0f} s)")
 
     def scored(runs: dict[str, RequestRecord]) -> dict[str, Scoring]:
@@ -137,7 +138,7 @@ def calibrate(session: Session, config: EngineConfig, plan: Plan = Plan(),
             toks = runs[s.request_id].token_ids[: s.max_tokens]
             if toks:
                 out[s.request_id] = Scoring(request_id=s.request_id, arm="calibration", token_ids=list(toks),
-                                            logprobs=session.scores.get(engine, s, list(toks)))
+                                            logprobs=session.scores.get(engine, s, list(toks), Binding.initial(config, s.adapter)))
         return out
 
     alone = measure_context("alone (teacher forcing vs decode)", refs, refs, scored(refs))

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvfuzz.harness.base import Engine, EngineKind
+from kvfuzz.harness.environment import stamp
 from kvfuzz.harness.runner import ReferenceStore, ScoreStore, record, score_diverged
 from kvfuzz.oracle import NoiseBounds, bounds_from, check, classify_run, default_bounds, divergent, make_finding
 from kvfuzz.oracle.check import ENGINE
@@ -190,7 +191,7 @@ class Session:
         for arm, toggles in rec.arms.items():
             have = sum(1 for h in histories if h.arm == arm)
             for k in range(have, runs):
-                histories.append(engine.replay(rec.trace, arm=arm, run_index=k, toggles=toggles))
+                histories.append(stamp(engine.replay(rec.trace, arm=arm, run_index=k, toggles=toggles), engine.kind))
         return Recording(trace=rec.trace, histories=histories, references=rec.references,
                          environment=rec.environment, arms=dict(rec.arms), scores=list(rec.scores))
 
@@ -208,14 +209,15 @@ class Session:
         if victim == ENGINE:
             return "engine-crash" if h.crashed else "ok"
         send = trace.send(victim)
-        ref = self.references.get(engine, send)
+        binding = trace.bindings_at_admission().get(victim)
+        ref = self.references.get(engine, send, binding)
         rec = h.requests.get(victim)
         bounds = self.bounds_for(trace.engine)
         verdict = classify_run(send, ref, rec, h, bounds)
         if verdict.cls == "numeric-near-tie" and rec is not None:
             # Only teacher forcing can still call it corruption (it never makes corruption noise).
             toks = rec.token_ids[: send.max_tokens]
-            scoring = Scoring(request_id=victim, arm=arm, token_ids=toks, logprobs=self.scores.get(engine, send, toks))
+            scoring = Scoring(request_id=victim, arm=arm, token_ids=toks, logprobs=self.scores.get(engine, send, toks, binding))
             verdict = classify_run(send, ref, rec, h, bounds, scoring)
         return verdict.cls
 

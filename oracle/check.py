@@ -11,7 +11,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvfuzz.traces import Divergence, History, RequestRecord, Scoring, SendEvent, Trace
+from kvfuzz.traces import Divergence, EventRecord, History, RequestRecord, Scoring, SendEvent, Trace
 from kvfuzz.traces.finding import DIVERGENT_CLASSES, SEVERITY
 
 from .diff import Comparison, compare, early_stop_comparison, teacher_drifts
@@ -60,6 +60,9 @@ def classify_run(send: SendEvent, ref: RequestRecord | None, rec: RequestRecord 
     cmp = compare(ref, rec, send.max_tokens)
     if cmp.kind == "same":
         return RunVerdict("ok", cmp)
+    race = reloaded_while_running(hist, rec)
+    if race is not None:
+        return RunVerdict("unconstrained", cmp, detail=race)
     if cmp.kind == "prefix":
         if _stopped_early(ref, rec, cmp.compared):
             # The run chose end-of-sequence where the reference chose a token: that is a
@@ -100,6 +103,35 @@ def classify_run(send: SendEvent, ref: RequestRecord | None, rec: RequestRecord 
                  else "not scored by teacher forcing")
     return RunVerdict("numeric-near-tie", cmp, detail=f"{head}: noise by every measure: " + ", ".join(noise),
                       teacher=teacher, teacher_over=over)
+
+
+def reloaded_while_running(hist: History, rec: RequestRecord) -> str | None:
+    """The lifecycle contract's one ambiguous case (docs/oracle.md, "Adapter lifecycle"): the
+    request's own adapter was reloaded (vLLM's ``load_inplace``: new weights under the same
+    adapter id) after the request was admitted and before it finished. The engine may then
+    serve its remaining tokens with either weights, switching at any step, so every output is
+    legal and no reference can judge it. Returns why, or None."""
+    if rec.adapter is None:
+        return None
+    admitted = False
+    for e in hist.events:
+        if e.kind == "send" and e.request_id == rec.request_id:
+            admitted = True
+        elif admitted and e.kind == "reload-adapter" and e.adapter == rec.adapter and _before_end(e, rec):
+            when = f"step {e.actual_step}" if e.actual_step is not None else f"{e.actual_offset_ms or 0:.0f} ms"
+            return (f"adapter {rec.adapter!r} was reloaded in place at {when} while this request ran: any output is "
+                    f"legal (vLLM's load_inplace swaps the weights under the running request's adapter id)")
+    return None
+
+
+def _before_end(e: EventRecord, rec: RequestRecord) -> bool:
+    end_step = rec.finished_step if rec.finished_step is not None else rec.cancel_step
+    end_ms = rec.finished_ms if rec.finished_ms is not None else rec.cancel_ms
+    if e.actual_step is not None and end_step is not None:
+        return e.actual_step <= end_step
+    if e.actual_offset_ms is not None and end_ms is not None:
+        return e.actual_offset_ms <= end_ms
+    return True  # never ended (the engine crashed): the reload may have reached it
 
 
 def _stopped_early(ref: RequestRecord, rec: RequestRecord, n: int) -> bool:

@@ -13,7 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from kvfuzz.traces import CancelEvent, Divergence, Finding, GenPrompt, History, RequestRecord, SendEvent, TokenPrompt
+from kvfuzz.traces import (BisectRecord, CancelEvent, Divergence, Finding, GenPrompt, History, RequestRecord, SendEvent,
+                            TokenPrompt)
 from kvfuzz.traces.finding import DIVERGENT_CLASSES, SEVERITY
 
 from .check import ENGINE
@@ -21,7 +22,10 @@ from .controls import primary_arm, reproducing_arms, signature_of
 from .noise import NoiseBounds, default_bounds
 
 CLASS_STYLE = {"corruption": "bold red", "engine-crash": "bold magenta", "error": "red",
-               "numeric-near-tie": "yellow", "truncation": "dim", "ok": "green"}
+               "numeric-near-tie": "yellow", "unconstrained": "dim", "truncation": "dim",
+               "ok": "green"}
+# A release's status in a bisection (kvfuzz bisect).
+STATUS_STYLE = {"bad": "bold red", "good": "green", "unavailable": "yellow", "error": "magenta", "not": "dim"}
 
 # Text segments: (text, style) where style is "", "b" (bold), "code", or a verdict class.
 Seg = tuple[str, str]
@@ -258,6 +262,8 @@ def build(finding: Finding, *, source: str = "FINDING.json",
 
     if finding.explanation is not None:
         r.p(("Causal ablation", "b"), f": {finding.explanation.summary()} (see below).")
+    if finding.bisect is not None:
+        r.p(("Releases", "b"), f": {bisect_summary(finding.bisect)} (see Release bisection).")
     for b in finding.notes.get("buckets") or []:
         text = (b.get("key") or {}).get("text") if isinstance(b, dict) else None
         r.p(("Bucket", "b"), ": ", (str(b.get("id")), "code"), f" — {text or b.get('prekey')}"
@@ -392,6 +398,9 @@ def build(finding: Finding, *, source: str = "FINDING.json",
                 wrap=(1, 3))
         r.p(ex.summary() + ".")
 
+    if finding.bisect is not None:
+        add_bisect(r, finding.bisect)
+
     # Minimization details
     if m:
         r.h("Minimization")
@@ -430,6 +439,75 @@ def _when(ev: SendEvent | CancelEvent, mps: float) -> str:
     if at.after_tokens is not None:
         parts.append(f"after {at.after_tokens} tokens")
     return " / ".join(parts)
+
+
+# -- release bisection (kvfuzz bisect, triage/bisect.py) ------------------------------------------
+
+BISECT_COLUMNS = ["release", "probe", "status", "reproduced", "95% interval", "seconds", "detail"]
+
+
+def bisect_rows(rec: BisectRecord) -> list[list[str]]:
+    """One row per release searched, oldest first; those the search did not probe say so."""
+    rows = []
+    for v in rec.versions:
+        r = rec.result(v)
+        if r is None:
+            rows.append([v, "—", "not probed", "—", "—", "—", ""])
+        elif r.status in ("bad", "good"):
+            rows.append([v, str(r.order), r.status, f"{r.k}/{r.runs}", f"{_pct(r.rate_low)}–{_pct(r.rate_high)}",
+                         f"{r.seconds:.1f}", r.detail or ""])
+        else:
+            rows.append([v, str(r.order), r.status, "—", "—", f"{r.seconds:.1f}" if r.seconds else "—",
+                         r.detail or ""])
+    return rows
+
+
+def bisect_lines(rec: BisectRecord) -> list[str]:
+    """The answer: the verdict line, then ``first bad:`` / ``first good:``."""
+    lines = [f"verdict: {rec.verdict}" + (f" — {rec.detail}" if rec.detail else "")]
+    if rec.first_bad:
+        lines.append(f"first bad: {rec.first_bad}" + (f" (last good: {rec.last_good})" if rec.last_good else ""))
+    if rec.first_good:
+        lines.append(f"first good: {rec.first_good}" + (f" (last bad: {rec.last_bad})" if rec.last_bad else ""))
+    return lines
+
+
+def bisect_summary(rec: BisectRecord) -> str:
+    if rec.verdict == "regression":
+        return f"regression, first bad release {rec.first_bad} (last good {rec.last_good})"
+    if rec.verdict == "fixed":
+        return f"fixed in {rec.first_good} (last bad {rec.last_bad})"
+    return rec.verdict
+
+
+def bisect_how(rec: BisectRecord) -> str:
+    """How the releases were probed, in one sentence."""
+    mods = [f"--with {t}" for t in rec.with_] + [f"--without {t}" for t in rec.without]
+    arms = rec.arms + (" " + " ".join(mods) if mods else "")
+    if rec.arms == "vanilla" and not mods:
+        arms += " (vLLM as shipped, no toggles)"
+    where = {"inprocess": "in-process engine", "server": "managed vLLM server"}.get(rec.engine, rec.engine)
+    how = f"{rec.device}" + (f", {rec.dtype}" if rec.dtype else "")
+    probed = len(rec.results)
+    return (f"{rec.runs} run{'s' if rec.runs != 1 else ''} per release on the {where} ({how}), arms {arms}; a "
+            f"release is bad when a victim request diverged in at least {rec.min_hits} of {rec.runs} runs. "
+            f"Probed {probed} of {len(rec.versions)} releases ({rec.versions[0]} to {rec.versions[-1]})"
+            + (", every one (--exhaustive)." if rec.exhaustive else
+               "; the search probes both ends, then binary-searches the transition."))
+
+
+def add_bisect(r: Report, rec: BisectRecord) -> None:
+    """The report's section on a bisection."""
+    r.h("Release bisection")
+    r.p(("Verdict", "b"), f": {rec.verdict}" + (f" — {rec.detail}." if rec.detail else "."))
+    if rec.first_bad:
+        r.p(("first bad", "b"), ": ", (rec.first_bad, "code"),
+            *([" (last good: ", (rec.last_good, "code"), ")"] if rec.last_good else []))
+    if rec.first_good:
+        r.p(("first good", "b"), ": ", (rec.first_good, "code"),
+            *([" (last bad: ", (rec.last_bad, "code"), ")"] if rec.last_bad else []))
+    r.table(BISECT_COLUMNS, bisect_rows(rec), class_col=2, right=(1, 3, 5), wrap=(6,))
+    r.p(bisect_how(rec) + f" Bisected {rec.created or '?'} with kvfuzz {rec.kvfuzz_version or '?'}.")
 
 
 # -- renderers -----------------------------------------------------------------------------------
@@ -496,7 +574,7 @@ def to_rich(report: Report) -> list[Any]:
                 cells: list[Any] = list(row)
                 if b.class_col is not None and b.class_col < len(row):
                     cls = row[b.class_col].split(" ")[0]
-                    cells[b.class_col] = Text(row[b.class_col], style=CLASS_STYLE.get(cls, ""))
+                    cells[b.class_col] = Text(row[b.class_col], style=CLASS_STYLE.get(cls) or STATUS_STYLE.get(cls, ""))
                 tb.add_row(*cells)
             out.append(tb)
         elif isinstance(b, Bullets):

@@ -121,7 +121,7 @@ def test_in_process_trace_deadline_ends_a_run_as_a_hang(session):
     finally:
         engine.trace_deadline_s = old
     assert h.crashed and h.crash_detail.startswith("hang: trace deadline of 1e-09 s exceeded")
-    refs = {s.request_id: session.references.get(engine, s) for s in t.sends}
+    refs = {s.request_id: session.references.get(engine, s, t.bindings_at_admission()[s.request_id]) for s in t.sends}
     verdicts = check(t, [h], refs)
     assert {v.class_ for v in verdicts} == {"engine-crash"}
     again = engine.replay(t, arm="vanilla")

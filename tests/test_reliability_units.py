@@ -119,7 +119,7 @@ def test_reference_memo_is_bounded_lru():
         reference_toggles: list[str] = []
         calls = 0
 
-        def run_alone(self, send):
+        def run_alone(self, send, binding=None):
             E.calls += 1
             return RequestRecord(request_id=send.request_id, prompt_len=send.prompt.length, max_tokens=send.max_tokens,
                                  token_ids=[1] * send.max_tokens)
@@ -128,13 +128,13 @@ def test_reference_memo_is_bounded_lru():
     sends = [SendEvent(request_id=f"r{i}", at=At(step=0), prompt=GenPrompt(length=8, seed=i), max_tokens=2)
              for i in range(5)]
     for s in sends:
-        store.get(E(), s)
+        store.get(E(), s, None)
     assert len(store) == 3 and store.evicted == 2
-    store.get(E(), sends[2])  # still memoised: a hit, and now the most recent
+    store.get(E(), sends[2], None)  # still memoised: a hit, and now the most recent
     assert store.hits == 1 and E.calls == 5
-    store.get(E(), sends[0])  # evicted long ago: computed again
+    store.get(E(), sends[0], None)  # evicted long ago: computed again
     assert E.calls == 6 and len(store) == 3
-    store.get(E(), sends[2])
+    store.get(E(), sends[2], None)
     assert store.hits == 2
 
 

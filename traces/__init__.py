@@ -7,12 +7,14 @@ from .errors import BadInput, InfraError, KvfuzzError
 from .finding import (
     DIVERGENT_CLASSES,
     Ablation,
+    BisectRecord,
     ControlResult,
     Divergence,
     Environment,
     Explanation,
     Finding,
     Minimization,
+    VersionResult,
 )
 from .history import EventRecord, History, RequestRecord, Scoring, StepRecord
 from .io import (
@@ -52,11 +54,11 @@ def json_schemas() -> dict[str, dict]:
 
 
 __all__ = [
-    "Ablation", "At", "BadInput", "CancelEvent", "ControlResult", "DIVERGENT_CLASSES", "Divergence",
+    "Ablation", "At", "BadInput", "BisectRecord", "CancelEvent", "ControlResult", "DIVERGENT_CLASSES", "Divergence",
     "EMBEDDED_HYBRID", "EMBEDDED_MODEL", "EngineConfig", "Environment", "Expectation", "Explanation", "EventRecord",
     "Finding", "GenPrompt",
     "History", "InfraError", "KvfuzzError", "Lineage", "LoraSettings", "Minimization",
-    "RequestRecord", "SCHEMA_VERSION", "Scoring", "SendEvent", "StepRecord", "TokenPrompt", "Trace",
+    "RequestRecord", "SCHEMA_VERSION", "Scoring", "SendEvent", "StepRecord", "TokenPrompt", "Trace", "VersionResult",
     "atomic_write_text", "expand", "json_schemas", "load_any", "load_finding", "load_trace",
     "parse_finding", "parse_trace", "save", "sweep_partial_writes",
 ]

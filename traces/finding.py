@@ -15,10 +15,14 @@ from pydantic import BaseModel, ConfigDict, Field
 from .history import History, RequestRecord, Scoring
 from .trace import SCHEMA_VERSION, Trace
 
-# Verdict classes, most severe first. "ok" and "truncation" are verdicts, not divergences.
-DivergenceClass = Literal["engine-crash", "error", "corruption", "numeric-near-tie", "truncation", "ok"]
+# Verdict classes, most severe first. "ok", "truncation" and "unconstrained" are verdicts, not
+# divergences. "unconstrained": the schedule allows any output for this request (its adapter was
+# reloaded in place while it ran; docs/oracle.md, "Adapter lifecycle").
+DivergenceClass = Literal["engine-crash", "error", "corruption", "numeric-near-tie", "unconstrained", "truncation",
+                          "ok"]
 DIVERGENT_CLASSES: tuple[str, ...] = ("engine-crash", "error", "corruption", "numeric-near-tie")
-SEVERITY: dict[str, int] = {c: i for i, c in enumerate(["engine-crash", "error", "corruption", "numeric-near-tie", "truncation", "ok"])}
+SEVERITY: dict[str, int] = {c: i for i, c in enumerate(["engine-crash", "error", "corruption", "numeric-near-tie",
+                                                        "unconstrained", "truncation", "ok"])}
 
 
 class _Data(BaseModel):
@@ -165,6 +169,60 @@ class Explanation(_Data):
                 + (f"; not tried (time box): {left}" if left else ""))
 
 
+class VersionResult(_Data):
+    """One release probed by ``kvfuzz bisect`` (triage/bisect.py): the finding replayed K times
+    in that release's environment."""
+
+    version: str
+    # bad: reproduced (k >= the threshold); good: not reproduced; unavailable: the release's
+    # environment cannot be built; error: the replay itself failed (infrastructure). The last
+    # two are never read as good or bad.
+    status: Literal["bad", "good", "unavailable", "error"]
+    k: int = 0  # runs in which a victim request diverged
+    runs: int = 0  # K
+    # Wilson 95% interval of k / runs (None when nothing ran).
+    rate_low: float | None = None
+    rate_high: float | None = None
+    seconds: float = 0.0  # the replay's wall time (building the environment not counted)
+    order: int = 0  # 1 = probed first
+    vllm: str | None = None  # the vLLM the replay reported running
+    detail: str | None = None
+
+
+class BisectRecord(_Data):
+    """``kvfuzz bisect``: in which vLLM releases the finding reproduces (docs/bisect.md)."""
+
+    versions: list[str]  # the releases searched, ascending (probed or not)
+    results: list[VersionResult] = Field(default_factory=list)  # probed only, ascending
+    verdict: Literal["reproduces in every release", "reproduces in no release", "regression", "fixed",
+                     "inconclusive"]
+    detail: str | None = None
+    first_bad: str | None = None  # regression: the oldest bad release after the last good one
+    last_good: str | None = None
+    first_good: str | None = None  # fix: the oldest good release after the last bad one
+    last_bad: str | None = None
+    # Releases between the two sides of the transition that could not be probed (the
+    # transition may lie in one of them).
+    gap: list[str] = Field(default_factory=list)
+    exhaustive: bool = False  # every release in the range was probed
+    runs: int = 0
+    min_rate: float = 0.0  # --min-rate
+    min_hits: int = 1  # bad when k >= min_hits = max(1, ceil(min_rate * runs))
+    arms: str = "vanilla"  # --arms as given (vanilla: vLLM as shipped)
+    with_: list[str] = Field(default_factory=list, alias="with")
+    without: list[str] = Field(default_factory=list)
+    engine: Literal["inprocess", "server"] = "inprocess"
+    device: str = "cpu"
+    dtype: str | None = None
+    source: str | None = None
+    seconds: float = 0.0
+    created: str | None = None
+    kvfuzz_version: str | None = None
+
+    def result(self, version: str) -> VersionResult | None:
+        return next((r for r in self.results if r.version == version), None)
+
+
 # How mechanisms read in reports (the names match Toggle.needs in harness/toggles).
 MECHANISM_WORDS = {"prefix-caching": "prefix caching", "chunked-prefill": "chunked prefill",
                    "preemption": "KV pressure (preemption, recycled blocks)", "concurrency": "concurrent requests",
@@ -173,7 +231,7 @@ MECHANISM_WORDS = {"prefix-caching": "prefix caching", "chunked-prefill": "chunk
 
 
 class Finding(_Data):
-    schema_version: Literal[1] = SCHEMA_VERSION
+    schema_version: Literal[1, 2] = SCHEMA_VERSION
     kind: Literal["finding"] = "finding"
     id: str = ""
     created: str | None = None
@@ -190,6 +248,8 @@ class Finding(_Data):
     scores: list[Scoring] = Field(default_factory=list)
     minimization: Minimization | None = None
     explanation: Explanation | None = None
+    # Which vLLM releases it reproduces in (kvfuzz bisect); older findings have none.
+    bisect: BisectRecord | None = None
     # The bucket (one root cause) a campaign filed it under: oracle/buckets.py.
     bucket: str | None = None
     notes: dict[str, Any] = Field(default_factory=dict)

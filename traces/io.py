@@ -13,7 +13,7 @@ from pydantic import BaseModel, ValidationError
 from .errors import BadInput
 from .finding import Finding
 from .paths import check_engine
-from .trace import SCHEMA_VERSION, Trace
+from .trace import SCHEMA_VERSION, SCHEMA_VERSIONS, Trace
 
 if TYPE_CHECKING:
     from .foreign import ForeignFinding
@@ -106,9 +106,9 @@ def _check_version(data: Any, source: str) -> None:
     if not isinstance(data, dict):
         raise BadInput(f"expected a JSON object, got {type(data).__name__}", source=source)
     v = data.get("schema_version", SCHEMA_VERSION)
-    if v != SCHEMA_VERSION:
+    if v not in SCHEMA_VERSIONS or isinstance(v, bool):
         raise BadInput(
-            f"unsupported schema_version {v!r} (this kvfuzz reads {SCHEMA_VERSION})",
+            f"unsupported schema_version {v!r} (this kvfuzz reads {', '.join(map(str, SCHEMA_VERSIONS))})",
             source=source,
             field="schema_version",
         )

@@ -1,4 +1,4 @@
-"""The trace: an engine configuration plus a schedule of send / cancel events.
+"""The trace: an engine configuration plus a schedule of send / cancel / adapter-lifecycle events.
 
 A trace is data, versioned by ``schema_version``. It names *when* each event happens in two
 clocks: ``step`` (an engine step, exact for the in-process engine) and ``offset_ms`` (wall
@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
-SCHEMA_VERSION = 1
+# 2: adapter lifecycle events (load / unload / reload), ``cache_salt`` on sends,
+# ``lora.max_cpu_loras``. Version 1 files still load (they cannot carry those).
+SCHEMA_VERSION = 2
+SCHEMA_VERSIONS = (1, 2)
 
 # Embedded default model (see harness/embedded.py); a path or hub name selects another model.
 EMBEDDED_MODEL = "embedded:tiny-qwen2"
@@ -32,6 +36,14 @@ MAX_STEP = 10**7
 MAX_OFFSET_MS = 24 * 3600 * 1000.0
 
 
+def _drop_none(data: Any, keys: tuple[str, ...]) -> Any:
+    if isinstance(data, dict):
+        for k in keys:
+            if data.get(k) is None:
+                data.pop(k, None)
+    return data
+
+
 class _Strict(BaseModel):
     # extra="forbid": a misspelt field in a hand-written trace is an error, not silently ignored.
     model_config = ConfigDict(extra="forbid", ser_json_inf_nan="constants")
@@ -44,6 +56,14 @@ class LoraSettings(_Strict):
     adapters: dict[str, str] = Field(default_factory=dict)
     max_loras: int = Field(default=2, ge=1, le=1024)
     max_lora_rank: int = Field(default=8, ge=1, le=1024)
+    # Adapters vLLM keeps in CPU memory; past it the least recently used one is evicted and
+    # reloaded from its path on next use (LRU churn). None: vLLM's default (= max_loras).
+    max_cpu_loras: int | None = Field(default=None, ge=1, le=1024)
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler: Any) -> Any:
+        # Written only when set: traces without it keep their bytes, trace ids and reference keys.
+        return _drop_none(handler(self), ("max_cpu_loras",))
 
 
 class EngineConfig(_Strict):
@@ -108,6 +128,13 @@ class EngineConfig(_Strict):
     def key(self) -> str:
         """Stable hash of the fields that affect outputs (used to memoise references)."""
         data = self.model_dump(mode="json", exclude={"toggles", "ms_per_step"})
+        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+    def engine_key(self) -> str:
+        """``key`` without the adapter map: what a started engine is. Adapters are bound per
+        request (and rebound by lifecycle events), so one engine serves any adapter map."""
+        data = self.model_dump(mode="json", exclude={"toggles", "ms_per_step"})
+        data["lora"].pop("adapters", None)
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -175,13 +202,18 @@ class SendEvent(_Strict):
     adapter: str | None = None
     max_tokens: int = Field(default=16, ge=1, le=MAX_LEN)
     stream: bool = True
+    # Multi-tenant isolation: vLLM mixes the salt into the first block's hash, so requests of
+    # different salts never share prefix-cache blocks. It cannot change a solo output.
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
 
     @field_validator("at")
     @classmethod
     def _no_relative_send(cls, at: At) -> At:
-        if at.after_tokens is not None:
-            raise ValueError("after_tokens is only meaningful for cancel events")
-        return at
+        return _absolute(at, "send")
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler: Any) -> Any:
+        return _drop_none(handler(self), ("cache_salt",))
 
 
 class CancelEvent(_Strict):
@@ -190,7 +222,115 @@ class CancelEvent(_Strict):
     at: At
 
 
-Event = Annotated[Union[SendEvent, CancelEvent], Field(discriminator="kind")]
+def _absolute(at: At, kind: str) -> At:
+    if at.after_tokens is not None:
+        raise ValueError(f"after_tokens is only meaningful for cancel events, not {kind}")
+    return at
+
+
+# An adapter source: ``embedded:NAME`` (an embedded adapter), ``embedded:NAME@vN`` (its
+# deterministic weight variant N; v1 is the adapter itself), or a directory.
+ADAPTER_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+EMBEDDED_SOURCE = re.compile(r"^embedded:([a-z0-9][a-z0-9-]{0,31})(?:@v([1-9][0-9]{0,2}))?$")
+
+
+def parse_embedded_source(source: str) -> tuple[str, int] | None:
+    """``embedded:a@v2`` -> ("a", 2); ``embedded:a`` -> ("a", 1); a path -> None."""
+    m = EMBEDDED_SOURCE.match(source)
+    if m is None:
+        if source.startswith("embedded:"):
+            raise ValueError(f"malformed embedded adapter source {source!r} (embedded:NAME or embedded:NAME@vN)")
+        return None
+    return m.group(1), int(m.group(2) or 1)
+
+
+def _check_source(source: str) -> str:
+    parse_embedded_source(source)
+    return source
+
+
+class LoadAdapterEvent(_Strict):
+    """Bind adapter ``name`` to the weights at ``source`` (vLLM: ``add_lora`` offline,
+    ``/v1/load_lora_adapter`` on a server). The name must not be bound already."""
+
+    kind: Literal["load-adapter"] = "load-adapter"
+    name: str = Field(pattern=ADAPTER_NAME)
+    source: str = Field(min_length=1, max_length=4096)
+    at: At
+
+    @field_validator("source")
+    @classmethod
+    def _known_source(cls, v: str) -> str:
+        return _check_source(v)
+
+    @field_validator("at")
+    @classmethod
+    def _absolute_at(cls, at: At) -> At:
+        return _absolute(at, "load-adapter")
+
+
+class UnloadAdapterEvent(_Strict):
+    """Unbind adapter ``name`` (``remove_lora`` / ``/v1/unload_lora_adapter``)."""
+
+    kind: Literal["unload-adapter"] = "unload-adapter"
+    name: str = Field(pattern=ADAPTER_NAME)
+    at: At
+
+    @field_validator("at")
+    @classmethod
+    def _absolute_at(cls, at: At) -> At:
+        return _absolute(at, "unload-adapter")
+
+
+class ReloadAdapterEvent(_Strict):
+    """Rebind the bound adapter ``name`` to new weights in place: vLLM's ``load_inplace``, which
+    keeps the adapter's id, so the engine replaces its weights under the same identity.
+    ``same_path`` false: the new weights come from ``source``'s own path. ``same_path`` true: the
+    files at the name's current path are overwritten with ``source``'s and reloaded from that
+    same path (how a deployment that updates an adapter directory in place does it)."""
+
+    kind: Literal["reload-adapter"] = "reload-adapter"
+    name: str = Field(pattern=ADAPTER_NAME)
+    source: str = Field(min_length=1, max_length=4096)
+    same_path: bool = False
+    at: At
+
+    @field_validator("source")
+    @classmethod
+    def _known_source(cls, v: str) -> str:
+        return _check_source(v)
+
+    @field_validator("at")
+    @classmethod
+    def _absolute_at(cls, at: At) -> At:
+        return _absolute(at, "reload-adapter")
+
+
+AdapterEvent = Union[LoadAdapterEvent, UnloadAdapterEvent, ReloadAdapterEvent]
+ADAPTER_EVENT_TYPES = (LoadAdapterEvent, UnloadAdapterEvent, ReloadAdapterEvent)
+
+Event = Annotated[Union[SendEvent, CancelEvent, LoadAdapterEvent, UnloadAdapterEvent, ReloadAdapterEvent],
+                  Field(discriminator="kind")]
+
+
+class Binding(BaseModel):
+    """What an adapter name is bound to at one moment of a trace's plan: its weights' source,
+    which generation of binding it is (each load or reload makes a new one), and whether the
+    binding shares its path with an earlier one whose files were overwritten in place."""
+
+    model_config = ConfigDict(frozen=True)
+
+    name: str
+    source: str
+    generation: int = 0
+    same_path_of: int | None = None  # generation whose path this binding overwrote
+
+    @classmethod
+    def initial(cls, engine: "EngineConfig", adapter: str | None) -> "Binding | None":
+        """The binding of ``adapter`` before any lifecycle event (the engine section's)."""
+        if adapter is None:
+            return None
+        return cls(name=adapter, source=engine.lora.adapters[adapter])
 
 
 class Lineage(_Strict):
@@ -215,7 +355,7 @@ class Expectation(_Strict):
 
 
 class Trace(_Strict):
-    schema_version: Literal[1] = SCHEMA_VERSION
+    schema_version: Literal[1, 2] = SCHEMA_VERSION
     name: str | None = None
     engine: EngineConfig = Field(default_factory=EngineConfig)
     events: list[Event] = Field(default_factory=list)
@@ -233,26 +373,78 @@ class Trace(_Strict):
                 if ev.request_id in sends:
                     raise ValueError(f"events[{i}].request_id: {ev.request_id!r} is sent twice")
                 sends[ev.request_id] = ev
-                if ev.adapter is not None:
-                    if not self.engine.lora.enabled:
-                        raise ValueError(
-                            f"events[{i}].adapter: {ev.adapter!r} used but engine.lora.enabled is false"
-                        )
-                    if ev.adapter not in self.engine.lora.adapters:
-                        raise ValueError(
-                            f"events[{i}].adapter: unknown adapter {ev.adapter!r} "
-                            f"(known: {sorted(self.engine.lora.adapters)})"
-                        )
+                if ev.adapter is not None and not self.engine.lora.enabled:
+                    raise ValueError(f"events[{i}].adapter: {ev.adapter!r} used but engine.lora.enabled is false")
+                if ev.cache_salt is not None and self.schema_version < 2:
+                    raise ValueError(f"events[{i}].cache_salt: needs schema_version 2")
                 need = ev.prompt.length + ev.max_tokens
                 if need > self.engine.max_model_len:
                     raise ValueError(
                         f"events[{i}].prompt: {ev.prompt.length} prompt + {ev.max_tokens} new tokens "
                         f"exceed engine.max_model_len {self.engine.max_model_len}"
                     )
+            elif isinstance(ev, ADAPTER_EVENT_TYPES):
+                if not self.engine.lora.enabled:
+                    raise ValueError(f"events[{i}]: {ev.kind} needs engine.lora.enabled")
+                if self.schema_version < 2:
+                    raise ValueError(f"events[{i}]: {ev.kind} needs schema_version 2")
         for i, ev in enumerate(self.events):
             if isinstance(ev, CancelEvent) and ev.request_id not in sends:
                 raise ValueError(f"events[{i}].request_id: cancel of unknown request {ev.request_id!r}")
+        self._plan_bindings()  # every send's adapter bound at its admission, every unload/reload of a bound name
         return self
+
+    def planned_order(self) -> list[int]:
+        """Indices of the events with an absolute time, in the order the harness applies them:
+        by planned engine step, then by position in the trace (relative cancels excluded)."""
+        mps = self.engine.ms_per_step
+        timed = [i for i, ev in enumerate(self.events)
+                 if not (isinstance(ev, CancelEvent) and ev.at.after_tokens is not None)]
+        return sorted(timed, key=lambda i: (self.events[i].at.step_or(mps), i))
+
+    def _plan_bindings(self) -> dict[str, Binding | None]:
+        """Walk the plan: request id -> the binding of its adapter at its admission (None for
+        the base model). Raises ValueError naming the event for an adapter used while unbound."""
+        bound: dict[str, Binding] = {n: Binding(name=n, source=s) for n, s in self.engine.lora.adapters.items()}
+        known = set(bound) | {e.name for e in self.events if isinstance(e, LoadAdapterEvent)}
+        generation = 0
+        at_admission: dict[str, Binding | None] = {}
+        for i in self.planned_order():
+            ev = self.events[i]
+            if isinstance(ev, SendEvent):
+                if ev.adapter is not None and ev.adapter not in bound:
+                    if ev.adapter not in known:
+                        raise ValueError(f"events[{i}].adapter: unknown adapter {ev.adapter!r} "
+                                         f"(known: {sorted(known)})")
+                    raise ValueError(f"events[{i}].adapter: adapter {ev.adapter!r} is not loaded at this point of the "
+                                     f"schedule (bound: {sorted(bound)})")
+                at_admission[ev.request_id] = bound.get(ev.adapter) if ev.adapter is not None else None
+            elif isinstance(ev, LoadAdapterEvent):
+                if ev.name in bound:
+                    raise ValueError(f"events[{i}].name: adapter {ev.name!r} is already loaded (use reload-adapter)")
+                generation += 1
+                bound[ev.name] = Binding(name=ev.name, source=ev.source, generation=generation)
+            elif isinstance(ev, UnloadAdapterEvent):
+                if bound.pop(ev.name, None) is None:
+                    raise ValueError(f"events[{i}].name: unload of adapter {ev.name!r}, which is not loaded")
+            elif isinstance(ev, ReloadAdapterEvent):
+                old = bound.get(ev.name)
+                if old is None:
+                    raise ValueError(f"events[{i}].name: reload of adapter {ev.name!r}, which is not loaded")
+                generation += 1
+                bound[ev.name] = Binding(name=ev.name, source=ev.source, generation=generation,
+                                         same_path_of=(old.same_path_of if old.same_path_of is not None
+                                                       else old.generation) if ev.same_path else None)
+        return at_admission
+
+    def bindings_at_admission(self) -> dict[str, Binding | None]:
+        """Request id -> the adapter binding it is admitted with (None: the base model). The
+        oracle's contract: a request's reference runs with these weights (docs/oracle.md)."""
+        return self._plan_bindings()
+
+    @property
+    def lifecycle(self) -> list[AdapterEvent]:
+        return [e for e in self.events if isinstance(e, ADAPTER_EVENT_TYPES)]
 
     # -- convenience -------------------------------------------------------------------------
     @property

@@ -36,8 +36,9 @@ def model_build(
     out: Annotated[Optional[Path], typer.Option(help="Directory (default: the kvfuzz cache).")] = None,
     force: Annotated[bool, typer.Option(help="Rebuild even if present.")] = False,
 ) -> None:
-    """Build the embedded tiny Qwen2 model, tokenizer and LoRA adapters, and next to them the
-    hybrid model embedded:tiny-hybrid (deterministic)."""
+    """Build the embedded tiny Qwen2 model, tokenizer and LoRA adapters (with a second weight
+    variant of each, embedded:NAME@v2), and next to them the hybrid model embedded:tiny-hybrid
+    (deterministic)."""
     from kvfuzz.harness import embedded
 
     m = embedded.build(out, force=force)
@@ -45,6 +46,11 @@ def model_build(
     for name, p in m.adapters.items():
         console.print(f"adapter  {name}: {p}")
     console.print(f"content hash {m.content_hash}")
+    # Weight variants for adapter reloads (embedded:NAME@v2): the lifecycle generator draws them.
+    vroot = out.with_name(out.name + "-variants") if out else None
+    for name in m.adapters:
+        v = embedded.build_variant(name, 2, root=vroot)
+        console.print(f"variant  embedded:{name}@v2: {v} (content hash {embedded.adapter_hash(v)})")
     # With --out, the hybrid model goes into a sibling directory of the default's.
     h = embedded.build_hybrid(out.with_name(out.name + "-hybrid") if out else None, force=force)
     console.print(f"hybrid   {h.model_dir}")

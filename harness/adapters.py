@@ -1,0 +1,114 @@
+"""Adapter bindings during one run: which weights on disk each adapter name serves.
+
+A trace's adapter lifecycle events (load / unload / reload) rebind names while requests run.
+The book turns the plan into what an engine is given — a directory, a content hash, an adapter
+id — the same way for the in-process engine (vLLM's ``add_lora``/``remove_lora``) and for a
+server (``/v1/load_lora_adapter``). Built once; both harnesses use it.
+
+``same_path`` reloads overwrite the files at the name's current directory. The directories of
+the embedded adapters live in the kvfuzz cache and must never be overwritten, so a name that a
+trace reloads in place is served from a working copy that the book owns (fresh every run).
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvfuzz.traces import Trace
+from kvfuzz.traces.trace import LoadAdapterEvent, ReloadAdapterEvent, UnloadAdapterEvent
+
+from .embedded import adapter_hash
+
+
+@dataclass(frozen=True)
+class Bound:
+    """An adapter name bound to weights: where they are, their content hash, the adapter id
+    the engine knows them by, and whether the binding was made by an in-place reload."""
+
+    name: str
+    source: str
+    path: str
+    content_hash: str
+    lora_id: int
+    inplace: bool = False
+
+
+class AdapterBook:
+    """The bindings of one run, from the trace's initial adapters through its lifecycle events.
+
+    ``resolve`` maps a source (``embedded:a@v2``, a directory) to its directory; ``workdir`` is
+    where names reloaded in place get their working copies. Initial adapters get ids 1..n in
+    name order (as before lifecycle events existed), later loads the next ids; a reload keeps
+    the id, as vLLM's ``load_inplace`` does."""
+
+    def __init__(self, trace: Trace, resolve: Callable[[str], Path], workdir: Path | None) -> None:
+        self._resolve = resolve
+        self._workdir = workdir
+        self._hashes: dict[str, str] = {}
+        self.in_place_names = {e.name for e in trace.lifecycle if isinstance(e, ReloadAdapterEvent) and e.same_path}
+        if self.in_place_names and workdir is None:
+            raise ValueError("a trace with same-path reloads needs a working directory")
+        self.bound: dict[str, Bound] = {}
+        self._next_id = 1
+        for name, source in sorted(trace.engine.lora.adapters.items()):
+            self._bind(name, source, lora_id=self._take_id())
+
+    def _take_id(self) -> int:
+        self._next_id += 1
+        return self._next_id - 1
+
+    def _bind(self, name: str, source: str, *, lora_id: int, inplace: bool = False) -> Bound:
+        src = self._resolve(source)
+        if name in self.in_place_names:
+            assert self._workdir is not None
+            path = self._workdir / name
+            _overwrite_dir(src, path)
+            digest = adapter_hash(path)  # what is at the path now
+        else:
+            path = src
+            key = str(src)
+            if key not in self._hashes:
+                self._hashes[key] = adapter_hash(src)
+            digest = self._hashes[key]
+        b = Bound(name=name, source=source, path=str(path), content_hash=digest, lora_id=lora_id, inplace=inplace)
+        self.bound[name] = b
+        return b
+
+    def load(self, ev: LoadAdapterEvent) -> Bound:
+        return self._bind(ev.name, ev.source, lora_id=self._take_id())
+
+    def unload(self, ev: UnloadAdapterEvent) -> Bound:
+        return self.bound.pop(ev.name)
+
+    def reload(self, ev: ReloadAdapterEvent) -> Bound:
+        old = self.bound[ev.name]
+        if not ev.same_path and ev.name in self.in_place_names:
+            # This name is served from a working copy (another of its reloads is in place): a
+            # new-path reload gets its own directory beside it, never the copy's.
+            return self._bind_at(ev.name, ev.source, self._resolve(ev.source), old.lora_id)
+        return self._bind(ev.name, ev.source, lora_id=old.lora_id, inplace=True)
+
+    def _bind_at(self, name: str, source: str, path: Path, lora_id: int) -> Bound:
+        b = Bound(name=name, source=source, path=str(path), content_hash=adapter_hash(path), lora_id=lora_id,
+                  inplace=True)
+        self.bound[name] = b
+        return b
+
+    def get(self, name: str) -> Bound | None:
+        return self.bound.get(name)
+
+
+def _overwrite_dir(src: Path, dst: Path) -> None:
+    """Replace the files in ``dst`` by ``src``'s, as a deployment updating an adapter directory
+    in place does (same directory, new bytes)."""
+    dst.mkdir(parents=True, exist_ok=True)
+    for p in dst.iterdir():
+        if p.is_file():
+            p.unlink()
+    for p in src.iterdir():
+        if p.is_file():
+            shutil.copyfile(p, dst / p.name)
+
