@@ -47,6 +47,7 @@ from kvfuzz.traces.trace import (
 from . import toggles as toggle_registry
 from .adapters import AdapterBook, Bound
 from .blocks import BlockEdges
+from .compat import check_inprocess
 from .embedded import ResolvedModel, resolve_adapter, resolve_model
 from .logs import quiet_stderr, read_tail, route_vllm_logs
 from .vllm_args import engine_args
@@ -153,6 +154,8 @@ class InProcessEngine:
                 from vllm.v1.engine.llm_engine import LLMEngine
             except ImportError as e:
                 raise InfraError(f"vLLM is not installed ({e}); install kvfuzz[cpu] or kvfuzz[gpu]") from None
+            # A release whose internals or engine settings this engine does not know: one line.
+            check_inprocess(engine_args(self.config, self._model.model_path, device=self.device))
             # Toggles are installed (inactive) before the engine exists: some patch classes
             # that the engine instantiates.
             toggle_registry.install(self.config.toggles)
@@ -469,6 +472,8 @@ class InProcessEngine:
                 rec.finish_reason = "abort"
 
         while True:
+            # What this step records starts here: adapter loads by lifecycle events count in it.
+            self._step_capture.clear()
             # 1) events due before this step
             while cursor < len(timed) and timed[cursor][0] <= step:
                 planned, i, ev = timed[cursor]
@@ -538,7 +543,6 @@ class InProcessEngine:
                 break
 
             # 3) one engine step
-            self._step_capture.clear()
             try:
                 outputs = llm.step()
             except Exception as e:

@@ -1,5 +1,6 @@
-"""LoRA toggles: the adapter namespace in prefix-cache hashes (fault) and the CPU LoRA ops'
-handling of base-model tokens (fix, a real bug found by kvfuzz)."""
+"""LoRA toggles: the adapter namespace in prefix-cache hashes (fault), the adapter weights'
+identity in them (fix), and the CPU LoRA ops' handling of base-model tokens (fix, a real bug
+found by kvfuzz)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ def _lora_ns_patch() -> None:
     import vllm.v1.core.kv_cache_utils as ku
 
     original = ku._gen_lora_extra_hash_keys
-    if getattr(original, "__kvfuzz_patch__", False):
+    if _has_patch(original, "__kvfuzz_lora_ns__"):
         return
 
     # Looked up at call time by generate_block_hash_extra_keys, so replacing the module
@@ -37,7 +38,18 @@ def _lora_ns_patch() -> None:
 
     patched.__wrapped__ = original  # type: ignore[attr-defined]
     patched.__kvfuzz_patch__ = True  # type: ignore[attr-defined]
+    patched.__kvfuzz_lora_ns__ = True  # type: ignore[attr-defined]
     ku._gen_lora_extra_hash_keys = patched
+
+
+def _has_patch(fn: object, marker: str) -> bool:
+    """Whether ``marker``'s patch is anywhere in the chain of kvfuzz wrappers (two toggles wrap
+    the same vLLM function)."""
+    while fn is not None:
+        if getattr(fn, marker, False):
+            return True
+        fn = getattr(fn, "__wrapped__", None) if getattr(fn, "__kvfuzz_patch__", False) else None
+    return False
 
 
 register(Toggle(
@@ -114,4 +126,79 @@ register(Toggle(
     check=_lora_cpu_check,
     patch=_lora_cpu_patch,
     needs=("lora",),
+))
+
+
+# -- LoRA prefix-cache identity follows the adapter's weights (fix; vllm#42125, PR #48352) -----
+
+LORA_IDENTITY = "fix-lora-reload-prefix-identity"
+
+
+def _lora_identity_check() -> str | None:
+    return first_problem(
+        expect_params(_KU, "_gen_lora_extra_hash_keys", "request"),
+        expect_source(_KU, "_gen_lora_extra_hash_keys", "lora_request", "return"),
+        expect_source(_KU, "generate_block_hash_extra_keys", "_gen_lora_extra_hash_keys("),
+    )
+
+
+# (path, files' names, sizes and mtimes) -> content digest: the key runs once per block hashed,
+# so the files are read only when they changed on disk.
+_IDENTITY_MEMO: dict[tuple[object, ...], str] = {}
+
+
+def _weights_identity(path: str) -> str:
+    import hashlib
+    import os
+
+    try:
+        entries = sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in os.scandir(path) if e.is_file())
+    except OSError:
+        return "unreadable:" + path  # hub names, remote paths: no content to key on
+    key = (path, tuple(entries))
+    if key not in _IDENTITY_MEMO:
+        h = hashlib.sha256()
+        for name, _, _ in entries:
+            h.update(name.encode() + b"\0")
+            with open(os.path.join(path, name), "rb") as f:
+                h.update(f.read())
+        _IDENTITY_MEMO[key] = h.hexdigest()[:16]
+    return _IDENTITY_MEMO[key]
+
+
+def _lora_identity_patch() -> None:
+    import vllm.v1.core.kv_cache_utils as ku
+
+    original = ku._gen_lora_extra_hash_keys
+    if _has_patch(original, "__kvfuzz_identity__"):
+        return
+
+    def patched(request, *args, **kwargs):
+        keys = original(request, *args, **kwargs)
+        lora = getattr(request, "lora_request", None)
+        if is_active(LORA_IDENTITY) and lora:
+            keys = [*keys, ("lora_weights", _weights_identity(lora.lora_path))]
+        return keys
+
+    patched.__wrapped__ = original  # type: ignore[attr-defined]
+    patched.__kvfuzz_patch__ = True  # type: ignore[attr-defined]
+    patched.__kvfuzz_identity__ = True  # type: ignore[attr-defined]
+    ku._gen_lora_extra_hash_keys = patched
+
+
+register(Toggle(
+    name=LORA_IDENTITY,
+    kind="fix",
+    models="vllm#42125 (fix proposed in PR #48352, open)",
+    process="engine-core",
+    target=f"{_KU}._gen_lora_extra_hash_keys",
+    backends=("cpu", "cuda"),
+    versions=">=0.25",
+    description="Prefix-cache block hashes key a LoRA request by its adapter's name (and, from some "
+                "release on, its path), never by its weights: after a same-name reload (load_inplace) "
+                "from the same path, requests hit blocks computed with the previous weights. The fix "
+                "adds a digest of the adapter's files to the key.",
+    check=_lora_identity_check,
+    patch=_lora_identity_patch,
+    needs=("prefix-caching", "lora"),
 ))
