@@ -7,7 +7,7 @@ import sys
 from importlib import metadata
 from typing import Any
 
-from kvfuzz.traces import EngineConfig, Environment
+from kvfuzz.traces import EngineConfig, Environment, History
 from kvfuzz.traces.calibration import NoiseKey
 
 from .dtypes import resolve_dtype
@@ -28,6 +28,16 @@ def vllm_version() -> str | None:
         except metadata.PackageNotFoundError:
             continue
     return None
+
+
+def stamp(history: History, engine_kind: str) -> History:
+    """Record in ``history`` the vLLM release that ran it: the one installed here (the in-process
+    engine runs it, and a managed server is started with this interpreter). A URL server's is
+    unknown: left None. Called where the histories of all engines pass (harness/runner.py
+    ``record``, ``Session.confirm``)."""
+    if engine_kind != "url" and history.vllm_version is None:
+        history.vllm_version = vllm_version()
+    return history
 
 
 def torch_version() -> str | None:

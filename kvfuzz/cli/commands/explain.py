@@ -30,10 +30,12 @@ def explain_cmd(
     engine: Annotated[str, typer.Option(help="inprocess or server (a managed vLLM server).")] = "inprocess",
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
     calibration: options.CalibrationOpt = None,
+    vllm: options.VllmOpt = None,
 ) -> None:
     """Replay a finding with one engine mechanism taken away at a time and say which removals
     make its divergence disappear: prefix caching, chunked prefill, KV pressure, concurrency,
     cancels, LoRA adapters, adapter swaps, 16-bit numerics."""
+    options.use_release(vllm, device=device)
     from kvfuzz.session import Session, engine_kind
     from kvfuzz.triage.explain import ABLATIONS, explain
 

@@ -64,8 +64,10 @@ def gate(
     ray_address: options.RayOpt = None,
     workers: Annotated[Optional[int], typer.Option(min=1, help="With --ray: how many workers (one engine each; "
                                                                "default 2).")] = None,
+    vllm: options.VllmOpt = None,
 ) -> None:
     """Replay a corpus of findings/traces as a CI regression gate."""
+    options.use_release(vllm, device=device, base_url=base_url)
     from kvfuzz.gate import (
         GateRunner,
         bundled_corpus,

@@ -38,10 +38,12 @@ def minimize_cmd(
     near_tie: options.NearTieOpt = None,
     bound: options.BoundOpt = None,
     calibration: options.CalibrationOpt = None,
+    vllm: options.VllmOpt = None,
 ) -> None:
     """Shrink a finding to the fewest requests, tokens and steps that keep its signature.
 
     Exit codes: 0 written, 1 not reproduced here (nothing written), 2 bad input, 3 engine failure."""
+    options.use_release(vllm, device=device)
     from kvfuzz.gate import in_dtype
     from kvfuzz.harness.dtypes import check_dtype
     from kvfuzz.oracle.controls import escalate

@@ -134,11 +134,13 @@ def replay(
     without: options.WithoutOpt = None,
     arms: options.ArmsOpt = None,
     attribute: options.AttributeOpt = False,
+    vllm: options.VllmOpt = None,
 ) -> None:
     """Replay finding/trace files and report, per request, whether a divergence reproduces.
 
     Each file replays in its own arms (a finding's, else its trace's toggles) unless --arms /
     --with / --without say otherwise; --attribute explains divergences by toggles as `kvfuzz run` does."""
+    options.use_release(vllm, device=device, base_url=base_url)
     from kvfuzz.gate import in_dtype
     from kvfuzz.harness.dtypes import check_dtype
     from kvfuzz.session import Session, engine_kind
