@@ -176,7 +176,9 @@ def _lora_identity_patch() -> None:
     def patched(request, *args, **kwargs):
         keys = original(request, *args, **kwargs)
         lora = getattr(request, "lora_request", None)
-        if is_active(LORA_IDENTITY) and lora:
+        # With the namespace fault on, the adapter is absent from the key altogether (the fault
+        # must win, whichever of the two wrappers was installed last).
+        if is_active(LORA_IDENTITY) and lora and not is_active(LORA_NS):
             keys = [*keys, ("lora_weights", _weights_identity(lora.lora_path))]
         return keys
 
