@@ -98,3 +98,36 @@ def test_the_lifecycle_contract_on_the_real_engine(session, lora_engine_config):
     (v,) = c.verdicts
     assert v.class_ == "unconstrained" and "reloaded in place at step 6" in v.detail
     assert c.finding is None
+
+
+@pytest.mark.parametrize("identity_outer", [True, False])
+def test_identity_fix_adds_the_weights_and_yields_to_the_namespace_fault(monkeypatch, identity_outer):
+    from types import SimpleNamespace
+
+    import vllm.v1.core.kv_cache_utils as ku
+    from vllm.lora.request import LoRARequest
+
+    from kvfuzz.harness import toggles
+    from kvfuzz.harness.toggles import lora as lora_toggles
+    from kvfuzz.harness.toggles.builtin import LORA_NS
+    from kvfuzz.harness.toggles.checks import unwrap
+
+    # Both wrapping orders, on vLLM's own function (restored afterwards).
+    monkeypatch.setattr(ku, "_gen_lora_extra_hash_keys", unwrap(ku._gen_lora_extra_hash_keys))
+    first, second = ((lora_toggles._lora_ns_patch, lora_toggles._lora_identity_patch) if identity_outer
+                     else (lora_toggles._lora_identity_patch, lora_toggles._lora_ns_patch))
+    first()
+    second()
+    a = str(resolve_adapter("embedded:a", build()))
+    req = SimpleNamespace(lora_request=LoRARequest("a", 1, a))
+    with toggles.activate([]):
+        plain = ku._gen_lora_extra_hash_keys(req)
+    with toggles.activate([LORA_IDENTITY]):
+        fixed = ku._gen_lora_extra_hash_keys(req)
+    (extra,) = fixed[len(plain):]
+    assert fixed[: len(plain)] == plain and extra[0] == "lora_weights"
+    v2 = SimpleNamespace(lora_request=LoRARequest("a", 1, str(resolve_adapter("embedded:a@v2", build()))))
+    with toggles.activate([LORA_IDENTITY]):
+        assert ku._gen_lora_extra_hash_keys(v2)[-1] not in (extra, *plain)  # other weights, other key
+    with toggles.activate([LORA_IDENTITY, LORA_NS]):
+        assert ku._gen_lora_extra_hash_keys(req) == []
