@@ -163,7 +163,8 @@ class ServerEngine(HttpEngineBase):
         while (log_dir / f"server-{n}.log").exists():
             n += 1
         log_path = log_dir / f"server-{n}.log"
-        env = server_env(os.environ, toggles=self.toggles, api_key=self.options.api_key)
+        env = server_env(os.environ, toggles=self.toggles, api_key=self.options.api_key,
+                         runtime_lora=self.config.lora.enabled)
         self.server = ManagedServer(self._cmd, env, log_path, port, nice=self.options.server_nice())
         log.info("starting vLLM server on port %d (toggles %s, log %s)", port, self.toggles, log_path)
         try:
@@ -173,8 +174,14 @@ class ServerEngine(HttpEngineBase):
             self._warm_up()
             if control.reset_prefix_cache(self.target) is None:
                 raise InfraError(f"the managed server has no /reset_prefix_cache (dev mode); log: {log_path}")
-        except BaseException:
+        except BaseException as e:
             self.server.stop()
+            if isinstance(e, InfraError) and self.server.start_seconds is None:
+                # It never came up: an engine setting this release lacks is named (exit 2).
+                from .compat import check_engine_args
+                from .vllm_args import engine_args
+
+                check_engine_args(engine_args(self.config, self._model_path, device=self.options.device))
             raise
 
     def _warm_up(self) -> None:
@@ -209,6 +216,7 @@ class ServerEngine(HttpEngineBase):
         self._pool.clear()
         self.server = None
         self.target = None
+        self._drop_adapter_workdir()
 
     def __enter__(self) -> "ServerEngine":
         return self.start()
@@ -256,12 +264,14 @@ class ServerEngine(HttpEngineBase):
                           + (f"; last log line: {detail}" if detail else "") + f" (log: {self.server.log_path})")
 
     def _clean_slate(self) -> None:
-        """Idle server, empty prefix cache. (Block order and stale KV cannot be reset over
-        HTTP: server runs are not step-exact like in-process ones.)"""
+        """Idle server, its initial adapter set (the names a run's lifecycle events changed put
+        back; harness/http/engine.py), empty prefix cache. (Block order and stale KV cannot be
+        reset over HTTP: server runs are not step-exact like in-process ones.)"""
         assert self.target is not None and self.server is not None
         try:
             if not control.wait_idle(self.target):
                 raise EngineHang(f"vLLM server still busy 30 s after a run (log: {self.server.log_path})")
+            self._restore_adapters()
             if not control.reset_prefix_cache(self.target, reset_external=self.config.kv_connector is not None):
                 raise InfraError(f"vLLM server refused to reset its prefix cache (log: {self.server.log_path})")
         except InfraError as e:
@@ -278,7 +288,11 @@ class ServerEngine(HttpEngineBase):
         names = list(trace.engine.toggles if toggles is None else toggles)
         self._ensure(names)
         self._clean_slate()
-        hist, errors = self._http_replay(trace, arm=arm, run_index=run_index, toggles=names, cache_salt=None)
+        book = self._adapter_book(trace) if trace.engine.lora.enabled else None
+        if book is not None:
+            self._bind_working_copies(book, trace)
+        hist, errors = self._http_replay(trace, arm=arm, run_index=run_index, toggles=names, cache_salt=None,
+                                         book=book)
         self._check_alive(hist, errors, f"during run {run_index + 1} of trace {trace.trace_id()} (arm {arm})")
         return hist
 
@@ -307,13 +321,20 @@ class ServerEngine(HttpEngineBase):
         # batch), and the current server then serves references without a restart.
         self._ensure([])
         self._clean_slate()
-        one = self._alone_trace(self.config, send, max_tokens)
-        hist, errors = self._http_replay(one, arm="reference", run_index=0, toggles=[], cache_salt=None)
+        # Weights other than what the adapter name serves: loaded under a temporary name.
+        target, temp = self._reference_target(send, binding)
+        try:
+            one = self._alone_trace(self.config, send, max_tokens, binding)
+            hist, errors = self._http_replay(one, arm="reference", run_index=0, toggles=[], cache_salt=None,
+                                             target=target)
+        finally:
+            if self.server is not None and self.server.alive():
+                self._drop_reference_adapter(temp)
         self._check_alive(hist, errors, f"during the reference run of {send.request_id!r}")
         rec = hist.requests[send.request_id]
         if hist.crashed or rec.error:
             raise InfraError(f"reference run for {send.request_id!r} failed: {rec.error or hist.crash_detail}")
-        return rec
+        return self._note_reference_binding(rec, binding)
 
     def score(self, send: SendEvent, tokens: Sequence[int], *, binding: Binding | None = None) -> list[TopLogprobs]:
         """Teacher forcing on the vanilla server after a prefix-cache reset (see
@@ -325,7 +346,18 @@ class ServerEngine(HttpEngineBase):
         scored = [int(x) for x in tokens][: max(0, self.config.max_model_len - len(prompt) - 1)]
         if not scored:
             return []
-        return control.score(self.target, prompt, scored, adapter=send.adapter, timeout_s=self.request_timeout_s)
+        target, temp = self._reference_target(send, binding)
+        try:
+            return control.score(target, prompt, scored, adapter=send.adapter, timeout_s=self.request_timeout_s)
+        finally:
+            if self.server is not None and self.server.alive():
+                self._drop_reference_adapter(temp)
+
+    def _initial_adapters(self) -> dict[str, str]:
+        """What a managed server starts with: the configuration's adapters (--lora-modules)."""
+        if self._model_path is None:
+            self._resolve()
+        return dict(self._adapter_paths)
 
     # -- environment ---------------------------------------------------------------------------
     def noise_key(self) -> NoiseKey:

@@ -7,7 +7,16 @@ unless given. The API key (``--api-key`` / ``KVFUZZ_API_KEY``) lives only in req
 References must not reuse KV cached by the runs. In order of preference: the server's
 ``POST /reset_prefix_cache`` (vLLM dev mode), else a fresh ``cache_salt`` per run and per
 reference (a salted request cannot hit blocks cached under another salt), else nothing —
-and the finding says so (``reference_note``).
+and the finding says so (``reference_note``). A send's own ``cache_salt`` (tenant separation
+within a trace) is joined to that isolation salt as ``isolation:own`` (``wire.combine_salts``):
+tenants stay apart within a run, and no run or reference shares blocks with another.
+
+Adapter lifecycle events use the server's runtime endpoints (``/v1/load_lora_adapter``,
+``/v1/unload_lora_adapter``), which vLLM serves only when started with
+``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``; without them a lifecycle trace is refused (exit 2,
+like toggles: the trace asks for what this server cannot do). Adapter sources are paths on
+this machine: the server must be able to read them. After a run, the adapter names it changed
+are put back as /v1/models listed them when kvfuzz first connected.
 """
 
 from __future__ import annotations
@@ -25,7 +34,8 @@ from .base import EngineKind
 from .http import control
 from .http.engine import HttpEngineBase
 from .http.replay import replay_trace
-from .http.wire import HttpTarget, new_salt, redact_url
+from .http.wire import LOAD_ADAPTER_PATH, HttpTarget, new_salt, redact_url
+from .vllm_args import RUNTIME_LORA_ENV
 
 
 class UrlEngine(HttpEngineBase):
@@ -44,6 +54,10 @@ class UrlEngine(HttpEngineBase):
         self.target: HttpTarget | None = None
         self.models: list[str] = []
         self.reference_isolation = "unknown"
+        # LoRA adapters served when kvfuzz connected (name -> path), restored after each run.
+        self.adapters: dict[str, str] = {}
+        self._runtime_lora: bool | None = None  # the runtime adapter endpoints exist (probed once)
+        self._runtime_lora_status = 0
 
     def start(self) -> "UrlEngine":
         if self.target is not None:
@@ -51,6 +65,7 @@ class UrlEngine(HttpEngineBase):
         probe = HttpTarget(self.base_url, self._model or "", api_key=self._api_key)
         served = control.list_models(probe)
         self.models = [str(m.get("id")) for m in served if m.get("id")]
+        self.adapters = {str(m["id"]): str(m.get("root") or "") for m in served if m.get("id") and m.get("parent")}
         if self._model is None:
             # Base models have no parent; LoRA adapters name theirs.
             bases = [str(m["id"]) for m in served if m.get("id") and not m.get("parent")]
@@ -86,6 +101,21 @@ class UrlEngine(HttpEngineBase):
 
     def close(self) -> None:
         self.target = None
+        self._drop_adapter_workdir()
+
+    def _initial_adapters(self) -> dict[str, str]:
+        return dict(self.adapters)
+
+    def _require_runtime_lora(self) -> None:
+        """Refuse (exit 2, one line) when the server has no runtime adapter endpoints."""
+        assert self.target is not None
+        if self._runtime_lora is None:
+            status = control.runtime_lora_status(self.target)
+            self._runtime_lora = status not in (404, 405)
+            self._runtime_lora_status = status
+        if not self._runtime_lora:
+            raise BadInput(f"adapter lifecycle events need a vLLM server started with {RUNTIME_LORA_ENV}=True; "
+                           f"{self.shown_url} answers HTTP {self._runtime_lora_status} to POST {LOAD_ADAPTER_PATH}")
 
     def __enter__(self) -> "UrlEngine":
         return self.start()
@@ -110,14 +140,21 @@ class UrlEngine(HttpEngineBase):
         if names:
             raise BadInput("toggles cannot be applied to a server kvfuzz does not manage (--base-url)",
                            field="toggles")
+        book = None
+        if trace.lifecycle:
+            self._require_runtime_lora()
         salt = self._before_run()
-        hist, errors = self._http_replay(trace, arm=arm, run_index=run_index, toggles=[], cache_salt=salt)
+        if trace.lifecycle:
+            book = self._adapter_book(trace)
+            self._bind_working_copies(book, trace)
+        hist, errors = self._http_replay(trace, arm=arm, run_index=run_index, toggles=[], cache_salt=salt, book=book)
         self._check(hist, errors, f"run {run_index + 1}")
         return hist
 
     def _before_run(self) -> str | None:
         assert self.target is not None
         control.wait_idle(self.target)
+        self._restore_adapters()
         if self.reference_isolation == "reset_prefix_cache":
             control.reset_prefix_cache(self.target)
             return None
@@ -129,13 +166,18 @@ class UrlEngine(HttpEngineBase):
                   binding: Binding | None = None) -> RequestRecord:
         self.start()
         salt = self._before_run()
-        one = self._alone_trace(self.config, send, max_tokens)
-        hist, errors = self._http_replay(one, arm="reference", run_index=0, toggles=[], cache_salt=salt)
+        target, temp = self._reference_target(send, binding)
+        try:
+            one = self._alone_trace(self.config, send, max_tokens, binding)
+            hist, errors = self._http_replay(one, arm="reference", run_index=0, toggles=[], cache_salt=salt,
+                                             target=target)
+        finally:
+            self._drop_reference_adapter(temp)
         self._check(hist, errors, f"the reference run of {send.request_id!r}")
         rec = hist.requests[send.request_id]
         if rec.error:
             raise InfraError(f"reference run for {send.request_id!r} failed: {rec.error}")
-        return rec
+        return self._note_reference_binding(rec, binding)
 
     def score(self, send: SendEvent, tokens: Sequence[int], *, binding: Binding | None = None) -> list[TopLogprobs]:
         """Teacher forcing with the references' isolation (a prefix-cache reset, or a fresh salt)."""
@@ -146,8 +188,12 @@ class UrlEngine(HttpEngineBase):
         scored = [int(x) for x in tokens][: max(0, self.config.max_model_len - len(prompt) - 1)]
         if not scored:
             return []
-        return control.score(self.target, prompt, scored, adapter=send.adapter, cache_salt=salt,
-                             timeout_s=self.request_timeout_s)
+        target, temp = self._reference_target(send, binding)
+        try:
+            return control.score(target, prompt, scored, adapter=send.adapter, cache_salt=salt,
+                                 timeout_s=self.request_timeout_s)
+        finally:
+            self._drop_reference_adapter(temp)
 
     def noise_key(self) -> NoiseKey:
         """A server kvfuzz does not manage: its device is unknown, so its profile is its own

@@ -44,6 +44,8 @@ def engine_args(config: EngineConfig, model_path: str, *, device: str = "cpu") -
         args["kv_cache_memory_bytes"] = config.kv_cache_bytes
     if config.lora.enabled:
         args.update(enable_lora=True, max_loras=config.lora.max_loras, max_lora_rank=config.lora.max_lora_rank)
+        if config.lora.max_cpu_loras is not None:
+            args["max_cpu_loras"] = config.lora.max_cpu_loras
     if config.kv_connector is not None:
         args["kv_transfer_config"] = kv_transfer_config(config.kv_connector)
     args.update(config.extra_args)
@@ -123,10 +125,15 @@ def server_command(config: EngineConfig, *, model_path: str, adapter_paths: Mapp
     return cmd
 
 
+# vLLM serves /v1/load_lora_adapter and /v1/unload_lora_adapter only with this set at start.
+RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+
+
 def server_env(base: Mapping[str, str], *, toggles: Iterable[str] = (), api_key: str | None = None,
-               dev_mode: bool = True) -> dict[str, str]:
+               dev_mode: bool = True, runtime_lora: bool = False) -> dict[str, str]:
     """The server's environment (pure): the caller's, minus the in-process harness settings,
-    plus toggles, dev mode (for /reset_prefix_cache) and the API key."""
+    plus toggles, dev mode (for /reset_prefix_cache), the API key and, for a LoRA engine
+    (``runtime_lora``), the runtime adapter endpoints that lifecycle events use."""
     env = {k: v for k, v in base.items() if k not in STRIPPED_ENV}
     names = [t for t in toggles]
     if names:
@@ -138,6 +145,8 @@ def server_env(base: Mapping[str, str], *, toggles: Iterable[str] = (), api_key:
         env.pop(TOGGLES_ENV, None)
     if dev_mode:
         env["VLLM_SERVER_DEV_MODE"] = "1"
+    if runtime_lora:
+        env[RUNTIME_LORA_ENV] = "True"
     if api_key:
         env["VLLM_API_KEY"] = api_key
     else:

@@ -2,7 +2,8 @@
 
 Server starts dominate the cost (about 37 s each on this idle 2-core machine: three processes
 each import vLLM), so one managed server serves the module: the HTTP replay, reference
-isolation, a campaign, URL replays with an API key, and teacher forcing use it; the toggle test
+isolation, a campaign, URL replays with an API key, teacher forcing and adapter lifecycle
+events use it; the toggle test
 adds a second server for the toggled arm; the reliability campaign then kills it, runs on the
 restarted one, and hangs that one on its last trace; the last test is `kvfuzz replay --engine
 server`, whose server of its own is killed mid-trace. Four server starts in all. Tests run in
@@ -228,6 +229,60 @@ def test_toggle_reaches_server_processes_via_restart(session, server):
     assert c.finding is not None and c.finding.environment.engine == "server"
     assert "reset_prefix_cache" in c.finding.notes["references"]
     assert "KVFUZZ" not in " ".join(c.finding.environment.engine_flags["server"]["command"])
+
+
+def test_adapter_lifecycle_through_the_managed_server(server, kvfuzz_session):
+    """Load, in-place reload (new path) and unload through vLLM's runtime endpoints, in planned
+    order with the sends: every call accepted, every request recorded with the weights its
+    adapter was bound to when sent, references run on those weights (a temporary adapter for
+    rebound names), the server's adapter set restored between runs, and the oracle's verdicts
+    those of the in-process engine. (The 2 s gap keeps a1 from running across a's reload on a
+    busy machine; a request that still did would be 'unconstrained', and is left out.)"""
+    from kvfuzz.harness.embedded import adapter_hash, build, resolve_adapter
+    from kvfuzz.harness.runner import ReferenceStore, record
+    from kvfuzz.oracle.check import reloaded_while_running
+    from kvfuzz.traces.trace import LoadAdapterEvent, ReloadAdapterEvent, UnloadAdapterEvent
+
+    cfg = _cfg(server)
+    t = Trace(engine=cfg, events=[
+        SendEvent(request_id="a1", adapter="a", at=At(offset_ms=0), max_tokens=8, prompt=GenPrompt(length=70, seed=11)),
+        LoadAdapterEvent(name="x", source="embedded:b@v2", at=At(offset_ms=0)),
+        SendEvent(request_id="x1", adapter="x", at=At(offset_ms=0), max_tokens=8, prompt=GenPrompt(length=40, seed=12)),
+        ReloadAdapterEvent(name="a", source="embedded:a@v2", at=At(offset_ms=2000)),
+        # a1's prompt again: the new path keys new prefix-cache blocks, so no stale reuse.
+        SendEvent(request_id="a2", adapter="a", at=At(offset_ms=2000), max_tokens=8,
+                  prompt=GenPrompt(length=70, seed=11)),
+        UnloadAdapterEvent(name="x", at=At(offset_ms=2000)),
+    ])
+    # Two runs: the second starts from the restored adapter set (a second load of x would be
+    # refused with 400 if x had stayed).
+    rec = record(server, t, runs=2, store=ReferenceStore())
+    hashes = {s: adapter_hash(resolve_adapter(s, build())) for s in ("embedded:a", "embedded:b@v2", "embedded:a@v2")}
+    plan = t.bindings_at_admission()
+    for h in rec.histories:
+        life = sorted((e for e in h.events if e.kind != "send"), key=lambda e: e.index)
+        assert [(e.kind, e.adapter, e.error) for e in life] == [
+            ("load-adapter", "x", None), ("reload-adapter", "a", None), ("unload-adapter", "x", None)]
+        assert life[0].adapter_hash == hashes["embedded:b@v2"] and life[1].adapter_hash == hashes["embedded:a@v2"]
+        for rid, r in h.requests.items():
+            assert r.error is None and len(r.token_ids) == 8, (rid, r.error)
+            assert (r.adapter_source, r.adapter_hash) == (plan[rid].source, hashes[plan[rid].source]), rid
+    refs = rec.references
+    assert refs["a2"].adapter_source == "embedded:a@v2" and refs["a2"].token_ids != refs["a1"].token_ids
+    verdicts = {d.request_id: d.class_ for d in check(t, rec.histories, refs)}
+    raced = {rid for h in rec.histories for rid, r in h.requests.items() if reloaded_while_running(h, r)}
+    assert "a2" not in raced and "x1" not in raced
+    assert all(v == "ok" for rid, v in verdicts.items() if rid not in raced), verdicts
+    # Clean slate: the adapters the server started with, from their paths, and nothing else
+    # (x and the references' temporary adapters unloaded).
+    server._clean_slate()
+    assert control.served_adapters(server.target) == server._adapter_paths
+    # The in-process engine judges the same trace the same way, from the same references.
+    local = record(kvfuzz_session.engine_for(cfg), t, runs=1, store=ReferenceStore())
+    local_verdicts = {d.request_id: d.class_ for d in check(t, local.histories, local.references)}
+    assert {k: v for k, v in local_verdicts.items() if k not in raced} == \
+        {k: v for k, v in verdicts.items() if k not in raced}
+    assert {k: r.token_ids for k, r in local.references.items()} == {k: r.token_ids for k, r in refs.items()}
 
 
 # -- reliability: a killed and a hung server during a campaign -----------------------------------

@@ -1,6 +1,6 @@
 """Synchronous control calls to a vLLM server (/health, /v1/models, /reset_prefix_cache,
-/metrics), where timing does not matter: httpx. A server that does not answer raises
-``Unreachable``."""
+/metrics, the runtime adapter endpoints between runs), where timing does not matter: httpx.
+A server that does not answer raises ``Unreachable``."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import httpx
 from kvfuzz.traces.errors import InfraError, Unreachable
 
 from .. import metrics as prom
-from .wire import HttpTarget, error_text, redact_url, scored_positions
+from .wire import LOAD_ADAPTER_PATH, HttpTarget, adapter_request, error_text, redact_url, scored_positions
 
 
 def _client(timeout: float = 10.0) -> httpx.Client:
@@ -42,6 +42,36 @@ def list_models(target: HttpTarget) -> list[dict[str, Any]]:
         return list(r.json().get("data") or [])
     except (ValueError, AttributeError):
         raise InfraError(f"{redact_url(target.base_url)}/v1/models: not an OpenAI model list") from None
+
+
+def served_adapters(target: HttpTarget) -> dict[str, str]:
+    """The LoRA adapters the server serves: name -> path (``root`` in /v1/models)."""
+    return {str(m["id"]): str(m.get("root") or "") for m in list_models(target) if m.get("id") and m.get("parent")}
+
+
+def adapter_call(target: HttpTarget, kind: str, name: str, path: str | None = None) -> tuple[int, str]:
+    """One runtime adapter call (``kind`` as a trace event: load-adapter, reload-adapter,
+    unload-adapter): (HTTP status, error text or ""). See ``wire.adapter_request``."""
+    endpoint, body = adapter_request(kind, name, path)
+    try:
+        with _client(300.0) as c:
+            r = c.post(target.url(endpoint), json=body, headers=target.headers())
+    except httpx.HTTPError as e:
+        raise Unreachable(f"{redact_url(target.base_url)} does not answer: {type(e).__name__}: {e}") from None
+    return r.status_code, "" if r.status_code == 200 else error_text(r.status_code, r.content)
+
+
+def runtime_lora_status(target: HttpTarget) -> int:
+    """The HTTP status of a harmless POST /v1/load_lora_adapter (empty name and path): 404 or
+    405 when the server has no runtime adapter endpoints (started without
+    VLLM_ALLOW_RUNTIME_LORA_UPDATING=True); vLLM with them answers 400 (name and path missing)."""
+    try:
+        with _client() as c:
+            r = c.post(target.url(LOAD_ADAPTER_PATH), json={"lora_name": "", "lora_path": ""},
+                       headers=target.headers())
+    except httpx.HTTPError as e:
+        raise Unreachable(f"{redact_url(target.base_url)} does not answer: {type(e).__name__}: {e}") from None
+    return r.status_code
 
 
 def reset_prefix_cache(target: HttpTarget, *, attempts: int = 50, wait_s: float = 0.1,

@@ -1,15 +1,43 @@
 """What the managed-server and URL engines share: replay over HTTP, references alone on a
-cleaned (or salted) cache, and teacher-forced scoring."""
+cleaned (or salted) cache, teacher-forced scoring, and the server's adapter set across runs.
+
+Adapter lifecycle over HTTP (docs/server.md): a run's lifecycle events change what the server
+serves, so before the next run (or reference) every adapter name a run touched is put back as
+it was when kvfuzz found the server — an unload, then for a name the server started with a
+fresh load of its original path. A fresh load, not an in-place one: after ``load_inplace`` vLLM
+keeps the name's request flagged in place, and every later request on it re-reads the adapter
+from disk at every engine step; a fresh load is the state the server started in. A reference
+whose adapter was bound by a lifecycle event to other weights than the name serves now runs
+on those weights loaded under a temporary name (``kvfuzz-ref-<content hash>``), unloaded after.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import shutil
+import tempfile
 from pathlib import Path
 
-from kvfuzz.traces import EngineConfig, History, SendEvent, Trace
+from kvfuzz.traces import EngineConfig, History, RequestRecord, SendEvent, Trace
+from kvfuzz.traces.errors import InfraError, KvfuzzError
+from kvfuzz.traces.trace import Binding, ReloadAdapterEvent
 
+from ..adapters import AdapterBook
 from ..base import EngineKind
+from . import control
 from .replay import replay_trace
 from .wire import HttpTarget
+
+REFERENCE_ADAPTER_PREFIX = "kvfuzz-ref-"
+
+
+def resolve_source(source: str) -> Path:
+    """An adapter source's directory on this machine (embedded adapters and variants are
+    built on first use). A server must be able to read it: a URL server on another machine
+    needs a shared path."""
+    from ..embedded import build, resolve_adapter
+
+    return resolve_adapter(source, build() if source.startswith("embedded:") else None)
 
 
 class HttpEngineBase:
@@ -22,18 +50,132 @@ class HttpEngineBase:
     request_timeout_s: float = 300.0
     # How references are kept from reusing KV cached by the run under test.
     reference_isolation: str = "reset_prefix_cache"
+    # Working copies of adapters reloaded in place (``_adapter_book``); removed by close().
+    _adapter_workdir: Path | None = None
 
     def _http_replay(self, trace: Trace, *, arm: str, run_index: int, toggles: list[str],
-                     cache_salt: str | None) -> tuple[History, list[str]]:
-        assert self.target is not None
-        return replay_trace(self.target, trace, engine=self.kind, arm=arm, run_index=run_index, toggles=toggles,
-                            cache_salt=cache_salt, timeout_s=self.request_timeout_s)
+                     cache_salt: str | None, book: AdapterBook | None = None,
+                     target: HttpTarget | None = None) -> tuple[History, list[str]]:
+        target = target or self.target
+        assert target is not None
+        return replay_trace(target, trace, engine=self.kind, arm=arm, run_index=run_index, toggles=toggles,
+                            cache_salt=cache_salt, timeout_s=self.request_timeout_s, book=book,
+                            touched=self._touched(target))
 
     @staticmethod
-    def _alone_trace(config: EngineConfig, send: SendEvent, max_tokens: int | None) -> Trace:
+    def _alone_trace(config: EngineConfig, send: SendEvent, max_tokens: int | None,
+                     binding: Binding | None = None) -> Trace:
+        """``send`` alone at time 0. Its adapter name is bound to ``binding``'s source in the
+        engine section (a name a lifecycle event loaded is not among the configuration's)."""
         at = send.at.model_copy(update={"step": 0, "offset_ms": 0.0})
         one = send.model_copy(update={"at": at, "max_tokens": max_tokens or send.max_tokens})
-        return Trace(engine=config.model_copy(update={"toggles": []}), events=[one])
+        engine = config.model_copy(update={"toggles": []})
+        if binding is not None and send.adapter is not None:
+            lora = engine.lora.model_copy(update={"adapters": {**engine.lora.adapters, send.adapter: binding.source}})
+            engine = engine.model_copy(update={"lora": lora})
+        return Trace(engine=engine, events=[one])
+
+    # -- adapters across runs ----------------------------------------------------------------------
+    def _initial_adapters(self) -> dict[str, str]:
+        """Served adapter name -> path, as the server served them before kvfuzz changed any."""
+        raise NotImplementedError
+
+    def _touched(self, target: HttpTarget | None = None) -> set[str]:
+        """Served adapter names changed on this server since its last restore (per server: a
+        managed engine keeps one server per toggle set)."""
+        target = target or self.target
+        assert target is not None
+        books: dict[str, set[str]] | None = getattr(self, "_touched_by_server", None)
+        if books is None:
+            books = self._touched_by_server = {}
+        return books.setdefault(target.base_url, set())
+
+    def _adapter_book(self, trace: Trace) -> AdapterBook:
+        """This run's adapter bindings (harness/adapters.py). Working copies of names reloaded in
+        place live in a directory of this engine's, the same path every run."""
+        if self._adapter_workdir is None and any(isinstance(e, ReloadAdapterEvent) and e.same_path
+                                                 for e in trace.lifecycle):
+            self._adapter_workdir = Path(tempfile.mkdtemp(prefix="kvfuzz-adapters-"))
+        for ev in trace.lifecycle:  # build embedded variants now, not at the event's instant
+            if getattr(ev, "source", None):
+                resolve_source(ev.source)  # type: ignore[union-attr]
+        return AdapterBook(trace, resolve_source, self._adapter_workdir)
+
+    def _drop_adapter_workdir(self) -> None:
+        if self._adapter_workdir is not None:
+            shutil.rmtree(self._adapter_workdir, ignore_errors=True)
+            self._adapter_workdir = None
+
+    def _adapter_call(self, kind: str, name: str, path: str | None = None, *, missing_ok: bool = False) -> None:
+        assert self.target is not None
+        status, err = control.adapter_call(self.target, kind, name, path)
+        if status != 200 and not (missing_ok and status == 404):
+            raise InfraError(f"{kind} {name!r} between runs failed: {err}")
+
+    def _restore_adapters(self) -> None:
+        """Put back every adapter name a run changed (module docstring): names the server did
+        not serve at first are unloaded, the others unloaded and loaded fresh from their
+        original path."""
+        touched = self._touched()
+        if not touched:
+            return
+        initial = self._initial_adapters()
+        served = control.served_adapters(self.target)  # type: ignore[arg-type]
+        for name in sorted(touched | (set(served) - set(initial))):
+            if name in served:
+                self._adapter_call("unload-adapter", name, missing_ok=True)
+            if name in initial:
+                self._adapter_call("load-adapter", name, initial[name])
+        touched.clear()
+
+    def _bind_working_copies(self, book: AdapterBook, trace: Trace) -> None:
+        """Before a run: a name the server starts with and the trace reloads in place is served
+        from the book's working copy (same bytes, the run's own directory) for the whole run, as
+        the in-process engine does; ``_restore_adapters`` puts the original path back."""
+        assert self.target is not None
+        for name in sorted(book.in_place_names & set(trace.engine.lora.adapters)):
+            served = self.target.model_for(name)
+            self._touched().add(served)
+            self._adapter_call("unload-adapter", served, missing_ok=True)
+            self._adapter_call("load-adapter", served, book.bound[name].path)
+
+    def _reference_target(self, send: SendEvent, binding: Binding | None) -> tuple[HttpTarget, str | None]:
+        """Where ``send``'s reference runs: this server's target when its adapter name serves the
+        binding's source (after the restore: the configuration's), else a target that names a
+        temporary adapter loaded with the binding's weights (returned, to be unloaded)."""
+        assert self.target is not None
+        if send.adapter is None or binding is None or binding.source == self.config.lora.adapters.get(send.adapter):
+            return self.target, None
+        self._require_runtime_lora()
+        from ..embedded import adapter_hash
+
+        path = resolve_source(binding.source)
+        temp = REFERENCE_ADAPTER_PREFIX + adapter_hash(path)
+        self._touched().add(temp)
+        self._adapter_call("unload-adapter", temp, missing_ok=True)  # left by a failed reference
+        self._adapter_call("load-adapter", temp, str(path))
+        return dataclasses.replace(self.target, adapter_models={**self.target.adapter_models, send.adapter: temp}), temp
+
+    def _drop_reference_adapter(self, temp: str | None) -> None:
+        if temp is not None:
+            self._adapter_call("unload-adapter", temp, missing_ok=True)
+            self._touched().discard(temp)
+
+    def _require_runtime_lora(self) -> None:
+        """Runtime adapter endpoints are needed (a managed server always has them)."""
+
+    @staticmethod
+    def _note_reference_binding(rec: RequestRecord, binding: Binding | None) -> RequestRecord:
+        """A reference records the weights it ran with, as a run's requests do."""
+        if binding is not None and rec.adapter is not None:
+            from ..embedded import adapter_hash
+
+            rec.adapter_source = binding.source
+            try:
+                rec.adapter_hash = adapter_hash(resolve_source(binding.source))
+            except (OSError, KvfuzzError):
+                pass
+        return rec
 
     @property
     def reference_note(self) -> str | None:

@@ -7,6 +7,20 @@ that many tokens. What was planned and what happened (send, first-token, cancel 
 times, HTTP status, error body, tokens, logprobs) lands in a ``History`` exactly like the
 in-process harness's.
 
+Adapter lifecycle events (load / unload / reload) go to vLLM's runtime endpoints
+(``/v1/load_lora_adapter``, ``/v1/unload_lora_adapter``; a reload is a load with
+``load_inplace``) at their offsets, one at a time per adapter name, in the trace's planned
+order (``Trace.planned_order``) with the sends: a send on adapter N is not written before the
+lifecycle events on N planned before it have been answered, and a load or reload of N waits
+until the sends on N planned before it are written (an unload: until the server has answered
+them, so it cannot take the name from under a request it has not resolved yet). A send is thus
+admitted with the binding the plan gives it, up to one race the oracle already allows for: a
+reload landing while a request on the same adapter runs (verdict ``unconstrained``). The
+weights' paths, content hashes and the working copies that same-path reloads overwrite come
+from the run's ``AdapterBook`` (harness/adapters.py), as in the in-process engine. Each event
+is recorded with its actual offset taken when it starts (before a same-path reload overwrites
+any file) and, when the server refuses, its HTTP status and body.
+
 Timing: a send must cost as little as possible at its instant, so each request's bytes are
 serialized (with h11) before the trace starts and its TCP connection is opened up to
 ``PRECONNECT_MS`` ahead; at the instant the client writes the whole request in one socket
@@ -27,12 +41,22 @@ from collections.abc import Iterable
 from typing import Any
 
 import h11
+import httpx
 
 from kvfuzz.traces import CancelEvent, EventRecord, History, RequestRecord, SendEvent, Trace
+from kvfuzz.traces.errors import KvfuzzError
+from kvfuzz.traces.trace import (
+    ADAPTER_EVENT_TYPES,
+    AdapterEvent,
+    LoadAdapterEvent,
+    ReloadAdapterEvent,
+    UnloadAdapterEvent,
+)
 
+from ..adapters import AdapterBook, Bound
 from ..priority import send_priority
 from .control import scrape
-from .wire import HttpTarget, completion_payload, error_text, parse_choice
+from .wire import HttpTarget, adapter_request, completion_payload, error_text, parse_choice
 
 # The last ~2 ms before a planned instant are spent yielding in a loop: the event loop's
 # timers are only millisecond-accurate.
@@ -84,16 +108,41 @@ class _Req:
         self.cancel_reason: str | None = None
         # Relative cancels on this request: (event index, after_tokens, floor offset ms or None).
         self.relative: list[tuple[int, int, float | None]] = []
+        # Lifecycle events on this request's adapter planned before it (sent after they end).
+        self.waits: list[_Life] = []
+        # Set once the request's bytes are written / the server answered (status line) or it ended.
+        self.written = asyncio.Event()
+        self.resolved = asyncio.Event()
+
+
+class _Life:
+    """One adapter lifecycle event during one replay."""
+
+    def __init__(self, index: int, ev: AdapterEvent, planned_ms: float):
+        self.index = index
+        self.ev = ev
+        self.planned_ms = planned_ms
+        # Sends on the same adapter planned before this event.
+        self.after: list[_Req] = []
+        self.done = asyncio.Event()
 
 
 class Replayer:
     """One replay of one trace against one target."""
 
     def __init__(self, target: HttpTarget, trace: Trace, *, engine: str, arm: str, run_index: int,
-                 toggles: list[str], cache_salt: str | None, timeout_s: float, lead_ms: float):
+                 toggles: list[str], cache_salt: str | None, timeout_s: float, lead_ms: float,
+                 book: AdapterBook | None = None, touched: set[str] | None = None):
+        if trace.lifecycle and book is None:
+            raise ValueError("a trace with adapter lifecycle events needs the run's AdapterBook")
         self.target = target
         self.trace = trace
+        # The isolation salt (harness/url.py); a send's own cache_salt is joined to it.
         self.cache_salt = cache_salt
+        self.book = book
+        # Served adapter names this replay asked the server to change (the engine restores them).
+        self.touched = touched if touched is not None else set()
+        self.lifecycle: list[_Life] = []
         self.timeout_s = timeout_s
         self.lead_ms = lead_ms
         self.hist = History(trace_id=trace.trace_id(), engine=engine, arm=arm, run_index=run_index,  # type: ignore[arg-type]
@@ -129,6 +178,16 @@ class Replayer:
                     r.stream = True
                 else:
                     timed_cancels.append((i, ev, ev.at.offset_or(mps)))
+        order = {i: k for k, i in enumerate(self.trace.planned_order())}
+        for i in sorted(order, key=order.__getitem__):
+            ev = self.trace.events[i]
+            if isinstance(ev, ADAPTER_EVENT_TYPES):
+                life = _Life(i, ev, ev.at.offset_or(mps))
+                life.after = [r for r in self.reqs.values() if r.send.adapter == ev.name and order[r.index] < order[i]]
+                for r in self.reqs.values():
+                    if r.send.adapter == ev.name and order[r.index] > order[i]:
+                        r.waits.append(life)
+                self.lifecycle.append(life)
         for r in self.reqs.values():
             body = completion_payload(r.send, self.target.model_for(r.send.adapter), stream=r.stream,
                                       cache_salt=self.cache_salt)
@@ -165,11 +224,15 @@ class Replayer:
             assert r.conn is not None
             reader, writer = await r.conn
             await self.sleep_until_ms(r.planned_ms)
+            for life in r.waits:  # lifecycle events on this adapter planned before this send
+                await life.done.wait()
             if reader.at_eof():  # the peer dropped the idle connection: pay for a fresh one
                 writer.transport.abort()
                 reader, writer = await self.connect()
+            self._note_binding(r)
             writer.write(r.wire)
             rec.sent_ms = round(self.now_ms(), 3)
+            r.written.set()
             # Per-request deadline: a server that stops answering must not hold the run forever.
             await asyncio.wait_for(self._consume(r, reader), timeout=self.timeout_s)
         except asyncio.CancelledError:
@@ -198,6 +261,8 @@ class Replayer:
             ev.actual_offset_ms = rec.sent_ms
             self.hist.events.append(ev)
             r.done = True
+            r.written.set()
+            r.resolved.set()
             if rec.finished_ms is None and not rec.cancelled:
                 rec.finished_ms = round(self.now_ms(), 3)
 
@@ -218,6 +283,7 @@ class Replayer:
                 continue
             if isinstance(event, h11.Response):
                 status = rec.http_status = event.status_code
+                r.resolved.set()  # the server has resolved the request's model (adapter)
                 if status == 200 and r.stream:
                     self._check_relative(r)  # after_tokens=0: the server took the request
             elif isinstance(event, h11.Data):
@@ -311,6 +377,63 @@ class Replayer:
                 r.cancel_reason = "relative"
                 raise _RelativeCancel()
 
+    def _note_binding(self, r: _Req) -> None:
+        """The binding ``r``'s adapter has as it is sent: what its reference runs with."""
+        if self.book is None or r.send.adapter is None:
+            return
+        bound = self.book.get(r.send.adapter)
+        if bound is not None:
+            r.record.adapter_source, r.record.adapter_hash = bound.source, bound.content_hash
+
+    # -- adapter lifecycle -----------------------------------------------------------------------
+    async def run_lifecycle(self, chain: list[_Life]) -> None:
+        """One adapter name's lifecycle events, one at a time in planned order, each at its
+        offset once the sends it must follow are out (see the module docstring). Names have
+        chains of their own: an unload waiting for a long non-streamed answer (its status line
+        comes only with the whole body) holds back its own name's later events, no other's."""
+        try:
+            async with httpx.AsyncClient(timeout=self.timeout_s, trust_env=False) as client:
+                for life in chain:
+                    await self.sleep_until_ms(life.planned_ms)
+                    unload = isinstance(life.ev, UnloadAdapterEvent)
+                    for r in life.after:
+                        await (r.resolved if unload else r.written).wait()
+                    await self.apply(client, life)
+                    life.done.set()
+        finally:
+            for life in chain:  # nothing may wait forever on an event that never ran
+                life.done.set()
+
+    async def apply(self, client: httpx.AsyncClient, life: _Life) -> None:
+        ev = life.ev
+        assert self.book is not None
+        rec = EventRecord(index=life.index, kind=ev.kind, adapter=ev.name,
+                          planned_offset_ms=round(life.planned_ms, 3), actual_offset_ms=round(self.now_ms(), 3))
+        self.hist.events.append(rec)
+        bound: Bound | None = None
+        try:
+            if isinstance(ev, LoadAdapterEvent):
+                bound = self.book.load(ev)
+            elif isinstance(ev, ReloadAdapterEvent):
+                bound = self.book.reload(ev)  # same_path: the working copy is overwritten here
+            else:
+                self.book.unload(ev)
+        except (OSError, KvfuzzError) as e:
+            rec.error = f"adapter source {getattr(ev, 'source', ev.name)!r}: {e}"
+            return
+        rec.adapter_hash = bound.content_hash if bound is not None else None
+        name = self.target.model_for(ev.name)
+        endpoint, body = adapter_request(ev.kind, name, bound.path if bound is not None else None)
+        self.touched.add(name)
+        try:
+            resp = await client.post(self.target.url(endpoint), json=body, headers=self.target.headers())
+        except httpx.HTTPError as e:
+            rec.error = f"connection failed: {type(e).__name__}: {e}".strip().rstrip(":")
+            self.transport_errors.append(f"{ev.kind} {ev.name}: {rec.error}")
+            return
+        if resp.status_code != 200:
+            rec.error = error_text(resp.status_code, resp.content)
+
     # -- cancels -------------------------------------------------------------------------------
     async def run_cancel(self, i: int, ev: CancelEvent, planned_ms: float) -> None:
         await self.sleep_until_ms(planned_ms)
@@ -364,7 +487,12 @@ class Replayer:
             if any(f is not None for _, _, f in r.relative):
                 tasks.append(asyncio.create_task(self.relative_timer(r)))
         tasks += [asyncio.create_task(self.run_cancel(i, ev, ms)) for i, ev, ms in timed_cancels]
-        last_planned = max([r.planned_ms for r in self.reqs.values()] + [ms for _, _, ms in timed_cancels] + [0.0])
+        chains: dict[str, list[_Life]] = {}
+        for life in self.lifecycle:
+            chains.setdefault(life.ev.name, []).append(life)
+        tasks += [asyncio.create_task(self.run_lifecycle(chain)) for chain in chains.values()]
+        last_planned = max([r.planned_ms for r in self.reqs.values()] + [ms for _, _, ms in timed_cancels]
+                           + [life.planned_ms for life in self.lifecycle] + [0.0])
         # Per-trace deadline: the last send's plan plus the per-request deadline, plus slack so
         # that the per-request deadline (which names the request) fires first.
         budget = self.timeout_s + last_planned / 1000.0 + self.lead_ms / 1000.0 + TRACE_SLACK_S
@@ -399,11 +527,15 @@ class Replayer:
 
 def replay_trace(target: HttpTarget, trace: Trace, *, engine: str = "server", arm: str = "default",
                  run_index: int = 0, toggles: Iterable[str] = (), cache_salt: str | None = None,
-                 timeout_s: float = 300.0, lead_ms: float = 50.0) -> tuple[History, list[str]]:
+                 timeout_s: float = 300.0, lead_ms: float = 50.0, book: AdapterBook | None = None,
+                 touched: set[str] | None = None) -> tuple[History, list[str]]:
     """Replay ``trace`` once; returns the history and the transport errors seen (non-empty
-    when connections failed, e.g. because the server died)."""
+    when connections failed, e.g. because the server died). ``cache_salt``: the isolation salt,
+    joined with each send's own (``wire.combine_salts``). ``book``: the run's adapter bindings
+    (needed for lifecycle events; with it every adapter request records its binding);
+    ``touched`` collects the served adapter names the run changed, for the engine to restore."""
     rep = Replayer(target, trace, engine=engine, arm=arm, run_index=run_index, toggles=list(toggles),
-                   cache_salt=cache_salt, timeout_s=timeout_s, lead_ms=lead_ms)
+                   cache_salt=cache_salt, timeout_s=timeout_s, lead_ms=lead_ms, book=book, touched=touched)
     with send_priority() as prio:
         hist = asyncio.run(rep.run())
     hist.client_priority = prio

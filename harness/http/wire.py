@@ -84,9 +84,56 @@ def completion_payload(send: SendEvent, model: str, *, stream: bool, cache_salt:
         "ignore_eos": True,
         "stream": stream,
     }
-    if cache_salt:
-        body["cache_salt"] = cache_salt
+    salt = combine_salts(cache_salt, send.cache_salt)
+    if salt:
+        body["cache_salt"] = salt
     return body
+
+
+# vLLM's bounds on ``cache_salt`` over HTTP (vllm/entrypoints/generate/base/protocol.py
+# ``validate_cache_salt``): at most 128 characters, none of '@', '/', '\\', NUL.
+SALT_MAX = 128
+SALT_FORBIDDEN = frozenset("@/\\\0")
+
+
+def combine_salts(isolation: str | None, own: str | None) -> str | None:
+    """The ``cache_salt`` of one request: the harness's isolation salt (a URL engine's fresh
+    salt per run or per reference, harness/url.py) joined with the send's own ``cache_salt``
+    (tenant separation inside the trace) as ``isolation:own``. Requests of one run with the same
+    own salt still share prefix blocks, of different own salts never do, and no request of a
+    run shares blocks with a reference or another run. An own salt that vLLM would refuse over
+    HTTP (too long once joined, or a forbidden character) is replaced by ``~`` + its SHA-256:
+    equal salts stay equal and distinct ones distinct."""
+    if not own:
+        return isolation or None
+    room = SALT_MAX - (len(isolation) + 1 if isolation else 0)
+    if len(own) > room or any(c in SALT_FORBIDDEN for c in own):
+        import hashlib
+
+        own = "~" + hashlib.sha256(own.encode()).hexdigest()[:48]
+    return f"{isolation}:{own}" if isolation else own
+
+
+# vLLM's runtime adapter endpoints (present only when the server was started with
+# VLLM_ALLOW_RUNTIME_LORA_UPDATING=True).
+LOAD_ADAPTER_PATH = "/v1/load_lora_adapter"
+UNLOAD_ADAPTER_PATH = "/v1/unload_lora_adapter"
+
+
+def adapter_request(kind: str, name: str, path: str | None = None) -> tuple[str, dict[str, Any]]:
+    """(endpoint, JSON body) of one adapter lifecycle call (pure; unit-tested). A reload is a
+    load with ``load_inplace``: vLLM keeps the name's adapter id and replaces its weights, as
+    the in-process engine's ``add_lora(LoRARequest(..., load_inplace=True))`` does."""
+    if kind == "unload-adapter":
+        return UNLOAD_ADAPTER_PATH, {"lora_name": name}
+    if kind not in ("load-adapter", "reload-adapter"):
+        raise ValueError(f"not an adapter lifecycle event: {kind!r}")
+    if not path:
+        raise ValueError(f"{kind} of {name!r} needs a path")
+    body: dict[str, Any] = {"lora_name": name, "lora_path": path}
+    if kind == "reload-adapter":
+        body["load_inplace"] = True
+    return LOAD_ADAPTER_PATH, body
 
 
 def parse_token(tok: str) -> int:
