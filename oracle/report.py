@@ -295,16 +295,20 @@ def build(finding: Finding, *, source: str = "FINDING.json",
     rows = []
     mps = e.ms_per_step
     for i, ev in enumerate(trace.events):
-        v = by_req.get(ev.request_id)
+        v = by_req.get(getattr(ev, "request_id", ""))
         if isinstance(ev, SendEvent):
             diverged = f"{v.class_} {v.runs_diverged}/{v.runs}" if v and v.class_ in DIVERGENT_CLASSES else (
                 v.class_ if v else "—")
             plen = str(ev.prompt.length) + (" (token ids)" if isinstance(ev.prompt, TokenPrompt) else "")
             rows.append([str(i), "send", ev.request_id, _when(ev, mps), plen, _prefix(ev), _adapter(ev.adapter),
                          str(ev.max_tokens), diverged])
-        else:
-            assert isinstance(ev, CancelEvent)
+        elif isinstance(ev, CancelEvent):
             rows.append([str(i), "cancel", ev.request_id, _when(ev, mps), "", "", "", "", ""])
+        else:  # an adapter lifecycle event: the adapter column names it and the weights it binds
+            source = getattr(ev, "source", None)
+            what = ev.name + (f" ← {source}" if source else "") + (" (same path)" if getattr(ev, "same_path", False)
+                                                                   else "")
+            rows.append([str(i), ev.kind, "", _when(ev, mps), "", "", what, "", ""])
     r.table(["#", "event", "request", "step / offset", "prompt len", "prefix", "adapter", "max_tokens", "diverged"],
             rows, class_col=8, right=(0, 4, 7))
     if any(isinstance(ev, SendEvent) and isinstance(ev.prompt, GenPrompt) for ev in trace.events):
@@ -429,7 +433,7 @@ def build(finding: Finding, *, source: str = "FINDING.json",
     return r
 
 
-def _when(ev: SendEvent | CancelEvent, mps: float) -> str:
+def _when(ev: Any, mps: float) -> str:
     at = ev.at
     parts = []
     if at.step is not None:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Install kvfuzz into ./.venv from scratch (idempotent). KVFUZZ_EXTRA=gpu installs the regular
-# vLLM distribution instead of the CPU build.
+# vLLM distribution instead of the CPU build. The test and plots extras come too (the tests draw
+# the pictures of kvfuzz/present/; kvfuzz itself runs without matplotlib).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
@@ -34,14 +35,14 @@ if [ "${KVFUZZ_INSTALLER:-uv}" = uv ] && get_uv; then
   [ -x .venv/bin/pip ] || pip_py="$PY"
   mapfile -t sources < <("$pip_py" scripts/uv_args.py)
   if .venv/bin/uv pip install --quiet --python .venv/bin/python --index-strategy unsafe-best-match \
-       --compile-bytecode "${excludes[@]}" "${sources[@]}" pip -e ".[${extra},test]"; then
+       --compile-bytecode "${excludes[@]}" "${sources[@]}" pip -e ".[${extra},test,plots]"; then
     installed=uv
   else
     echo "setup: uv could not install; falling back to pip" >&2
   fi
 fi
 if [ -z "$installed" ]; then
-  quiet_pip install -e ".[${extra},test]"
+  quiet_pip install -e ".[${extra},test,plots]"
   if [ "$extra" = cpu ]; then  # pip has no --excludes (scripts/cpu-excludes.txt says why)
     quiet_pip uninstall --yes $(grep -v '^#' scripts/cpu-excludes.txt) 2>/dev/null || true
   fi

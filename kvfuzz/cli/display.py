@@ -113,6 +113,11 @@ class CampaignDisplay:
         where = out / "findings"
         self.console.print(f"findings written to: {where.resolve()}" + ("" if state.findings else " (none)"))
         self.console.print(f"campaign state: {(out / 'campaign.json').resolve()}")
+        from kvfuzz.present import campaign_page
+
+        campaign_page(out, state, final=True)  # the last word: charts and bucket reports drawn now
+        if (out / "campaign.html").exists():
+            self.console.print(f"campaign page: {(out / 'campaign.html').resolve()}")
         if getattr(state, "corpus_dir", None):
             self.console.print(f"corpus: {Path(state.corpus_dir).resolve()}")
 

@@ -221,3 +221,6 @@ def _write_reports(cases, *, out: Path, junit: Path | None, summary: Path | None
                 "verdicts": [v.model_dump(mode="json", by_alias=True) for v in c.verdicts]} for c in cases]
     atomic_write_text(out / "gate.json", json.dumps({"what": what, "complete": complete, "cases": results},
                                                     indent=2) + "\n")
+    from kvfuzz.present import gate_page
+
+    gate_page(out)  # OUT/gate.html from gate.json, with the saved findings' reports (never raises)

@@ -1,14 +1,16 @@
 """``kvfuzz report FILE``: an issue-ready report of a finding (rich in the terminal,
-markdown with --markdown or -o)."""
+markdown with --markdown or -o, a self-contained HTML page with --html, the pictures as PNG and
+SVG with --plots)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
-from kvfuzz.cli.app import app, console
+from kvfuzz.cli.app import app, console, err_console
 from kvfuzz.traces import atomic_write_text, load_finding
 
 
@@ -17,20 +19,53 @@ def report_cmd(
     file: Annotated[Path, typer.Argument(help="Finding file (JSON).")],
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Write the markdown report to this file.")] = None,
     as_markdown: Annotated[bool, typer.Option("--markdown", help="Print markdown instead of the terminal view.")] = False,
+    html: Annotated[Optional[Path], typer.Option("--html", help="Write a self-contained HTML report with the pictures "
+                                                                "(inline SVG; needs kvfuzz[plots]).")] = None,
+    plots: Annotated[Optional[Path], typer.Option("--plots", help="Write each picture as PNG and SVG into this "
+                                                                  "directory (for a GitHub issue); the markdown report "
+                                                                  "links them. Needs kvfuzz[plots].")] = None,
 ) -> None:
     """Render a finding as an issue-ready report: verdicts, minimal trace, tokens around the
-    first divergence, control arms, toggles and the replay command."""
+    first divergence, control arms, toggles and the replay command; with --html / --plots, the
+    schedule, divergence and controls pictures."""
     from kvfuzz.harness.toggles import catalog
     from kvfuzz.oracle.report import build, to_markdown, to_rich
 
+    if html is not None or plots is not None:
+        from kvfuzz.present.draw import require
+
+        require()  # exit 2, one line with the install command
+    # Status lines stay off stdout when stdout is the markdown.
+    say = err_console if as_markdown and out is None else console
     finding = load_finding(file)
     report = build(finding, source=str(file), toggles_known=catalog())
+    pictures = None
+    if html is not None or plots is not None:
+        from kvfuzz.present.pages import finding_pictures
+
+        pictures = finding_pictures(finding, file)  # drawn once for both
+    if plots is not None:
+        from kvfuzz.present.pages import add_picture_links, write_plots
+
+        written = write_plots(finding, plots, source=file, pictures=pictures)
+        base = out.parent if out is not None else Path(".")
+        pngs = [p for p in written if p.suffix == ".png"]
+        add_picture_links(report, [(p.stem, Path(os.path.relpath(p, base)).as_posix()) for p in pngs])
+        say.print(f"wrote {len(written)} picture files to {plots} ({', '.join(p.name for p in pngs)} and .svg)",
+                      markup=False, highlight=False)
+    if html is not None:
+        from kvfuzz.present.pages import finding_page
+
+        atomic_write_text(html, finding_page(finding, source=file, toggles_known=catalog(), pictures=pictures))
+        say.print(f"wrote {html}", markup=False, highlight=False)
     if out is not None:
         atomic_write_text(out, to_markdown(report))
         console.print(f"wrote {out}")
         return
     if as_markdown:
         typer.echo(to_markdown(report), nl=False)
+        return
+    if html is not None or plots is not None:
         return
     for r in to_rich(report):
         console.print(r)
