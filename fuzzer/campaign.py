@@ -91,6 +91,12 @@ class CampaignOptions:
     def corpus_dir(self) -> Path:
         return self.corpus if self.corpus is not None else self.out / "corpus"
 
+    @property
+    def lifecycle(self) -> bool:
+        """Adapter-lifecycle churn (``gen.lifecycle``): fresh traces from the lifecycle
+        generator, and the lifecycle mutation operators drawn too."""
+        return self.gen is not None and self.gen.lifecycle
+
 
 @dataclass
 class CampaignState:
@@ -134,6 +140,8 @@ class CampaignState:
     by_worker: dict[str, int] = field(default_factory=dict)
     requeued: int = 0
     worker_deaths: list[dict] = field(default_factory=list)
+    # Adapter-lifecycle generation (``kvfuzz run --lifecycle``; GenOptions.lifecycle).
+    lifecycle: bool = False
 
     @property
     def buckets(self) -> int:
@@ -182,6 +190,9 @@ def load_state(out: Path, opts: CampaignOptions) -> CampaignState:
         if state.mutants != opts.mutants:
             raise BadInput(f"cannot resume: the campaign's mutants are {state.mutants}, not {opts.mutants}",
                            source=str(path), field="mutants")
+        if state.lifecycle != opts.lifecycle:
+            was = "with" if state.lifecycle else "without"
+            raise BadInput(f"cannot resume: the campaign was run {was} --lifecycle", source=str(path), field="lifecycle")
         if state.engine and state.engine != opts.engine.model_dump(mode="json"):
             raise BadInput("cannot resume: the engine options differ from the interrupted campaign's",
                            source=str(path), field="engine")
@@ -192,7 +203,7 @@ def load_state(out: Path, opts: CampaignOptions) -> CampaignState:
         return state
     return CampaignState(seed=opts.seed, engine=opts.engine.model_dump(mode="json"), runs=opts.runs,
                          mode=opts.mode, arms=opts.arms, corpus_dir=str(opts.corpus_dir), operators=opts.operators,
-                         mutants=opts.mutants)
+                         mutants=opts.mutants, lifecycle=opts.lifecycle)
 
 
 class Campaign:
@@ -261,7 +272,9 @@ class Campaign:
         if self.opts.mode == "feedback" and len(self.scheduler) and self._source(rng) == "mutant":
             parent = self.scheduler.choose(rng, self.coverage)
             st.chosen[parent.id] = parent.chosen
-            how = dict(allow_engine_changes=self.opts.allow_engine_changes, allowed=self.opts.operators)
+            how: dict[str, Any] = dict(allow_engine_changes=self.opts.allow_engine_changes, allowed=self.opts.operators)
+            if self.opts.lifecycle:
+                how["lifecycle"] = True
             if self.opts.mutants == "plain":
                 return mutate(parent.trace, rng, **how), "mutant"
             # The fresh trace is this iteration's, the one random mode runs at index i.

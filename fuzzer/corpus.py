@@ -56,7 +56,11 @@ class Seed:
 
 def rebase(trace: Trace, engine: EngineConfig) -> Trace | None:
     """The trace on the campaign's engine (None if it cannot run there, e.g. unknown adapters).
-    Findings from another KV size or LoRA setting still make useful seeds."""
+    Findings from another KV size or LoRA setting still make useful seeds. A trace with adapter
+    lifecycle events keeps its own LoRA section (names, slots: drawn per trace, docs/fuzzer.md)
+    on a LoRA engine."""
+    if trace.lifecycle and engine.lora.enabled:
+        engine = engine.model_copy(update={"lora": trace.engine.lora})
     if trace.engine.key() == engine.key() and trace.engine.toggles == engine.toggles:
         return trace
     try:

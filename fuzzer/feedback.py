@@ -16,7 +16,9 @@ from collections import Counter, OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from kvfuzz.traces import History, Trace
+from kvfuzz.traces import EventRecord, History, RequestRecord, Trace
+
+from .lifecycle import shares_prefix
 
 Signature = frozenset[str]
 
@@ -73,6 +75,8 @@ def signature(history: History, trace: Trace | None = None) -> Signature:
         _metric_features(history, bs, f)
     _request_features(history, bs, f)
     _event_features(history, f)
+    if is_lifecycle_run(history, trace):
+        _lifecycle_features(history, trace, f)
     if history.crashed:
         f.add("crash")
     return frozenset(f)
@@ -229,6 +233,137 @@ def _event_features(h: History, f: set[str]) -> None:
         elif last_cancel is not None and e.actual_step is not None and e.actual_step - last_cancel <= 4:
             f.add(f"send-after-cancel:{e.actual_step - last_cancel}")
             last_cancel = None
+
+
+LIFECYCLE_KINDS = ("load-adapter", "unload-adapter", "reload-adapter")
+# A send admitted this many steps after a rebinding of its adapter counts as right after it.
+AFTER_REBIND_STEPS = 8
+
+
+def is_lifecycle_run(h: History, trace: Trace | None) -> bool:
+    """Runs with adapter lifecycle events or an explicit CPU adapter cache (``kvfuzz run
+    --lifecycle``). Only they get the lifecycle buckets, so the signatures of other campaigns
+    (and with them their corpus and trace sequence) are unchanged."""
+    if any(e.kind in LIFECYCLE_KINDS for e in h.events):
+        return True
+    return trace is not None and (bool(trace.lifecycle) or trace.engine.lora.max_cpu_loras is not None)
+
+
+def _in_flight(e: EventRecord, r: RequestRecord, admitted: bool) -> bool:
+    """Whether request ``r`` (already ``admitted`` when ``e`` was applied) had not ended."""
+    if not admitted:
+        return False
+    end = r.finished_step if r.finished_step is not None else r.cancel_step
+    if e.actual_step is not None and end is not None:
+        return e.actual_step <= end  # an event at step s is applied before engine step s
+    end_ms = r.finished_ms if r.finished_ms is not None else r.cancel_ms
+    if e.actual_offset_ms is not None and end_ms is not None:
+        return e.actual_offset_ms <= end_ms
+    return end is None and end_ms is None
+
+
+def _lifecycle_features(h: History, trace: Trace | None, f: set[str]) -> None:
+    """Adapter churn: what the LoRA manager did (in-process step counters), where each
+    lifecycle event landed relative to the requests in flight, requests admitted right after a
+    rebinding of their adapter that share a prefix with one served under the previous weights
+    (and whether they were served cached blocks), and tenants (cache_salt) sharing prompts."""
+    # The LoRA manager (in-process): disk loads, CPU-LRU evictions, slot activations, in-place
+    # re-reads; a step that evicts and loads is LRU churn.
+    if h.steps:
+        tot = Counter()
+        for s in h.steps:
+            tot.update(loads=s.lora_loads, evictions=s.lora_evictions, slots=s.lora_slot_changes,
+                       reloads=s.lora_reloads)
+            if s.lora_evictions and s.lora_loads:
+                f.add("lora-churn-step")
+        f.add(f"lora-loads:{bucket(tot['loads'])}")
+        f.add(f"lora-evictions:{bucket(tot['evictions'])}")
+        f.add(f"lora-slot-changes:{bucket(tot['slots'])}")
+        f.add(f"lora-reloads:{bucket(tot['reloads'])}")
+    events = list(h.events)  # in the order the harness applied them
+    had_weights: set[str] = set(trace.engine.lora.adapters) if trace is not None else set()
+    kinds: Counter[str] = Counter()
+    admitted: set[str] = set()
+    rebinds: list[tuple[EventRecord, str]] = []  # (event, label)
+    for e in events:
+        if e.kind == "send":
+            admitted.add(e.request_id)
+            continue
+        if e.kind not in LIFECYCLE_KINDS or e.adapter is None:
+            continue
+        kinds[e.kind] += 1
+        if e.error:
+            f.add(f"life:{e.kind}:refused")
+        inflight = [r for rid, r in h.requests.items() if _in_flight(e, r, rid in admitted)]
+        own = [r for r in inflight if r.adapter == e.adapter]
+        if own:
+            f.add(f"life:{e.kind}:own-in-flight")
+        if any(r.adapter not in (None, e.adapter) for r in inflight):
+            f.add(f"life:{e.kind}:others-in-flight")
+        if any(r.adapter is None for r in inflight):
+            f.add(f"life:{e.kind}:base-in-flight")
+        if not inflight:
+            f.add(f"life:{e.kind}:idle")
+        if e.kind == "reload-adapter":
+            ev = trace.events[e.index] if trace is not None and e.index < len(trace.events) else None
+            same = getattr(ev, "same_path", None)
+            rebinds.append((e, "reload" if same is None else "reload-in-place" if same else "reload-new-path"))
+        elif e.kind == "load-adapter" and e.adapter in had_weights:
+            rebinds.append((e, "unload+load"))  # the name had weights earlier in this run
+        if e.kind != "unload-adapter":
+            had_weights.add(e.adapter)
+    for k, n in kinds.items():
+        f.add(f"life:{k}:{bucket(n)}")
+    if rebinds:
+        _after_rebind(h, trace, rebinds, f)
+    if trace is not None:
+        _salt_features(h, trace, f)
+
+
+def _after_rebind(h: History, trace: Trace | None, rebinds: list[tuple[EventRecord, str]], f: set[str]) -> None:
+    """Requests of a name admitted within AFTER_REBIND_STEPS steps after its rebinding; with a
+    prompt prefix shared with a request of that name admitted before it (the trace says), in
+    the same tenant; and served cached blocks (the run says) — a stale hit if the cache kept
+    the previous weights' KV (vllm#42125, #30931)."""
+    sends = {s.request_id: s for s in trace.sends} if trace is not None else {}
+    for e, label in rebinds:
+        if e.actual_step is None:
+            continue
+        before = [r for r in h.requests.values() if r.adapter == e.adapter and r.sent_step is not None
+                  and r.sent_step < e.actual_step]
+        for r in h.requests.values():
+            if (r.adapter != e.adapter or r.sent_step is None
+                    or not 0 <= r.sent_step - e.actual_step <= AFTER_REBIND_STEPS):
+                continue
+            if any(x is not e and x.adapter == e.adapter and x.actual_step is not None
+                   and e.actual_step < x.actual_step <= r.sent_step for x, _ in rebinds):
+                continue  # a later rebinding is the one this request follows
+            f.add(f"life:after-{label}")
+            s = sends.get(r.request_id)
+            shared = [b for b in before
+                      if s is not None and b.request_id in sends and shares_prefix(sends[b.request_id], s)]
+            if shared:
+                f.add(f"life:after-{label}:shares-prefix")
+                if any(sends[b.request_id].cache_salt == s.cache_salt for b in shared):
+                    f.add(f"life:after-{label}:shares-prefix:same-tenant")
+            if r.num_cached_tokens:
+                f.add(f"life:after-{label}:cached" + (":shares-prefix" if shared else ""))
+
+
+def _salt_features(h: History, trace: Trace, f: set[str]) -> None:
+    """Tenants: how many salts a run mixes, and prompts (prefixes) sent under two salts — the
+    later one served cached blocks or not."""
+    salted = [s for s in trace.sends if s.request_id in h.requests]
+    salts = {s.cache_salt for s in salted}
+    if salts == {None}:
+        return
+    f.add(f"salt:tenants:{len(salts - {None})}{'+none' if None in salts else ''}")
+    order = sorted(salted, key=lambda s: (h.requests[s.request_id].sent_step or 0))
+    for i, b in enumerate(order):
+        for a in order[:i]:
+            if a.cache_salt != b.cache_salt and shares_prefix(a, b):
+                f.add("salt:cross-tenant-prefix" + (":cached" if h.requests[b.request_id].num_cached_tokens else ""))
+                break
 
 
 def trace_signature(histories: Iterable[History], trace: Trace | None = None) -> Signature:

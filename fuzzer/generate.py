@@ -10,6 +10,10 @@ preemption. Without them random traces reached those states in a few traces per 
 
 ``random-v2`` draws the v1 trace first and only then the additions, so a seed's v1 events are
 a prefix of its v2 events.
+
+``GenOptions(lifecycle=True)`` selects the lifecycle generator (``lifecycle-v1``,
+``generate_lifecycle``): adapter names loaded, unloaded and reloaded between sends (docs/fuzzer.md,
+"Adapter lifecycle"). It has its own random stream, so the default generator is unchanged.
 """
 
 from __future__ import annotations
@@ -18,9 +22,15 @@ import random
 from dataclasses import dataclass, field
 
 from kvfuzz.traces import At, CancelEvent, EngineConfig, GenPrompt, Lineage, LoraSettings, SendEvent, Trace
-from kvfuzz.traces.trace import EMBEDDED_HYBRID, EMBEDDED_MODEL
+from kvfuzz.traces.trace import (
+    EMBEDDED_HYBRID,
+    EMBEDDED_MODEL,
+    LoadAdapterEvent,
+    ReloadAdapterEvent,
+    UnloadAdapterEvent,
+)
 
-from . import hybrid, shapes
+from . import hybrid, lifecycle, shapes
 
 GENERATOR = "random-v2"
 
@@ -62,6 +72,16 @@ class GenOptions:
     # requested again (external KV), and the #44409 recipe (cross_group_return).
     p_hybrid_return: float = 0.3
     p_cross_group: float = 0.25
+    # Adapter lifecycle churn instead of the default generator (``generate_lifecycle``).
+    lifecycle: bool = False
+    lifecycle_sends: tuple[int, int] = (4, 10)
+    lifecycle_events: tuple[int, int] = (1, 4)
+    # (max_loras, max_cpu_loras) pairs to draw from; None: max_loras 1-3, max_cpu_loras None or +1/+2.
+    lifecycle_slots: tuple[tuple[int, int | None], ...] | None = None
+    # A reload / unload placed while its name's requests probably still run (else after them).
+    p_race: float = 0.15
+    p_salt: float = 0.3
+    p_base: float = 0.25
 
 
 def _length(rng: random.Random, bs: int, opts: GenOptions) -> int:
@@ -75,6 +95,8 @@ def _length(rng: random.Random, bs: int, opts: GenOptions) -> int:
 
 def generate(seed: int, engine: EngineConfig | None = None, opts: GenOptions | None = None) -> Trace:
     """A random trace, fully determined by ``seed`` (and the engine config / options)."""
+    if opts is not None and opts.lifecycle:
+        return generate_lifecycle(seed, engine, opts)
     rng = random.Random(seed)
     engine = engine or default_engine()
     opts = opts or GenOptions(adapters=sorted(engine.lora.adapters) if engine.lora.enabled else [])
@@ -139,3 +161,212 @@ def _additions(rng: random.Random, engine: EngineConfig, opts: GenOptions, event
     if engine.model == EMBEDDED_HYBRID:
         events = hybrid.additions(rng, engine, opts.p_hybrid_return, opts.p_cross_group, events, last)
     return shapes.in_time_order(events, engine)
+
+
+# -- adapter lifecycle churn -------------------------------------------------------------------
+
+LIFECYCLE_GENERATOR = "lifecycle-v1"
+_LC_GAPS = (0, 0, 1, 1, 2, 3, 5)
+
+
+def generate_lifecycle(seed: int, engine: EngineConfig | None = None, opts: GenOptions | None = None) -> Trace:
+    """A small trace of sends interleaved with adapter load / unload / reload events, fully
+    determined by ``seed`` (docs/fuzzer.md, "Adapter lifecycle").
+
+    The engine's LoRA section is drawn: ``max_loras`` 1-3, ``max_cpu_loras`` None or a little
+    larger, 2-5 adapter names (some bound in ``engine.lora.adapters``, the others loaded by
+    events) on the embedded adapters and their weight variants — two names on the same weights
+    now and then. Each rebinding (a reload, same-path or not, or an unload followed by a load of
+    the same name) is followed by a request of that name sharing a prefix with one served under
+    its previous weights, in the same tenant: what shows stale prefix-cache KV (vllm#42125,
+    #30931). Rebindings mostly wait until the name's requests have probably finished
+    (``lifecycle.simulate_finish``) and race them with probability ``p_race``. Some sends carry a
+    ``cache_salt`` (two tenants), and some repeat an earlier prompt under another tenant."""
+    opts = opts or GenOptions(lifecycle=True)
+    base = engine or default_engine(lora=True)
+    if base.model != EMBEDDED_MODEL or base.kv_connector is not None:
+        raise ValueError(f"lifecycle traces use the embedded adapters: the engine must be {EMBEDDED_MODEL} "
+                         f"without a KV connector")
+    return _Lifecycle(random.Random(f"kvfuzz/lifecycle/{seed}"), base, opts, seed).build()
+
+
+class _Lifecycle:
+    """The generator's state while it walks forward in time: what is bound, what was sent."""
+
+    def __init__(self, rng: random.Random, base: EngineConfig, opts: GenOptions, seed: int) -> None:
+        self.rng, self.opts, self.seed = rng, opts, seed
+        ml, mcl = lifecycle.draw_slots(rng, opts.lifecycle_slots)
+        self.names = list(lifecycle.NAMES[: rng.randint(2, len(lifecycle.NAMES))])
+        sources: dict[str, str] = {}
+        for i, name in enumerate(self.names):
+            r = rng.random()
+            if i and r < 0.2:
+                sources[name] = sources[self.names[i - 1]]  # two names, the same weights
+            elif name in lifecycle.EMBEDDED_BASES and r < 0.7:
+                sources[name] = f"embedded:{name}"
+            else:
+                sources[name] = rng.choice(lifecycle.SOURCES)
+        initial = sorted(rng.sample(self.names, rng.randint(1, len(self.names))))
+        self.later = {n: sources[n] for n in self.names if n not in initial}  # loaded by events
+        self.engine = base.model_copy(update={"lora": LoraSettings(
+            enabled=True, adapters={n: sources[n] for n in initial}, max_loras=ml, max_cpu_loras=mcl,
+            max_lora_rank=base.lora.max_lora_rank)})
+        self.bound = {n: sources[n] for n in initial}
+        self.groups = [f"lc{seed}-{i}" for i in range(rng.randint(1, 3))]
+        self.events: list = []
+        self.sends: list[SendEvent] = []
+        self.step = 0
+
+    # -- sends -----------------------------------------------------------------------------------
+    def _prompt(self, max_tokens: int) -> GenPrompt:
+        rng, bs = self.rng, self.engine.block_size
+        room = max(1, self.engine.max_model_len - max_tokens)
+        if rng.random() < 0.5:
+            length = bs * rng.randint(1, 12) + rng.choice((-1, 0, 0, 1))
+        else:
+            length = rng.randint(8, 400)
+        length = max(1, min(length, room))
+        if rng.random() < 0.75:
+            prefix = min(length, rng.choice((bs, 2 * bs, 4 * bs, 4 * bs - 1, 4 * bs + 1, 8 * bs, length)))
+            return GenPrompt(length=length, prefix_group=rng.choice(self.groups), prefix_len=prefix,
+                             seed=rng.randrange(1 << 30))
+        return GenPrompt(length=length, seed=rng.randrange(1 << 30))
+
+    def _send(self, adapter: str | None, prompt: GenPrompt | None = None, salt: str | None = None,
+              *, cancel: bool = True) -> SendEvent:
+        rng = self.rng
+        max_tokens = rng.randint(2, 12)
+        if prompt is None:
+            prompt = self._prompt(max_tokens)
+        max_tokens = max(1, min(max_tokens, self.engine.max_model_len - prompt.length))
+        ev = SendEvent(request_id=f"r{len(self.sends)}", at=shapes.at_step(self.step, self.engine), prompt=prompt,
+                       adapter=adapter, max_tokens=max_tokens, stream=rng.random() < 0.8, cache_salt=salt)
+        self.events.append(ev)
+        self.sends.append(ev)
+        if cancel and rng.random() < 0.08:
+            self.events.append(CancelEvent(request_id=ev.request_id, at=At(after_tokens=rng.choice((0, 1, 2)))))
+        return ev
+
+    def _salt(self) -> str | None:
+        return self.rng.choice(lifecycle.TENANTS) if self.rng.random() < self.opts.p_salt else None
+
+    def plain_send(self) -> None:
+        rng = self.rng
+        live = sorted(self.bound)
+        adapter = None if not live or rng.random() < self.opts.p_base else rng.choice(live)
+        if self.sends and rng.random() < 0.2:
+            # The same prompt under another tenant (or none): salts must keep them apart.
+            src = rng.choice(self.sends)
+            salt = rng.choice([t for t in (None, *lifecycle.TENANTS) if t != src.cache_salt])
+            self._send(adapter, src.prompt, salt)
+        else:
+            self._send(adapter, salt=self._salt())
+
+    def reveal(self, name: str) -> None:
+        """After ``name`` was rebound: a request of ``name`` sharing a prefix with one served
+        under its previous weights (same tenant, mostly), so cached KV of the old weights would
+        be hit; sometimes a base-model request beside it."""
+        rng, bs = self.rng, self.engine.block_size
+        earlier = [s for s in self.sends if isinstance(s.prompt, GenPrompt) and s.prompt.prefix_group
+                   and s.prompt.prefix_len >= bs]
+        own = [s for s in earlier if s.adapter == name]
+        self.step += rng.choice((0, 0, 1, 2, 3))
+        repeat = [s for s in self.sends if s.adapter == name and s.prompt.length >= bs]
+        if not own and repeat and rng.random() < 0.7:
+            e = rng.choice(repeat)  # the same prompt again: all its full blocks are cached
+            self._send(name, e.prompt, e.cache_salt, cancel=False)
+        elif own or earlier:
+            e = rng.choice(own or earlier)
+            assert isinstance(e.prompt, GenPrompt)
+            max_len = self.engine.max_model_len - 2
+            length = max(e.prompt.prefix_len, min(max_len, e.prompt.prefix_len + rng.randint(1, 2 * bs)))
+            prompt = GenPrompt(length=length, prefix_group=e.prompt.prefix_group,
+                               prefix_len=min(e.prompt.prefix_len, max_len), seed=rng.randrange(1 << 30))
+            salt = e.cache_salt if rng.random() < 0.85 else self._salt()
+            self._send(name, prompt, salt, cancel=False)
+        else:
+            self._send(name, salt=self._salt(), cancel=False)
+        if rng.random() < 0.3:
+            self._send(None, salt=self._salt())
+
+    # -- lifecycle events ------------------------------------------------------------------------
+    def _free_at(self, name: str) -> int:
+        """A step for a lifecycle event of ``name``: after its requests have probably finished,
+        or (``p_race``) while the last of them may still run."""
+        rng = self.rng
+        free = lifecycle.name_free_at(self.sends, self.engine, name)
+        if free <= self.step:
+            return self.step
+        if rng.random() < self.opts.p_race:
+            last = max(s.at.step or 0 for s in self.sends if s.adapter == name)
+            return rng.randint(max(self.step, last), free)
+        return free + rng.choice((0, 0, 1, 3))
+
+    def _at(self, step: int):
+        self.step = max(self.step, step)
+        return shapes.at_step(self.step, self.engine)
+
+    def _load(self, name: str, source: str) -> None:
+        # Never while requests of the name's previous binding may still run: a name reloaded in
+        # place elsewhere in the trace is served from one working directory, which this load
+        # overwrites, and a request in flight would re-read it (docs/oracle.md: in flight
+        # across an unload, a request keeps its weights).
+        self.events.append(LoadAdapterEvent(name=name, source=source,
+                                            at=self._at(lifecycle.name_free_at(self.sends, self.engine, name))))
+        self.bound[name] = source
+
+    def action(self) -> None:
+        rng = self.rng
+        unbound = [n for n in self.names if n not in self.bound]
+        kinds = (["reload"] * 5 + ["unload"] * 3 if self.bound else []) + (["load"] * 5 if unbound else [])
+        kind = rng.choice(kinds)
+        if kind == "load":
+            name = rng.choice(unbound)
+            if name in self.later and rng.random() < 0.75:
+                source = self.later.pop(name)
+            elif self.bound and rng.random() < 0.3:
+                source = self.bound[rng.choice(sorted(self.bound))]  # the same weights as another name
+            else:
+                source = rng.choice(lifecycle.SOURCES)
+            had = any(s.adapter == name for s in self.sends)
+            self._load(name, source)
+            if had:
+                self.reveal(name)
+            elif rng.random() < 0.7:
+                self._send(name, salt=self._salt())
+            return
+        name = rng.choice(sorted(self.bound))
+        old = self.bound[name]
+        at = self._at(self._free_at(name))
+        if kind == "reload":
+            source = lifecycle.other_source(old, rng) if rng.random() < 0.85 else old
+            self.events.append(ReloadAdapterEvent(name=name, source=source, same_path=rng.random() < 0.5, at=at))
+            self.bound[name] = source
+        else:
+            self.events.append(UnloadAdapterEvent(name=name, at=at))
+            del self.bound[name]
+            if rng.random() >= 0.6:
+                return
+            self.step += rng.choice((0, 1, 2))
+            self._load(name, lifecycle.other_source(old, rng) if rng.random() < 0.8 else old)
+        if rng.random() < 0.85:
+            self.reveal(name)
+
+    def build(self) -> Trace:
+        rng, opts = self.rng, self.opts
+        hi = min(opts.lifecycle_sends[1], opts.max_requests)
+        n_sends = rng.randint(min(opts.lifecycle_sends[0], hi), hi)
+        n_life = rng.randint(*opts.lifecycle_events)
+        # Lifecycle events go between sends (position k: before send k), or after the last one.
+        at = sorted(rng.choices(range(1, n_sends + 1), k=n_life))
+        for i in range(n_sends):
+            while at and at[0] == i:
+                at.pop(0)
+                self.action()
+            if i:
+                self.step += rng.choice(_LC_GAPS)
+            self.plain_send()
+        for _ in at:
+            self.action()
+        return Trace(engine=self.engine, events=shapes.in_time_order(self.events, self.engine),
+                     lineage=Lineage(generator=LIFECYCLE_GENERATOR, seed=self.seed), name=f"lifecycle-{self.seed}")

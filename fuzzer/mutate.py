@@ -30,8 +30,10 @@ from kvfuzz.traces import (
     TokenPrompt,
     Trace,
 )
+from kvfuzz.traces.trace import LoadAdapterEvent, ReloadAdapterEvent, UnloadAdapterEvent
 
-from . import shapes
+from . import lifecycle, shapes
+from .lifecycle import overwrites_in_flight
 from .shapes import at_step, embedded_bytes_per_token, fresh_id, kv_capacity_tokens  # noqa: F401  (kv_capacity_tokens: public)
 
 Event = SendEvent | CancelEvent
@@ -49,15 +51,18 @@ class Operator:
     # Changes the engine configuration (a campaign with a fixed engine skips these: an engine
     # restart costs seconds and invalidates the reference memo).
     changes_engine: bool = False
+    # An adapter-lifecycle operator: drawn only by lifecycle campaigns (``kvfuzz run
+    # --lifecycle``) or when named, so other campaigns keep their mutant sequence.
+    lifecycle: bool = False
 
 
 OPERATORS: dict[str, Operator] = {}
 
 
-def operator(name: str, mechanism: str, *, weight: float = 1.0, changes_engine: bool = False
-             ) -> Callable[[OperatorFn], OperatorFn]:
+def operator(name: str, mechanism: str, *, weight: float = 1.0, changes_engine: bool = False,
+             lifecycle: bool = False) -> Callable[[OperatorFn], OperatorFn]:
     def deco(fn: OperatorFn) -> OperatorFn:
-        OPERATORS[name] = Operator(name, fn, mechanism, weight, changes_engine)
+        OPERATORS[name] = Operator(name, fn, mechanism, weight, changes_engine, lifecycle)
         return fn
 
     return deco
@@ -425,10 +430,203 @@ def op_drop(trace: Trace, rng: random.Random) -> Trace | None:
     if isinstance(victim, SendEvent):
         if len(trace.sends) <= 1:
             return None
-        events = [e for e in trace.events if e.request_id != victim.request_id]
+        events = [e for e in trace.events if not (isinstance(e, (SendEvent, CancelEvent))
+                                                   and e.request_id == victim.request_id)]
     else:
         events = [e for e in trace.events if e is not victim]
     return _rebuild(trace, events)
+
+
+# -- adapter lifecycle (lifecycle campaigns: drawn only with lifecycle=True or when named) ------
+
+
+def _v2(trace: Trace) -> Trace:
+    """The trace at schema 2 (lifecycle events and cache_salt need it); validated on rebuild."""
+    return trace if trace.schema_version >= 2 else trace.model_copy(update={"schema_version": 2})
+
+
+def _rebuild_lc(trace: Trace, events: list, **kw: object) -> Trace | None:
+    """``_rebuild`` for the lifecycle operators: also None when a load would overwrite the files
+    of a request still in flight (``lifecycle.overwrites_in_flight``)."""
+    out = _rebuild(trace, events, **kw)  # type: ignore[arg-type]
+    return None if out is None or lifecycle.overwrites_in_flight(out) else out
+
+
+def _embedded_lora(trace: Trace) -> bool:
+    """LoRA on the embedded model: the only one whose adapters the embedded weight variants fit."""
+    return trace.engine.lora.enabled and trace.engine.model == EMBEDDED_MODEL
+
+
+@operator("rebind", "Rebinds an adapter name between two of its requests that share a prompt prefix: a "
+                    "reload from a new path, a reload in place (same_path: the files overwritten, reloaded "
+                    "from the same directory) or an unload followed by a load with new weights — after the "
+                    "first request has probably finished (sometimes racing it). The second request must not "
+                    "be served KV cached under the previous weights (vllm#42125, #30931); if no later request "
+                    "shares the prefix, a repeat of the first one's prompt follows the rebinding.",
+          weight=1.5, lifecycle=True)
+def op_rebind(trace: Trace, rng: random.Random) -> Trace | None:
+    if not _embedded_lora(trace):
+        return None
+    trace = _v2(trace)
+    eng = trace.engine
+    order = trace.planned_order()
+    rank = {i: k for k, i in enumerate(order)}
+    ev = trace.events
+    firsts = [i for i in order if isinstance(ev[i], SendEvent) and ev[i].adapter is not None]
+    if not firsts:
+        return None
+    pairs = [(i, j) for i in firsts for j in order
+             if rank[j] > rank[i] and isinstance(ev[j], SendEvent) and lifecycle.shares_prefix(ev[i], ev[j])]
+    i1, i2 = rng.choice(pairs) if pairs and rng.random() < 0.8 else (rng.choice(firsts), None)
+    s1 = ev[i1]
+    assert isinstance(s1, SendEvent) and s1.adapter is not None
+    name = s1.adapter
+    t1 = step_of(s1, trace) or 0
+    before = [e for e in trace.sends if e.adapter == name and rank[ev.index(e)] <= rank[i1]]
+    free = max(t1, lifecycle.name_free_at(before, eng, name))
+    t2 = step_of(ev[i2], trace) if i2 is not None else None
+    race = rng.random() < 0.15
+    if t2 is None:
+        t = rng.randint(t1, free) if race else free + rng.choice((0, 0, 1, 2))
+    elif race or free > t2:
+        t = rng.randint(t1, t2)
+    else:
+        t = rng.randint(free, t2)
+    assert t is not None
+    cur = lifecycle.bound_at(trace, t).get(name)
+    if cur is None:
+        return None
+    kind = rng.choices(("in-place", "new-path", "unload+load"), weights=(0.4, 0.35, 0.25))[0]
+    if kind == "unload+load" and t < free:
+        kind = "new-path"  # a load must not overwrite files a request of the old binding may re-read
+    source = lifecycle.other_source(cur, rng) if rng.random() < 0.85 else cur
+    if kind == "unload+load":
+        life = [UnloadAdapterEvent(name=name, at=at_step(t, eng)),
+                LoadAdapterEvent(name=name, source=source, at=at_step(t, eng))]
+    else:
+        life = [ReloadAdapterEvent(name=name, source=source, same_path=kind == "in-place", at=at_step(t, eng))]
+    salt = s1.cache_salt if rng.random() < 0.85 else None
+    if i2 is None:
+        follower = SendEvent(request_id=fresh_id(trace, f"{s1.request_id}_rb"), prompt=s1.prompt, adapter=name,
+                             at=at_step(t + rng.choice((0, 0, 1, 2)), eng), max_tokens=s1.max_tokens,
+                             stream=s1.stream, cache_salt=salt)
+        events = [*ev, *life, follower]
+    else:
+        s2 = ev[i2]
+        assert isinstance(s2, SendEvent)
+        s2 = s2.model_copy(update={"adapter": name, "cache_salt": salt})
+        events = [*ev[:i2], *life, s2, *ev[i2 + 1:]]
+    return _rebuild_lc(trace, events)
+
+
+@operator("lifecycle_shift", "Moves one adapter load / unload / reload earlier or later (by ±1..16 steps, or "
+                             "to just after its name's requests have probably finished): which requests it "
+                             "races, which are admitted under the old or the new weights, and which adapters "
+                             "hold the slots and the CPU cache when it lands.", lifecycle=True)
+def op_lifecycle_shift(trace: Trace, rng: random.Random) -> Trace | None:
+    eng = trace.engine
+    idx = [i for i, e in enumerate(trace.events) if lifecycle.is_lifecycle(e)]
+    if not idx:
+        return None
+    i = rng.choice(idx)
+    e = trace.events[i]
+    s0 = step_of(e, trace) or 0
+    deltas = [d for d in rng.sample((-16, -8, -4, -2, -1, 1, 2, 4, 8, 16), 10) if s0 + d >= 0]
+    if rng.random() < 0.3:
+        sends = [s for s in trace.sends if s.adapter == e.name and (step_of(s, trace) or 0) <= s0]
+        free = lifecycle.name_free_at(sends, eng, e.name)
+        if free >= 0 and free != s0:
+            deltas.insert(0, free - s0)
+    for d in deltas[:4]:
+        events = list(trace.events)
+        events[i] = e.model_copy(update={"at": moved(e.at, d, eng)})
+        out = _rebuild_lc(trace, events)
+        if out is not None:
+            return out
+    return None
+
+
+@operator("flip_same_path", "Turns a reload from a new path into an in-place one (the files at the name's "
+                            "path overwritten, reloaded from that same path: vLLM's prefix-cache key (name, "
+                            "path) stays the same, vllm#42125) or back.", weight=0.6, lifecycle=True)
+def op_flip_same_path(trace: Trace, rng: random.Random) -> Trace | None:
+    idx = [i for i, e in enumerate(trace.events) if isinstance(e, ReloadAdapterEvent)]
+    if not idx:
+        return None
+    i = rng.choice(idx)
+    e = trace.events[i]
+    assert isinstance(e, ReloadAdapterEvent)
+    events = list(trace.events)
+    events[i] = e.model_copy(update={"same_path": not e.same_path})
+    return _rebuild_lc(trace, events)
+
+
+@operator("swap_variant", "Binds a load, a reload or an initial adapter to other weights: another variant "
+                          "of the same embedded adapter (embedded:a -> embedded:a@v3) or another adapter's "
+                          "weights — so a rebinding changes what the name computes, or two names share weights.",
+          weight=0.8, lifecycle=True)
+def op_swap_variant(trace: Trace, rng: random.Random) -> Trace | None:
+    if not _embedded_lora(trace):
+        return None
+    eng = trace.engine
+    targets: list[int | str] = [i for i, e in enumerate(trace.events)
+                                if isinstance(e, (LoadAdapterEvent, ReloadAdapterEvent))]
+    targets += sorted(eng.lora.adapters)
+    if not targets:
+        return None
+    t = rng.choice(targets)
+    if isinstance(t, str):
+        adapters = {**eng.lora.adapters, t: lifecycle.other_source(eng.lora.adapters[t], rng)}
+        engine = eng.model_copy(update={"lora": eng.lora.model_copy(update={"adapters": adapters})})
+        return _rebuild_lc(trace, list(trace.events), engine=engine, sort=False)
+    e = trace.events[t]
+    assert isinstance(e, (LoadAdapterEvent, ReloadAdapterEvent))
+    events = list(trace.events)
+    events[t] = e.model_copy(update={"source": lifecycle.other_source(e.source, rng)})
+    return _rebuild_lc(trace, events)
+
+
+@operator("cache_salt", "Adds, changes or removes a request's cache_salt (tenants), or repeats a request's "
+                        "prompt under another tenant: requests of different salts must never share "
+                        "prefix-cache blocks, and a salt must not change a lone request's output.",
+          weight=0.8, lifecycle=True)
+def op_cache_salt(trace: Trace, rng: random.Random) -> Trace | None:
+    s = _pick_send(trace, rng)
+    if s is None:
+        return None
+    trace = _v2(trace)
+    others = [t for t in (None, *lifecycle.TENANTS) if t != s.cache_salt]
+    if rng.random() < 0.35:
+        t = (step_of(s, trace) or 0) + rng.choice((0, 1, 2, 8))
+        clone = s.model_copy(update={"request_id": fresh_id(trace, f"{s.request_id}_salt"),
+                                     "cache_salt": rng.choice(others), "at": at_step(t, trace.engine)})
+        out = _rebuild_lc(trace, [*trace.events, clone])
+        if out is not None:
+            return out  # else its adapter is no longer bound then: change the salt instead
+    events = [e.model_copy(update={"cache_salt": rng.choice(others)}) if e is s else e for e in trace.events]
+    return _rebuild_lc(trace, events)
+
+
+@operator("retarget", "Moves a request to another adapter name bound at its admission, or to the base "
+                      "model: which names share a batch and the slots (max_loras), base-model tokens batched "
+                      "beside LoRA ones (the CPU no-LoRA index bug, vLLM PR #48421), and which requests a "
+                      "rebinding concerns.", weight=0.8, lifecycle=True)
+def op_retarget(trace: Trace, rng: random.Random) -> Trace | None:
+    if not trace.engine.lora.enabled:
+        return None
+
+    def targets(s: SendEvent) -> list[str | None]:
+        step = step_of(s, trace) or 0
+        # Bound at the send's step both before and after that step's lifecycle events.
+        names = set(lifecycle.bound_at(trace, step)) & set(lifecycle.bound_at(trace, step, inclusive=False))
+        return [n for n in sorted(names) if n != s.adapter]
+
+    s = _pick_send(trace, rng, lambda s: s.adapter is not None or bool(targets(s)))
+    if s is None:
+        return None
+    choices = targets(s)
+    target = None if s.adapter is not None and (not choices or rng.random() < 0.25) else rng.choice(choices)
+    return _rebuild_lc(trace, [e.model_copy(update={"adapter": target}) if e is s else e for e in trace.events])
 
 
 # -- composition ------------------------------------------------------------------------------
@@ -445,10 +643,12 @@ def apply(trace: Trace, names: list[str], rng: random.Random) -> Trace | None:
 
 
 def choose_operators(rng: random.Random, *, allow_engine_changes: bool = False,
-                     allowed: list[str] | None = None) -> list[str]:
-    """1–3 operators drawn by weight (stacked mutations, like AFL's havoc stage)."""
+                     allowed: list[str] | None = None, lifecycle: bool = False) -> list[str]:
+    """1–3 operators drawn by weight (stacked mutations, like AFL's havoc stage). Lifecycle
+    operators only with ``lifecycle`` or when named in ``allowed``."""
     ops = [o for o in OPERATORS.values()
-           if (allowed is None or o.name in allowed) and (allow_engine_changes or not o.changes_engine)]
+           if (allowed is None or o.name in allowed) and (allow_engine_changes or not o.changes_engine)
+           and (lifecycle or allowed is not None or not o.lifecycle)]
     if not ops:
         raise ValueError("no mutation operator is allowed")
     n = rng.choice((1, 1, 1, 2, 2, 3))
@@ -459,13 +659,16 @@ MAX_EVENTS = 64
 
 
 def mutate(trace: Trace, rng: random.Random, *, allow_engine_changes: bool = False,
-           allowed: list[str] | None = None, tries: int = 8) -> Trace:
+           allowed: list[str] | None = None, tries: int = 8, lifecycle: bool = False) -> Trace:
     """A mutant of ``trace`` with its lineage: ``parent`` is the parent's trace id and
-    ``operators`` the operators applied to it. Falls back to ``shift`` if nothing applies."""
+    ``operators`` the operators applied to it. Falls back to ``shift`` if nothing applies.
+    ``lifecycle``: the adapter-lifecycle operators are drawn too."""
     for _ in range(tries):
-        names = choose_operators(rng, allow_engine_changes=allow_engine_changes, allowed=allowed)
+        names = choose_operators(rng, allow_engine_changes=allow_engine_changes, allowed=allowed,
+                                 lifecycle=lifecycle)
         child = apply(trace, names, rng)
-        if child is not None and len(child.events) <= MAX_EVENTS and child.trace_id() != trace.trace_id():
+        if (child is not None and len(child.events) <= MAX_EVENTS and child.trace_id() != trace.trace_id()
+                and not overwrites_in_flight(child)):  # e.g. `shift` moved a load (fuzzer/lifecycle.py)
             return with_lineage(child, trace, names)
     child = apply(trace, ["shift"], rng) or trace
     return with_lineage(child, trace, ["shift"])
@@ -487,7 +690,7 @@ def graft(base: Trace, donor: Trace, rng: random.Random, *, max_sends: int = 8) 
     window_sends = sends[start:start + w]
     while window_sends:
         chosen = {s.request_id for s in window_sends}
-        window = [e for e in donor.events if e.request_id in chosen]
+        window = [e for e in donor.events if isinstance(e, (SendEvent, CancelEvent)) and e.request_id in chosen]
         if len(base.events) + len(window) <= MAX_EVENTS:
             break
         window_sends = window_sends[:-1]
@@ -509,7 +712,7 @@ def graft(base: Trace, donor: Trace, rng: random.Random, *, max_sends: int = 8) 
 
 
 def mutate_into(base: Trace, parent: Trace, rng: random.Random, *, allow_engine_changes: bool = False,
-                allowed: list[str] | None = None) -> Trace:
+                allowed: list[str] | None = None, lifecycle: bool = False) -> Trace:
     """A mutant of ``parent`` (a corpus entry) grafted into ``base`` (a fresh trace): the
     feedback campaign's default mutant. Why not the plain mutant: a fresh ``random-v2`` trace
     already carries the reported shapes, and a mutant that *replaces* it with a corpus entry
@@ -518,7 +721,7 @@ def mutate_into(base: Trace, parent: Trace, rng: random.Random, *, allow_engine_
     adds the structure the campaign learned. Lineage: ``parent`` is the corpus entry,
     ``operators`` the operators applied to it and then ``graft``, ``generator``/``seed`` the
     fresh trace it was grafted into."""
-    donor = mutate(parent, rng, allow_engine_changes=allow_engine_changes, allowed=allowed)
+    donor = mutate(parent, rng, allow_engine_changes=allow_engine_changes, allowed=allowed, lifecycle=lifecycle)
     if donor.engine != base.engine:
         return donor  # an engine-changing operator: the donor's engine cannot host the base
     return graft(base, donor, rng)

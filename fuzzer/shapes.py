@@ -36,7 +36,7 @@ def at_step(step: int, engine: EngineConfig) -> At:
 def fresh_id(trace: Trace | list[Event], base: str) -> str:
     """``base``, or ``base2``, ``base3``... if a request of that id exists."""
     events = trace.events if isinstance(trace, Trace) else trace
-    used = {e.request_id for e in events}
+    used = {e.request_id for e in events if isinstance(e, (SendEvent, CancelEvent))}  # lifecycle events have none
     if base not in used:
         return base
     n = 2

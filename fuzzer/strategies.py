@@ -23,8 +23,10 @@ from collections.abc import Sequence
 
 from hypothesis import strategies as st
 
-from kvfuzz.traces import At, CancelEvent, EngineConfig, GenPrompt, Lineage, SendEvent, Trace
+from kvfuzz.traces import At, CancelEvent, EngineConfig, GenPrompt, Lineage, LoraSettings, SendEvent, Trace
+from kvfuzz.traces.trace import LoadAdapterEvent, ReloadAdapterEvent, UnloadAdapterEvent
 
+from . import lifecycle
 from .generate import default_engine
 from .mutate import OPERATORS, apply, at_step, with_lineage
 
@@ -106,17 +108,124 @@ def _send_step(events: list[SendEvent | CancelEvent], e: SendEvent | CancelEvent
     return 0
 
 
+AdapterEvent = LoadAdapterEvent | UnloadAdapterEvent | ReloadAdapterEvent
+LIFECYCLE_KINDS = ("load-adapter", "unload-adapter", "reload-adapter")
+
+
+def adapter_sources() -> st.SearchStrategy[str]:
+    """Weights an adapter name can be bound to: the embedded adapters and their variants
+    (``embedded:a``, ``embedded:a@v2``, ...). Shrinks towards ``embedded:a``."""
+    return st.sampled_from(lifecycle.SOURCES)
+
+
+def _event(kind: str, name: str, source: str, same_path: bool, at: At) -> AdapterEvent:
+    if kind == "load-adapter":
+        return LoadAdapterEvent(name=name, source=source, at=at)
+    if kind == "unload-adapter":
+        return UnloadAdapterEvent(name=name, at=at)
+    return ReloadAdapterEvent(name=name, source=source, same_path=same_path, at=at)
+
+
+@st.composite
+def adapter_events(draw: st.DrawFn, *, names: Sequence[str] = lifecycle.NAMES, max_step: int = 64,
+                   engine: EngineConfig | None = None) -> AdapterEvent:
+    """One adapter lifecycle event (load / unload / reload, both clocks). Valid on its own;
+    whether a trace's plan accepts it depends on what is bound then — ``lifecycle_traces``
+    draws whole valid schedules."""
+    eng = _engine(engine)
+    return _event(draw(st.sampled_from(LIFECYCLE_KINDS)), draw(st.sampled_from(list(names))),
+                  draw(adapter_sources()), draw(st.booleans()), at_step(draw(st.integers(0, max_step)), eng))
+
+
+@st.composite
+def lifecycle_traces(draw: st.DrawFn, engine: EngineConfig | None = None, *, min_requests: int = 1,
+                     max_requests: int = 6, min_events: int = 1, max_events: int = 4,
+                     names: Sequence[str] = lifecycle.NAMES[:3], max_prompt_len: int = 512,
+                     max_tokens: tuple[int, int] = (1, 8), max_gap: int = 8, cache_salt: bool = True,
+                     prefix_groups: Sequence[str] = ("p0", "p1")) -> Trace:
+    """Valid traces with adapter lifecycle churn on ``engine`` (default: the embedded model with
+    LoRA): ``max_loras`` 1-3, ``max_cpu_loras`` None or up to 2 more, each name bound at the
+    start or not, sends and load / unload / reload events interleaved, ``cache_salt`` on some
+    sends. The schedule is drawn as specs and repaired while it is walked in time, so every
+    draw is valid: a send to an unbound name goes to the base model, a load of a bound name
+    becomes a reload, an unload or reload of an unbound name a load. Shrinks towards fewer
+    requests and events, ``max_loras`` 1, names bound to ``embedded:a``, no salt."""
+    eng = _engine(engine if engine is not None else default_engine(lora=True))
+    names = list(names)
+    ml = draw(st.integers(1, 3))
+    extra = draw(st.none() | st.integers(0, 2))
+    initial = {n: src for n in names if (src := draw(st.one_of(adapter_sources(), st.none()))) is not None}
+    eng = eng.model_copy(update={"lora": LoraSettings(enabled=True, adapters=initial, max_loras=ml,
+                                                      max_cpu_loras=None if extra is None else ml + extra,
+                                                      max_lora_rank=eng.lora.max_lora_rank)})
+    lo_tok, hi_tok = max_tokens
+    max_len = max(1, min(max_prompt_len, eng.max_model_len - hi_tok))
+    send_spec = st.tuples(
+        st.integers(0, max_gap),
+        prompts(block_size=eng.block_size, max_len=max_len, groups=prefix_groups),
+        st.none() | st.sampled_from(names),
+        st.integers(lo_tok, hi_tok),
+        st.none() | st.sampled_from(lifecycle.TENANTS) if cache_salt else st.none(),
+    )
+    event_spec = st.tuples(
+        st.integers(0, max_requests),  # goes before send k (after the last one if k >= their number)
+        st.integers(0, max_gap),
+        st.sampled_from(LIFECYCLE_KINDS),
+        st.sampled_from(names),
+        adapter_sources(),
+        st.booleans(),
+    )
+    sends = draw(st.lists(send_spec, min_size=min_requests, max_size=max_requests))
+    life = sorted(draw(st.lists(event_spec, min_size=min_events, max_size=max_events)), key=lambda x: x[0])
+    bound = dict(initial)
+    events: list = []
+    step = 0
+
+    def apply_event(gap: int, kind: str, name: str, source: str, same_path: bool) -> None:
+        nonlocal step
+        step += gap
+        if kind == "load-adapter" and name in bound:
+            kind = "reload-adapter"
+        elif kind != "load-adapter" and name not in bound:
+            kind = "load-adapter"
+        events.append(_event(kind, name, source, same_path, at_step(step, eng)))
+        if kind == "unload-adapter":
+            del bound[name]
+        else:
+            bound[name] = source
+
+    for i, (gap, prompt, adapter, n, salt) in enumerate(sends):
+        while life and life[0][0] <= i:
+            apply_event(*life.pop(0)[1:])
+        step += gap
+        events.append(SendEvent(request_id=f"r{i}", at=at_step(step, eng), prompt=prompt, max_tokens=n,
+                                adapter=adapter if adapter in bound else None, cache_salt=salt))
+    for spec in life:
+        apply_event(*spec[1:])
+    trace = Trace(engine=eng, events=events, name="hypothesis-lifecycle", lineage=Lineage(generator="hypothesis"))
+    if lifecycle.overwrites_in_flight(trace):
+        # A load over the working directory of a request still in flight (a harness artefact,
+        # not a schedule: fuzzer/lifecycle.py): those names' reloads become new-path ones.
+        events = [e.model_copy(update={"same_path": False}) if isinstance(e, ReloadAdapterEvent) else e
+                  for e in events]
+        trace = Trace(engine=eng, events=events, name="hypothesis-lifecycle", lineage=Lineage(generator="hypothesis"))
+    return trace
+
+
 @st.composite
 def mutants(draw: st.DrawFn, base: Trace | st.SearchStrategy[Trace], *,
-            operators: Sequence[str] | None = None, max_ops: int = 3) -> Trace:
+            operators: Sequence[str] | None = None, max_ops: int = 3, lifecycle: bool = False) -> Trace:
     """A trace after 1..max_ops named mutation operators (fuzzer/mutate.py). Shrinks towards
-    fewer operators and the earlier operators of ``operators``."""
+    fewer operators and the earlier operators of ``operators`` (default: those that keep the
+    engine; with ``lifecycle``, the adapter-lifecycle operators too)."""
     trace = draw(base) if isinstance(base, st.SearchStrategy) else base
-    names = list(operators) if operators is not None else [o.name for o in OPERATORS.values() if not o.changes_engine]
+    names = list(operators) if operators is not None else [
+        o.name for o in OPERATORS.values() if not o.changes_engine and (lifecycle or not o.lifecycle)]
     ops = draw(st.lists(st.sampled_from(names), min_size=1, max_size=max_ops))
     seed = draw(st.integers(0, 2**32 - 1))
     child = apply(trace, ops, random.Random(seed))
     return with_lineage(child, trace, ops) if child is not None else trace
 
 
-__all__ = ["cancels", "mutants", "prompt_lengths", "prompts", "traces"]
+__all__ = ["adapter_events", "adapter_sources", "cancels", "lifecycle_traces", "mutants", "prompt_lengths", "prompts",
+           "traces"]

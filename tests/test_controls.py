@@ -52,6 +52,27 @@ def test_serialize_runs_one_request_at_a_time_without_cancels():
     assert s.lineage.parent == t.trace_id() and s.engine == t.engine
 
 
+def test_serialize_keeps_the_adapter_lifecycle_between_the_requests():
+    """A lifecycle trace serialized: each load / reload stays between the requests it came
+    between, so every request is admitted with the same weights as in the original."""
+    from kvfuzz.traces import parse_trace
+
+    def send(rid, step, adapter):
+        return {"kind": "send", "request_id": rid, "at": {"step": step}, "adapter": adapter,
+                "prompt": {"length": 64}, "max_tokens": 4}
+
+    t = parse_trace({"schema_version": 2, "engine": {"lora": {"enabled": True, "adapters": {"a": "embedded:a"}}},
+                     "events": [send("r0", 0, "a"), {"kind": "load-adapter", "name": "x", "source": "embedded:b",
+                                                     "at": {"step": 1}},
+                                send("r1", 1, "x"), {"kind": "reload-adapter", "name": "a", "source": "embedded:a@v2",
+                                                     "same_path": True, "at": {"step": 1}},
+                                send("r2", 2, "a"), {"kind": "cancel", "request_id": "r0", "at": {"after_tokens": 1}}]})
+    s = serialize(t)
+    assert [e.kind for e in s.events] == ["send", "load-adapter", "send", "reload-adapter", "send"]
+    assert s.bindings_at_admission() == t.bindings_at_admission()
+    assert [e.at.step for e in s.events] == [0, 7, 7, 14, 14]  # 1 prefill + 4 tokens + 2 per request (steps_alone)
+
+
 def _rec(rid, sent, end, **kw):
     return RequestRecord(request_id=rid, sent_step=sent, finished_step=end, **kw)
 

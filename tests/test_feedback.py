@@ -84,3 +84,63 @@ def test_coverage_novelty_and_rarity():
     assert cov.add({"a"}) == [] and len(cov) == 3
     assert cov.rarity({"b"}) == 1.0 and cov.rarity({"a"}) == 1 / 3
     assert Coverage.from_json(cov.to_json()).hits == cov.hits
+
+
+def test_lifecycle_buckets_from_a_hand_checked_history():
+    """a is reloaded in place while r0 (on a) runs; r2 on a follows with r0's prefix and tenant
+    and is served 64 cached tokens; b is unloaded and loaded again while r2 runs; r3 repeats r0's
+    prompt under another tenant. The LoRA manager loaded 3 adapters, evicted one (in the step of
+    a load), activated slots twice and re-read a in place once."""
+    from kvfuzz.traces import LoraSettings, parse_trace
+
+    grp = {"length": 100, "prefix_group": "g", "prefix_len": 64, "seed": 1}
+
+    def send(rid, step, adapter, prompt, salt=None):
+        e = {"kind": "send", "request_id": rid, "at": {"step": step}, "adapter": adapter, "prompt": prompt,
+             "max_tokens": 4}
+        return {**e, "cache_salt": salt} if salt else e
+
+    t = parse_trace({"schema_version": 2, "engine": ENG.model_copy(update={"lora": LoraSettings(
+        enabled=True, adapters={"a": "embedded:a", "b": "embedded:b"}, max_cpu_loras=3)}).model_dump(mode="json"),
+        "events": [
+            send("r0", 0, "a", grp, "t1"),
+            send("r1", 0, "b", {"length": 40, "seed": 2}),
+            {"kind": "reload-adapter", "name": "a", "source": "embedded:a@v2", "same_path": True, "at": {"step": 5}},
+            send("r2", 6, "a", {**grp, "seed": 3}, "t1"),
+            {"kind": "unload-adapter", "name": "b", "at": {"step": 7}},
+            {"kind": "load-adapter", "name": "b", "source": "embedded:c", "at": {"step": 8}},
+            send("r3", 8, None, grp, "t2"),
+        ]})
+    reqs = [RequestRecord(request_id="r0", adapter="a", sent_step=0, finished_step=6, token_ids=[1] * 4),
+            RequestRecord(request_id="r1", adapter="b", sent_step=0, finished_step=3, token_ids=[1] * 4),
+            RequestRecord(request_id="r2", adapter="a", sent_step=6, finished_step=9, token_ids=[1] * 4,
+                          num_cached_tokens=64),
+            RequestRecord(request_id="r3", sent_step=8, finished_step=10, token_ids=[1] * 4, num_cached_tokens=0)]
+    events = [EventRecord(index=0, kind="send", request_id="r0", actual_step=0),
+              EventRecord(index=1, kind="send", request_id="r1", actual_step=0),
+              EventRecord(index=2, kind="reload-adapter", adapter="a", actual_step=5),
+              EventRecord(index=3, kind="send", request_id="r2", actual_step=6),
+              EventRecord(index=4, kind="unload-adapter", adapter="b", actual_step=7),
+              EventRecord(index=5, kind="load-adapter", adapter="b", actual_step=8),
+              EventRecord(index=6, kind="send", request_id="r3", actual_step=8)]
+    steps = [StepRecord(step=0, scheduled={"r0": 100, "r1": 40}, lora_loads=2, lora_slot_changes=2),
+             StepRecord(step=5, scheduled={"r0": 1}, lora_reloads=1),
+             StepRecord(step=6, scheduled={"r0": 1, "r2": 36}, lora_loads=1, lora_evictions=1)]
+    sig = signature(hist(steps=steps, requests=reqs, events=events), t)
+    lifecycle = {b for b in sig if b.startswith(("life:", "lora-loads", "lora-evictions", "lora-slot", "lora-reloads",
+                                                 "lora-churn", "salt:"))}
+    assert lifecycle == {
+        "lora-loads:3", "lora-evictions:1", "lora-slot-changes:2", "lora-reloads:1", "lora-churn-step",
+        "life:reload-adapter:1", "life:unload-adapter:1", "life:load-adapter:1",
+        "life:reload-adapter:own-in-flight",     # r0 on a still ran (it ended in step 6)
+        "life:unload-adapter:others-in-flight",  # r2 on a ran, r1 on b had ended
+        "life:load-adapter:others-in-flight",
+        "life:after-reload-in-place", "life:after-reload-in-place:shares-prefix",
+        "life:after-reload-in-place:shares-prefix:same-tenant", "life:after-reload-in-place:cached:shares-prefix",
+        "salt:tenants:2+none", "salt:cross-tenant-prefix",
+    }, sorted(lifecycle)
+    # Without lifecycle events (and no max_cpu_loras) the same counters add no bucket: other
+    # campaigns keep their signatures.
+    plain = signature(hist(steps=steps, requests=reqs, events=[e for e in events if e.kind == "send"]),
+                      trace({"r0": "a", "r1": "b", "r2": "a", "r3": None}))
+    assert not {b for b in plain if b.startswith(("life:", "lora-loads", "lora-churn", "salt:"))}

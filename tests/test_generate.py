@@ -66,3 +66,119 @@ def test_retries_and_reported_shapes_are_generated():
         if sum(s.prompt.length + s.max_tokens for s in t.sends if s.request_id.startswith(("hold", "long"))) > cap:
             pressured += 1
     assert retried >= 20 and 10 <= interrupted <= 40 and 10 <= pressured <= 40, (retried, interrupted, pressured)
+
+
+def test_default_generation_and_mutation_are_pinned():
+    """The lifecycle mode must not change what a default campaign generates for a seed: the
+    trace ids of fresh traces and their mutants (with and without LoRA), as before it existed."""
+    import hashlib
+    import random
+
+    from kvfuzz.fuzzer import mutate
+
+    ids = []
+    for lora in (False, True):
+        eng = default_engine(lora=lora)
+        for s in range(25):
+            t = generate(s, eng)
+            ids += [t.trace_id(), mutate(t, random.Random(s)).trace_id()]
+    assert hashlib.sha256(" ".join(ids).encode()).hexdigest()[:16] == "557157654ec7efae"
+
+
+LC_SEEDS = range(400)
+
+
+def _lifecycle(seed, **kw):
+    from kvfuzz.fuzzer.generate import GenOptions
+
+    return generate(seed, default_engine(lora=True), GenOptions(lifecycle=True, **kw))
+
+
+def test_lifecycle_traces_are_valid_small_and_varied():
+    from kvfuzz.fuzzer import lifecycle
+    from kvfuzz.traces.trace import LoadAdapterEvent, ReloadAdapterEvent, UnloadAdapterEvent
+
+    seen = set()
+    for seed in LC_SEEDS:
+        t = _lifecycle(seed)
+        assert parse_trace(t.model_dump(mode="json")) == t  # the validator accepts it, JSON round trip
+        assert t == _lifecycle(seed) and t.lineage.generator == "lifecycle-v1"
+        lora = t.engine.lora
+        assert lora.enabled and 1 <= lora.max_loras <= 3
+        assert lora.max_cpu_loras is None or lora.max_loras < lora.max_cpu_loras <= lora.max_loras + 2
+        names = set(lora.adapters) | {e.name for e in t.lifecycle}
+        assert 1 <= len(lora.adapters) and names <= set(lifecycle.NAMES)
+        assert t.lifecycle and 1 <= len(t.sends) <= 20
+        assert sum(s.prompt.length + s.max_tokens for s in t.sends) <= 8000  # seconds, not minutes
+        assert not lifecycle.overwrites_in_flight(t)
+        sources = list(lora.adapters.values()) + [e.source for e in t.lifecycle if hasattr(e, "source")]
+        assert all(src in lifecycle.SOURCES for src in sources)
+        for e in t.lifecycle:
+            if isinstance(e, ReloadAdapterEvent):
+                seen.add(("reload", e.same_path))
+            elif isinstance(e, UnloadAdapterEvent):
+                seen.add("unload")
+            elif isinstance(e, LoadAdapterEvent):
+                seen.add("load")
+                if e.name not in lora.adapters and all(x.name != e.name for x in t.lifecycle[:t.lifecycle.index(e)]):
+                    seen.add("first load")
+        if len(set(lora.adapters.values())) < len(lora.adapters):
+            seen.add("two names, same weights")
+        if any(src.split("@")[0] != f"embedded:{n}" for n, src in lora.adapters.items()):
+            seen.add("a name on another adapter's weights")
+        if len({s.cache_salt for s in t.sends} - {None}) == 2:
+            seen.add("two tenants")
+        if any(a.prompt == b.prompt and a.cache_salt != b.cache_salt for a in t.sends for b in t.sends):
+            seen.add("one prompt, two tenants")
+        if any(s.adapter is None for s in t.sends) and any(s.adapter for s in t.sends):
+            seen.add("base and lora")
+        seen.add(("slots", lora.max_loras, lora.max_cpu_loras is None))
+    assert {("reload", True), ("reload", False), "unload", "load", "first load", "two names, same weights",
+            "a name on another adapter's weights", "two tenants", "one prompt, two tenants", "base and lora"} <= seen
+    assert {("slots", m, d) for m in (1, 2, 3) for d in (True, False)} <= seen
+
+
+def test_lifecycle_rebindings_are_followed_by_a_prefix_sharer_and_mostly_wait():
+    """After most rebindings (reload, or unload then load) of a name comes a request of that
+    name sharing a prefix with one it served under the previous weights, in the same tenant; most
+    rebindings wait until the name's requests have probably finished, some race them."""
+    from kvfuzz.fuzzer import lifecycle
+    from kvfuzz.traces.trace import LoadAdapterEvent, ReloadAdapterEvent
+
+    revealed = rebinds = raced = 0
+    for seed in LC_SEEDS:
+        t = _lifecycle(seed)
+        order = [t.events[i] for i in t.planned_order()]
+        for k, e in enumerate(order):
+            if not isinstance(e, (LoadAdapterEvent, ReloadAdapterEvent)):
+                continue
+            before = [s for s in order[:k] if s.kind == "send" and s.adapter == e.name]
+            rebind = isinstance(e, ReloadAdapterEvent) or (isinstance(e, LoadAdapterEvent) and before)
+            if not rebind or not before:
+                continue
+            rebinds += 1
+            if isinstance(e, ReloadAdapterEvent) and e.at.step < lifecycle.name_free_at(before, t.engine, e.name) - 2:
+                raced += 1
+            after = [s for s in order[k + 1:] if s.kind == "send" and s.adapter == e.name][:1]
+            if after and any(a.cache_salt == after[0].cache_salt and (a.prompt == after[0].prompt or (
+                    a.prompt.prefix_group and a.prompt.prefix_group == after[0].prompt.prefix_group))
+                    for a in before):
+                revealed += 1
+    assert rebinds > 200
+    assert revealed / rebinds > 0.6, (revealed, rebinds)
+    assert 0.02 < raced / rebinds < 0.35, (raced, rebinds)  # about 5 %: p_race, where the name was still busy
+
+
+def test_lifecycle_options_and_the_campaign_cap():
+    t = _lifecycle(5, lifecycle_slots=((2, 3),), max_requests=3, lifecycle_events=(2, 2))
+    assert (t.engine.lora.max_loras, t.engine.lora.max_cpu_loras) == (2, 3)
+    assert len([s for s in t.sends if s.request_id in {f"r{i}" for i in range(3)}]) <= 3
+    assert len(t.lifecycle) >= 2
+    import pytest
+
+    from kvfuzz.fuzzer.hybrid import hybrid_engine
+
+    with pytest.raises(ValueError, match="embedded adapters"):
+        from kvfuzz.fuzzer.generate import GenOptions
+
+        generate(1, hybrid_engine(), GenOptions(lifecycle=True))

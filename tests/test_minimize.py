@@ -130,6 +130,29 @@ def test_minimizer_engine_pass_and_adapter_unification():
     assert r.trace.engine.lora.max_loras == 1
 
 
+def test_minimizer_keeps_the_adapter_lifecycle_a_trace_needs():
+    """A lifecycle trace (schema 2): dropping requests keeps the load / reload events (they have
+    no request id), so the plan stays valid and a reload the bug needs survives."""
+    from kvfuzz.traces.trace import LoadAdapterEvent, ReloadAdapterEvent
+
+    def bug(t):  # 'victim' on x diverges iff x was reloaded before it
+        try:
+            v = t.send("victim")
+        except KeyError:
+            return False
+        return v.adapter == "x" and any(isinstance(e, ReloadAdapterEvent) and e.name == "x" and e.at.step <= v.at.step
+                                        for e in t.events)
+
+    events = [LoadAdapterEvent(name="x", source="embedded:c", at=At(step=0)), _send("d0", 0, adapter="x"),
+              _send("d1", 1, adapter="a"), ReloadAdapterEvent(name="x", source="embedded:c@v2", same_path=True,
+                                                              at=At(step=4)),
+              _send("victim", 5, adapter="x", max_tokens=4), _send("d2", 6)]
+    r = Minimizer(Target("corruption", "victim"), bug, Options(engine=False)).run(
+        Trace(schema_version=2, engine=LORA, events=events))
+    assert bug(r.trace) and [s.request_id for s in r.trace.sends] == ["victim"]
+    assert [e.kind for e in r.trace.lifecycle] == ["load-adapter", "reload-adapter"]
+
+
 # -- minimize_finding against a fake wall-clock replayer (the server path, no engine) -------------
 
 

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from kvfuzz.fuzzer import default_engine, generate
+from kvfuzz.fuzzer import GenOptions, default_engine, generate
 from kvfuzz.fuzzer.mutate import OPERATORS, apply, clocks_consistent, kv_capacity_tokens, min_kv_bytes, mutate
 from kvfuzz.traces import At, CancelEvent, GenPrompt, SendEvent, Trace, expand, parse_trace
 
@@ -13,8 +13,8 @@ LORA = default_engine(lora=True)
 BASE = default_engine()
 
 
-def parents(engine=LORA, n=30):
-    return [generate(seed, engine) for seed in range(n)]
+def parents(engine=LORA, n=30, opts=None):
+    return [generate(seed, engine, opts) for seed in range(n)]
 
 
 def one(name, trace, seed=0):
@@ -24,7 +24,11 @@ def one(name, trace, seed=0):
 @pytest.mark.parametrize("name", sorted(OPERATORS))
 def test_every_operator_gives_valid_traces_with_both_clocks(name):
     applied = 0
-    for i, t in enumerate(parents()):
+    # Lifecycle operators are tried on lifecycle traces (test_mutate_lifecycle.py has more);
+    # flip_same_path needs a reload to flip.
+    ps = parents(opts=GenOptions(lifecycle=True) if OPERATORS[name].lifecycle else None)
+    need = 25 if name != "flip_same_path" else sum(1 for t in ps if any(e.kind == "reload-adapter" for e in t.events))
+    for i, t in enumerate(ps):
         m = one(name, t, i)
         if m is None:
             continue
@@ -33,7 +37,7 @@ def test_every_operator_gives_valid_traces_with_both_clocks(name):
         assert clocks_consistent(m), name
         assert m.trace_id() != t.trace_id()
         assert len({s.request_id for s in m.sends}) == len(m.sends)
-    assert applied >= 25, f"{name} applied to only {applied}/30 traces"
+    assert applied >= need, f"{name} applied to only {applied}/30 traces"
 
 
 def test_split_sends_the_head_first_and_the_full_request_reuses_it():
@@ -246,3 +250,101 @@ def test_graft_adds_a_time_window_of_the_donor_renamed_and_shifted_together():
     for seed in range(30):
         t = mutate_into(generate(100 + seed, LORA), t, random.Random(seed))
         assert len(t.events) <= MAX_EVENTS and len(t.sends) <= len(generate(100 + seed, LORA).sends) + 8
+
+
+# -- adapter lifecycle operators ---------------------------------------------------------------
+
+LIFECYCLE_OPS = sorted(n for n, o in OPERATORS.items() if o.lifecycle)
+
+
+def lc_parents(n=60):
+    return parents(n=n, opts=GenOptions(lifecycle=True))
+
+
+def test_lifecycle_operators_are_registered_and_drawn_only_when_asked():
+    assert set(LIFECYCLE_OPS) == {"rebind", "lifecycle_shift", "flip_same_path", "swap_variant", "cache_salt",
+                                  "retarget"}
+    from kvfuzz.fuzzer.mutate import choose_operators
+
+    plain = {n for s in range(400) for n in choose_operators(random.Random(s))}
+    assert not plain & set(LIFECYCLE_OPS)
+    lc = {n for s in range(400) for n in choose_operators(random.Random(s), lifecycle=True)}
+    assert set(LIFECYCLE_OPS) <= lc
+    assert choose_operators(random.Random(0), allowed=["rebind"]) [0] == "rebind"  # named: allowed
+    t = lc_parents(1)[0]
+    m = mutate(t, random.Random(3), lifecycle=True, allowed=["rebind", "cache_salt"])
+    assert m.lineage.operators and set(m.lineage.operators) <= {"rebind", "cache_salt"}
+    assert m.lineage.parent == t.trace_id() and m.lineage.generator == "lifecycle-v1"
+
+
+@pytest.mark.parametrize("name", sorted(OPERATORS))
+def test_no_operator_makes_an_invalid_lifecycle_trace(name):
+    """Every operator, old or new, on lifecycle traces: a valid trace (validator, JSON round
+    trip, both clocks) or None, and lifecycle operators never a load over the files of a request
+    still in flight."""
+    from kvfuzz.fuzzer import lifecycle
+
+    for i, t in enumerate(lc_parents(80)):
+        for k in range(3):
+            m = one(name, t, 10 * i + k)
+            if m is None:
+                continue
+            assert parse_trace(m.model_dump(mode="json")) == m, name
+            assert clocks_consistent(m), name
+            if OPERATORS[name].lifecycle:
+                assert m.trace_id() != t.trace_id(), name
+                assert not lifecycle.overwrites_in_flight(m), name
+
+
+def test_rebind_puts_a_rebinding_between_two_requests_sharing_a_prefix():
+    from kvfuzz.traces.trace import LoadAdapterEvent, ReloadAdapterEvent, UnloadAdapterEvent
+
+    kinds = set()
+    for i, t in enumerate(lc_parents() + parents()):
+        m = one("rebind", t, i)
+        if m is None:
+            continue
+        old = list(t.lifecycle)
+        new = [e for e in m.lifecycle if e not in old or old.remove(e)]  # the added events (a multiset difference)
+        assert new and len({e.name for e in new}) == 1
+        name = new[0].name
+        if isinstance(new[0], ReloadAdapterEvent):
+            kinds.add("in-place" if new[0].same_path else "new-path")
+        else:
+            assert [type(e) for e in new] == [UnloadAdapterEvent, LoadAdapterEvent]
+            kinds.add("unload+load")
+        order = [m.events[j] for j in m.planned_order()]
+        at = order.index(new[-1])
+        before = [s for s in order[:at] if s.kind == "send" and s.adapter == name]
+        after = [s for s in order[at + 1:] if s.kind == "send" and s.adapter == name]
+        assert before and after
+        assert any(a.prompt == b.prompt or (a.prompt.prefix_group and a.prompt.prefix_group == b.prompt.prefix_group)
+                   for a in before for b in after)
+    assert kinds == {"in-place", "new-path", "unload+load"}
+
+
+def test_the_small_lifecycle_operators_do_what_they_say():
+    from kvfuzz.fuzzer import lifecycle
+
+    for i, t in enumerate(lc_parents()):
+        m = one("flip_same_path", t, i)
+        if m is not None:
+            diff = [(a.same_path, b.same_path) for a, b in zip(t.lifecycle, m.lifecycle) if a != b]
+            assert len(diff) == 1 and diff[0][0] != diff[0][1]
+        m = one("swap_variant", t, i)
+        changed = [(a, b) for a, b in zip(t.lifecycle, m.lifecycle) if a != b]
+        changed += [(a, b) for a, b in zip(sorted(t.engine.lora.adapters.items()),
+                                           sorted(m.engine.lora.adapters.items())) if a != b]
+        assert len(changed) == 1
+        m = one("cache_salt", t, i)
+        assert {(s.request_id, s.cache_salt) for s in m.sends} != {(s.request_id, s.cache_salt) for s in t.sends}
+        assert all(s.cache_salt in (None, *lifecycle.TENANTS) for s in m.sends)
+        m = one("retarget", t, i)
+        if m is not None:
+            moved = [(a.adapter, b.adapter) for a, b in zip(t.sends, m.sends) if a.adapter != b.adapter]
+            assert len(moved) == 1 and moved[0][0] != moved[0][1]
+        m = one("lifecycle_shift", t, i)
+        if m is not None:
+            assert sorted(e.at.step for e in m.lifecycle) != sorted(e.at.step for e in t.lifecycle)
+    assert one("flip_same_path", generate(1, LORA)) is None  # no reload to flip
+    assert one("rebind", generate(1, BASE)) is None  # no LoRA

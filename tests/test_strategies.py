@@ -4,12 +4,13 @@ the documented example property test on the real engine."""
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, find, given, settings
+from hypothesis import HealthCheck, Phase, find, given, settings
 
 from kvfuzz.fuzzer import default_engine
 from kvfuzz.fuzzer.mutate import OPERATORS, clocks_consistent
-from kvfuzz.fuzzer.strategies import mutants, prompts, traces
+from kvfuzz.fuzzer.strategies import adapter_events, lifecycle_traces, mutants, prompts, traces
 from kvfuzz.traces import GenPrompt, parse_trace
+from kvfuzz.traces.trace import parse_embedded_source
 
 LORA = default_engine(lora=True)
 FAST = settings(max_examples=60, database=None, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -72,3 +73,44 @@ def test_the_docs_property_test_runs(session, tmp_path, monkeypatch):
     exec(compile(code.replace("max_examples=25", "max_examples=3"), "docs/fuzzer.md", "exec"), ns)
     ns["test_batching_does_not_change_greedy_outputs"](kvfuzz_session=session)
     assert not (tmp_path / "finding.json").exists()
+
+
+@FAST
+@given(lifecycle_traces())
+def test_lifecycle_traces_are_valid_and_round_trip(t):
+    from kvfuzz.fuzzer.lifecycle import overwrites_in_flight
+
+    assert parse_trace(t.model_dump(mode="json")) == t
+    assert clocks_consistent(t) and t.lifecycle and t.sends
+    assert 1 <= t.engine.lora.max_loras <= 3 and not overwrites_in_flight(t)
+    assert t.lineage.generator == "hypothesis"
+
+
+@FAST
+@given(adapter_events(names=["x", "y"], max_step=10))
+def test_adapter_events_are_events(e):
+    assert e.kind in ("load-adapter", "unload-adapter", "reload-adapter") and e.name in ("x", "y")
+    assert 0 <= e.at.step <= 10 and e.at.offset_ms == e.at.step * 10.0
+    if e.kind != "unload-adapter":
+        assert parse_embedded_source(e.source) is not None
+
+
+@settings(max_examples=30, database=None, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(mutants(lifecycle_traces(max_requests=4), lifecycle=True))
+def test_lifecycle_mutants_stay_valid(m):
+    if m.lineage.operators:
+        assert all(o in OPERATORS for o in m.lineage.operators)
+    assert clocks_consistent(m) and parse_trace(m.model_dump(mode="json")) == m
+
+
+def test_lifecycle_traces_shrink_to_one_send_and_one_event():
+    t = find(lifecycle_traces(), lambda t: any(e.kind == "reload-adapter" for e in t.events),
+             settings=settings(max_examples=500, database=None, derandomize=True,
+                               phases=[Phase.generate, Phase.shrink]))  # no explain phase: 25 s of it
+    assert len(t.sends) == 1 and len(t.lifecycle) == 1 and t.engine.lora.max_loras == 1
+
+
+def test_the_public_module_exposes_the_lifecycle_strategies():
+    import kvfuzz.strategies as pub
+
+    assert {"adapter_events", "adapter_sources", "lifecycle_traces"} <= set(pub.__all__)

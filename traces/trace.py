@@ -60,6 +60,13 @@ class LoraSettings(_Strict):
     # reloaded from its path on next use (LRU churn). None: vLLM's default (= max_loras).
     max_cpu_loras: int | None = Field(default=None, ge=1, le=1024)
 
+    @model_validator(mode="after")
+    def _cpu_holds_the_slots(self) -> "LoraSettings":
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            # vLLM refuses it at engine start (LoRAConfig): say so when the trace is read.
+            raise ValueError(f"max_cpu_loras {self.max_cpu_loras} is less than max_loras {self.max_loras}")
+        return self
+
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler: Any) -> Any:
         # Written only when set: traces without it keep their bytes, trace ids and reference keys.

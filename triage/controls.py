@@ -61,11 +61,17 @@ def serialize(trace: Trace) -> Trace:
     offsets with a generous per-step estimate for wall-clock engines (serialization_overlaps
     checks afterwards that it held)."""
     mps = trace.engine.ms_per_step
-    sends = sorted(enumerate(trace.sends), key=lambda x: (x[1].at.step_or(mps), x[0]))
-    events: list[SendEvent | CancelEvent] = []
+    events: list = []
     step, offset = 0, 0.0
-    for _, s in sends:
+    for i in trace.planned_order():  # by planned step, then position: the send order
+        s = trace.events[i]
+        if isinstance(s, CancelEvent):
+            continue
         events.append(s.model_copy(update={"at": s.at.model_copy(update={"step": step, "offset_ms": offset})}))
+        if not isinstance(s, SendEvent):
+            # An adapter lifecycle event stays between the requests it came between: each request
+            # keeps the weights bound at its admission, and none is in flight when it lands.
+            continue
         n = steps_alone(s, trace)
         step += n
         offset += n * mps * WALL_CLOCK_SAFETY + WALL_CLOCK_PAD_MS

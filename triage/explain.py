@@ -72,13 +72,17 @@ def no_kv_pressure(trace: Trace) -> tuple[Trace | None, str]:
 
 
 def no_concurrency(trace: Trace) -> tuple[Trace | None, str]:
-    sends = sorted(enumerate(trace.sends), key=lambda x: (x[1].at.step_or(trace.engine.ms_per_step), x[0]))
-    if len(sends) < 2:
+    if len(trace.sends) < 2:
         return None, "one request"
-    events: list[SendEvent | CancelEvent] = []
+    events: list = []
     step = 0
-    for _, s in sends:
+    for i in trace.planned_order():  # by planned step, then position: the send order
+        s = trace.events[i]
+        if isinstance(s, CancelEvent):
+            continue
         events.append(s.model_copy(update={"at": s.at.model_copy(update={"step": step, "offset_ms": None})}))
+        if not isinstance(s, SendEvent):
+            continue  # an adapter lifecycle event stays between the requests it came between
         # Relative cancels (after N tokens) keep their meaning one request at a time.
         events += [c for c in trace.cancels if c.request_id == s.request_id and c.at.after_tokens is not None
                    and c.at.step is None and c.at.offset_ms is None]
@@ -89,13 +93,16 @@ def no_concurrency(trace: Trace) -> tuple[Trace | None, str]:
 def no_cancels(trace: Trace) -> tuple[Trace | None, str]:
     if not trace.cancels:
         return None, "no cancels"
-    return trace.model_copy(update={"events": list(trace.sends)}), "every cancel removed"
+    return (trace.model_copy(update={"events": [e for e in trace.events if not isinstance(e, CancelEvent)]}),
+            "every cancel removed")
 
 
 def no_adapters(trace: Trace) -> tuple[Trace | None, str]:
     if not any(s.adapter for s in trace.sends):
         return None, "no adapter requests"
-    events = [e.model_copy(update={"adapter": None}) if isinstance(e, SendEvent) else e for e in trace.events]
+    # Adapter lifecycle events go too: without LoRA there is nothing to load.
+    events = [e.model_copy(update={"adapter": None}) if isinstance(e, SendEvent) else e for e in trace.events
+              if isinstance(e, (SendEvent, CancelEvent))]
     lora = trace.engine.lora.model_copy(update={"enabled": False, "adapters": {}})
     return trace.model_copy(update={"events": events, "engine": trace.engine.model_copy(update={"lora": lora})}), \
         "every request on the base model, LoRA off"

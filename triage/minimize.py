@@ -216,7 +216,9 @@ class Minimizer:
 
         def with_requests(keep: list[str]) -> Trace | None:
             ids = set(keep) | {victim}
-            return _rebuild(trace, [e for e in trace.events if e.request_id in ids])
+            # Adapter lifecycle events have no request id: they stay (the plan needs its bindings).
+            return _rebuild(trace, [e for e in trace.events
+                                    if not isinstance(e, (SendEvent, CancelEvent)) or e.request_id in ids])
 
         n0 = self.replays
         reduce = probdd if self.opts.strategy == "probdd" else ddmin

@@ -16,8 +16,13 @@ from kvfuzz.oracle.report import CLASS_STYLE
 
 
 class CampaignDisplay:
-    def __init__(self, console: Console, *, budget_s: float | None, max_traces: int | None):
+    def __init__(self, console: Console, *, budget_s: float | None, max_traces: int | None,
+                 out: Path | None = None):
         self.console = console
+        # OUT/campaign.html follows the campaign: rewritten after every committed trace (the
+        # drivers call update right after campaign.json is written). The fuzzer room knows
+        # nothing of pictures; presentation hangs off the same hook as the live panel.
+        self.out = out
         self.budget_s = budget_s
         self.max_traces = max_traces
         self.start = time.monotonic()
@@ -48,6 +53,10 @@ class CampaignDisplay:
     def update(self, outcome: Any, state: Any) -> None:
         self._state = state
         self._last = outcome
+        if self.out is not None:
+            from kvfuzz.present import campaign_page
+
+            campaign_page(self.out, state)  # never raises
         if outcome.finding is not None and self._live is None:
             f = outcome.finding
             self.console.print(f"finding {f.id}: {f.worst_class()} ({f.signature()}) in trace {outcome.index}")

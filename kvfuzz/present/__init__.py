@@ -15,19 +15,9 @@ self-contained HTML (inline SVG, inline CSS, no script, nothing fetched).
 
 from __future__ import annotations
 
-PLOTS_HINT = "pip install 'kvfuzz[plots]'"
+from .deps import PLOTS_HINT, have_matplotlib
 
-
-_HAVE: list[bool] = []
-
-
-def have_matplotlib() -> bool:
-    """Whether the optional plotting dependency can be imported (without importing it)."""
-    if not _HAVE:
-        import importlib.util
-
-        _HAVE.append(importlib.util.find_spec("matplotlib") is not None)
-    return _HAVE[0]
+__all__ = ["PLOTS_HINT", "campaign_page", "have_matplotlib"]
 
 
 def campaign_page(out, state, *, final: bool = False) -> None:

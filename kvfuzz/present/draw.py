@@ -17,7 +17,7 @@ from typing import Any
 
 from kvfuzz.traces.errors import BadInput
 
-from . import PLOTS_HINT
+from .deps import PLOTS_HINT
 from .data import CampaignView, DivergenceData, GateCaseView, Grid, Schedule
 
 CLASS_COLOR = {"corruption": "#c62828", "engine-crash": "#8e24aa", "error": "#d32f2f", "numeric-near-tie": "#e69500",

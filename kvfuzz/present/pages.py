@@ -20,7 +20,7 @@ from typing import Any
 from kvfuzz.oracle.report import CLASS_STYLE, Bullets, Code, Heading, Para, Report, Table
 from kvfuzz.traces import Finding, atomic_write_text, load_finding
 
-from . import PLOTS_HINT, have_matplotlib
+from .deps import PLOTS_HINT, have_matplotlib
 from .data import campaign_view, divergence_data, gate_view, grid_data, schedule_data
 
 log = logging.getLogger("kvfuzz.present")

@@ -29,6 +29,10 @@ def run(
                                            "of each bucket (which engine mechanisms it needs).")] = True,
     out: Annotated[Path, typer.Option(help="Output directory.")] = Path("kvfuzz-out"),
     lora: Annotated[bool, typer.Option("--lora/--no-lora", help="Mix LoRA adapter requests in.")] = False,
+    lifecycle: Annotated[bool, typer.Option("--lifecycle", help="Adapter lifecycle churn (implies --lora): adapters "
+                                            "loaded, unloaded and reloaded between requests, max_loras / "
+                                            "max_cpu_loras drawn per trace, cache_salt tenants "
+                                            "(docs/fuzzer.md).")] = False,
     resume: Annotated[bool, typer.Option(help="Continue the interrupted campaign in --out (same seed sequence).")] = False,
     corpus: Annotated[Optional[Path], typer.Option(help="Corpus directory: seeds the campaign, novel traces join it "
                                                        "(default: <out>/corpus).")] = None,
@@ -75,12 +79,14 @@ def run(
                                                               "traces 0..i-WINDOW (default 2 x workers; the same "
                                                               "seed and window give the same campaign whatever the "
                                                               "worker count; docs/scale.md).")] = None,
+    vllm: options.VllmOpt = None,
 ) -> None:
     """Fuzz the embedded default model on the in-process vLLM engine or a managed vLLM server.
 
     By default each trace runs on unmodified vLLM (arm "vanilla") and every divergence is
     re-run in the clean arm to say which toggle explains it; unexplained ones are candidate
     new vLLM bugs and are listed first."""
+    options.use_release(vllm, device=device)
     from kvfuzz.calibrate import prepare_bounds
     from kvfuzz.cli.display import CampaignDisplay
     from kvfuzz.fuzzer import CampaignOptions, default_engine, run_campaign
@@ -114,8 +120,14 @@ def run(
             raise BadInput(f"unknown embedded model {str(model)!r} (have {EMBEDDED_MODEL}, {EMBEDDED_HYBRID})",
                            field="--model")
         hybrid, model = str(model) == EMBEDDED_HYBRID, None
+        if hybrid and lifecycle:
+            raise BadInput(f"{EMBEDDED_HYBRID} has no LoRA adapters; drop --lifecycle", field="--model")
         if hybrid and lora:
             raise BadInput(f"{EMBEDDED_HYBRID} has no LoRA adapters; drop --lora", field="--model")
+    if lifecycle and model is not None:
+        raise BadInput("--lifecycle uses the embedded model's adapters; it cannot be combined with --model",
+                       field="--model")
+    lora = lora or lifecycle
     if model is not None:
         overrides["model"] = options.model_dir(model, lora)
     out.mkdir(parents=True, exist_ok=True)
@@ -144,7 +156,7 @@ def run(
     from kvfuzz.fuzzer import GenOptions
 
     gen = GenOptions(min_requests=min(2, max_requests), max_requests=max_requests,
-                     adapters=sorted(engine.lora.adapters) if engine.lora.enabled else [])
+                     adapters=sorted(engine.lora.adapters) if engine.lora.enabled else [], lifecycle=lifecycle)
     opts = CampaignOptions(seed=seed, budget_s=budget, max_traces=traces_n, runs=runs, out=out, engine=engine, gen=gen,
                            resume=resume, corpus=corpus, mode="feedback" if feedback else "random", operators=ops,
                            # Naming an engine-changing operator (small_kv) is asking for restarts.
@@ -167,7 +179,7 @@ def run(
 
     # A trace that kills or hangs the engine becomes an engine-crash finding; the engine restarts.
     guard = Recovering(session)
-    display = CampaignDisplay(console, budget_s=budget, max_traces=traces_n)
+    display = CampaignDisplay(console, budget_s=budget, max_traces=traces_n, out=out)
     triage = spec.build_triage(session, guard, out, status=display.status)
     pooled = spec.pooled
     if pooled:
@@ -213,7 +225,7 @@ def _run_on_ray(address: str, opts: Any, spec: WorkerSpec, *, arm_map: dict[str,
     from kvfuzz.traces import load_finding
 
     threads = spec.threads
-    display = CampaignDisplay(console, budget_s=opts.budget_s, max_traces=opts.max_traces)
+    display = CampaignDisplay(console, budget_s=opts.budget_s, max_traces=opts.max_traces, out=opts.out)
     owns = connect(None if address == "local" else address, num_cpus=local_cpus(workers, threads),
                    env=worker_env(threads))
     import ray
