@@ -7,7 +7,11 @@ server (``/v1/load_lora_adapter``). Built once; both harnesses use it.
 
 ``same_path`` reloads overwrite the files at the name's current directory. The directories of
 the embedded adapters live in the kvfuzz cache and must never be overwritten, so a name that a
-trace reloads in place is served from a working copy that the book owns (fresh every run).
+trace reloads in place is served from working copies that the book owns: each binding of such
+a name (its initial one, a load, a new-path reload) gets a directory of its own, and only a
+``same_path`` reload writes into an existing one — the binding's own, as a deployment updating
+an adapter directory does. A load after an unload therefore never rewrites files that a request
+still running on the old binding may re-read (vLLM reloads an evicted adapter from its path).
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ class AdapterBook:
             raise ValueError("a trace with same-path reloads needs a working directory")
         self.bound: dict[str, Bound] = {}
         self._next_id = 1
+        self._copies = 0
         for name, source in sorted(trace.engine.lora.adapters.items()):
             self._bind(name, source, lora_id=self._take_id())
 
@@ -60,11 +65,17 @@ class AdapterBook:
         self._next_id += 1
         return self._next_id - 1
 
-    def _bind(self, name: str, source: str, *, lora_id: int, inplace: bool = False) -> Bound:
+    def _bind(self, name: str, source: str, *, lora_id: int, inplace: bool = False,
+              path: Path | None = None) -> Bound:
+        """Bind ``name`` to ``source``'s weights. For a name reloaded in place somewhere in the
+        trace: into ``path`` (a same-path reload: the binding's own directory, overwritten) or
+        else a new working directory."""
         src = self._resolve(source)
         if name in self.in_place_names:
             assert self._workdir is not None
-            path = self._workdir / name
+            if path is None:
+                self._copies += 1
+                path = self._workdir / name / str(self._copies)
             _overwrite_dir(src, path)
             digest = adapter_hash(path)  # what is at the path now
         else:
@@ -85,17 +96,9 @@ class AdapterBook:
 
     def reload(self, ev: ReloadAdapterEvent) -> Bound:
         old = self.bound[ev.name]
-        if not ev.same_path and ev.name in self.in_place_names:
-            # This name is served from a working copy (another of its reloads is in place): a
-            # new-path reload gets its own directory beside it, never the copy's.
-            return self._bind_at(ev.name, ev.source, self._resolve(ev.source), old.lora_id)
+        if ev.same_path:  # the name is in in_place_names: its binding is a working copy
+            return self._bind(ev.name, ev.source, lora_id=old.lora_id, inplace=True, path=Path(old.path))
         return self._bind(ev.name, ev.source, lora_id=old.lora_id, inplace=True)
-
-    def _bind_at(self, name: str, source: str, path: Path, lora_id: int) -> Bound:
-        b = Bound(name=name, source=source, path=str(path), content_hash=adapter_hash(path), lora_id=lora_id,
-                  inplace=True)
-        self.bound[name] = b
-        return b
 
     def get(self, name: str) -> Bound | None:
         return self.bound.get(name)

@@ -154,3 +154,31 @@ def test_unconstrained_only_when_the_output_differs():
     assert classify_run(send, same, rec, h, bounds).cls == "ok"
     v = classify_run(send, other, rec, h, bounds)
     assert v.cls == "unconstrained" and "reloaded in place at step 5" in v.detail
+
+
+def test_adapter_book_gives_every_binding_of_an_in_place_name_its_own_directory(tmp_path):
+    """A load never rewrites files a request of an earlier binding may still re-read; only a
+    same-path reload writes into an existing directory (its binding's own); sources are never
+    written to."""
+    from kvfuzz.harness.adapters import AdapterBook
+    from kvfuzz.traces.trace import LoadAdapterEvent, ReloadAdapterEvent, UnloadAdapterEvent
+
+    sources = {}
+    for name in ("s1", "s2", "s3"):
+        d = tmp_path / "src" / name
+        d.mkdir(parents=True)
+        (d / "adapter_model.safetensors").write_bytes(name.encode() * 10)
+        sources[f"embedded:{name[-1]}"] = d
+    t = parse_trace(_trace([
+        {"kind": "reload-adapter", "name": "a", "source": "embedded:2", "same_path": True, "at": {"step": 1}},
+    ], adapters={"a": "embedded:1"}))
+    book = AdapterBook(t, lambda s: sources[s], tmp_path / "work")
+    first = book.bound["a"]
+    book.unload(UnloadAdapterEvent(name="a", at={"step": 1}))
+    again = book.load(LoadAdapterEvent(name="a", source="embedded:2", at={"step": 2}))
+    assert again.path != first.path and (Path(first.path) / "adapter_model.safetensors").read_bytes() == b"s1" * 10
+    moved = book.reload(ReloadAdapterEvent(name="a", source="embedded:3", same_path=True, at={"step": 3}))
+    assert moved.path == again.path and moved.lora_id == again.lora_id and moved.content_hash != again.content_hash
+    newpath = book.reload(ReloadAdapterEvent(name="a", source="embedded:1", at={"step": 4}))
+    assert newpath.path not in (first.path, again.path)
+    assert all((d / "adapter_model.safetensors").read_bytes() == d.name.encode() * 10 for d in sources.values())
