@@ -132,8 +132,9 @@ def test_minimizer_engine_pass_and_adapter_unification():
 
 def test_minimizer_keeps_the_adapter_lifecycle_a_trace_needs():
     """A lifecycle trace (schema 2): dropping requests keeps the load / reload events (they have
-    no request id), so the plan stays valid and a reload the bug needs survives."""
-    from kvfuzz.traces.trace import LoadAdapterEvent, ReloadAdapterEvent
+    no request id), so the plan stays valid and a reload the bug needs survives; lifecycle
+    events the bug does not need go (here: another adapter's load, unload and reload)."""
+    from kvfuzz.traces.trace import LoadAdapterEvent, ReloadAdapterEvent, UnloadAdapterEvent
 
     def bug(t):  # 'victim' on x diverges iff x was reloaded before it
         try:
@@ -146,11 +147,15 @@ def test_minimizer_keeps_the_adapter_lifecycle_a_trace_needs():
     events = [LoadAdapterEvent(name="x", source="embedded:c", at=At(step=0)), _send("d0", 0, adapter="x"),
               _send("d1", 1, adapter="a"), ReloadAdapterEvent(name="x", source="embedded:c@v2", same_path=True,
                                                               at=At(step=4)),
-              _send("victim", 5, adapter="x", max_tokens=4), _send("d2", 6)]
+              _send("victim", 5, adapter="x", max_tokens=4), _send("d2", 6),
+              LoadAdapterEvent(name="y", source="embedded:b", at=At(step=2)),
+              ReloadAdapterEvent(name="a", source="embedded:a@v2", at=At(step=3)),
+              UnloadAdapterEvent(name="y", at=At(step=7))]
     r = Minimizer(Target("corruption", "victim"), bug, Options(engine=False)).run(
         Trace(schema_version=2, engine=LORA, events=events))
     assert bug(r.trace) and [s.request_id for s in r.trace.sends] == ["victim"]
-    assert [e.kind for e in r.trace.lifecycle] == ["load-adapter", "reload-adapter"]
+    assert [(e.kind, e.name) for e in r.trace.lifecycle] == [("load-adapter", "x"), ("reload-adapter", "x")]
+    assert any(p.startswith("lifecycle: 5 -> 2 adapter events") for p in r.passes), r.passes
 
 
 # -- minimize_finding against a fake wall-clock replayer (the server path, no engine) -------------

@@ -33,6 +33,7 @@ from pydantic import ValidationError
 from kvfuzz.oracle.check import ENGINE
 from kvfuzz.traces import CancelEvent, EngineConfig, Finding, GenPrompt, Minimization, SendEvent, TokenPrompt, Trace
 from kvfuzz.traces.finding import DIVERGENT_CLASSES, SEVERITY
+from kvfuzz.traces.trace import ADAPTER_EVENT_TYPES
 
 from .probe import Probe, Replayer
 from .reduce import Acceptance, accepts, ddmin, default_acceptance, probdd, shrink_int
@@ -188,6 +189,7 @@ class Minimizer:
             for rnd in range(self.opts.max_rounds):
                 before = cur.trace_id()
                 cur = self.events_pass(cur)
+                cur = self.lifecycle_pass(cur)
                 cur = self.cancels_pass(cur)
                 cur = self.adapters_pass(cur)
                 if self.opts.engine:
@@ -227,6 +229,25 @@ class Minimizer:
         assert out is not None
         self.passes.append(f"{self.opts.strategy}: {len(trace.sends)} -> {len(out.sends)} requests "
                            f"({_n(self.replays - n0)})")
+        return out
+
+    def lifecycle_pass(self, trace: Trace) -> Trace:
+        """Adapter lifecycle events the divergence does not need, removed (a candidate that
+        leaves a send on an unbound name is not a valid trace and is never replayed)."""
+        idx = [i for i, e in enumerate(trace.events) if isinstance(e, ADAPTER_EVENT_TYPES)]
+        if not idx:
+            return trace
+
+        def keeping(keep: list[int]) -> Trace | None:
+            drop = set(idx) - set(keep)
+            return _rebuild(trace, [e for i, e in enumerate(trace.events) if i not in drop])
+
+        n0 = self.replays
+        reduce = probdd if self.opts.strategy == "probdd" else ddmin
+        kept = reduce(idx, lambda sub: self.keeps(keeping(sub)))
+        out = keeping(kept) if len(kept) < len(idx) else trace
+        assert out is not None
+        self.passes.append(f"lifecycle: {len(idx)} -> {len(out.lifecycle)} adapter events ({_n(self.replays - n0)})")
         return out
 
     def cancels_pass(self, trace: Trace) -> Trace:
