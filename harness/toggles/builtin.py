@@ -10,10 +10,10 @@ from .block_table import STALE_TAIL
 from .cancel import CANCEL_FREES_SHARED
 from .cross_group import CROSS_GROUP_ONE_PHASE
 from .early_hit import EARLY_HIT
-from .lora import LORA_CPU_MASK, LORA_IDENTITY, LORA_NS
+from .lora import LORA_BATCH_IDS, LORA_CPU_MASK, LORA_IDENTITY, LORA_NS
 from .preempt import PREEMPT_STALE
 from .prefix_guard import SAME_STEP_GUARD
 from .zeroing import ZERO_RECYCLED
 
-__all__ = ["CANCEL_FREES_SHARED", "CROSS_GROUP_ONE_PHASE", "EARLY_HIT", "LORA_CPU_MASK", "LORA_IDENTITY", "LORA_NS", "PREEMPT_STALE", "SAME_STEP_GUARD",
+__all__ = ["CANCEL_FREES_SHARED", "LORA_BATCH_IDS", "CROSS_GROUP_ONE_PHASE", "EARLY_HIT", "LORA_CPU_MASK", "LORA_IDENTITY", "LORA_NS", "PREEMPT_STALE", "SAME_STEP_GUARD",
            "STALE_TAIL", "ZERO_RECYCLED"]

