@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from http_fakes import JsonHandler
 
 from kvfuzz.harness.embedded import adapter_hash
 from kvfuzz.harness.http import replay as http_replay
@@ -41,17 +42,7 @@ class FakeVllm:
         self.lock = threading.Lock()
         fake = self
 
-        class H(http.server.BaseHTTPRequestHandler):
-            def log_message(self, *a):
-                pass
-
-            def _json(self, code, obj):
-                data = json.dumps(obj).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+        class H(JsonHandler):
 
             def do_GET(self):
                 if self.path == "/v1/models":

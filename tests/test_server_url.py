@@ -9,6 +9,7 @@ import json
 import threading
 
 import pytest
+from http_fakes import JsonHandler
 
 from kvfuzz.harness.url import UrlEngine
 from kvfuzz.traces import At, EngineConfig, GenPrompt, SendEvent, Trace
@@ -20,17 +21,7 @@ class Fake:
         self.bodies: list[dict] = []
         fake = self
 
-        class H(http.server.BaseHTTPRequestHandler):
-            def log_message(self, *a):
-                pass
-
-            def _json(self, code, obj):
-                data = json.dumps(obj).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+        class H(JsonHandler):
 
             def do_GET(self):
                 if self.path == "/v1/models":

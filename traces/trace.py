@@ -256,40 +256,41 @@ def _check_source(source: str) -> str:
     return source
 
 
-class LoadAdapterEvent(_Strict):
-    """Bind adapter ``name`` to the weights at ``source`` (vLLM: ``add_lora`` offline,
-    ``/v1/load_lora_adapter`` on a server). The name must not be bound already."""
+class _AdapterEvent(_Strict):
+    """What every adapter lifecycle event has: the adapter name and an absolute time."""
 
-    kind: Literal["load-adapter"] = "load-adapter"
     name: str = Field(pattern=ADAPTER_NAME)
-    source: str = Field(min_length=1, max_length=4096)
     at: At
+
+    @field_validator("at")
+    @classmethod
+    def _absolute_at(cls, at: At) -> At:
+        return _absolute(at, cls.model_fields["kind"].default)
+
+
+class _SourcedEvent(_AdapterEvent):
+    source: str = Field(min_length=1, max_length=4096)
 
     @field_validator("source")
     @classmethod
     def _known_source(cls, v: str) -> str:
         return _check_source(v)
 
-    @field_validator("at")
-    @classmethod
-    def _absolute_at(cls, at: At) -> At:
-        return _absolute(at, "load-adapter")
+
+class LoadAdapterEvent(_SourcedEvent):
+    """Bind adapter ``name`` to the weights at ``source`` (vLLM: ``add_lora`` offline,
+    ``/v1/load_lora_adapter`` on a server). The name must not be bound already."""
+
+    kind: Literal["load-adapter"] = "load-adapter"
 
 
-class UnloadAdapterEvent(_Strict):
+class UnloadAdapterEvent(_AdapterEvent):
     """Unbind adapter ``name`` (``remove_lora`` / ``/v1/unload_lora_adapter``)."""
 
     kind: Literal["unload-adapter"] = "unload-adapter"
-    name: str = Field(pattern=ADAPTER_NAME)
-    at: At
-
-    @field_validator("at")
-    @classmethod
-    def _absolute_at(cls, at: At) -> At:
-        return _absolute(at, "unload-adapter")
 
 
-class ReloadAdapterEvent(_Strict):
+class ReloadAdapterEvent(_SourcedEvent):
     """Rebind the bound adapter ``name`` to new weights in place: vLLM's ``load_inplace``, which
     keeps the adapter's id, so the engine replaces its weights under the same identity.
     ``same_path`` false: the new weights come from ``source``'s own path. ``same_path`` true: the
@@ -297,20 +298,7 @@ class ReloadAdapterEvent(_Strict):
     same path (how a deployment that updates an adapter directory in place does it)."""
 
     kind: Literal["reload-adapter"] = "reload-adapter"
-    name: str = Field(pattern=ADAPTER_NAME)
-    source: str = Field(min_length=1, max_length=4096)
     same_path: bool = False
-    at: At
-
-    @field_validator("source")
-    @classmethod
-    def _known_source(cls, v: str) -> str:
-        return _check_source(v)
-
-    @field_validator("at")
-    @classmethod
-    def _absolute_at(cls, at: At) -> At:
-        return _absolute(at, "reload-adapter")
 
 
 AdapterEvent = Union[LoadAdapterEvent, UnloadAdapterEvent, ReloadAdapterEvent]
