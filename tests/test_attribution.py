@@ -127,9 +127,13 @@ def test_session_attributes_vanilla_lora_bug_to_the_missing_fix(session, lora_en
     ])
     c = check_attributed(session, t, runs=1, arms={"vanilla": []})
     f = c.finding
-    assert f is not None and f.arms == {"vanilla": [], "clean": ["fix-lora-cpu-no-lora-tokens"]}
-    assert [(d.arm, d.request_id, d.class_, d.explained_by) for d in f.divergences] == [
-        ("vanilla", "base", "corruption", "fix-lora-cpu-no-lora-tokens")]
-    assert f.notes["attribution"] == {"clean": ["fix-lora-cpu-no-lora-tokens"], "added_arms": ["clean"]}
+    # With several fixes in the clean arm, attribution adds clean-less-one arms to see which one.
+    clean = ["fix-lora-batch-keeps-every-adapter-id", "fix-lora-cpu-no-lora-tokens", "fix-lora-reload-prefix-identity"]
+    singles = {f"without:{x}": [y for y in clean if y != x] for x in clean}
+    assert f is not None and f.arms == {"vanilla": [], "clean": clean, **singles}
+    assert {(d.arm, d.request_id, d.class_, d.explained_by) for d in f.divergences} == {
+        ("vanilla", "base", "corruption", "fix-lora-cpu-no-lora-tokens"),
+        ("without:fix-lora-cpu-no-lora-tokens", "base", "corruption", "fix-lora-cpu-no-lora-tokens")}
+    assert f.notes["attribution"]["clean"] == clean and set(f.notes["attribution"]["added_arms"]) == {"clean", *singles}
     assert unexplained(f.divergences) == []
-    assert {h.arm for h in f.runs} == {"vanilla", "clean"}
+    assert {h.arm for h in f.runs} == {"vanilla", "clean", *singles}

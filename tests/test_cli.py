@@ -110,7 +110,8 @@ def test_run_end_to_end_then_resume(kvfuzz_cli, tmp_path):
         assert orig.minimization is None and len(orig.trace.sends) == m.original_requests
         # Controls run on the minimized witness only (triage/finish.py): the original has none.
         assert [c.name for c in small.controls] == ["serialized", "batch-invariant"] and orig.controls == []
-        assert small.notes["reproduced_in"] == ["vanilla"]  # the CPU LoRA bug needs batching
+        # The CPU LoRA bug needs batching, and only its own fix removes it.
+        assert small.notes["reproduced_in"] == ["vanilla", "without:fix-lora-cpu-no-lora-tokens"]
 
     p = kvfuzz_cli("run", "--traces", "3", "--resume", *args)
     assert p.returncode == 0, p.stderr[-2000:]
