@@ -436,11 +436,30 @@ def test_managed_server_replay_then_server_dies_mid_trace(tmp_path, kvfuzz_cli):
     out = tmp_path / "out"
     killed: list[int] = []
 
+    def running() -> bool:
+        """The server has requests in flight (its /metrics): the second file's run is on."""
+        import re
+
+        import httpx
+
+        port = re.search(r"--port (\d+)", (out / "server-1.log").read_text().splitlines()[0]).group(1)
+        try:
+            text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=2.0).text
+        except httpx.HTTPError:
+            return False
+        return any(line.startswith("vllm:num_requests_running") and float(line.split()[-1]) > 0
+                   for line in text.splitlines())
+
     def killer() -> None:
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline and not (out / "replays" / "first.replay.json").exists():
             time.sleep(0.2)
-        time.sleep(2.0)  # into the second file's run
+        # Into the second file's run: a fixed pause was not enough under CI load (the kill then
+        # landed between runs); wait for its requests to be in flight, then a moment more.
+        soon = time.monotonic() + 60
+        while time.monotonic() < soon and not running():
+            time.sleep(0.2)
+        time.sleep(0.5)
         pid = int((out / "server.pid").read_text())
         os.kill(pid, signal.SIGKILL)  # the API server process dies
         killed.append(pid)
