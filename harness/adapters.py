@@ -17,14 +17,32 @@ still running on the old binding may re-read (vLLM reloads an evicted adapter fr
 from __future__ import annotations
 
 import shutil
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvfuzz.traces import Trace
-from kvfuzz.traces.trace import LoadAdapterEvent, ReloadAdapterEvent, UnloadAdapterEvent
+from kvfuzz.traces import EngineConfig, SendEvent, Trace
+from kvfuzz.traces.trace import Binding, LoadAdapterEvent, ReloadAdapterEvent, UnloadAdapterEvent
 
-from .embedded import adapter_hash
+from .embedded import adapter_hash, build, resolve_adapter
+
+
+def resolve_source(source: str) -> Path:
+    """An adapter source's directory on this machine (embedded adapters and their variants are
+    built on first use). A server must be able to read it: a URL server on another machine
+    needs a shared path."""
+    return resolve_adapter(source, build() if source.startswith("embedded:") else None)
+
+
+def solo_engine(config: EngineConfig, send: SendEvent, binding: Binding | None) -> EngineConfig:
+    """The engine section of ``send``'s reference run: no toggles, and its adapter name bound to
+    ``binding``'s weights (a name a lifecycle event loaded is not among the configuration's)."""
+    engine = config.model_copy(update={"toggles": []})
+    if binding is not None and send.adapter is not None:
+        lora = engine.lora.model_copy(update={"adapters": {**engine.lora.adapters, send.adapter: binding.source}})
+        engine = engine.model_copy(update={"lora": lora})
+    return engine
 
 
 @dataclass(frozen=True)
@@ -115,3 +133,27 @@ def _overwrite_dir(src: Path, dst: Path) -> None:
         if p.is_file():
             shutil.copyfile(p, dst / p.name)
 
+
+
+class AdapterWorkdir:
+    """An engine's directory for the working copies of names reloaded in place: made on first
+    need, the same path for every run (the prefix-cache key of vLLM 0.31+ includes the path),
+    removed by ``drop`` when the engine closes."""
+
+    def __init__(self) -> None:
+        self.path: Path | None = None
+
+    def book(self, trace: Trace) -> AdapterBook:
+        """This run's bindings. Every source is resolved now, so an embedded variant is built
+        before the run rather than at its event's instant."""
+        if self.path is None and any(isinstance(e, ReloadAdapterEvent) and e.same_path for e in trace.lifecycle):
+            self.path = Path(tempfile.mkdtemp(prefix="kvfuzz-adapters-"))
+        for ev in trace.lifecycle:
+            if isinstance(ev, (LoadAdapterEvent, ReloadAdapterEvent)):
+                resolve_source(ev.source)
+        return AdapterBook(trace, resolve_source, self.path)
+
+    def drop(self) -> None:
+        if self.path is not None:
+            shutil.rmtree(self.path, ignore_errors=True)
+            self.path = None

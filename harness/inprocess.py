@@ -36,7 +36,6 @@ from kvfuzz.traces.calibration import NoiseKey
 from kvfuzz.traces.errors import BadInput, InfraError
 from kvfuzz.traces.history import TopLogprobs
 from kvfuzz.traces.trace import (
-    ADAPTER_EVENT_TYPES,
     AdapterEvent,
     Binding,
     LoadAdapterEvent,
@@ -45,10 +44,10 @@ from kvfuzz.traces.trace import (
 )
 
 from . import toggles as toggle_registry
-from .adapters import AdapterBook, Bound
+from .adapters import AdapterBook, AdapterWorkdir, Bound, resolve_source, solo_engine
 from .blocks import BlockEdges
 from .compat import check_inprocess
-from .embedded import ResolvedModel, resolve_adapter, resolve_model
+from .embedded import ResolvedModel, resolve_model
 from .logs import quiet_stderr, read_tail, route_vllm_logs
 from .vllm_args import engine_args
 
@@ -129,9 +128,7 @@ class InProcessEngine:
         self.trace_deadline_s = trace_deadline_s
         self._llm: Any = None
         self._model: ResolvedModel | None = None
-        self._lora_requests: dict[str, Any] = {}
-        self._ref_lora_ids: dict[str, int] = {}
-        self._workdir: Path | None = None
+        self._adapters = AdapterWorkdir()
         self._step_capture: dict[str, Any] = {}
         self._edges = BlockEdges()
         self._reference_toggles: list[str] | None = None
@@ -150,7 +147,6 @@ class InProcessEngine:
         with quiet_stderr(self.log_file):
             try:
                 from vllm import EngineArgs
-                from vllm.lora.request import LoRARequest
                 from vllm.v1.engine.llm_engine import LLMEngine
             except ImportError as e:
                 raise InfraError(f"vLLM is not installed ({e}); install kvfuzz[cpu] or kvfuzz[gpu]") from None
@@ -177,8 +173,6 @@ class InProcessEngine:
                                field="engine") from e
             except Exception as e:
                 raise InfraError(f"vLLM engine failed to start: {type(e).__name__}: {e}".splitlines()[0]) from e
-        for i, (name, path) in enumerate(sorted(self._model.adapter_paths.items()), start=1):
-            self._lora_requests[name] = LoRARequest(name, i, path)
         self._install_hooks()
         if self.config.lora.enabled:
             self._install_lora_hooks()
@@ -207,11 +201,7 @@ class InProcessEngine:
                 except Exception:  # shutting down a broken engine must not mask the real error
                     log.debug("engine shutdown failed", exc_info=True)
             self._llm = None
-            if self._workdir is not None:
-                import shutil
-
-                shutil.rmtree(self._workdir, ignore_errors=True)
-                self._workdir = None
+            self._adapters.drop()
             import gc
 
             gc.collect()
@@ -443,7 +433,7 @@ class InProcessEngine:
         budget = max_steps if max_steps is not None else last_planned + self._step_budget(trace)
 
         recs: dict[str, RequestRecord] = {}
-        book = self._adapter_book(trace) if trace.engine.lora.enabled else None
+        book = self._adapters.book(trace) if trace.engine.lora.enabled else None
         self._edges = BlockEdges()
         internal: dict[str, str] = {}  # vLLM internal id -> our request id
         live: set[str] = set()
@@ -577,20 +567,6 @@ class InProcessEngine:
         return hist
 
     # -- adapters --------------------------------------------------------------------------------
-    def _adapter_book(self, trace: Trace) -> AdapterBook:
-        """This run's adapter bindings. Working copies (names reloaded in place) live in a
-        directory of this engine's, the same path every run."""
-        if self._workdir is None and any(isinstance(e, ReloadAdapterEvent) and e.same_path for e in trace.lifecycle):
-            import tempfile
-
-            self._workdir = Path(tempfile.mkdtemp(prefix="kvfuzz-adapters-"))
-        return AdapterBook(trace, self._resolve_source, self._workdir)
-
-    def _resolve_source(self, source: str) -> Path:
-        from .embedded import build
-
-        return resolve_adapter(source, build() if source.startswith("embedded:") else None)
-
     def _lora_request(self, bound: Bound) -> Any:
         from vllm.lora.request import LoRARequest
 
@@ -673,23 +649,13 @@ class InProcessEngine:
         """``send`` alone on a clean slate with the clean arm's fixes: the reference output.
         ``binding``: the weights its adapter name was bound to at its admission (default: the
         engine configuration's); the reference runs with exactly those."""
-        one = Trace(engine=self._alone_engine(send, binding),
+        one = Trace(engine=solo_engine(self.config, send, binding),
                     events=[send.model_copy(update={"at": send.at.model_copy(update={"step": 0, "offset_ms": None}),
                                                    "max_tokens": max_tokens or send.max_tokens})])
         h = self.replay(one, arm="reference", toggles=self.reference_toggles)
         if h.crashed:
             raise InfraError(f"reference run for {send.request_id!r} failed: {h.crash_detail}")
         return h.requests[send.request_id]
-
-    def _alone_engine(self, send: SendEvent, binding: Binding | None) -> EngineConfig:
-        """The engine section of a solo run: no toggles, and the send's adapter name bound to
-        the binding's weights (an engine-config change the engine key ignores, since adapters
-        are bound per run)."""
-        engine = self.config.model_copy(update={"toggles": []})
-        if binding is not None and send.adapter is not None:
-            lora = engine.lora.model_copy(update={"adapters": {**engine.lora.adapters, send.adapter: binding.source}})
-            engine = engine.model_copy(update={"lora": lora})
-        return engine
 
     def score(self, send: SendEvent, tokens: Sequence[int], *, binding: Binding | None = None) -> list[TopLogprobs]:
         """Teacher forcing: ``send``'s prompt followed by ``tokens`` as one prompt, alone on a
@@ -715,7 +681,7 @@ class InProcessEngine:
                                 output_kind=RequestOutputKind.FINAL_ONLY)
         lora = None
         if send.adapter:
-            book = AdapterBook(Trace(engine=self._alone_engine(send, binding)), self._resolve_source, None)
+            book = AdapterBook(Trace(engine=solo_engine(self.config, send, binding)), resolve_source, None)
             bound = book.get(send.adapter)
             lora = self._lora_request(bound) if bound is not None else None
         rid = f"kvfuzz-score-{send.request_id}"

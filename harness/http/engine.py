@@ -14,30 +14,19 @@ on those weights loaded under a temporary name (``kvfuzz-ref-<content hash>``), 
 from __future__ import annotations
 
 import dataclasses
-import shutil
-import tempfile
 from pathlib import Path
 
 from kvfuzz.traces import EngineConfig, History, RequestRecord, SendEvent, Trace
 from kvfuzz.traces.errors import InfraError, KvfuzzError
-from kvfuzz.traces.trace import Binding, ReloadAdapterEvent
+from kvfuzz.traces.trace import Binding
 
-from ..adapters import AdapterBook
+from ..adapters import AdapterBook, AdapterWorkdir, resolve_source, solo_engine
 from ..base import EngineKind
 from . import control
 from .replay import replay_trace
 from .wire import HttpTarget
 
 REFERENCE_ADAPTER_PREFIX = "kvfuzz-ref-"
-
-
-def resolve_source(source: str) -> Path:
-    """An adapter source's directory on this machine (embedded adapters and variants are
-    built on first use). A server must be able to read it: a URL server on another machine
-    needs a shared path."""
-    from ..embedded import build, resolve_adapter
-
-    return resolve_adapter(source, build() if source.startswith("embedded:") else None)
 
 
 class HttpEngineBase:
@@ -51,7 +40,7 @@ class HttpEngineBase:
     # How references are kept from reusing KV cached by the run under test.
     reference_isolation: str = "reset_prefix_cache"
     # Working copies of adapters reloaded in place (``_adapter_book``); removed by close().
-    _adapter_workdir: Path | None = None
+    _adapters: AdapterWorkdir | None = None
 
     def _http_replay(self, trace: Trace, *, arm: str, run_index: int, toggles: list[str],
                      cache_salt: str | None, book: AdapterBook | None = None,
@@ -69,11 +58,7 @@ class HttpEngineBase:
         engine section (a name a lifecycle event loaded is not among the configuration's)."""
         at = send.at.model_copy(update={"step": 0, "offset_ms": 0.0})
         one = send.model_copy(update={"at": at, "max_tokens": max_tokens or send.max_tokens})
-        engine = config.model_copy(update={"toggles": []})
-        if binding is not None and send.adapter is not None:
-            lora = engine.lora.model_copy(update={"adapters": {**engine.lora.adapters, send.adapter: binding.source}})
-            engine = engine.model_copy(update={"lora": lora})
-        return Trace(engine=engine, events=[one])
+        return Trace(engine=solo_engine(config, send, binding), events=[one])
 
     # -- adapters across runs ----------------------------------------------------------------------
     def _initial_adapters(self) -> dict[str, str]:
@@ -91,20 +76,15 @@ class HttpEngineBase:
         return books.setdefault(target.base_url, set())
 
     def _adapter_book(self, trace: Trace) -> AdapterBook:
-        """This run's adapter bindings (harness/adapters.py). Working copies of names reloaded in
-        place live in a directory of this engine's, the same path every run."""
-        if self._adapter_workdir is None and any(isinstance(e, ReloadAdapterEvent) and e.same_path
-                                                 for e in trace.lifecycle):
-            self._adapter_workdir = Path(tempfile.mkdtemp(prefix="kvfuzz-adapters-"))
-        for ev in trace.lifecycle:  # build embedded variants now, not at the event's instant
-            if getattr(ev, "source", None):
-                resolve_source(ev.source)  # type: ignore[union-attr]
-        return AdapterBook(trace, resolve_source, self._adapter_workdir)
+        """This run's adapter bindings (harness/adapters.py), working copies in this engine's
+        directory."""
+        if self._adapters is None:
+            self._adapters = AdapterWorkdir()
+        return self._adapters.book(trace)
 
     def _drop_adapter_workdir(self) -> None:
-        if self._adapter_workdir is not None:
-            shutil.rmtree(self._adapter_workdir, ignore_errors=True)
-            self._adapter_workdir = None
+        if self._adapters is not None:
+            self._adapters.drop()
 
     def _adapter_call(self, kind: str, name: str, path: str | None = None, *, missing_ok: bool = False) -> None:
         assert self.target is not None
