@@ -7,14 +7,12 @@ tests/test_server.py."""
 
 from __future__ import annotations
 
-import http.server
 import json
 import threading
-import time
 from pathlib import Path
 
 import pytest
-from http_fakes import JsonHandler
+from http_fakes import JsonHandler, serve
 
 from kvfuzz.harness.embedded import adapter_hash
 from kvfuzz.harness.http import replay as http_replay
@@ -85,24 +83,9 @@ class FakeVllm:
                 if not known:
                     self._json(404, {"error": {"message": f"The model `{model}` does not exist.", "code": 404}})
                     return
-                n = body["max_tokens"]
-                lp = {"tokens": [f"token_id:{100 + i}" for i in range(n)],
-                      "top_logprobs": [{f"token_id:{100 + i}": -0.1, "token_id:7": -3.0} for i in range(n)]}
-                choice = {"text": "x" * n, "logprobs": lp, "finish_reason": "length"}
-                if not body.get("stream"):
-                    time.sleep(fake.delay_s)
-                    self._json(200, {"choices": [choice]})
-                    return
-                self.send_response(200)  # HTTP/1.0: the body ends when the connection closes
-                self.send_header("Content-Type", "text/event-stream")
-                self.end_headers()
-                self.wfile.flush()
-                time.sleep(fake.delay_s)
-                self.wfile.write(f"data: {json.dumps({'choices': [choice]})}\n\ndata: [DONE]\n\n".encode())
+                self._complete(body, fake.delay_s)
 
-        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        self.httpd, self.url = serve(H)
 
     def adapter(self, path: str, body: dict):
         name, lpath = body.get("lora_name"), body.get("lora_path")

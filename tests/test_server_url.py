@@ -4,12 +4,10 @@ records), not vLLM — the real-server path is in test_server.py."""
 
 from __future__ import annotations
 
-import http.server
 import json
-import threading
 
 import pytest
-from http_fakes import JsonHandler
+from http_fakes import JsonHandler, serve
 
 from kvfuzz.harness.url import UrlEngine
 from kvfuzz.traces import At, EngineConfig, GenPrompt, SendEvent, Trace
@@ -40,21 +38,9 @@ class Fake:
                 if fake.reject_salt and "cache_salt" in body:
                     self._json(400, {"error": {"message": "Extra inputs are not permitted: cache_salt"}})
                     return
-                n = body["max_tokens"]
-                lp = {"tokens": [f"token_id:{100 + i}" for i in range(n)],
-                      "top_logprobs": [{f"token_id:{100 + i}": -0.1, "token_id:7": -3.0} for i in range(n)]}
-                choice = {"text": "x" * n, "logprobs": lp, "finish_reason": "length"}
-                if not body.get("stream"):
-                    self._json(200, {"choices": [choice]})
-                    return
-                self.send_response(200)  # HTTP/1.0: the body ends when the connection closes
-                self.send_header("Content-Type", "text/event-stream")
-                self.end_headers()
-                self.wfile.write(f"data: {json.dumps({'choices': [choice]})}\n\ndata: [DONE]\n\n".encode())
+                self._complete(body)
 
-        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        self.httpd, self.url = serve(H)
 
     def close(self):
         self.httpd.shutdown()
