@@ -152,7 +152,8 @@ def _weights_identity(path: str) -> str:
     import os
 
     try:
-        entries = sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in os.scandir(path) if e.is_file())
+        entries = sorted((e.name, st.st_size, st.st_mtime_ns) for e in os.scandir(path) if e.is_file()
+                         for st in (e.stat(),))
     except OSError:
         return "unreadable:" + path  # hub names, remote paths: no content to key on
     key = (path, tuple(entries))
