@@ -429,9 +429,9 @@ def test_managed_server_replay_then_server_dies_mid_trace(tmp_path, kvfuzz_cli):
         SendEvent(request_id=f"r{i}", at=At(offset_ms=3.0 * i), max_tokens=300 if i == 2 else 12,
                   prompt=GenPrompt(length=90, seed=i))
         for i in range(3)] + [CancelEvent(request_id="r2", at=At(after_tokens=3))]), first)
-    second = tmp_path / "second.json"  # long enough to be mid-run when the server is killed
+    second = tmp_path / "second.json"  # long (never finished: the kill ends it), so the kill lands mid-run
     save(Trace(engine=cfg, events=[
-        SendEvent(request_id=f"long{i}", at=At(offset_ms=0), max_tokens=3000, prompt=GenPrompt(length=64, seed=i))
+        SendEvent(request_id=f"long{i}", at=At(offset_ms=0), max_tokens=12000, prompt=GenPrompt(length=64, seed=i))
         for i in range(3)]), second)
     out = tmp_path / "out"
     killed: list[int] = []
