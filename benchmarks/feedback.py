@@ -201,7 +201,8 @@ def main() -> None:
 
     from kvfuzz.fuzzer import default_engine
     from kvfuzz.harness.toggles import registry
-    from kvfuzz.session import Session
+    from kvfuzz.settings import SessionSettings
+    from kvfuzz.session import build_session
 
     registry._load_builtin()
     # Default: the faults that can change outputs on CPU (a GPU-only one would never be found).
@@ -217,7 +218,7 @@ def main() -> None:
                          p_interrupted_prefill=0.0, p_pressure=0.0)
     results: dict = {"args": {**vars(args), "work": str(args.work), "out": str(args.out), "faults": faults,
                               "fixes": fixes}, "coverage": [], "faults": {}}
-    session = Session(runs=args.runs, log_file=args.work / "engine.log")
+    session = build_session(SessionSettings(runs=args.runs), args.work)
     t_start = time.monotonic()
     try:
         session.engine_for(engine)

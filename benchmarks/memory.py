@@ -57,14 +57,15 @@ def main() -> None:
 
     from kvfuzz.fuzzer import CampaignOptions, default_engine, run_campaign
     from kvfuzz.fuzzer.generate import GenOptions
-    from kvfuzz.session import Session
+    from kvfuzz.settings import SessionSettings
+    from kvfuzz.session import build_session
 
     work = args.work or Path(tempfile.mkdtemp(prefix="kvfuzz-memory-"))
     # max_model_len caps generated prompt lengths (generate() fits each request in it): short
     # prompts keep a trace well under a second on 2 CPU cores.
     engine = default_engine(max_model_len=args.max_model_len)
     gen = GenOptions(min_requests=1, max_requests=3, max_tokens=(2, 6), p_long=0.0, p_cancel=0.2)
-    session = Session(runs=args.runs, log_file=work / "engine.log")
+    session = build_session(SessionSettings(runs=args.runs), work)
     samples: list[dict] = []
     t0 = time.monotonic()
     try:

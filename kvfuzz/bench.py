@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from kvfuzz.session import Session
+from kvfuzz.settings import SessionSettings, check_device
+from kvfuzz.session import build_session
 from kvfuzz.traces import Divergence, EngineConfig, Finding
 
 DETECTING = ("corruption", "engine-crash", "error")
@@ -125,7 +127,8 @@ def _campaign(session: Session, arm: str, toggles: list[str], seed: int, *, budg
     from kvfuzz.fuzzer import CampaignOptions, run_campaign
     from kvfuzz.harness.runner import ReferenceStore, ScoreStore
     from kvfuzz.recovery import Recovering
-    from kvfuzz.triage.campaign import CampaignTriage
+    from kvfuzz.settings import CampaignSettings, TriageSettings
+    from kvfuzz.triage.campaign import build_triage
 
     session.references, session.scores = ReferenceStore(), ScoreStore()
     opts = CampaignOptions(seed=seed, budget_s=budget, max_traces=max_traces, runs=runs, out=out, engine=engine)
@@ -142,8 +145,11 @@ def _campaign(session: Session, arm: str, toggles: list[str], seed: int, *, budg
 
     state = None
     try:
-        triage = CampaignTriage(session, Recovering(session), {arm: toggles}, out, confirm_runs=runs,
-                                runs_fixed=runs_fixed, minimize=False, controls=False, ablate=False)
+        # As `kvfuzz run` triages, without minimization, controls or ablation (after detection).
+        settings = CampaignSettings(session=session.settings.model_copy(update={"runs": runs}), arms={arm: toggles},
+                                    triage=TriageSettings(runs_fixed=runs_fixed, minimize=False, controls=False,
+                                                          ablate=False))
+        triage = build_triage(settings, session, Recovering(session), out)
         state = run_campaign(opts, triage, outcome)
     except _Detected:
         pass
@@ -208,7 +214,7 @@ def run_bench(*, toggles: list[str] | None, seeds: list[int], budget: float, max
     load_before = os.getloadavg()
     own = session is None
     if own:
-        session = Session(device=device, runs=runs, log_file=out / "engine.log")
+        session = build_session(SessionSettings(device=check_device(device), runs=runs), out)
     results: list[ToggleResult] = []
     engines: dict[str, Any] = {}
     starts: dict[str, float] = {}

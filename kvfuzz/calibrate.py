@@ -191,7 +191,6 @@ def prepare_bounds(session: Session, config: EngineConfig, *, profile_file: Path
             diff = sorted(k for k, v in profile.key.model_dump().items() if key.model_dump()[k] != v)
             raise BadInput(f"the profile was measured for another engine ({', '.join(diff)} differ: "
                            f"{describe_key(profile.key)})", source=str(profile_file), field="--calibration")
-        session.profiles.append(profile)
         return session.use_profile(config, profile)
     profile = find_profile(key, session.profiles_dir)
     if profile is None and calibrate_if_missing:

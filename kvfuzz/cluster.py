@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
+from kvfuzz.settings import CampaignSettings
 from kvfuzz.traces import Finding, Trace
 from kvfuzz.traces.errors import BadInput, InfraError, KvfuzzError
 
@@ -195,57 +196,32 @@ def worker_env(threads: int) -> dict[str, str]:
 
 @dataclass
 class WorkerSpec:
-    """Everything a campaign worker needs to build its session and triage (picklable, no
-    engine): a Ray actor's, and `kvfuzz run`'s own without --ray (one place builds both)."""
+    """What a campaign worker builds its session and triage from (picklable, no engine): a Ray
+    actor's, and `kvfuzz run`'s own without --ray, both by kvfuzz.settings' builders."""
 
-    engine_kind: str = "inprocess"
-    device: str = "cpu"
-    runs: int = 3
-    bound_overrides: dict[str, float] = field(default_factory=dict)
-    server_flags: list[str] = field(default_factory=list)
-    trace_timeout: float = 600.0
-    arms: dict[str, list[str]] = field(default_factory=dict)
-    runs_fixed: bool = False
-    attribute: bool = True
-    minimize: bool = True
-    controls: bool = True
-    ablate: bool = True
-    minimize_seconds: float = 120.0
-    # The campaign's --budget: a new bucket's triage box is at most a share of it (triage/campaign.py).
-    budget_s: float | None = None
+    settings: CampaignSettings = field(default_factory=CampaignSettings)
     log_dir: str = "kvfuzz-out/workers"
     threads: int = 1
 
     @property
+    def device(self) -> str:
+        return self.settings.session.device
+
+    @property
     def pooled(self) -> bool:
-        """Whether triage's engines share a pool: its ablations replay under other engine
-        configurations, and keeping those alive next to the campaign's engine saves engine
-        starts per bucket (in-process engines of the embedded model are small)."""
-        return self.engine_kind == "inprocess" and (self.ablate or self.minimize or self.controls)
+        return self.settings.pooled
 
-    def build_session(self, log_dir: Path, *, port: int | None = None) -> "Session":
+    def build_session(self, log_dir: Path) -> "Session":
         """The campaign's session; its engine and server logs go to ``log_dir``."""
-        from kvfuzz.session import Session
+        from kvfuzz.session import build_session
 
-        server_options = None
-        if self.engine_kind == "server":
-            from kvfuzz.harness.server import ServerOptions
-
-            server_options = ServerOptions(device=self.device, extra_flags=list(self.server_flags), log_dir=log_dir,
-                                           port=port, request_timeout_s=self.trace_timeout)
-        return Session(engine_kind=self.engine_kind, device=self.device, runs=self.runs,  # type: ignore[arg-type]
-                       bound_overrides=dict(self.bound_overrides), log_file=log_dir / "engine.log",
-                       server_options=server_options, trace_deadline_s=self.trace_timeout)
+        return build_session(self.settings.session, log_dir)
 
     def build_triage(self, session: "Session", guard: "Recovering", out: Path, *,
                      status: Callable[[str], None] = lambda _m: None) -> "CampaignTriage":
-        """One bug, one bucket: a new bucket's first finding is triaged fully, later ones cheaply."""
-        from kvfuzz.triage.campaign import CampaignTriage
+        from kvfuzz.triage.campaign import build_triage
 
-        return CampaignTriage(session, guard, self.arms, out, confirm_runs=self.runs, runs_fixed=self.runs_fixed,
-                              attribute=self.attribute, minimize=self.minimize, controls=self.controls,
-                              ablate=self.ablate, minimize_seconds=self.minimize_seconds, budget_s=self.budget_s,
-                              status=status)
+        return build_triage(self.settings, session, guard, out, status=status)
 
 
 # Kills a worker's managed vLLM server when the worker process is gone (ray.kill is SIGKILL:
@@ -293,7 +269,7 @@ class WorkerCore:
             torch.set_num_threads(max(1, spec.threads))
         except ImportError:
             pass
-        if spec.engine_kind == "server":
+        if spec.settings.session.kind == "server":
             subprocess.Popen([sys.executable, "-c", _WATCHDOG, str(os.getpid()), str(log_dir / "server.pid")],
                              start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL)
@@ -319,7 +295,6 @@ class WorkerCore:
         self.session.engine_for(config)
         warned: list[str] = []
         if profile is not None:
-            self.session.profiles.append(profile)
             bounds = self.session.use_profile(config, profile)
         else:
             bounds = prepare_bounds(self.session, config, profile_file=Path(profile_file) if profile_file else None,
@@ -346,11 +321,9 @@ class WorkerCore:
         return Result(task.index, self.name, finding=checked.finding, buckets=buckets,
                       seconds=time.monotonic() - t0, files=files)
 
-    def gate(self, planned, runs: int, strict: bool, engine_args: list[str], profiles: list) -> tuple:
+    def gate(self, planned, runs: int, strict: bool, engine_args: list[str]) -> tuple:
         from kvfuzz.gate import GateRunner
 
-        if not self.session.profiles:
-            self.session.profiles += list(profiles)
         runner = GateRunner(self.session, runs=runs, strict=strict, engine_args=engine_args, findings_dir=None)
         return runner.run(planned)
 
@@ -422,7 +395,7 @@ class RayExecutor:
     created = 0
 
     def crash_finding(self, trace: Trace, arms: dict[str, list[str]] | None, deaths: list[dict]) -> Finding:
-        return worker_died_finding(trace, arms, deaths, engine=self.spec.engine_kind, device=self.spec.device)
+        return worker_died_finding(trace, arms, deaths, engine=self.spec.settings.session.kind, device=self.spec.device)
 
     def actor_name(self, worker: str) -> str:
         return f"{self.prefix}-{worker}"

@@ -15,18 +15,41 @@ import sys
 import tempfile
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
+from kvfuzz.settings import SessionSettings
 from kvfuzz.traces import Divergence, Trace
 from kvfuzz.traces.errors import InfraError
 
+if TYPE_CHECKING:
+    from kvfuzz.session import Session
+
+
+def request(trace: Trace, runs: int, arms: dict[str, list[str]], settings: SessionSettings,
+            log_file: Path | None = None) -> dict:
+    """What the child is given: the trace, and the parent's session settings (bounds, calibration
+    profiles, engine kind, device), so it judges as the parent would."""
+    return {"trace": trace.model_dump(mode="json"), "runs": runs, "arms": arms,
+            "settings": settings.model_dump(mode="json"), "log_file": str(log_file) if log_file else None}
+
+
+def child_session(req: dict) -> Session:
+    """The child's session, built from the parent's settings (kvfuzz.settings.build_session)."""
+    from kvfuzz.session import build_session
+
+    settings = SessionSettings.model_validate(req["settings"]).model_copy(update={"runs": req["runs"]})
+    log = Path(req["log_file"]) if req.get("log_file") else None
+    if log is None:
+        return build_session(settings, Path(tempfile.gettempdir()), log_name="kvfuzz-isolated-engine.log")
+    return build_session(settings, log.parent, log_name=log.name)
+
 
 def check_isolated(trace: Trace, runs: int, arms: dict[str, list[str]], env: dict[str, str], *,
-                   engine_kind: str = "inprocess", device: str = "cpu", timeout: float = 1800.0,
+                   settings: SessionSettings, timeout: float = 1800.0,
                    log_file: Path | None = None) -> list[Divergence]:
     with tempfile.TemporaryDirectory(prefix="kvfuzz-isolated-") as d:
         inp, out = Path(d) / "in.json", Path(d) / "out.json"
-        inp.write_text(json.dumps({"trace": trace.model_dump(mode="json"), "runs": runs, "arms": arms,
-                                   "engine_kind": engine_kind, "device": device,
-                                   "log_file": str(log_file) if log_file else None}))
+        inp.write_text(json.dumps(request(trace, runs, arms, settings, log_file)))
         try:
             p = subprocess.run([sys.executable, "-m", "kvfuzz.isolated", str(inp), str(out)],
                                env={**os.environ, **env}, capture_output=True, text=True, timeout=timeout)
@@ -39,12 +62,9 @@ def check_isolated(trace: Trace, runs: int, arms: dict[str, list[str]], env: dic
 
 
 def _child(inp: Path, out: Path) -> None:
-    from kvfuzz.session import Session
-
     req = json.loads(inp.read_text())
     trace = Trace.model_validate(req["trace"])
-    log = Path(req["log_file"]) if req.get("log_file") else None
-    with Session(engine_kind=req["engine_kind"], device=req["device"], runs=req["runs"], log_file=log) as s:
+    with child_session(req) as s:
         c = s.check(trace, runs=req["runs"], arms=req["arms"])
     out.write_text(json.dumps([v.model_dump(mode="json", by_alias=True) for v in c.verdicts]))
 

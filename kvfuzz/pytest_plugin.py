@@ -94,9 +94,9 @@ def _planned(config: pytest.Config) -> list[Any]:
 
 
 def _kind(config: pytest.Config) -> tuple[EngineKind, str]:
-    from kvfuzz.session import engine_kind
+    from kvfuzz.settings import check_device, engine_kind
 
-    device = config.getoption("kvfuzz_device")
+    device = check_device(config.getoption("kvfuzz_device"))
     return engine_kind(config.getoption("kvfuzz_engine"), config.getoption("kvfuzz_base_url"), device), device
 
 
@@ -105,15 +105,16 @@ def _session(config: pytest.Config) -> Session:
     state = _state(config)
     if "session" not in state:
         from kvfuzz.gate import default_runs
-        from kvfuzz.session import Session
+        from kvfuzz.settings import SessionSettings
+        from kvfuzz.session import build_session
 
         kind, device = _kind(config)
         given = config.getoption("kvfuzz_out")
         out = Path(given) if given else Path(tempfile.mkdtemp(prefix="kvfuzz-pytest-"))
         out.mkdir(parents=True, exist_ok=True)
         runs = config.getoption("kvfuzz_runs") or default_runs(kind)
-        state["session"] = Session.for_target(kind, device=device, runs=runs, out=out,
-                                               base_url=config.getoption("kvfuzz_base_url"))
+        state["session"] = build_session(SessionSettings(kind=kind, device=device, runs=runs,
+                                                         base_url=config.getoption("kvfuzz_base_url")), out)
     return state["session"]
 
 

@@ -23,69 +23,58 @@ from kvfuzz.traces import Divergence, EngineConfig, Finding, Scoring, Trace
 from kvfuzz.traces.calibration import CalibrationProfile, find_profile
 from kvfuzz.traces.errors import BadInput
 from kvfuzz.traces.result import Checked, Recording
+from kvfuzz.settings import SessionSettings
 
 if TYPE_CHECKING:
     from kvfuzz.harness.inprocess import EnginePool
     from kvfuzz.harness.server import ServerOptions
 
-DEVICES = ("cpu", "cuda")
-
-
-def check_device(device: str, flag: str = "--device") -> str:
-    """The one place a device name is validated (every command's --device)."""
-    if device not in DEVICES:
-        raise BadInput(f"unknown device {device!r} (cpu or cuda)", field=flag)
-    return device
-
-
-def engine_kind(engine: str, base_url: str | None, device: str) -> EngineKind:
-    """The engine kind the shared CLI options name (``--engine``, ``--base-url``, ``--device``):
-    ``url`` when a base URL is given, else ``inprocess`` or ``server``."""
-    check_device(device)
-    if base_url is not None:
-        return "url"
-    if engine == "inprocess":
-        return "inprocess"
-    if engine == "server":
-        return "server"
-    raise BadInput(f"unknown engine {engine!r} (inprocess or server)", field="--engine")
-
-
 @dataclass
 class Session:
-    engine_kind: EngineKind = "inprocess"
-    device: str = "cpu"
-    runs: int = 3
-    # Noise bounds the user set (near_tie, drift, teacher); the others come from the matching
-    # calibration profile in ``profiles_dir`` (default: the kvfuzz cache), else the defaults.
-    bound_overrides: dict[str, float] = field(default_factory=dict)
-    profiles_dir: Path | None = None
-    # Profiles named on the command line, used for every engine whose key they match.
-    profiles: list[CalibrationProfile] = field(default_factory=list)
+    """Built by ``kvfuzz.settings.build_session`` (the one construction path); what it runs on
+    and how it judges are its ``settings``."""
+
+    settings: SessionSettings = field(default_factory=SessionSettings)
     log_file: Path | None = None
+    # engine kind "server": how to run the managed server (kvfuzz.settings.server_options).
+    server_options: ServerOptions | None = None
     engine: Engine | None = None
     references: ReferenceStore = field(default_factory=ReferenceStore)
     scores: ScoreStore = field(default_factory=ScoreStore)
-    # engine_kind "server": how to run the managed server; "url": the server's address.
-    server_options: ServerOptions | None = None
-    base_url: str | None = None
-    api_key: str | None = field(default=None, repr=False)
-    model: str | None = None
-    # In-process engine: wall-clock deadline of one run of a trace (docs/reliability.md).
-    trace_deadline_s: float | None = 600.0
     _bounds: dict[str, NoiseBounds] = field(default_factory=dict, repr=False)
 
-    @classmethod
-    def for_target(cls, kind: EngineKind, *, device: str, runs: int, out: Path,
-                   bounds: dict[str, float] | None = None, base_url: str | None = None, api_key: str | None = None,
-                   model: str | None = None, server_flags: list[str] | None = None) -> "Session":
-        """A session on the engine the replay-style commands name (in-process, a managed
-        server with its logs in ``out``, or a server at ``base_url``)."""
-        from kvfuzz.harness.server import ServerOptions
+    # -- the settings, read where the session is used ---------------------------------------------
+    @property
+    def engine_kind(self) -> EngineKind:
+        return self.settings.kind
 
-        return cls(engine_kind=kind, device=device, runs=runs, bound_overrides=dict(bounds or {}),
-                   log_file=out / "engine.log", base_url=base_url, api_key=api_key, model=model,
-                   server_options=ServerOptions(device=device, extra_flags=list(server_flags or []), log_dir=out))
+    @property
+    def device(self) -> str:
+        return self.settings.device
+
+    @property
+    def runs(self) -> int:
+        return self.settings.runs
+
+    @runs.setter
+    def runs(self, value: int) -> None:
+        self.settings = self.settings.model_copy(update={"runs": value})
+
+    @property
+    def bound_overrides(self) -> dict[str, float]:
+        return self.settings.bound_overrides
+
+    @property
+    def profiles(self) -> list[CalibrationProfile]:
+        return self.settings.profiles
+
+    @property
+    def profiles_dir(self) -> Path | None:
+        return self.settings.profiles_dir
+
+    @property
+    def trace_deadline_s(self) -> float | None:
+        return self.settings.trace_timeout
 
     # -- what triage may rely on (kvfuzz.triage.probe.Replayer) ----------------------------------
     @property
@@ -99,7 +88,8 @@ class Session:
     def secrets(self) -> list[str]:
         """Values that must never land in a finding (API keys)."""
         opts = self.server_options
-        return [s for s in (self.api_key, opts.api_key if opts else None) if s]
+        key = self.settings.api_key.get_secret_value() if self.settings.api_key else None
+        return [s for s in (key, opts.api_key if opts else None) if s]
 
     # -- engines ---------------------------------------------------------------------------------
     def engine_for(self, config: EngineConfig) -> Engine:
@@ -118,17 +108,19 @@ class Session:
             engine = InProcessEngine(config, device=self.device, log_file=self.log_file,
                                      trace_deadline_s=self.trace_deadline_s)
         elif self.engine_kind == "server":
-            from kvfuzz.harness.server import ServerEngine, ServerOptions
+            from kvfuzz.harness.server import ServerEngine
 
-            opts = self.server_options or ServerOptions(
-                device=self.device, log_dir=self.log_file.parent if self.log_file else Path("kvfuzz-out"))
+            opts = self.server_options or server_options(
+                self.settings, self.log_file.parent if self.log_file else Path("kvfuzz-out"))
             engine = ServerEngine(config, options=opts)
         else:
             from kvfuzz.harness.url import UrlEngine
 
-            if self.base_url is None:
+            st = self.settings
+            if st.base_url is None:
                 raise BadInput("a URL engine needs a base URL", field="--base-url")
-            engine = UrlEngine(config, self.base_url, api_key=self.api_key, model=self.model)
+            engine = UrlEngine(config, st.base_url, api_key=st.api_key.get_secret_value() if st.api_key else None,
+                               model=st.served_model)
         # References depend on the engine configuration (the memo key includes it), so the
         # store is kept across restarts.
         self.engine = engine.start()
@@ -152,7 +144,10 @@ class Session:
         return self._bounds[k]
 
     def use_profile(self, config: EngineConfig, profile: CalibrationProfile) -> NoiseBounds:
-        """Judge runs of ``config`` by ``profile`` (just measured, or named on the command line)."""
+        """Judge runs of ``config`` by ``profile`` (just measured, or named on the command line);
+        kept in the settings, so the sessions built from them (an isolated child) judge alike."""
+        if profile not in self.settings.profiles:
+            self.settings = self.settings.model_copy(update={"profiles": [*self.settings.profiles, profile]})
         self._bounds[config.key()] = self._with_overrides(bounds_from(profile))
         return self._bounds[config.key()]
 
@@ -257,3 +252,22 @@ class Session:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+# -- the one construction path (kvfuzz.settings) ---------------------------------------------------
+def server_options(settings: SessionSettings, log_dir: Path) -> ServerOptions | None:
+    """The managed server's options (None unless ``settings.kind`` is "server")."""
+    if settings.kind != "server":
+        return None
+    from kvfuzz.harness.server import ServerOptions
+
+    opts = ServerOptions(device=settings.device, extra_flags=list(settings.server_flags), log_dir=log_dir,
+                         port=settings.port)
+    if settings.trace_timeout is not None:
+        opts.request_timeout_s = settings.trace_timeout
+    return opts
+
+
+def build_session(settings: SessionSettings, log_dir: Path, *, log_name: str = "engine.log") -> Session:
+    """The one way a command's session is made: its engine log (and server logs) in ``log_dir``."""
+    return Session(settings=settings, log_file=log_dir / log_name, server_options=server_options(settings, log_dir))

@@ -210,13 +210,19 @@ def test_kvfuzz_run_without_ray_does_not_import_ray(tmp_path):
 def test_one_spec_builds_the_session_and_triage_of_run_and_of_each_ray_worker(tmp_path):
     """`kvfuzz run` without --ray and every Ray worker build their session and triage from a
     WorkerSpec (kvfuzz/cluster.py): the spec's settings must all arrive (no engine starts)."""
-    from kvfuzz.cluster import WorkerSpec
+    import pickle
 
-    spec = WorkerSpec(engine_kind="server", device="cpu", runs=2, bound_overrides={"near_tie": 0.5},
-                      server_flags=["--max-num-seqs", "4"], trace_timeout=42.0, arms={"vanilla": []},
-                      runs_fixed=True, minimize=False, controls=False, ablate=False, minimize_seconds=17.0,
-                      budget_s=300.0)
-    s = spec.build_session(tmp_path, port=8123)
+    from kvfuzz.cluster import WorkerSpec
+    from kvfuzz.settings import CampaignSettings, SessionSettings, TriageSettings
+
+    settings = CampaignSettings(
+        session=SessionSettings(kind="server", device="cpu", runs=2, bound_overrides={"near_tie": 0.5},
+                                server_flags=["--max-num-seqs", "4"], trace_timeout=42.0, port=8123),
+        arms={"vanilla": []},
+        triage=TriageSettings(runs_fixed=True, minimize=False, controls=False, ablate=False, minimize_seconds=17.0,
+                              budget_s=300.0))
+    spec = pickle.loads(pickle.dumps(WorkerSpec(settings)))  # as Ray sends it
+    s = spec.build_session(tmp_path)
     assert (s.engine_kind, s.device, s.runs, s.bound_overrides) == ("server", "cpu", 2, {"near_tie": 0.5})
     assert s.log_file == tmp_path / "engine.log" and s.trace_deadline_s == 42.0
     o = s.server_options
@@ -228,5 +234,5 @@ def test_one_spec_builds_the_session_and_triage_of_run_and_of_each_ray_worker(tm
     assert (t.minimize_seconds, t.budget_s, t.attribute) == (17.0, 300.0, True)
     t.status("x")
     assert seen == ["x"]
-    assert not spec.pooled and WorkerSpec(engine_kind="inprocess").pooled
-    assert WorkerSpec(engine_kind="inprocess").build_session(tmp_path).server_options is None
+    assert not spec.pooled and WorkerSpec().pooled
+    assert WorkerSpec().build_session(tmp_path).server_options is None

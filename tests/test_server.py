@@ -35,6 +35,7 @@ from kvfuzz.harness.toggles.builtin import LORA_CPU_MASK
 from kvfuzz.oracle import check
 from kvfuzz.recovery import Recovering
 from kvfuzz.session import Session
+from kvfuzz.settings import SessionSettings
 from kvfuzz.traces import At, CancelEvent, GenPrompt, SendEvent, Trace, load_finding, save
 
 pytestmark = pytest.mark.server
@@ -61,7 +62,7 @@ def server(logs):
 
 @pytest.fixture()
 def session(server):
-    s = Session(engine_kind="server", runs=2)
+    s = Session(SessionSettings(kind="server", runs=2))
     s.engine = server  # share the module's server
     yield s
     s.engine = None  # the module fixture owns it
@@ -299,7 +300,7 @@ def campaign(server, logs):
     (restarted) server SIGSTOPped mid-trace (a hang). Each must become an engine-crash finding
     with the log tail and the trace, the server killed and restarted, and the campaign go on."""
     out = logs / "campaign"
-    session = Session(engine_kind="server", runs=1, server_options=server.options)
+    session = Session(SessionSettings(kind="server", runs=1), server_options=server.options)
     session.engine = server
     guard = Recovering(session)
     # The hang is noticed when a request misses its deadline: 10 s for the campaign's traces,

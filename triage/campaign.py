@@ -36,6 +36,7 @@ from pathlib import Path
 from kvfuzz.oracle.buckets import CHEAP_MECHANISMS, bucket_id, describe, prekeys
 from kvfuzz.recovery import Recovering
 from kvfuzz.session import Session
+from kvfuzz.settings import CampaignSettings
 from kvfuzz.traces import Finding, Trace
 from kvfuzz.traces.result import Checked
 
@@ -168,3 +169,12 @@ class CampaignTriage:
     @property
     def over_share(self) -> bool:
         return self.known_seconds > self.share * max(1.0, time.monotonic() - self.started)
+
+
+def build_triage(settings: CampaignSettings, session: Session, guard: Recovering, out: Path, *,
+                 status: Callable[[str], None] = lambda _m: None) -> CampaignTriage:
+    """The one way a campaign's triage is made (``kvfuzz run``, each Ray worker, ``kvfuzz bench``)."""
+    t = settings.triage
+    return CampaignTriage(session, guard, settings.arms, out, confirm_runs=settings.session.runs,
+                          runs_fixed=t.runs_fixed, attribute=t.attribute, minimize=t.minimize, controls=t.controls,
+                          ablate=t.ablate, minimize_seconds=t.minimize_seconds, budget_s=t.budget_s, status=status)

@@ -15,17 +15,22 @@ from kvfuzz.traces.errors import BadInput
 from kvfuzz.traces.io import finding_path
 
 from .attribution import explain_finding
-from .controls import run_controls
+from .controls import IsolatedCheck, run_controls
 from .minimize import Budget, NotReproduced, Options, minimize_finding
 from .reduce import Acceptance, default_acceptance
 
 
-def add_controls(session: Session, finding: Finding) -> Finding:
-    """Run the control arms of ``finding`` (serialized; batch-invariant where supported)."""
+def isolated_runner(session: Session) -> IsolatedCheck:
+    """How the batch-invariant control checks a trace: in a fresh child process whose session is
+    built from this session's settings, so it judges by the same bounds and calibration."""
     from kvfuzz.isolated import check_isolated
 
-    isolated = functools.partial(check_isolated, engine_kind=session.engine_kind, device=session.device)
-    finding.controls = run_controls(session, finding, device=session.device, isolated=isolated)
+    return functools.partial(check_isolated, settings=session.settings)
+
+
+def add_controls(session: Session, finding: Finding) -> Finding:
+    """Run the control arms of ``finding`` (serialized; batch-invariant where supported)."""
+    finding.controls = run_controls(session, finding, device=session.device, isolated=isolated_runner(session))
     # Stated in the file: every arm (the finding's own and the controls) that reproduced it.
     finding.notes["reproduced_in"] = reproducing_arms(finding)
     return finding

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
 from kvfuzz.traces.calibration import CalibrationProfile
 from kvfuzz.traces.errors import BadInput
+
+if TYPE_CHECKING:
+    from kvfuzz.settings import SessionSettings
 
 WithOpt = Annotated[Optional[list[str]], typer.Option(
     "--with", metavar="TOGGLE",
@@ -112,3 +115,43 @@ def model_dir(model: Path, lora: bool) -> str:
         raise BadInput("--lora uses the embedded model's adapters; it cannot be combined with --model", field="--model")
     allow(model)
     return str(model.resolve())
+
+
+# -- where traces run: declared once, parsed once into kvfuzz.settings.SessionSettings -----------
+EngineOpt = Annotated[str, typer.Option(
+    "--engine", help="inprocess (step-exact) or server (a managed vLLM OpenAI server).")]
+DeviceOpt = Annotated[str, typer.Option("--device", help="cpu or cuda.")]
+ServerArgOpt = Annotated[Optional[list[str]], typer.Option(
+    "--server-arg", help="Extra flag for the managed server (repeatable).")]
+BaseUrlOpt = Annotated[Optional[str], typer.Option(
+    "--base-url", help="A running vLLM server (no toggles possible; --engine is ignored).")]
+ApiKeyOpt = Annotated[Optional[str], typer.Option(
+    "--api-key", envvar="KVFUZZ_API_KEY", show_envvar=True, help="API key of the --base-url server.")]
+ServedModelOpt = Annotated[Optional[str], typer.Option(
+    "--model", help="Model name at --base-url (default: from /v1/models).")]
+
+
+def session_settings(engine: str = "inprocess", device: str = "cpu", *, runs: int = 3,
+                     base_url: str | None = None, api_key: str | None = None, served_model: str | None = None,
+                     near_tie: float | None = None, bound: list[str] | None = None,
+                     calibration: Path | None = None, server_arg: list[str] | None = None,
+                     port: int | None = None, trace_timeout: float | None = 600.0) -> SessionSettings:
+    """The one parse of the options every engine-running command shares (bad input: exit 2,
+    naming the flag, before any engine starts)."""
+    from pydantic import SecretStr
+
+    from kvfuzz.settings import SessionSettings, check_device, engine_kind
+
+    kind = engine_kind(engine, base_url, device)
+    if port is not None and not 0 < port < 65536:
+        raise BadInput(f"{port} is not a TCP port", field="--port")
+    if port is not None and kind != "server":
+        raise BadInput("only with --engine server", field="--port")
+    if trace_timeout is not None and not trace_timeout > 0:
+        raise BadInput("must be positive", field="--trace-timeout")
+    profile = load_calibration(calibration)
+    return SessionSettings(kind=kind, device=check_device(device), runs=runs,
+                           bound_overrides=parse_bounds(near_tie, bound), profiles=[profile] if profile else [],
+                           server_flags=list(server_arg or []), port=port, trace_timeout=trace_timeout,
+                           base_url=base_url, api_key=SecretStr(api_key) if api_key else None,
+                           served_model=served_model)

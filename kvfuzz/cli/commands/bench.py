@@ -10,6 +10,7 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
+from kvfuzz.cli import options
 from kvfuzz.cli.app import app, console
 from kvfuzz.traces import atomic_write_text
 from kvfuzz.traces.errors import BadInput
@@ -94,7 +95,7 @@ def bench_cmd(
                                                                          "8000, embedded:tiny-hybrid 1024).")] = None,
     model: Annotated[Optional[str], typer.Option(help="embedded:tiny-hybrid: benchmark on the hybrid model with the "
                                                       "kvfuzz-store connector (docs/hybrid.md).")] = None,
-    device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+    device: options.DeviceOpt = "cpu",
     dtype: Annotated[Optional[str], typer.Option("--dtype", metavar="DTYPES", help="Comma-separated dtypes, "
                                                  "benchmarked side by side (auto: the device's; default auto).")] = None,
     out: Annotated[Path, typer.Option(help="Directory for campaign state, findings and the JSON report.")] =
@@ -107,7 +108,7 @@ def bench_cmd(
     from kvfuzz.bench import run_bench
     from kvfuzz.harness import toggles as reg
     from kvfuzz.harness.dtypes import check_dtype
-    from kvfuzz.session import check_device
+    from kvfuzz.settings import check_device
 
     seed_list = _ints(seeds, "--seeds")
     if len(seed_list) < 1:

@@ -88,9 +88,8 @@ def bisect_cmd(
                                                                "least; default: one run).")] = 0.0,
     out: Annotated[Path, typer.Option(help="Output directory: OUT/<release>/ per probe (replay summary and "
                                            "log), OUT/bisect.json for a trace.")] = Path("kvfuzz-out/bisect"),
-    engine: Annotated[str, typer.Option(
-        help="inprocess or server (a managed vLLM server of each release).")] = "inprocess",
-    device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+    engine: options.EngineOpt = "inprocess",
+    device: options.DeviceOpt = "cpu",
     dtype: options.DtypeOpt = None,
     with_: options.WithOpt = None,
     without: options.WithoutOpt = None,
@@ -105,11 +104,9 @@ def bisect_cmd(
     from kvfuzz.cli.commands.replay import load_item
     from kvfuzz.harness.environment import kvfuzz_version
     from kvfuzz.oracle.report import bisect_lines, bisect_rows
-    from kvfuzz.session import check_device
+    from kvfuzz.settings import engine_kind
 
-    check_device(device)
-    if engine not in ("inprocess", "server"):
-        raise BadInput(f"unknown engine {engine!r} (inprocess or server)", field="--engine")
+    engine_kind(engine, None, device)  # bad --engine / --device: exit 2 before any release runs
     if not 0.0 <= min_rate <= 1.0:
         raise BadInput(f"must be between 0 and 1, got {min_rate:g}", field="--min-rate")
     item = load_item(file)

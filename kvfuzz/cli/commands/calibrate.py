@@ -49,7 +49,7 @@ def profile_markdown(profile: CalibrationProfile) -> str:
 @app.command("calibrate")
 def calibrate_cmd(
     dtype: options.DtypeOpt = None,
-    device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+    device: options.DeviceOpt = "cpu",
     lora: Annotated[bool, typer.Option("--lora/--no-lora", help="The embedded model with its LoRA adapters (a "
                                                                 "campaign with --lora needs its own profile).")] = False,
     model: Annotated[Optional[Path], typer.Option(help="A model directory instead of the embedded default.")] = None,
@@ -64,17 +64,17 @@ def calibrate_cmd(
                                                 "directory for <dtype>-<key>.json) instead of the kvfuzz cache, "
                                                 "where campaigns find it.")] = None,
     markdown: Annotated[bool, typer.Option("--markdown", help="Also print the table as markdown.")] = False,
-    engine_name: Annotated[str, typer.Option("--engine", help="inprocess or server (a managed vLLM server).")] = "inprocess",
+    engine_name: options.EngineOpt = "inprocess",
 ) -> None:
     """Measure how far batch-order noise moves temperature-0 logprobs here, in every batch
     context a campaign produces, and keep the profile the oracle's noise bounds come from."""
     from kvfuzz.calibrate import Plan, calibrate
     from kvfuzz.fuzzer import default_engine
     from kvfuzz.harness.dtypes import check_dtype
-    from kvfuzz.session import Session, engine_kind
+    from kvfuzz.session import build_session
     from kvfuzz.traces.calibration import profile_path, save_profile
 
-    kind = engine_kind(engine_name, None, device)
+    settings = options.session_settings(engine_name, device, runs=1)
     if not budget > 0:
         raise BadInput("must be positive", field="--budget")
     overrides: dict = {"dtype": check_dtype(dtype, device)}
@@ -85,7 +85,7 @@ def calibrate_cmd(
     config = default_engine(lora=lora, kv_cache_bytes=kv_cache_mb * 2**20, **overrides)
     log_dir = out if out is not None and out.suffix != ".json" else Path("kvfuzz-out")
     log_dir.mkdir(parents=True, exist_ok=True)
-    with Session(engine_kind=kind, device=device, runs=1, log_file=log_dir / "engine.log") as session:
+    with build_session(settings, log_dir) as session:
         console.print(f"starting vLLM ({config.dtype}, log: {log_dir / 'engine.log'})", markup=False)
         session.engine_for(config)
         profile = calibrate(session, config, Plan(requests=requests, max_tokens=max_tokens, seed=seed,

@@ -27,8 +27,8 @@ def explain_cmd(
                                                        "minimization keeps).")] = None,
     mechanism: Annotated[Optional[list[str]], typer.Option("--mechanism", help="Only these mechanisms "
                                                            "(repeatable; default: all).")] = None,
-    engine: Annotated[str, typer.Option(help="inprocess or server (a managed vLLM server).")] = "inprocess",
-    device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+    engine: options.EngineOpt = "inprocess",
+    device: options.DeviceOpt = "cpu",
     calibration: options.CalibrationOpt = None,
     vllm: options.VllmOpt = None,
 ) -> None:
@@ -36,22 +36,20 @@ def explain_cmd(
     make its divergence disappear: prefix caching, chunked prefill, KV pressure, concurrency,
     cancels, LoRA adapters, adapter swaps, 16-bit numerics."""
     options.use_release(vllm, device=device)
-    from kvfuzz.session import Session, engine_kind
+    from kvfuzz.session import build_session
     from kvfuzz.triage.explain import ABLATIONS, explain
 
-    kind = engine_kind(engine, None, device)
+    settings = options.session_settings(engine, device, runs=1, calibration=calibration)
     for m in mechanism or []:
         if m not in ABLATIONS:
             raise BadInput(f"unknown mechanism {m!r} (known: {', '.join(ABLATIONS)})", field="--mechanism")
-    profile = options.load_calibration(calibration)
     finding = load_finding(file)
     if not finding.divergences:
         raise BadInput("the finding has no divergence to explain", source=str(file), field="divergences")
     if victim is not None and victim not in {d.request_id for d in finding.divergences}:
         raise BadInput(f"request {victim!r} did not diverge in this finding", source=str(file), field="--victim")
     target = out or file
-    session = Session(engine_kind=kind, device=device, runs=1, log_file=target.with_suffix(".engine.log"),
-                      profiles=[profile] if profile else [])
+    session = build_session(settings, target.parent, log_name=target.with_suffix(".engine.log").name)
     try:
         ex = explain(session, finding, victim=victim, mechanisms=mechanism)
     finally:

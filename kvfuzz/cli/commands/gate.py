@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 from rich.table import Table
@@ -24,6 +24,9 @@ from kvfuzz.cli import options
 from kvfuzz.cli.app import app, console
 from kvfuzz.traces import atomic_write_text
 from kvfuzz.traces.errors import BadInput
+
+if TYPE_CHECKING:
+    from kvfuzz.settings import SessionSettings
 
 STYLE = {"pass": "green", "detected": "green", "skipped": "dim", "FAIL": "bold red", "BLIND": "bold red",
          "error": "bold red"}
@@ -41,14 +44,12 @@ def gate(
     strict: Annotated[bool, typer.Option(help="numeric-near-tie fails the gate too.")] = False,
     self_test: Annotated[bool, typer.Option("--self-test", help="Check the detector: clean arm passes, every "
                                                                "fault arm a trace names still fails.")] = False,
-    engine: Annotated[str, typer.Option(help="inprocess or server (ignored with --base-url).")] = "inprocess",
-    base_url: Annotated[Optional[str], typer.Option(help="Gate a running vLLM server (no toggles possible).")] = None,
-    api_key: Annotated[Optional[str], typer.Option(envvar="KVFUZZ_API_KEY", show_envvar=True,
-                                                   help="API key of the --base-url server.")] = None,
-    model: Annotated[Optional[str], typer.Option(help="Model name at --base-url (default: from /v1/models).")] = None,
-    device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
-    server_arg: Annotated[Optional[list[str]], typer.Option("--server-arg", help="Extra flag for the managed vLLM "
-                                                                                 "server (repeatable).")] = None,
+    engine: options.EngineOpt = "inprocess",
+    base_url: options.BaseUrlOpt = None,
+    api_key: options.ApiKeyOpt = None,
+    model: options.ServedModelOpt = None,
+    device: options.DeviceOpt = "cpu",
+    server_arg: options.ServerArgOpt = None,
     dtype: options.DtypeOpt = None,
     near_tie: options.NearTieOpt = None,
     bound: options.BoundOpt = None,
@@ -80,16 +81,17 @@ def gate(
         self_test_plan,
     )
     from kvfuzz.harness.dtypes import check_dtype
-    from kvfuzz.session import Session, engine_kind
+    from kvfuzz.session import build_session
 
-    kind = engine_kind(engine, base_url, device)
+    settings = options.session_settings(engine, device, base_url=base_url, api_key=api_key, served_model=model,
+                                        near_tie=near_tie, bound=bound, calibration=calibration,
+                                        server_arg=server_arg)
+    kind = settings.kind
     if workers is not None and ray_address is None:
         raise BadInput("only with --ray", field="--workers")
     if ray_address is not None and kind == "url":
         raise BadInput("a --base-url server is one engine: nothing to shard", field="--ray")
-    bounds = options.parse_bounds(near_tie, bound)
     dtype_r = check_dtype(dtype, device) if dtype is not None else None
-    profile = options.load_calibration(calibration)
     if self_test and (with_ or without or arms):
         raise BadInput("--self-test chooses its own arms (clean, and each trace's expect.fails_in)", field="--arms")
     if self_test and kind == "url":
@@ -110,16 +112,14 @@ def gate(
         planned = gate_plan(entries, arm_map)
         what = "gate"
     k = runs or default_runs(kind)
+    settings = settings.model_copy(update={"runs": k})
     out.mkdir(parents=True, exist_ok=True)
 
     if ray_address is not None:
-        _gate_on_ray(ray_address, planned, what=what, files=len(entries), k=k, kind=kind, device=device,
-                     bounds=bounds, profile=profile, server_arg=server_arg, strict=strict, out=out, junit=junit,
-                     summary=summary, workers=workers or 2)
+        _gate_on_ray(ray_address, planned, what=what, files=len(entries), settings=settings, strict=strict, out=out,
+                     junit=junit, summary=summary, workers=workers or 2)
         return
-    session = Session.for_target(kind, device=device, runs=k, out=out, bounds=bounds, base_url=base_url,
-                                 api_key=api_key, model=model, server_flags=server_arg)
-    session.profiles += [profile] if profile else []
+    session = build_session(settings, out)
     runner = GateRunner(session, runs=k, strict=strict, engine_args=replay_engine_args(kind, device),
                         findings_dir=out / "findings")
     cases = []
@@ -149,16 +149,18 @@ def _conclude(cases, what: str, *, out: Path, junit: Path | None, summary: Path 
     raise typer.Exit(1 if bad else 0)
 
 
-def _gate_on_ray(address: str, planned, *, what: str, files: int, k: int, kind: str, device: str, bounds, profile,
-                 server_arg, strict: bool, out: Path, junit: Path | None, summary: Path | None, workers: int) -> None:
+def _gate_on_ray(address: str, planned, *, what: str, files: int, settings: SessionSettings, strict: bool, out: Path,
+                 junit: Path | None, summary: Path | None, workers: int) -> None:
     """The gate's cases spread over Ray workers (docs/scale.md); the same reports, in plan order."""
     from kvfuzz.cluster import RayExecutor, WorkerSpec, connect, local_cpus, worker_env
     from kvfuzz.gate import replay_engine_args
     from kvfuzz.traces import save
     from kvfuzz.traces.io import finding_path
 
-    spec = WorkerSpec(engine_kind=kind, device=device, runs=k, bound_overrides=dict(bounds),
-                      server_flags=list(server_arg or []), log_dir=str((out / "workers").resolve()), threads=1)
+    from kvfuzz.settings import CampaignSettings
+
+    k, kind, device = settings.runs, settings.kind, settings.device
+    spec = WorkerSpec(CampaignSettings(session=settings), log_dir=str((out / "workers").resolve()), threads=1)
     owns = connect(None if address == "local" else address, num_cpus=local_cpus(workers, 1), env=worker_env(1))
     import ray
 
@@ -181,8 +183,7 @@ def _gate_on_ray(address: str, planned, *, what: str, files: int, k: int, kind: 
         ex = RayExecutor(spec, workers)
         try:
             ex.start_lazy()
-            ex.map("gate", planned, k, strict, replay_engine_args(kind, device), [profile] if profile else [],
-                   on_result=shown)
+            ex.map("gate", planned, k, strict, replay_engine_args(kind, device), on_result=shown)
         finally:
             ex.shutdown()
     finally:

@@ -32,8 +32,8 @@ def minimize_cmd(
     shrink_engine: Annotated[bool, typer.Option("--shrink-engine/--no-shrink-engine",
                                                 help="Also try fewer LoRA slots / LoRA off (restarts the engine).")] = True,
     controls: Annotated[bool, typer.Option("--controls/--no-controls", help="Run the control arms on the result.")] = True,
-    engine: Annotated[str, typer.Option(help="inprocess or server (a managed vLLM server).")] = "inprocess",
-    device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+    engine: options.EngineOpt = "inprocess",
+    device: options.DeviceOpt = "cpu",
     dtype: options.DtypeOpt = None,
     near_tie: options.NearTieOpt = None,
     bound: options.BoundOpt = None,
@@ -47,16 +47,14 @@ def minimize_cmd(
     from kvfuzz.gate import in_dtype
     from kvfuzz.harness.dtypes import check_dtype
     from kvfuzz.oracle.controls import escalate
-    from kvfuzz.session import Session, engine_kind
+    from kvfuzz.session import build_session
     from kvfuzz.triage.finish import acceptance_for, add_controls, minimize
     from kvfuzz.triage.minimize import NotReproduced
 
     if strategy not in ("probdd", "ddmin"):
         raise BadInput(f"unknown strategy {strategy!r} (probdd or ddmin)", field="--strategy")
-    kind = engine_kind(engine, None, device)
-    acceptance = acceptance_for(kind == "inprocess", repeats, min_hits)
-    bounds = options.parse_bounds(near_tie, bound)
-    profile = options.load_calibration(calibration)
+    settings = options.session_settings(engine, device, near_tie=near_tie, bound=bound, calibration=calibration)
+    acceptance = acceptance_for(settings.step_exact, repeats, min_hits)
     finding = load_finding(file)
     if not finding.divergences:
         raise BadInput("the finding has no divergence to minimize", source=str(file), field="divergences")
@@ -66,8 +64,7 @@ def minimize_cmd(
         finding.trace = in_dtype(finding.trace, check_dtype(dtype, device))
     out = out or file.with_name(file.name.removesuffix(".json") + ".min.json")
     t0 = time.monotonic()
-    session = Session(engine_kind=kind, device=device, log_file=out.with_suffix(".engine.log"),
-                      bound_overrides=bounds, profiles=[profile] if profile else [])
+    session = build_session(settings, out.parent, log_name=out.with_suffix(".engine.log").name)
     try:
         session.engine_for(finding.trace.engine)
         console.print(f"minimizing {file} ({len(finding.trace.sends)} requests, signature {finding.signature()})")

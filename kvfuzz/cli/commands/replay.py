@@ -118,14 +118,13 @@ def agreement(item: Item, verdicts: list[Divergence]) -> str | None:
 def replay(
     files: Annotated[list[Path], typer.Argument(help="kvfuzz findings, kvfuzz traces, or foreign finding files.")],
     runs: Annotated[int, typer.Option(min=1, help="Runs of each trace (K).")] = 3,
-    engine: Annotated[str, typer.Option(help="inprocess or server (ignored with --base-url).")] = "inprocess",
-    base_url: Annotated[Optional[str], typer.Option(help="Replay against this running vLLM server.")] = None,
-    api_key: Annotated[Optional[str], typer.Option(envvar="KVFUZZ_API_KEY", show_envvar=True,
-                                                   help="API key of the --base-url server.")] = None,
-    model: Annotated[Optional[str], typer.Option(help="Model name at --base-url (default: from /v1/models).")] = None,
+    engine: options.EngineOpt = "inprocess",
+    base_url: options.BaseUrlOpt = None,
+    api_key: options.ApiKeyOpt = None,
+    model: options.ServedModelOpt = None,
     out: Annotated[Path, typer.Option(help="Output directory (replay summaries, new findings, server logs).")] = Path("kvfuzz-out"),
-    device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
-    server_arg: Annotated[Optional[list[str]], typer.Option("--server-arg", help="Extra flag for the managed vLLM server (repeatable), e.g. --server-arg=--attention-backend=FLASHINFER.")] = None,
+    device: options.DeviceOpt = "cpu",
+    server_arg: options.ServerArgOpt = None,
     dtype: options.DtypeOpt = None,
     near_tie: options.NearTieOpt = None,
     bound: options.BoundOpt = None,
@@ -143,11 +142,12 @@ def replay(
     options.use_release(vllm, device=device, base_url=base_url)
     from kvfuzz.gate import in_dtype
     from kvfuzz.harness.dtypes import check_dtype
-    from kvfuzz.session import Session, engine_kind
+    from kvfuzz.session import build_session
 
-    kind = engine_kind(engine, base_url, device)
-    bounds = options.parse_bounds(near_tie, bound)
-    profile = options.load_calibration(calibration)
+    settings = options.session_settings(engine, device, runs=runs, base_url=base_url, api_key=api_key,
+                                        served_model=model, near_tie=near_tie, bound=bound, calibration=calibration,
+                                        server_arg=server_arg)
+    kind = settings.kind
     arm_map = arm_specs.build_arms(with_=with_, without=without, arms=arms, device=device) \
         if (with_ or without or arms) else None
     # Every file is read before any engine starts: bad input fails fast, with exit 2.
@@ -165,9 +165,7 @@ def replay(
         for item in items:
             item.trace = in_dtype(item.trace, check_dtype(dtype, device))
     out.mkdir(parents=True, exist_ok=True)
-    session = Session.for_target(kind, device=device, runs=runs, out=out, bounds=bounds, base_url=base_url,
-                                 api_key=api_key, model=model, server_flags=server_arg)
-    session.profiles += [profile] if profile else []
+    session = build_session(settings, out)
     # A server kvfuzz does not manage cannot switch toggles, so it cannot attribute.
     explain = attribute and kind != "url"
     show = console

@@ -41,7 +41,7 @@ def run(
                                                 "(--no-feedback: plain random generation).")] = True,
     operators: Annotated[Optional[str], typer.Option(help="Comma-separated mutation operators to use "
                                                           "(default: all; see docs/fuzzer.md).")] = None,
-    device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+    device: options.DeviceOpt = "cpu",
     kv_cache_mb: Annotated[Optional[int], typer.Option(min=1, help="KV cache size in MiB (default 24; "
                                                                     "embedded:tiny-hybrid: 2, i.e. 127 blocks).")] = None,
     dtype: options.DtypeOpt = None,
@@ -55,8 +55,8 @@ def run(
                                                                              "is kept in OUT/originals).")] = True,
     minimize_seconds: Annotated[float, typer.Option(min=1, help="Time limit per minimization.")] = 120.0,
     controls: Annotated[bool, typer.Option("--controls/--no-controls", help="Run control arms on findings.")] = True,
-    engine_name: Annotated[str, typer.Option("--engine", help="inprocess (step-exact) or server (a managed vLLM OpenAI server).")] = "inprocess",
-    server_arg: Annotated[Optional[list[str]], typer.Option("--server-arg", help="Extra flag for the managed server (repeatable).")] = None,
+    engine_name: options.EngineOpt = "inprocess",
+    server_arg: options.ServerArgOpt = None,
     port: Annotated[Optional[int], typer.Option(help="Port of the managed server on 127.0.0.1 (default: a free "
                                                      "one).")] = None,
     model: Annotated[Optional[Path], typer.Option(help="A model directory to fuzz instead of the embedded "
@@ -91,7 +91,7 @@ def run(
     from kvfuzz.cli.display import CampaignDisplay
     from kvfuzz.fuzzer import CampaignOptions, default_engine, run_campaign
     from kvfuzz.harness.dtypes import check_dtype
-    from kvfuzz.session import engine_kind as resolve_engine_kind
+    from kvfuzz.settings import CampaignSettings, TriageSettings
     from kvfuzz.traces import load_finding
 
     if budget is None and traces_n is None:
@@ -100,17 +100,17 @@ def run(
         raise BadInput("only with --ray", field="--workers" if workers is not None else "--window")
     if budget is not None and budget <= 0:
         raise BadInput("must be positive", field="--budget")
-    kind = resolve_engine_kind(engine_name, None, device)
-    arm_map = arm_specs.build_arms(with_=with_, without=without, arms=arms, device=device)
-    overrides_b = options.parse_bounds(near_tie, bound)
+    if ray_address is not None and port is not None:
+        raise BadInput("one port cannot serve every Ray worker's server", field="--port")
+    settings = CampaignSettings(
+        session=options.session_settings(engine_name, device, runs=runs, near_tie=near_tie, bound=bound,
+                                         calibration=calibration, server_arg=server_arg, port=port,
+                                         trace_timeout=trace_timeout),
+        arms=arm_specs.build_arms(with_=with_, without=without, arms=arms, device=device),
+        triage=TriageSettings(runs_fixed=runs_fixed, attribute=attribute, minimize=minimize, controls=controls,
+                              ablate=explain_, minimize_seconds=minimize_seconds, budget_s=budget))
+    kind, arm_map = settings.session.kind, settings.arms
     dtype_r = check_dtype(dtype, device)
-    options.load_calibration(calibration)  # bad input before the engine starts
-    if not trace_timeout > 0:
-        raise BadInput("must be positive", field="--trace-timeout")
-    if port is not None and not 0 < port < 65536:
-        raise BadInput(f"{port} is not a TCP port", field="--port")
-    if port is not None and kind != "server":
-        raise BadInput("only with --engine server", field="--port")
     overrides: dict[str, Any] = {}
     hybrid = False
     if model is not None and str(model).startswith("embedded:"):
@@ -165,16 +165,12 @@ def run(
     # it imports no Ray).
     from kvfuzz.cluster import WorkerSpec
 
-    spec = WorkerSpec(engine_kind=kind, device=device, runs=runs, bound_overrides=dict(overrides_b),
-                      server_flags=list(server_arg or []), trace_timeout=trace_timeout, arms=arm_map,
-                      runs_fixed=runs_fixed, attribute=attribute, minimize=minimize, controls=controls,
-                      ablate=explain_, minimize_seconds=minimize_seconds, budget_s=budget,
-                      log_dir=str((out / "workers").resolve()), threads=1)
+    spec = WorkerSpec(settings, log_dir=str((out / "workers").resolve()), threads=1)
     if ray_address is not None:
         _run_on_ray(ray_address, opts, spec, arm_map=arm_map, calibrate=calibrate, calibration=calibration,
                     workers=workers or 2, window=window)
         return
-    session = spec.build_session(out, port=port)
+    session = spec.build_session(out)
     from kvfuzz.recovery import Recovering
 
     # A trace that kills or hangs the engine becomes an engine-crash finding; the engine restarts.
