@@ -291,7 +291,7 @@ class Driver:
         if res.finding is not None:
             self._first_in_order(res.finding)
             # Before record_finding: it writes the file, and the file must name its worker.
-            res.finding.notes.setdefault("worker", res.worker)
+            res.finding.provenance.worker = res.finding.provenance.worker or res.worker
             self.camp.record_finding(i, trace, source, res.finding)
         st.traces += 1
         self.committed += 1

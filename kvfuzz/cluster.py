@@ -381,7 +381,7 @@ def worker_died_finding(trace: Trace, arms: dict[str, list[str]] | None, deaths:
 
     from kvfuzz.harness.environment import describe
     from kvfuzz.oracle.check import ENGINE
-    from kvfuzz.traces import Divergence
+    from kvfuzz.traces import CrashInfo, Divergence, WorkerDeath
 
     detail = f"the worker process died while running this trace ({len(deaths)} times): {deaths[-1]['detail']}"
     arm = next(iter(arms or {"default": []}))
@@ -391,7 +391,8 @@ def worker_died_finding(trace: Trace, arms: dict[str, list[str]] | None, deaths:
     f = Finding(trace=trace, environment=env, runs=[], divergences=[div], verdicts=[div],
                 arms=arms or {arm: list(trace.engine.toggles)},
                 created=_dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat())
-    f.notes["engine_crash"] = {"kind": "worker-died", "detail": detail, "deaths": deaths}
+    f.crash = CrashInfo(kind="worker-died", detail=detail,
+                        deaths=[WorkerDeath(worker=str(d["worker"]), detail=str(d["detail"])) for d in deaths])
     f.id = f.compute_id()
     return f
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from kvfuzz.oracle.gate import Case
 from kvfuzz.session import Session
-from kvfuzz.traces import Finding, Trace, load_any
+from kvfuzz.traces import Finding, GateCase, Trace, load_any
 from kvfuzz.traces.errors import BadInput
 from kvfuzz.traces.foreign import ForeignFinding
 
@@ -221,6 +221,6 @@ class GateRunner:
             from kvfuzz.traces import save
             from kvfuzz.traces.io import finding_path
 
-            finding.notes["gate"] = {"source": case.source, "arm": p.arm}
+            finding.provenance.gate = GateCase(source=case.source, arm=p.arm)
             save(finding, finding_path(self.findings_dir, finding))
         return case, finding

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from kvfuzz.harness.base import Engine
 from kvfuzz.oracle.check import ENGINE
 from kvfuzz.session import Session
-from kvfuzz.traces import Divergence, Finding, History, Trace
+from kvfuzz.traces import CrashInfo, CrashKind, Divergence, Finding, History, Trace
 from kvfuzz.traces.errors import EngineHang, InfraError
 from kvfuzz.traces.result import Checked, Recording
 
@@ -39,18 +39,18 @@ def redact(lines: list[str], secrets: list[str]) -> list[str]:
     return out
 
 
-def _crash_note(engine: Engine | None, kind: str, detail: str, secrets: Sequence[str]) -> dict:
+def crash_info(engine: Engine | None, kind: CrashKind, detail: str, secrets: Sequence[str]) -> CrashInfo:
     tail = engine.log_tail(LOG_TAIL_LINES) if engine is not None else []
     path = engine.log_path if engine is not None else None
-    return {"kind": kind, "detail": detail, "log": str(path) if path is not None else None,
-            "log_tail": redact(list(tail), list(secrets))}
+    return CrashInfo(kind=kind, detail=detail, log=str(path) if path is not None else None,
+                     log_tail=redact(list(tail), list(secrets)))
 
 
 def crash_finding(trace: Trace, engine: Engine, error: InfraError, *, arms: dict[str, list[str]] | None,
                   secrets: Sequence[str] = ()) -> Finding:
     """An engine-crash finding for ``trace`` from the infrastructure error it caused."""
     detail = str(error)
-    kind = "hang" if isinstance(error, EngineHang) else "died"
+    kind: CrashKind = "hang" if isinstance(error, EngineHang) else "died"
     runs: list[History] = [error.history] if error.history is not None else []
     for h in runs:
         if not h.crashed:
@@ -70,7 +70,7 @@ def crash_finding(trace: Trace, engine: Engine, error: InfraError, *, arms: dict
     f = Finding(trace=trace, environment=env, runs=runs, divergences=[div], verdicts=[div],
                 arms=arms or {arm: list(trace.engine.toggles)},
                 created=_dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat())
-    f.notes["engine_crash"] = _crash_note(engine, kind, detail, secrets)
+    f.crash = crash_info(engine, kind, detail, secrets)
     f.id = f.compute_id()
     return f
 
@@ -105,10 +105,9 @@ class Recovering:
             # The in-process engine recorded the crash (a step raised, or the deadline hit);
             # its state is suspect now, so it restarts too.
             crashed = next((h for h in checked.histories if h.crashed), None)
-            kind = (crashed.crash_kind if crashed is not None else None) or "died"
+            kind: CrashKind = (crashed.crash_kind if crashed is not None else None) or "died"
             crash = next(d for d in finding.divergences if d.class_ == "engine-crash")
-            finding.notes["engine_crash"] = _crash_note(self.session.engine, kind, crash.detail or "",
-                                                        self.session.secrets())
+            finding.crash = crash_info(self.session.engine, kind, crash.detail or "", self.session.secrets())
             self._note(finding)
             self._restart()
             self._consecutive += 1
@@ -144,8 +143,8 @@ class Recovering:
         return Checked(rec, list(finding.verdicts), finding)
 
     def _note(self, finding: Finding) -> None:
-        finding.notes.setdefault("engine_crash", {})
-        finding.notes["engine_crash"]["restarts"] = self.restarts + 1
+        if finding.crash is not None:
+            finding.crash.restarts = self.restarts + 1
 
     def _restart(self) -> None:
         """Kill what crashed now; the next trace runs on a fresh engine. An engine that can

@@ -19,7 +19,7 @@ from kvfuzz.harness.environment import stamp
 from kvfuzz.harness.runner import ReferenceStore, ScoreStore, record, score_diverged
 from kvfuzz.oracle import NoiseBounds, bounds_from, check, classify_run, default_bounds, divergent, make_finding
 from kvfuzz.oracle.check import ENGINE
-from kvfuzz.traces import Divergence, EngineConfig, Finding, Scoring, Trace
+from kvfuzz.traces import Attribution, Divergence, EngineConfig, Finding, Scoring, Trace
 from kvfuzz.traces.calibration import CalibrationProfile, find_profile
 from kvfuzz.traces.errors import BadInput
 from kvfuzz.traces.result import Checked, Recording
@@ -160,7 +160,7 @@ class Session:
         return bounds.with_overrides(**self.bound_overrides)
 
     # -- verdicts ------------------------------------------------------------------------------------
-    def verdicts_of(self, rec: Recording, *, notes: dict | None = None) -> Checked:
+    def verdicts_of(self, rec: Recording, *, carry: Finding | None = None) -> Checked:
         """The oracle's verdicts on a recording and, when anything diverged, the finding. A run
         that diverged is scored by teacher forcing first (its own tokens, the request alone on a
         clean cache): the evidence that tells a 16-bit near tie from wrong KV."""
@@ -171,16 +171,21 @@ class Session:
             if more:
                 rec.scores.extend(more)
                 verdicts = check(rec.trace, rec.histories, rec.references, bounds, rec.scores)
-        return Checked(rec, verdicts, self.finding_of(rec, verdicts, notes=notes))
+        return Checked(rec, verdicts, self.finding_of(rec, verdicts, carry=carry))
 
-    def finding_of(self, rec: Recording, verdicts: list[Divergence], *, notes: dict | None = None) -> Finding | None:
+    def finding_of(self, rec: Recording, verdicts: list[Divergence], *, carry: Finding | None = None,
+                   attribution: Attribution | None = None) -> Finding | None:
+        """The finding of divergent ``verdicts``; ``carry``: the finding of the same recording
+        judged before, whose provenance and typed facts it keeps."""
         if not divergent(verdicts):
             return None
         finding = make_finding(rec.trace, rec.histories, rec.references, verdicts, rec.environment, rec.arms,
                                bounds=self.bounds_for(rec.trace.engine), scores=rec.scores)
         if self.engine is not None and self.engine.reference_note:
             finding.notes["references"] = self.engine.reference_note
-        finding.notes.update(notes or {})
+        finding.attribution = attribution
+        if carry is not None:
+            finding.inherit(carry)
         return finding
 
     def confirm(self, rec: Recording, runs: int) -> Recording:

@@ -107,6 +107,6 @@ def escalate(finding: Finding) -> Finding:
     if divergences == finding.divergences:
         return finding
     new = finding.model_copy(update={"divergences": divergences, "verdicts": [up(v) for v in finding.verdicts]})
-    new.notes = {**finding.notes, "reproduced_in": reproducing_arms(new)}
+    new.reproduced_in = reproducing_arms(new)
     new.id = new.compute_id()
     return new

@@ -107,19 +107,17 @@ def _adapter(a: str | None) -> str:
 
 
 def finding_bounds(finding: Finding) -> NoiseBounds:
-    """The noise bounds a finding was judged with (its ``notes.oracle``); files written before
+    """The noise bounds a finding was judged with (``Finding.bounds``); files written before
     there were bounds recorded only ``near_tie``."""
-    oracle = finding.notes.get("oracle")
+    used = finding.bounds
     base = default_bounds(finding.trace.engine.dtype)
-    if not isinstance(oracle, dict):
+    if used is None:
         return base
-    values = {k: float(oracle[k]) for k in ("near_tie", "drift", "teacher") if isinstance(oracle.get(k), (int, float))}
+    values = {k: v for k in ("near_tie", "drift", "teacher") if (v := getattr(used, k)) is not None}
     if set(values) == {"near_tie"}:  # an older finding: one threshold for margin and drift
         values["drift"] = values["near_tie"]
-    profile = oracle.get("profile") if isinstance(oracle.get("profile"), str) else None
-    source = str(oracle.get("source", base.source))
-    overrides = tuple(str(o) for o in oracle.get("overrides", ()) if isinstance(o, str))
-    return replace(base, **values, source=source, profile=profile, overrides=overrides)
+    return replace(base, **values, source=used.source if used.source is not None else base.source,
+                   profile=used.profile, overrides=tuple(used.overrides))
 
 
 EVIDENCE_WORDS = {"margin": "the pair shift at the first differing token", "drift": "the drift before it",
@@ -385,10 +383,10 @@ def build(finding: Finding, *, source: str = "FINDING.json",
     if expl:
         r.table(["arm", "request", "class", "explained by"],
                 [[d.arm, d.request_id, d.class_, d.explained_by or ""] for d in expl], class_col=2)
-    attribution = finding.notes.get("attribution")
-    if attribution:
+    attribution = finding.attribution
+    if attribution is not None:
         r.p("Attribution recorded with the finding:")
-        r.blocks.append(Code(json.dumps(attribution, indent=2, sort_keys=True, default=str), "json"))
+        r.blocks.append(Code(json.dumps(attribution.model_dump(), indent=2, sort_keys=True, default=str), "json"))
 
     # Causal ablation
     ex = finding.explanation
@@ -415,8 +413,7 @@ def build(finding: Finding, *, source: str = "FINDING.json",
                 ["verified", "yes" if m.verified else "no"]]
         if m.stopped:
             rows.append(["stopped early", m.stopped])
-        orig_file = finding.notes.get("minimized_from", {}).get("file") if isinstance(
-            finding.notes.get("minimized_from"), dict) else None
+        orig_file = finding.provenance.minimized_from.file if finding.provenance.minimized_from else None
         if orig_file:
             rows.append(["original file", orig_file])
         r.table(["", ""], rows, wrap=(1,))

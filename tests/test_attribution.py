@@ -134,6 +134,6 @@ def test_session_attributes_vanilla_lora_bug_to_the_missing_fix(session, lora_en
     assert {(d.arm, d.request_id, d.class_, d.explained_by) for d in f.divergences} == {
         ("vanilla", "base", "corruption", "fix-lora-cpu-no-lora-tokens"),
         ("without:fix-lora-cpu-no-lora-tokens", "base", "corruption", "fix-lora-cpu-no-lora-tokens")}
-    assert f.notes["attribution"]["clean"] == clean and set(f.notes["attribution"]["added_arms"]) == {"clean", *singles}
+    assert f.attribution.clean == clean and set(f.attribution.added_arms) == {"clean", *singles}
     assert unexplained(f.divergences) == []
     assert {h.arm for h in f.runs} == {"vanilla", "clean", *singles}

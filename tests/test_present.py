@@ -283,7 +283,7 @@ def test_gate_writes_a_page_linking_each_saved_findings_report(tmp_path):
     from kvfuzz.oracle.gate import Case
 
     f = load_finding(RELOAD)
-    src = f.notes["gate"]["source"]
+    src = f.provenance.gate.source
     case = Case(source=src, name=f.trace.name, arm="vanilla", toggles=[], verdicts=list(f.verdicts), seconds=4.1,
                 replay_command=f"kvfuzz replay {src}")
     ok = Case(source="other.json", name="other", arm="vanilla", toggles=[], seconds=1.0)

@@ -159,9 +159,9 @@ def test_a_trace_that_kills_its_worker_twice_is_an_engine_crash_finding(tmp_path
     from kvfuzz.traces import load_finding
 
     f = load_finding(tmp_path / state.finding_files[0])
-    assert f.notes["engine_crash"]["kind"] == "worker-died" and f.notes["campaign"]["index"] == 1
+    assert f.crash.kind == "worker-died" and f.provenance.campaign.index == 1
     # The file on disk names the worker it came from (set before the file is written).
-    assert f.notes["worker"] in {d["worker"] for d in state.worker_deaths}
+    assert f.provenance.worker in {d["worker"] for d in state.worker_deaths}
 
 
 def test_bare_ray_means_a_local_instance():

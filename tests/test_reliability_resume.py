@@ -32,7 +32,7 @@ def _by_index(out):
     seen = {}
     for p in (out / "findings").glob("*.json"):
         f = load_finding(p)
-        seen[f.notes["campaign"]["index"]] = f.trace.trace_id()
+        seen[f.provenance.campaign.index] = f.trace.trace_id()
     for p in (out / "corpus").glob("*.json"):
         e = json.loads(p.read_text())
         seen[e["origin"]["index"]] = load_trace_dict(e["trace"])

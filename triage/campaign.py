@@ -133,8 +133,8 @@ class CampaignTriage:
     def _confirm(self, checked: Checked) -> Checked:
         """The same trace up to ``confirm_runs`` times in every arm it ran in: the rate."""
         rec = self.session.confirm(checked.recording, self.confirm_runs)
-        again = self.session.verdicts_of(rec, notes=checked.finding.notes if checked.finding else None)
-        if self.attribute and "attribution" in (checked.finding.notes if checked.finding else {}):
+        again = self.session.verdicts_of(rec, carry=checked.finding)
+        if self.attribute and checked.finding is not None and checked.finding.attribution is not None:
             again = self.guard.explain(again, runs=self.confirm_runs)
         return again
 

@@ -27,7 +27,7 @@ def add_controls(session: Session, finding: Finding) -> Finding:
     isolated = functools.partial(check_isolated, engine_kind=session.engine_kind, device=session.device)
     finding.controls = run_controls(session, finding, device=session.device, isolated=isolated)
     # Stated in the file: every arm (the finding's own and the controls) that reproduced it.
-    finding.notes["reproduced_in"] = reproducing_arms(finding)
+    finding.reproduced_in = reproducing_arms(finding)
     return finding
 
 
@@ -73,10 +73,10 @@ def finish_finding(session: Session, finding: Finding, *, out: Path, do_minimize
         shown = escalate(add_controls(session, finding) if controls else finding)
         shown.notes["minimize"] = f"not minimized: {e}"
         return shown
-    if "attribution" in finding.notes:
+    if finding.attribution is not None:
         small = explain_finding(session, small)
     if controls:
         small = escalate(add_controls(session, small))
-    finding.notes["minimized_to"] = small.id
+    finding.provenance.minimized_to = small.id
     save(finding, out / rel)
     return small

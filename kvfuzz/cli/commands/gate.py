@@ -22,7 +22,7 @@ from rich.text import Text
 from kvfuzz import arms as arm_specs
 from kvfuzz.cli import options
 from kvfuzz.cli.app import app, console
-from kvfuzz.traces import atomic_write_text
+from kvfuzz.traces import GateCase, atomic_write_text
 from kvfuzz.traces.errors import BadInput
 
 STYLE = {"pass": "green", "detected": "green", "skipped": "dim", "FAIL": "bold red", "BLIND": "bold red",
@@ -172,7 +172,7 @@ def _gate_on_ray(address: str, planned, *, what: str, files: int, k: int, kind: 
         cases[n] = case
         done[0] += 1
         if finding is not None and case.diverged and not case.expect_fail:
-            finding.notes["gate"] = {"source": case.source, "arm": case.arm}
+            finding.provenance.gate = GateCase(source=case.source, arm=case.arm)
             save(finding, finding_path(out / "findings", finding))
         console.print(Text.assemble((f"[{done[0]}/{len(planned)}] ", "dim"), (f"{case.status:9}", STYLE[case.status]),
                                     f" {case.name}  arm {case.arm}  ({case.seconds:.1f}s)"), highlight=False)

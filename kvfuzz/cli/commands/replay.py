@@ -23,7 +23,7 @@ from kvfuzz import arms as arm_specs
 from kvfuzz.cli import options, tables
 from kvfuzz.cli.app import app, console
 from kvfuzz.oracle.report import CLASS_STYLE
-from kvfuzz.traces import Divergence, Finding, Trace, atomic_write_text, load_any, save
+from kvfuzz.traces import Divergence, Finding, ReplayOf, Trace, atomic_write_text, load_any, save
 from kvfuzz.traces.finding import DIVERGENT_CLASSES
 from kvfuzz.traces.foreign import ForeignFinding
 from kvfuzz.traces.io import finding_path
@@ -199,7 +199,7 @@ def replay(
             finding_file = None
             if checked.finding is not None:
                 f = checked.finding
-                f.notes["replay_of"] = {"source": str(item.path), "kind": item.kind}
+                f.provenance.replay_of = ReplayOf(source=str(item.path), kind=item.kind)
                 if item.kind == "foreign":
                     f.notes["foreign"] = {"notes": item.notes}
                 finding_file = finding_path(out / "findings", f)
