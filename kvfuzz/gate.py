@@ -6,12 +6,12 @@
 
 from __future__ import annotations
 
-import shlex
 import time
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
+from kvfuzz.arms import replay_command
 from kvfuzz.oracle.gate import Case
 from kvfuzz.session import Session
 from kvfuzz.traces import Finding, GateCase, Trace, load_any
@@ -129,13 +129,6 @@ def default_runs(kind: str) -> int:
     return 1 if kind == "inprocess" else 3
 
 
-def replay_engine_args(kind: str, device: str) -> list[str]:
-    """The engine flags of a case's ``kvfuzz replay`` command (the key of a --base-url server
-    is never printed: the command says URL)."""
-    return (["--base-url", "URL"] if kind == "url" else ["--engine", kind]) + (
-        ["--device", device] if device != "cpu" else [])
-
-
 def gate_plan(entries: list[Entry], arms: dict[str, list[str]]) -> list[Planned]:
     """The gate proper: every file in every arm; nothing is expected to fail."""
     out = [Planned(e, a, list(t)) for e in entries for a, t in arms.items()]
@@ -184,11 +177,6 @@ def _by_engine(cases: list[Planned]) -> list[Planned]:
     return sorted(cases, key=lambda c: first[c.entry.trace.engine.key()])
 
 
-def replay_command(source: str, toggles: list[str], runs: int, engine_args: list[str]) -> str:
-    arms = "gate=" + "+".join(toggles)
-    return shlex.join(["kvfuzz", "replay", source, "--arms", arms, "--runs", str(runs), *engine_args])
-
-
 class GateRunner:
     """Replays planned cases on one ``kvfuzz.session.Session``."""
 
@@ -203,7 +191,8 @@ class GateRunner:
     def run(self, p: Planned) -> tuple[Case, Finding | None]:
         case = Case(source=str(p.entry.path), name=p.entry.name, arm=p.arm, toggles=list(p.toggles),
                     expect_fail=p.expect_fail, skipped=p.skipped, strict=self.strict,
-                    replay_command=replay_command(str(p.entry.path), p.toggles, self.runs, self.engine_args))
+                    replay_command=replay_command(str(p.entry.path), "gate", p.toggles, self.runs,
+                                                   self.engine_args))
         if p.skipped:
             return case, None
         t0 = time.monotonic()

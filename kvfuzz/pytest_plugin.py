@@ -120,7 +120,8 @@ def _session(config: pytest.Config) -> Session:
 def _runner(config: pytest.Config) -> GateRunner:
     state = _state(config)
     if "runner" not in state:
-        from kvfuzz.gate import GateRunner, replay_engine_args
+        from kvfuzz.arms import replay_engine_args
+        from kvfuzz.gate import GateRunner
 
         kind, device = _kind(config)
         out = Path(config.getoption("kvfuzz_out") or "kvfuzz-gate")

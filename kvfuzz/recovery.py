@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvfuzz.harness.base import Engine
@@ -77,12 +77,12 @@ def crash_finding(trace: Trace, engine: Engine, error: InfraError, *, arms: dict
 
 @dataclass
 class Recovering:
-    """Wraps ``session.check`` (with toggle attribution when ``attribute``): an engine that dies
-    or hangs during a trace becomes an engine-crash finding, and the engine is killed so the
-    next trace starts a fresh one."""
+    """Wraps ``session.check``: an engine that dies or hangs during a trace becomes an
+    engine-crash finding, and the engine is killed so the next trace starts a fresh one.
+    Re-runs above it (toggle attribution, triage/attribution.py ``explain_guarded``) go through
+    ``rerun``: this floor knows nothing of triage."""
 
     session: Session
-    attribute: bool = False
     max_consecutive: int = MAX_CONSECUTIVE_CRASHES
     crashes: int = 0
     restarts: int = 0
@@ -92,12 +92,7 @@ class Recovering:
         # A start failure is not the trace's doing: it stays an infrastructure error (exit 3).
         self.session.engine_for(trace.engine)
         try:
-            if self.attribute:
-                from kvfuzz.triage.attribution import check_attributed
-
-                checked = check_attributed(self.session, trace, runs=runs, arms=arms)
-            else:
-                checked = self.session.check(trace, runs=runs, arms=arms)
+            checked = self.session.check(trace, runs=runs, arms=arms)
         except InfraError as e:
             return self._crashed(trace, e, arms)
         finding = checked.finding
@@ -116,15 +111,13 @@ class Recovering:
             self._consecutive = 0
         return checked
 
-    def explain(self, checked: Checked, *, runs: int | None = None) -> Checked:
-        """Toggle attribution of a checked trace (its re-runs), with the same crash handling."""
-        from kvfuzz.triage.attribution import explain_toggles
-
+    def rerun(self, checked: Checked, step: Callable[[], Checked]) -> Checked:
+        """``step``, a re-run of ``checked``'s trace (e.g. its toggle attribution), with the same
+        crash handling: an engine that dies or hangs makes it an engine-crash finding."""
         try:
-            return explain_toggles(self.session, checked, runs=runs)
+            return step()
         except InfraError as e:
-            crashed = self._crashed(checked.recording.trace, e, checked.recording.arms)
-            return crashed
+            return self._crashed(checked.recording.trace, e, checked.recording.arms)
 
     def _crashed(self, trace: Trace, error: InfraError, arms: dict[str, list[str]] | None) -> Checked:
         engine = self.session.engine

@@ -406,7 +406,7 @@ def test_record_round_trips_in_a_finding_and_old_findings_load(tmp_path):
 def test_report_shows_the_bisection():
     from rich.console import Console
 
-    from kvfuzz.oracle.report import build, markdown, to_rich
+    from kvfuzz.present.report import build, markdown, to_rich
 
     vs = ["0.29.0", "0.30.0", "0.31.0", "0.32.0"]
     f = small_finding()

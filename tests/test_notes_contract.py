@@ -31,7 +31,7 @@ ALLOWED = {
     ("fuzzer/campaign.py", "buckets"),
     ("fuzzer/distributed.py", "buckets"),
     ("fuzzer/distributed.py", "triage"),
-    ("oracle/report.py", "buckets"),
+    ("kvfuzz/present/report.py", "buckets"),
 }
 
 # Methods that read one key (copying the notes whole to a new finding reads none).

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from kvfuzz.oracle.report import build, finding_bounds, to_markdown
+from kvfuzz.oracle.noise import finding_bounds
+from kvfuzz.present.report import build, to_markdown
 from kvfuzz.present import PLOTS_HINT
 from kvfuzz.present.data import (
     campaign_view,

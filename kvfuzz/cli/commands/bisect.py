@@ -60,7 +60,7 @@ def _check_arms(arms: str | None, with_: list[str], without: list[str]) -> None:
 
 
 def _table(title: str, rows: list[list[str]]) -> Table:
-    from kvfuzz.oracle.report import BISECT_COLUMNS, STATUS_STYLE
+    from kvfuzz.present.report import BISECT_COLUMNS, STATUS_STYLE
 
     t = Table(title=title, show_header=True, header_style="bold", title_justify="left")
     for i, col in enumerate(BISECT_COLUMNS):
@@ -104,7 +104,7 @@ def bisect_cmd(
     OUT/bisect.json."""
     from kvfuzz.cli.commands.replay import load_item
     from kvfuzz.harness.environment import kvfuzz_version
-    from kvfuzz.oracle.report import bisect_lines, bisect_rows
+    from kvfuzz.present.report import bisect_lines, bisect_rows
     from kvfuzz.session import check_device
 
     check_device(device)

@@ -76,9 +76,9 @@ def gate(
         gate_plan,
         in_dtype,
         load,
-        replay_engine_args,
         self_test_plan,
     )
+    from kvfuzz.arms import replay_engine_args
     from kvfuzz.harness.dtypes import check_dtype
     from kvfuzz.session import Session, engine_kind
 
@@ -153,7 +153,7 @@ def _gate_on_ray(address: str, planned, *, what: str, files: int, k: int, kind: 
                  server_arg, strict: bool, out: Path, junit: Path | None, summary: Path | None, workers: int) -> None:
     """The gate's cases spread over Ray workers (docs/scale.md); the same reports, in plan order."""
     from kvfuzz.cluster import RayExecutor, WorkerSpec, connect, local_cpus, worker_env
-    from kvfuzz.gate import replay_engine_args
+    from kvfuzz.arms import replay_engine_args
     from kvfuzz.traces import save
     from kvfuzz.traces.io import finding_path
 
@@ -203,7 +203,7 @@ def _table(cases, what: str) -> Table:
 
 
 def _write_reports(cases, *, out: Path, junit: Path | None, summary: Path | None, what: str, complete: bool) -> None:
-    from kvfuzz.oracle.gate import junit_xml, markdown_summary
+    from kvfuzz.present.gate import junit_xml, markdown_summary
 
     # Written even when the run stops early (infrastructure failure): CI shows what did run.
     header = "" if complete else "**Incomplete**: the gate stopped early (see the log for the error)."

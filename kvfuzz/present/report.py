@@ -1,25 +1,26 @@
 """Issue-ready reports of findings: markdown for a bug tracker, rich for the terminal.
 
 One document model (headings, paragraphs, tables, code) is built from the finding and then
-rendered twice, so the terminal shows exactly what the markdown says. Pure: reads a Finding,
+rendered twice, so the terminal shows exactly what the markdown says. Presentation: it reads
+what the oracle decided (the Finding, ``oracle.noise.finding_bounds``) and judges nothing;
 imports neither torch nor vLLM (rich is imported only to render).
 """
 
 from __future__ import annotations
 
 import json
-import shlex
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvfuzz.traces import (BisectRecord, CancelEvent, Divergence, Finding, GenPrompt, History, RequestRecord, SendEvent,
                             TokenPrompt)
 from kvfuzz.traces.finding import DIVERGENT_CLASSES, SEVERITY
 
-from .check import ENGINE
-from .controls import primary_arm, reproducing_arms, signature_of
-from .noise import NoiseBounds, default_bounds
+from kvfuzz.arms import replay_command, replay_engine_args
+from kvfuzz.oracle.check import ENGINE
+from kvfuzz.oracle.controls import primary_arm, reproducing_arms, signature_of
+from kvfuzz.oracle.noise import NoiseBounds, finding_bounds
 
 CLASS_STYLE = {"corruption": "bold red", "engine-crash": "bold magenta", "error": "red",
                "numeric-near-tie": "yellow", "unconstrained": "dim", "truncation": "dim",
@@ -106,20 +107,6 @@ def _adapter(a: str | None) -> str:
     return a if a else "base"
 
 
-def finding_bounds(finding: Finding) -> NoiseBounds:
-    """The noise bounds a finding was judged with (``Finding.bounds``); files written before
-    there were bounds recorded only ``near_tie``."""
-    used = finding.bounds
-    base = default_bounds(finding.trace.engine.dtype)
-    if used is None:
-        return base
-    values = {k: v for k in ("near_tie", "drift", "teacher") if (v := getattr(used, k)) is not None}
-    if set(values) == {"near_tie"}:  # an older finding: one threshold for margin and drift
-        values["drift"] = values["near_tie"]
-    return replace(base, **values, source=used.source if used.source is not None else base.source,
-                   profile=used.profile, overrides=tuple(used.overrides))
-
-
 EVIDENCE_WORDS = {"margin": "the pair shift at the first differing token", "drift": "the drift before it",
                   "teacher": "teacher forcing over the whole run"}
 
@@ -167,14 +154,11 @@ def _lp(rec: RequestRecord, i: int, k: int) -> tuple[str, str]:
     return "—", "—"
 
 
-def replay_command(finding: Finding, path: str, arm: str, toggles: list[str]) -> str:
+def finding_replay_command(finding: Finding, path: str, arm: str, toggles: list[str]) -> str:
+    """``kvfuzz replay`` of the finding's arm, as many runs as it had, on its engine."""
     runs = max(1, sum(1 for h in finding.runs if h.arm == arm))
-    parts = ["kvfuzz", "replay", path, "--runs", str(runs)]
-    # A URL finding came from a server kvfuzz did not manage: the reader supplies their own.
-    parts += ["--base-url", "URL"] if finding.environment.engine == "url" else ["--engine", finding.environment.engine]
-    for t in toggles:
-        parts += ["--with", t]
-    return " ".join(shlex.quote(p) for p in parts)
+    env = finding.environment
+    return replay_command(path, arm, toggles, runs, replay_engine_args(env.engine, env.device))
 
 
 # -- the report ----------------------------------------------------------------------------------
@@ -422,7 +406,7 @@ def build(finding: Finding, *, source: str = "FINDING.json",
 
     # Replay
     r.h("Replay")
-    r.blocks.append(Code(replay_command(finding, source, arm, toggles)))
+    r.blocks.append(Code(finding_replay_command(finding, source, arm, toggles)))
     if not m:
         r.p("Shrink it first with ", (f"kvfuzz minimize {source} -o minimized.json", "code"), ".")
     r.p(f"Finding {finding.id}, signature ", (finding.signature(), "code"),
