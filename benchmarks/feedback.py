@@ -201,7 +201,7 @@ def main() -> None:
 
     from kvfuzz.fuzzer import default_engine
     from kvfuzz.harness.toggles import registry
-    from kvfuzz.session import Session
+    from kvfuzz.driver.session import Session
 
     registry._load_builtin()
     # Default: the faults that can change outputs on CPU (a GPU-only one would never be found).

@@ -57,7 +57,7 @@ def main() -> None:
 
     from kvfuzz.fuzzer import CampaignOptions, default_engine, run_campaign
     from kvfuzz.fuzzer.generate import GenOptions
-    from kvfuzz.session import Session
+    from kvfuzz.driver.session import Session
 
     work = args.work or Path(tempfile.mkdtemp(prefix="kvfuzz-memory-"))
     # max_model_len caps generated prompt lengths (generate() fits each request in it): short

@@ -3,7 +3,7 @@
 The driver owns everything the serial loop owns (seed sequence, corpus, coverage, bandit, bug
 buckets, findings, ``campaign.json``); workers only run traces (harness + oracle + triage) and
 send back the finding and the coverage buckets. Nothing here imports Ray: the cluster is an
-``Executor`` (kvfuzz/cluster.py has the Ray one; the tests also use an in-process fake).
+``Executor`` (kvfuzz/scale/cluster.py has the Ray one; the tests also use an in-process fake).
 
 Determinism: the window rule. Results are *committed* (learned, recorded, written to
 ``campaign.json``) strictly in trace-index order, whatever order they finish in, and trace ``i``

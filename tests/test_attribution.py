@@ -75,7 +75,7 @@ def test_several_candidates_pick_the_reproducing_single_toggle_arm():
 
 
 def test_build_arms_vocabulary(toggles_apply):
-    from kvfuzz.arms import build_arms
+    from kvfuzz.driver.arms import build_arms
 
     cpu_clean = ["fix-lora-batch-keeps-every-adapter-id", "fix-lora-cpu-no-lora-tokens",
                  "fix-lora-reload-prefix-identity"]
@@ -104,7 +104,7 @@ def test_build_arms_vocabulary(toggles_apply):
     ({"arms": "vanilla", "without": ["fix-lora-cpu-no-lora-tokens"]}, "--without", "not on in arm 'vanilla'"),
 ])
 def test_build_arms_rejects_bad_input(kwargs, field, text, toggles_apply):
-    from kvfuzz.arms import build_arms
+    from kvfuzz.driver.arms import build_arms
     from kvfuzz.traces.errors import BadInput
 
     with pytest.raises(BadInput, match=text) as e:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvfuzz.gate import bundled_corpus, collect, gate_plan, load, self_test_plan
+from kvfuzz.gate.gate import bundled_corpus, collect, gate_plan, load, self_test_plan
 from kvfuzz.oracle.gate import Case
 from kvfuzz.present.gate import junit_xml, markdown_summary
 from kvfuzz.traces import Divergence, load_trace
@@ -179,7 +179,7 @@ def test_pytest_entry_point_turns_findings_into_tests(pytester):
 
 
 def test_overrides_put_the_corpus_on_another_model_and_backend():
-    from kvfuzz.gate import apply_overrides
+    from kvfuzz.gate.gate import apply_overrides
     from kvfuzz.traces.errors import BadInput
 
     t = load_trace(FAST[1])
@@ -197,8 +197,8 @@ def test_overrides_put_the_corpus_on_another_model_and_backend():
 def test_replay_command_names_the_engine_and_device_but_no_url():
     """The command a failing case prints (gate and pytest plugin alike) must replay on the
     same engine and device, and never carries the server URL (it may hold credentials)."""
-    from kvfuzz.arms import arm_spec, build_arms, replay_command, replay_engine_args
-    from kvfuzz.gate import default_runs
+    from kvfuzz.driver.arms import arm_spec, build_arms, replay_command, replay_engine_args
+    from kvfuzz.gate.gate import default_runs
 
     assert replay_engine_args("inprocess", "cpu") == ["--engine", "inprocess"]
     assert replay_engine_args("server", "cuda") == ["--engine", "server", "--device", "cuda"]

@@ -42,7 +42,7 @@ class FakeCluster:
         self.running[worker] = task
 
     def crash_finding(self, trace, arms, deaths):
-        from kvfuzz.cluster import worker_died_finding
+        from kvfuzz.scale.cluster import worker_died_finding
 
         return worker_died_finding(trace, arms, deaths)
 
@@ -200,7 +200,7 @@ def test_unreachable_cluster_is_exit_3_in_one_line_and_fast(tmp_path):
 def test_kvfuzz_run_without_ray_does_not_import_ray(tmp_path):
     # Every command module and the many-worker driver load, and `kvfuzz run` gets as far as its
     # input checks; Ray stays out (vLLM itself imports ray when it is installed: docs/scale.md).
-    code = ("import sys\nfrom kvfuzz import cli\nimport kvfuzz.cli.commands, kvfuzz.fuzzer.distributed, kvfuzz.cluster\n"
+    code = ("import sys\nfrom kvfuzz import cli\nimport kvfuzz.cli.commands, kvfuzz.fuzzer.distributed, kvfuzz.scale.cluster\n"
             f"sys.argv = ['kvfuzz', 'run', '--traces', '1', '--with', 'no-such-toggle', '--out', {str(tmp_path)!r}]\n"
             "try:\n    cli.main()\nexcept SystemExit as e:\n    print(e.code, 'ray' in sys.modules, 'vllm' in sys.modules)\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -209,8 +209,8 @@ def test_kvfuzz_run_without_ray_does_not_import_ray(tmp_path):
 
 def test_one_spec_builds_the_session_and_triage_of_run_and_of_each_ray_worker(tmp_path):
     """`kvfuzz run` without --ray and every Ray worker build their session and triage from a
-    WorkerSpec (kvfuzz/cluster.py): the spec's settings must all arrive (no engine starts)."""
-    from kvfuzz.cluster import WorkerSpec
+    WorkerSpec (kvfuzz/scale/cluster.py): the spec's settings must all arrive (no engine starts)."""
+    from kvfuzz.scale.cluster import WorkerSpec
 
     spec = WorkerSpec(engine_kind="server", device="cpu", runs=2, bound_overrides={"near_tie": 0.5},
                       server_flags=["--max-num-seqs", "4"], trace_timeout=42.0, arms={"vanilla": []},

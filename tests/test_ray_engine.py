@@ -53,7 +53,7 @@ def local_ray():
     Ray that is already initialised instead of starting its own, and leaves it running."""
     import ray
 
-    from kvfuzz.cluster import connect, worker_env
+    from kvfuzz.scale.cluster import connect, worker_env
 
     # KVFUZZ_TEST_RAY_ADDRESS: join a running cluster (e.g. `ray start --head`) instead.
     connect(os.environ.get("KVFUZZ_TEST_RAY_ADDRESS"), num_cpus=2, env=worker_env(1))
@@ -64,7 +64,7 @@ def local_ray():
 def test_two_workers_find_bucket_resume_and_survive_a_killed_worker(tmp_path, kvfuzz_cli, local_ray):
     import ray
 
-    from kvfuzz.cluster import NAMESPACE, RayExecutor
+    from kvfuzz.scale.cluster import NAMESPACE, RayExecutor
 
     # 1. The 2-worker campaign finds the injected fault, buckets it, writes the usual format.
     out = tmp_path / "ref"

@@ -14,7 +14,7 @@ import pytest
 from kvfuzz.fuzzer import default_engine
 from kvfuzz.fuzzer.campaign import thin_log
 from kvfuzz.harness.runner import ReferenceStore
-from kvfuzz.recovery import Recovering, crash_finding, redact
+from kvfuzz.driver.recovery import Recovering, crash_finding, redact
 from kvfuzz.traces import At, Environment, GenPrompt, History, RequestRecord, SendEvent, Trace, atomic_write_text
 from kvfuzz.traces.errors import BadInput, EngineDied, EngineHang, InfraError
 from kvfuzz.traces.result import Checked, Recording

@@ -33,8 +33,8 @@ from kvfuzz.harness.process import _group_alive, free_port
 from kvfuzz.harness.server import ServerEngine, ServerOptions
 from kvfuzz.harness.toggles.builtin import LORA_CPU_MASK
 from kvfuzz.oracle import check
-from kvfuzz.recovery import Recovering
-from kvfuzz.session import Session
+from kvfuzz.driver.recovery import Recovering
+from kvfuzz.driver.session import Session
 from kvfuzz.traces import At, CancelEvent, GenPrompt, SendEvent, Trace, load_finding, save
 
 pytestmark = pytest.mark.server

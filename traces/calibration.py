@@ -1,6 +1,6 @@
 """The calibration profile: how far batch-order floating-point noise moves temperature-0
 logprobs on one device, dtype, model and set of numerics-relevant engine flags. Measured by
-``kvfuzz calibrate`` (kvfuzz/calibrate.py); the oracle's noise bounds come from it
+``kvfuzz calibrate`` (kvfuzz/driver/calibrate.py); the oracle's noise bounds come from it
 (oracle/noise.py). Versioned plain data, stored as JSON in the kvfuzz cache
 (``calibration/<key id>.json``) or wherever ``--out`` says."""
 

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 # How an engine crash happened: the engine process died or its step raised ("died"), it stopped
 # answering or ran past its deadline ("hang"), or a Ray worker process died running the trace
-# every time it was tried ("worker-died", kvfuzz/cluster.py).
+# every time it was tried ("worker-died", kvfuzz/scale/cluster.py).
 CrashKind = Literal["hang", "died", "worker-died"]
 
 
@@ -34,7 +34,7 @@ class CrashInfo(_Data):
     detail: str = ""
     log: str | None = None
     log_tail: list[str] = Field(default_factory=list)
-    # The campaign's engine restarts so far, this one included (kvfuzz/recovery.py).
+    # The campaign's engine restarts so far, this one included (kvfuzz/driver/recovery.py).
     restarts: int | None = None
     deaths: list[WorkerDeath] = Field(default_factory=list)  # worker-died: each death
 

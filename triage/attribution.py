@@ -7,8 +7,8 @@ from __future__ import annotations
 from kvfuzz.harness.toggles import clean_set
 from kvfuzz.oracle import divergent
 from kvfuzz.oracle.attribution import attribute, plan
-from kvfuzz.recovery import Recovering
-from kvfuzz.session import Session
+from kvfuzz.driver.recovery import Recovering
+from kvfuzz.driver.session import Session
 from kvfuzz.traces import Attribution, Finding, Trace
 from kvfuzz.traces.result import Checked, Recording
 

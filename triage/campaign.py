@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvfuzz.oracle.buckets import CHEAP_MECHANISMS, bucket_id, describe, prekeys
-from kvfuzz.recovery import Recovering
-from kvfuzz.session import Session
+from kvfuzz.driver.recovery import Recovering
+from kvfuzz.driver.session import Session
 from kvfuzz.traces import Finding, Trace
 from kvfuzz.traces.result import Checked
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Literal
 
 from kvfuzz.oracle.controls import escalate, reproducing_arms
-from kvfuzz.session import Session
+from kvfuzz.driver.session import Session
 from kvfuzz.traces import Finding, save
 from kvfuzz.traces.errors import BadInput
 from kvfuzz.traces.io import finding_path
@@ -22,7 +22,7 @@ from .reduce import Acceptance, default_acceptance
 
 def add_controls(session: Session, finding: Finding) -> Finding:
     """Run the control arms of ``finding`` (serialized; batch-invariant where supported)."""
-    from kvfuzz.isolated import check_isolated
+    from kvfuzz.driver.isolated import check_isolated
 
     isolated = functools.partial(check_isolated, engine_kind=session.engine_kind, device=session.device)
     finding.controls = run_controls(session, finding, device=session.device, isolated=isolated)

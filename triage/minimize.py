@@ -17,7 +17,7 @@ Passes, repeated until nothing changes or the budget is spent:
    towards its smallest value.
 
 Nothing here imports torch or vLLM: replays go through a ``Replayer`` (triage/probe.py;
-``kvfuzz.session.Session`` on any engine), so the same code minimizes against the in-process
+``kvfuzz.driver.session.Session`` on any engine), so the same code minimizes against the in-process
 engine and a managed server. The reducers are pure (triage/reduce.py).
 """
 

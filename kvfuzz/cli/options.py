@@ -1,4 +1,4 @@
-"""Typer options shared by several commands (arms: kvfuzz/arms.py and docs/toggles.md)."""
+"""Typer options shared by several commands (arms: kvfuzz/driver/arms.py and docs/toggles.md)."""
 
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def use_release(vllm: str | None, *, device: str, base_url: str | None = None) -
     exits with its exit code. Call it first in a command, before any work."""
     import sys
 
-    from kvfuzz import releases
+    from kvfuzz.versions import releases
 
     if vllm is None:
         releases.check_requested()  # a re-executed child: the release asked for is the one here

@@ -17,7 +17,7 @@ from kvfuzz.traces import (BisectRecord, CancelEvent, Divergence, Finding, GenPr
                             TokenPrompt)
 from kvfuzz.traces.finding import DIVERGENT_CLASSES, SEVERITY
 
-from kvfuzz.arms import replay_command, replay_engine_args
+from kvfuzz.driver.arms import replay_command, replay_engine_args
 from kvfuzz.oracle.check import ENGINE
 from kvfuzz.oracle.controls import primary_arm, reproducing_arms, signature_of
 from kvfuzz.oracle.noise import NoiseBounds, finding_bounds

@@ -1,5 +1,5 @@
 """``kvfuzz bisect FILE``: in which vLLM releases does a finding reproduce? Each release probed
-is one ``kvfuzz replay FILE --vllm V`` in that release's environment (kvfuzz/releases.py);
+is one ``kvfuzz replay FILE --vllm V`` in that release's environment (kvfuzz/versions/releases.py);
 the search is triage/bisect.py. docs/bisect.md.
 
 Exit codes: 0 the search completed (whatever it found), 2 bad input, 3 no release could be
@@ -105,7 +105,7 @@ def bisect_cmd(
     from kvfuzz.cli.commands.replay import load_item
     from kvfuzz.harness.environment import kvfuzz_version
     from kvfuzz.present.report import bisect_lines, bisect_rows
-    from kvfuzz.session import check_device
+    from kvfuzz.driver.session import check_device
 
     check_device(device)
     if engine not in ("inprocess", "server"):
@@ -115,7 +115,7 @@ def bisect_cmd(
     item = load_item(file)
     with_, without = list(with_ or []), list(without or [])
     _check_arms(arms, with_, without)
-    from kvfuzz import releases
+    from kvfuzz.versions import releases
 
     chosen = search.parse_versions(versions, releases.known_releases(device), parse=releases.parse_version)
 

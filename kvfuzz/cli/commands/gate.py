@@ -19,7 +19,7 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from kvfuzz import arms as arm_specs
+from kvfuzz.driver import arms as arm_specs
 from kvfuzz.cli import options
 from kvfuzz.cli.app import app, console
 from kvfuzz.traces import GateCase, atomic_write_text
@@ -68,7 +68,7 @@ def gate(
 ) -> None:
     """Replay a corpus of findings/traces as a CI regression gate."""
     options.use_release(vllm, device=device, base_url=base_url)
-    from kvfuzz.gate import (
+    from kvfuzz.gate.gate import (
         GateRunner,
         bundled_corpus,
         collect,
@@ -78,9 +78,9 @@ def gate(
         load,
         self_test_plan,
     )
-    from kvfuzz.arms import replay_engine_args
+    from kvfuzz.driver.arms import replay_engine_args
     from kvfuzz.harness.dtypes import check_dtype
-    from kvfuzz.session import Session, engine_kind
+    from kvfuzz.driver.session import Session, engine_kind
 
     kind = engine_kind(engine, base_url, device)
     if workers is not None and ray_address is None:
@@ -152,8 +152,8 @@ def _conclude(cases, what: str, *, out: Path, junit: Path | None, summary: Path 
 def _gate_on_ray(address: str, planned, *, what: str, files: int, k: int, kind: str, device: str, bounds, profile,
                  server_arg, strict: bool, out: Path, junit: Path | None, summary: Path | None, workers: int) -> None:
     """The gate's cases spread over Ray workers (docs/scale.md); the same reports, in plan order."""
-    from kvfuzz.cluster import RayExecutor, WorkerSpec, connect, local_cpus, worker_env
-    from kvfuzz.arms import replay_engine_args
+    from kvfuzz.scale.cluster import RayExecutor, WorkerSpec, connect, local_cpus, worker_env
+    from kvfuzz.driver.arms import replay_engine_args
     from kvfuzz.traces import save
     from kvfuzz.traces.io import finding_path
 

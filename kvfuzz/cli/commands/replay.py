@@ -19,7 +19,7 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from kvfuzz import arms as arm_specs
+from kvfuzz.driver import arms as arm_specs
 from kvfuzz.cli import options, tables
 from kvfuzz.cli.app import app, console
 from kvfuzz.present.report import CLASS_STYLE
@@ -141,9 +141,9 @@ def replay(
     Each file replays in its own arms (a finding's, else its trace's toggles) unless --arms /
     --with / --without say otherwise; --attribute explains divergences by toggles as `kvfuzz run` does."""
     options.use_release(vllm, device=device, base_url=base_url)
-    from kvfuzz.gate import in_dtype
+    from kvfuzz.gate.gate import in_dtype
     from kvfuzz.harness.dtypes import check_dtype
-    from kvfuzz.session import Session, engine_kind
+    from kvfuzz.driver.session import Session, engine_kind
 
     kind = engine_kind(engine, base_url, device)
     bounds = options.parse_bounds(near_tie, bound)

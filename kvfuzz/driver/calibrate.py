@@ -25,7 +25,7 @@ from pathlib import Path
 
 from kvfuzz.harness.toggles import clean_set
 from kvfuzz.oracle.noise import HEADROOM, NoiseBounds, bounds_from, measure_context
-from kvfuzz.session import Session
+from kvfuzz.driver.session import Session
 from kvfuzz.traces import At, EngineConfig, GenPrompt, History, RequestRecord, Scoring, SendEvent, Trace
 from kvfuzz.traces.calibration import (
     DEFAULT_BUDGET_S,

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from kvfuzz.arms import replay_command
+from kvfuzz.driver.arms import replay_command
 from kvfuzz.oracle.gate import Case
-from kvfuzz.session import Session
+from kvfuzz.driver.session import Session
 from kvfuzz.traces import Finding, GateCase, Trace, load_any
 from kvfuzz.traces.errors import BadInput
 from kvfuzz.traces.foreign import ForeignFinding
@@ -178,7 +178,7 @@ def _by_engine(cases: list[Planned]) -> list[Planned]:
 
 
 class GateRunner:
-    """Replays planned cases on one ``kvfuzz.session.Session``."""
+    """Replays planned cases on one ``kvfuzz.driver.session.Session``."""
 
     def __init__(self, session: Session, *, runs: int, strict: bool = False, engine_args: list[str] | None = None,
                  findings_dir: Path | None = None) -> None:

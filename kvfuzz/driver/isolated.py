@@ -3,7 +3,7 @@
 For engine settings vLLM reads once per process — ``VLLM_BATCH_INVARIANT`` is read when
 vLLM's attention modules are imported — an arm cannot be switched on in a process that
 already imported them. The parent writes a request file, the child (``python -m
-kvfuzz.isolated IN OUT``) runs ``Session.check`` and writes the verdicts back.
+kvfuzz.driver.isolated IN OUT``) runs ``Session.check`` and writes the verdicts back.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def check_isolated(trace: Trace, runs: int, arms: dict[str, list[str]], env: dic
                                    "engine_kind": engine_kind, "device": device,
                                    "log_file": str(log_file) if log_file else None}))
         try:
-            p = subprocess.run([sys.executable, "-m", "kvfuzz.isolated", str(inp), str(out)],
+            p = subprocess.run([sys.executable, "-m", "kvfuzz.driver.isolated", str(inp), str(out)],
                                env={**os.environ, **env}, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired:
             raise InfraError(f"isolated check timed out after {timeout:g} s") from None
@@ -39,7 +39,7 @@ def check_isolated(trace: Trace, runs: int, arms: dict[str, list[str]], env: dic
 
 
 def _child(inp: Path, out: Path) -> None:
-    from kvfuzz.session import Session
+    from kvfuzz.driver.session import Session
 
     req = json.loads(inp.read_text())
     trace = Trace.model_validate(req["trace"])

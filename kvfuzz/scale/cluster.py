@@ -23,8 +23,8 @@ from kvfuzz.traces import Finding, Trace
 from kvfuzz.traces.errors import BadInput, InfraError, KvfuzzError
 
 if TYPE_CHECKING:
-    from kvfuzz.recovery import Recovering
-    from kvfuzz.session import Session
+    from kvfuzz.driver.recovery import Recovering
+    from kvfuzz.driver.session import Session
     from kvfuzz.triage.campaign import CampaignTriage
 
 # Ray's C++ core reads RAY_* variables once, when ray is imported: they are set before that.
@@ -225,7 +225,7 @@ class WorkerSpec:
 
     def build_session(self, log_dir: Path, *, port: int | None = None) -> "Session":
         """The campaign's session; its engine and server logs go to ``log_dir``."""
-        from kvfuzz.session import Session
+        from kvfuzz.driver.session import Session
 
         server_options = None
         if self.engine_kind == "server":
@@ -276,7 +276,7 @@ class WorkerCore:
     def __init__(self, spec: WorkerSpec, name: str):
         import subprocess
 
-        from kvfuzz.recovery import Recovering
+        from kvfuzz.driver.recovery import Recovering
 
         self.spec = spec
         self.name = name
@@ -313,7 +313,7 @@ class WorkerCore:
     def start(self, config, profile=None, calibrate: bool = False, profile_file: str | None = None) -> dict:
         """Start the engine and settle its noise bounds: ``profile`` (measured by another
         worker), else the profile file / cache / a calibration when ``calibrate``."""
-        from kvfuzz.calibrate import prepare_bounds
+        from kvfuzz.driver.calibrate import prepare_bounds
         from kvfuzz.traces.calibration import find_profile
 
         self.session.engine_for(config)
@@ -347,7 +347,7 @@ class WorkerCore:
                       seconds=time.monotonic() - t0, files=files)
 
     def gate(self, planned, runs: int, strict: bool, engine_args: list[str], profiles: list) -> tuple:
-        from kvfuzz.gate import GateRunner
+        from kvfuzz.gate.gate import GateRunner
 
         if not self.session.profiles:
             self.session.profiles += list(profiles)

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvfuzz.session import Session
+from kvfuzz.driver.session import Session
 from kvfuzz.traces import Divergence, EngineConfig, Finding
 
 DETECTING = ("corruption", "engine-crash", "error")
@@ -124,7 +124,7 @@ def _campaign(session: Session, arm: str, toggles: list[str], seed: int, *, budg
     first finding explained by ``stop_on``."""
     from kvfuzz.fuzzer import CampaignOptions, run_campaign
     from kvfuzz.harness.runner import ReferenceStore, ScoreStore
-    from kvfuzz.recovery import Recovering
+    from kvfuzz.driver.recovery import Recovering
     from kvfuzz.triage.campaign import CampaignTriage
 
     session.references, session.scores = ReferenceStore(), ScoreStore()
@@ -189,7 +189,7 @@ def run_bench(*, toggles: list[str] | None, seeds: list[int], budget: float, max
               kv_cache_mb: int | None = 8, max_model_len: int | None = 8000, dtypes: list[str] | None = None,
               runs_fixed: bool = False, progress: Any = print, session: Session | None = None,
               model: str | None = None) -> dict:
-    from kvfuzz.calibrate import prepare_bounds
+    from kvfuzz.driver.calibrate import prepare_bounds
     from kvfuzz.harness import toggles as reg
     from kvfuzz.oracle.attribution import single_arm
 

@@ -17,12 +17,12 @@ from dataclasses import dataclass
 
 from kvfuzz.harness.base import Engine
 from kvfuzz.oracle.check import ENGINE
-from kvfuzz.session import Session
+from kvfuzz.driver.session import Session
 from kvfuzz.traces import CrashInfo, CrashKind, Divergence, Finding, History, Trace
 from kvfuzz.traces.errors import EngineHang, InfraError
 from kvfuzz.traces.result import Checked, Recording
 
-log = logging.getLogger("kvfuzz.recovery")
+log = logging.getLogger("kvfuzz.driver.recovery")
 
 LOG_TAIL_LINES = 40
 MAX_CONSECUTIVE_CRASHES = 3
