@@ -42,6 +42,8 @@ def serialization_overlaps(h: History) -> list[tuple[str, str]]:
     spans: list[tuple[float, float, str]] = []
     use_steps = all(r.sent_step is not None for r in h.requests.values())
     for r in h.requests.values():
+        start: float | None
+        end: float | None
         if use_steps:
             start, end = r.sent_step, r.finished_step if r.finished_step is not None else r.cancel_step
         else:

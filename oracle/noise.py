@@ -68,7 +68,8 @@ class NoiseBounds:
         given = {k: float(v) for k, v in values.items() if v is not None}
         if not given:
             return self
-        return replace(self, **given, overrides=tuple(sorted({*self.overrides, *given})))
+        return replace(self, near_tie=given.get("near_tie", self.near_tie), drift=given.get("drift", self.drift),
+                       teacher=given.get("teacher", self.teacher), overrides=tuple(sorted({*self.overrides, *given})))
 
     def describe(self) -> str:
         where = f"calibration profile {self.profile}" if self.profile else f"the {self.dtype} defaults"
@@ -97,8 +98,11 @@ def default_bounds(dtype: str | None) -> NoiseBounds:
     must never be called corruption)."""
     d = dtype_name(dtype)
     if d not in DEFAULTS:
-        return NoiseBounds(dtype="bfloat16", **DEFAULTS["bfloat16"], source="default (dtype unknown: widest)")
-    return NoiseBounds(dtype=d, **DEFAULTS[d])
+        v = DEFAULTS["bfloat16"]
+        return NoiseBounds(dtype="bfloat16", near_tie=v["near_tie"], drift=v["drift"], teacher=v["teacher"],
+                           source="default (dtype unknown: widest)")
+    v = DEFAULTS[d]
+    return NoiseBounds(dtype=d, near_tie=v["near_tie"], drift=v["drift"], teacher=v["teacher"])
 
 
 def finding_bounds(finding: Finding) -> NoiseBounds:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Literal
+from typing import Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -17,7 +17,7 @@ from .errors import BadInput
 from .io import atomic_write_text
 from .paths import kvfuzz_cache
 
-CALIBRATION_VERSION = 1
+CALIBRATION_VERSION: Final = 1
 
 
 class _Data(BaseModel):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -18,7 +18,7 @@ from .trace import Trace
 
 # Version 3 (issue #31): crash, provenance, bounds, attribution and reproduced_in are typed
 # fields; versions 1 and 2 kept them in ``notes`` and are migrated on load.
-FINDING_SCHEMA_VERSION = 3
+FINDING_SCHEMA_VERSION: Final = 3
 FINDING_SCHEMA_VERSIONS = (1, 2, 3)
 
 # Verdict classes, most severe first. "ok", "truncation" and "unconstrained" are verdicts, not

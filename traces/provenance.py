@@ -123,7 +123,7 @@ class Attribution(_Data):
 
 
 # notes key of a schema 1/2 finding -> (typed field, model); provenance keys go under provenance.
-_TOP = {"engine_crash": ("crash", CrashInfo), "oracle": ("bounds", BoundsUsed), "attribution": ("attribution", Attribution)}
+_TOP: dict[str, tuple[str, type[BaseModel]]] = {"engine_crash": ("crash", CrashInfo), "oracle": ("bounds", BoundsUsed), "attribution": ("attribution", Attribution)}
 _PROVENANCE = ("campaign", "worker", "lineage", "gate", "replay_of", "minimized_from", "minimized_to")
 
 

@@ -14,6 +14,7 @@ import datetime as _dt
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from kvfuzz.harness.base import Engine
 from kvfuzz.oracle.check import ENGINE
@@ -50,7 +51,7 @@ def crash_finding(trace: Trace, engine: Engine, error: InfraError, *, arms: dict
                   secrets: Sequence[str] = ()) -> Finding:
     """An engine-crash finding for ``trace`` from the infrastructure error it caused."""
     detail = str(error)
-    kind: CrashKind = "hang" if isinstance(error, EngineHang) else "died"
+    kind: Literal["hang", "died"] = "hang" if isinstance(error, EngineHang) else "died"
     runs: list[History] = [error.history] if error.history is not None else []
     for h in runs:
         if not h.crashed:

@@ -25,7 +25,7 @@ from kvfuzz.traces.errors import BadInput
 from kvfuzz.traces.result import Checked, Recording
 
 if TYPE_CHECKING:
-    from kvfuzz.harness.inprocess import EnginePool
+    from kvfuzz.harness.inprocess import EnginePool, InProcessEngine
     from kvfuzz.harness.server import ServerOptions
 
 DEVICES = ("cpu", "cuda")
@@ -231,9 +231,9 @@ class Session:
         engine, self.engine = self.engine, None
         if engine is None:
             return
-        pool = self._pool_of(engine)
-        if pool is not None:
-            pool.release(engine)
+        pooled = self._pooled(engine)
+        if pooled is not None:
+            pooled[0].release(pooled[1])
         else:
             engine.close()
 
@@ -243,19 +243,21 @@ class Session:
         engine, self.engine = self.engine, None
         if engine is None:
             return
-        pool = self._pool_of(engine)
-        if pool is not None:
-            pool.discard(engine)
+        pooled = self._pooled(engine)
+        if pooled is not None:
+            pooled[0].discard(pooled[1])
         else:
             engine.close()
 
     @staticmethod
-    def _pool_of(engine: Engine) -> EnginePool | None:
+    def _pooled(engine: Engine) -> tuple[EnginePool, InProcessEngine] | None:
+        """The process's engine pool and ``engine`` as the pool's kind, when it is pooled."""
         if engine.kind != "inprocess":
             return None
-        from kvfuzz.harness.inprocess import engine_pool
+        from kvfuzz.harness.inprocess import InProcessEngine, engine_pool
 
-        return engine_pool()
+        pool = engine_pool()
+        return (pool, engine) if pool is not None and isinstance(engine, InProcessEngine) else None
 
     def __enter__(self) -> "Session":
         return self

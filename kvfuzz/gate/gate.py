@@ -40,7 +40,12 @@ def collect(paths: list[Path]) -> list[Path]:
         else:
             raise BadInput("no such file or directory", source=str(p), field="PATH")
     seen: set[Path] = set()
-    return [f for f in files if not (f.resolve() in seen or seen.add(f.resolve()))]
+    unique = []
+    for f in files:
+        if f.resolve() not in seen:
+            seen.add(f.resolve())
+            unique.append(f)
+    return unique
 
 
 @dataclass

@@ -287,8 +287,8 @@ def build(finding: Finding, *, source: str = "FINDING.json",
         elif isinstance(ev, CancelEvent):
             rows.append([str(i), "cancel", ev.request_id, _when(ev, mps), "", "", "", "", ""])
         else:  # an adapter lifecycle event: the adapter column names it and the weights it binds
-            source = getattr(ev, "source", None)
-            what = ev.name + (f" ← {source}" if source else "") + (" (same path)" if getattr(ev, "same_path", False)
+            bound = getattr(ev, "source", None)
+            what = ev.name + (f" ← {bound}" if bound else "") + (" (same path)" if getattr(ev, "same_path", False)
                                                                    else "")
             rows.append([str(i), ev.kind, "", _when(ev, mps), "", "", what, "", ""])
     r.table(["#", "event", "request", "step / offset", "prompt len", "prefix", "adapter", "max_tokens", "diverged"],
@@ -486,11 +486,11 @@ def add_bisect(r: Report, rec: BisectRecord) -> None:
     r.h("Release bisection")
     r.p(("Verdict", "b"), f": {rec.verdict}" + (f" — {rec.detail}." if rec.detail else "."))
     if rec.first_bad:
-        r.p(("first bad", "b"), ": ", (rec.first_bad, "code"),
-            *([" (last good: ", (rec.last_good, "code"), ")"] if rec.last_good else []))
+        last_good: list[Seg | str] = [" (last good: ", (rec.last_good, "code"), ")"] if rec.last_good else []
+        r.p(("first bad", "b"), ": ", (rec.first_bad, "code"), *last_good)
     if rec.first_good:
-        r.p(("first good", "b"), ": ", (rec.first_good, "code"),
-            *([" (last bad: ", (rec.last_bad, "code"), ")"] if rec.last_bad else []))
+        last_bad: list[Seg | str] = [" (last bad: ", (rec.last_bad, "code"), ")"] if rec.last_bad else []
+        r.p(("first good", "b"), ": ", (rec.first_good, "code"), *last_bad)
     r.table(BISECT_COLUMNS, bisect_rows(rec), class_col=2, right=(1, 3, 5), wrap=(6,))
     r.p(bisect_how(rec) + f" Bisected {rec.created or '?'} with kvfuzz {rec.kvfuzz_version or '?'}.")
 

@@ -179,11 +179,11 @@ def replay(
     written: list[tuple[str, Finding]] = []
     try:
         for n, item in enumerate(items, start=1):
-            arms = url_arms(item) if kind == "url" else item.arms
+            item_arms = url_arms(item) if kind == "url" else item.arms
             print(f"replaying {item.path} ({n}/{len(items)}): {len(item.trace.sends)} requests, "
                   f"{runs} run(s) per arm, on the {where}", flush=True)
-            checked = (check_attributed(session, item.trace, runs=runs, arms=arms) if explain
-                       else session.check(item.trace, runs=runs, arms=arms))
+            checked = (check_attributed(session, item.trace, runs=runs, arms=item_arms) if explain
+                       else session.check(item.trace, runs=runs, arms=item_arms))
             verdicts = checked.verdicts
             reproduced = any(v.class_ in DIVERGENT_CLASSES for v in verdicts)
             reproduced_any |= reproduced
