@@ -201,8 +201,8 @@ def main() -> None:
 
     from kvfuzz.fuzzer import default_engine
     from kvfuzz.harness.toggles import registry
-    from kvfuzz.settings import SessionSettings
-    from kvfuzz.session import build_session
+    from kvfuzz.driver.settings import SessionSettings
+    from kvfuzz.driver.session import build_session
 
     registry._load_builtin()
     # Default: the faults that can change outputs on CPU (a GPU-only one would never be found).

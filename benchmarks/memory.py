@@ -57,8 +57,8 @@ def main() -> None:
 
     from kvfuzz.fuzzer import CampaignOptions, default_engine, run_campaign
     from kvfuzz.fuzzer.generate import GenOptions
-    from kvfuzz.settings import SessionSettings
-    from kvfuzz.session import build_session
+    from kvfuzz.driver.settings import SessionSettings
+    from kvfuzz.driver.session import build_session
 
     work = args.work or Path(tempfile.mkdtemp(prefix="kvfuzz-memory-"))
     # max_model_len caps generated prompt lengths (generate() fits each request in it): short

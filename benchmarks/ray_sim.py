@@ -1,6 +1,6 @@
 """Where does the `kvfuzz run --ray` driver saturate? The real driver (fuzzer/distributed.py:
 generation, mutation, feedback, in-order commits, campaign.json and pending files written per
-trace) and the real Ray executor loop (kvfuzz/cluster.py ``RayExecutor.wait``: ray.wait, drain,
+trace) and the real Ray executor loop (kvfuzz/scale/cluster.py ``RayExecutor.wait``: ray.wait, drain,
 ray.get, re-submit), driving N *simulated* workers whose trace takes S seconds (asyncio.sleep,
 +-20 % jitter so results finish out of order) and returns coverage buckets of the size a real
 trace gives (~40 of a few thousand).
@@ -41,7 +41,7 @@ def main() -> int:
 
     import ray
 
-    from kvfuzz.cluster import RayExecutor, WorkerSpec, connect
+    from kvfuzz.scale.cluster import RayExecutor, WorkerSpec, connect
     from kvfuzz.fuzzer import CampaignOptions, GenOptions, default_engine
     from kvfuzz.fuzzer.distributed import Driver, Result
 

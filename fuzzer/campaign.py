@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from kvfuzz.traces import EngineConfig, Finding, Trace, atomic_write_text, save, sweep_partial_writes
+from kvfuzz.traces import CampaignOrigin, EngineConfig, Finding, LineageLink, Trace, atomic_write_text, save, sweep_partial_writes
 from kvfuzz.traces.errors import BadInput
 from kvfuzz.traces.io import finding_path
 from kvfuzz.traces.result import Checked
@@ -332,9 +332,11 @@ class Campaign:
 
     def record_finding(self, i: int, trace: Trace, source: str, finding: Finding) -> None:
         st = self.state
-        finding.notes.setdefault("campaign", {"seed": self.opts.seed, "index": i, "mode": self.opts.mode,
-                                              "source": source})
-        finding.notes.setdefault("lineage", self.lineage(trace))
+        prov = finding.provenance
+        if prov.campaign is None:
+            prov.campaign = CampaignOrigin(seed=self.opts.seed, index=i, mode=self.opts.mode, source=source)
+        if not prov.lineage:
+            prov.lineage = [LineageLink.model_validate(link) for link in self.lineage(trace)]
         path = finding_path(self.out / "findings", finding)
         save(finding, path)
         st.findings += 1

@@ -3,7 +3,7 @@
 The driver owns everything the serial loop owns (seed sequence, corpus, coverage, bandit, bug
 buckets, findings, ``campaign.json``); workers only run traces (harness + oracle + triage) and
 send back the finding and the coverage buckets. Nothing here imports Ray: the cluster is an
-``Executor`` (kvfuzz/cluster.py has the Ray one; the tests also use an in-process fake).
+``Executor`` (kvfuzz/scale/cluster.py has the Ray one; the tests also use an in-process fake).
 
 Determinism: the window rule. Results are *committed* (learned, recorded, written to
 ``campaign.json``) strictly in trace-index order, whatever order they finish in, and trace ``i``
@@ -291,7 +291,7 @@ class Driver:
         if res.finding is not None:
             self._first_in_order(res.finding)
             # Before record_finding: it writes the file, and the file must name its worker.
-            res.finding.notes.setdefault("worker", res.worker)
+            res.finding.provenance.worker = res.finding.provenance.worker or res.worker
             self.camp.record_finding(i, trace, source, res.finding)
         st.traces += 1
         self.committed += 1

@@ -45,6 +45,7 @@ from kvfuzz.traces.trace import (
 
 from . import toggles as toggle_registry
 from .adapters import AdapterBook, AdapterWorkdir, Bound, resolve_source, solo_engine
+from .base import EngineKind
 from .blocks import BlockEdges
 from .compat import check_inprocess
 from .embedded import ResolvedModel, resolve_model
@@ -118,7 +119,7 @@ def _record_admission(capture: dict[str, Any], coord: Any, request_id: str, new_
 class InProcessEngine:
     """One in-process vLLM engine for one ``EngineConfig``."""
 
-    kind = "inprocess"
+    kind: EngineKind = "inprocess"
 
     def __init__(self, config: EngineConfig, *, device: str = "cpu", log_file: Path | None = None,
                  trace_deadline_s: float | None = DEFAULT_TRACE_DEADLINE_S):

@@ -32,8 +32,8 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "Session": "kvfuzz.session",
-    "Recovering": "kvfuzz.recovery",
+    "Session": "kvfuzz.driver.session",
+    "Recovering": "kvfuzz.driver.recovery",
     "Checked": "kvfuzz.traces.result",
     "Recording": "kvfuzz.traces.result",
     **{name: "kvfuzz.traces" for name in (
@@ -41,7 +41,7 @@ _EXPORTS = {
         "SendEvent", "TokenPrompt", "Trace", "load_any", "load_finding", "load_trace", "save")},
     **{name: "kvfuzz.fuzzer" for name in (
         "CampaignOptions", "CampaignState", "GenOptions", "default_engine", "generate", "mutate", "run_campaign")},
-    "clean_toggles": "kvfuzz.arms",
+    "clean_toggles": "kvfuzz.driver.arms",
     "strategies": "kvfuzz.strategies",
 }
 
@@ -52,10 +52,10 @@ __all__ = ["At", "BadInput", "CampaignOptions", "CampaignState", "CancelEvent", 
 
 if TYPE_CHECKING:
     from kvfuzz import strategies
-    from kvfuzz.arms import clean_toggles
+    from kvfuzz.driver.arms import clean_toggles
     from kvfuzz.fuzzer import CampaignOptions, CampaignState, GenOptions, default_engine, generate, mutate, run_campaign
-    from kvfuzz.recovery import Recovering
-    from kvfuzz.session import Session
+    from kvfuzz.driver.recovery import Recovering
+    from kvfuzz.driver.session import Session
     from kvfuzz.traces import (
         At,
         BadInput,

@@ -25,9 +25,9 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 if TYPE_CHECKING:
-    from kvfuzz.gate import GateRunner
+    from kvfuzz.gate.gate import GateRunner
     from kvfuzz.harness.base import EngineKind
-    from kvfuzz.session import Session
+    from kvfuzz.driver.session import Session
 
 # Per pytest run (config.stash): a pytest run inside a pytest run (pytester) has its own.
 _STATE_KEY = pytest.StashKey[dict[str, Any]]()
@@ -77,8 +77,8 @@ def _planned(config: pytest.Config) -> list[Any]:
     state = _state(config)
     if "planned" in state:
         return state["planned"]
-    from kvfuzz import arms as arm_specs
-    from kvfuzz.gate import collect, gate_plan, load, self_test_plan
+    from kvfuzz.driver import arms as arm_specs
+    from kvfuzz.gate.gate import collect, gate_plan, load, self_test_plan
 
     paths = [Path(p) for p in config.getoption("kvfuzz_corpus")]
     entries = [load(p) for p in collect(paths)] if paths else []
@@ -94,7 +94,7 @@ def _planned(config: pytest.Config) -> list[Any]:
 
 
 def _kind(config: pytest.Config) -> tuple[EngineKind, str]:
-    from kvfuzz.settings import check_device, engine_kind
+    from kvfuzz.driver.settings import check_device, engine_kind
 
     device = check_device(config.getoption("kvfuzz_device"))
     return engine_kind(config.getoption("kvfuzz_engine"), config.getoption("kvfuzz_base_url"), device), device
@@ -104,9 +104,9 @@ def _session(config: pytest.Config) -> Session:
     """The one Session of this pytest run (shared by corpus cases and ``kvfuzz_session``)."""
     state = _state(config)
     if "session" not in state:
-        from kvfuzz.gate import default_runs
-        from kvfuzz.settings import SessionSettings
-        from kvfuzz.session import build_session
+        from kvfuzz.gate.gate import default_runs
+        from kvfuzz.driver.settings import SessionSettings
+        from kvfuzz.driver.session import build_session
 
         kind, device = _kind(config)
         given = config.getoption("kvfuzz_out")
@@ -121,7 +121,8 @@ def _session(config: pytest.Config) -> Session:
 def _runner(config: pytest.Config) -> GateRunner:
     state = _state(config)
     if "runner" not in state:
-        from kvfuzz.gate import GateRunner, replay_engine_args
+        from kvfuzz.driver.arms import replay_engine_args
+        from kvfuzz.gate.gate import GateRunner
 
         kind, device = _kind(config)
         out = Path(config.getoption("kvfuzz_out") or "kvfuzz-gate")

@@ -35,7 +35,7 @@ def prekeys(finding: Finding, cheap_needs: Iterable[str] | None = None) -> list[
     if worst not in DIVERGENT_CLASSES:
         return []
     if worst == "engine-crash":
-        kind = (finding.notes.get("engine_crash") or {}).get("kind", "died")
+        kind = finding.crash.kind if finding.crash is not None else "died"
         return [f"engine-crash|{kind}"]
     needs = ",".join(sorted(cheap_needs or ())) or "-"
     keys = {f"{worst}|{d.explained_by}" if d.explained_by else f"{worst}|unexplained|{needs}"

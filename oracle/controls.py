@@ -42,6 +42,8 @@ def serialization_overlaps(h: History) -> list[tuple[str, str]]:
     spans: list[tuple[float, float, str]] = []
     use_steps = all(r.sent_step is not None for r in h.requests.values())
     for r in h.requests.values():
+        start: float | None
+        end: float | None
         if use_steps:
             start, end = r.sent_step, r.finished_step if r.finished_step is not None else r.cancel_step
         else:
@@ -107,6 +109,6 @@ def escalate(finding: Finding) -> Finding:
     if divergences == finding.divergences:
         return finding
     new = finding.model_copy(update={"divergences": divergences, "verdicts": [up(v) for v in finding.verdicts]})
-    new.notes = {**finding.notes, "reproduced_in": reproducing_arms(new)}
+    new.reproduced_in = reproducing_arms(new)
     new.id = new.compute_id()
     return new

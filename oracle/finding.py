@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime as _dt
 from collections.abc import Sequence
 
-from kvfuzz.traces import Divergence, Environment, Finding, History, RequestRecord, Scoring, Trace
+from kvfuzz.traces import BoundsUsed, Divergence, Environment, Finding, History, RequestRecord, Scoring, Trace
 
 from .check import divergent
 from .noise import NoiseBounds, default_bounds
@@ -28,6 +28,6 @@ def make_finding(trace: Trace, histories: list[History], references: dict[str, R
     f.scores = list(scores)
     # The bounds the verdicts were judged with and where they came from (a calibration profile
     # or the dtype's defaults), so a report can say which side each piece of evidence fell.
-    f.notes["oracle"] = (bounds or default_bounds(trace.engine.dtype)).to_json()
+    f.bounds = BoundsUsed.model_validate((bounds or default_bounds(trace.engine.dtype)).to_json())
     f.id = f.compute_id()
     return f

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
-from kvfuzz.traces import RequestRecord, Scoring
+from kvfuzz.traces import Finding, RequestRecord, Scoring
 from kvfuzz.traces.calibration import CalibrationProfile, ContextNoise
 
 from .diff import teacher_drifts
@@ -68,7 +68,8 @@ class NoiseBounds:
         given = {k: float(v) for k, v in values.items() if v is not None}
         if not given:
             return self
-        return replace(self, **given, overrides=tuple(sorted({*self.overrides, *given})))
+        return replace(self, near_tie=given.get("near_tie", self.near_tie), drift=given.get("drift", self.drift),
+                       teacher=given.get("teacher", self.teacher), overrides=tuple(sorted({*self.overrides, *given})))
 
     def describe(self) -> str:
         where = f"calibration profile {self.profile}" if self.profile else f"the {self.dtype} defaults"
@@ -97,8 +98,25 @@ def default_bounds(dtype: str | None) -> NoiseBounds:
     must never be called corruption)."""
     d = dtype_name(dtype)
     if d not in DEFAULTS:
-        return NoiseBounds(dtype="bfloat16", **DEFAULTS["bfloat16"], source="default (dtype unknown: widest)")
-    return NoiseBounds(dtype=d, **DEFAULTS[d])
+        v = DEFAULTS["bfloat16"]
+        return NoiseBounds(dtype="bfloat16", near_tie=v["near_tie"], drift=v["drift"], teacher=v["teacher"],
+                           source="default (dtype unknown: widest)")
+    v = DEFAULTS[d]
+    return NoiseBounds(dtype=d, near_tie=v["near_tie"], drift=v["drift"], teacher=v["teacher"])
+
+
+def finding_bounds(finding: Finding) -> NoiseBounds:
+    """The noise bounds a finding was judged with (``Finding.bounds``); files written before
+    there were bounds recorded only ``near_tie``."""
+    used = finding.bounds
+    base = default_bounds(finding.trace.engine.dtype)
+    if used is None:
+        return base
+    values = {k: v for k in ("near_tie", "drift", "teacher") if (v := getattr(used, k)) is not None}
+    if set(values) == {"near_tie"}:  # an older finding: one threshold for margin and drift
+        values["drift"] = values["near_tie"]
+    return replace(base, **values, source=used.source if used.source is not None else base.source,
+                   profile=used.profile, overrides=tuple(used.overrides))
 
 
 def bounds_from(profile: CalibrationProfile, headroom: float = HEADROOM) -> NoiseBounds:

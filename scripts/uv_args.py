@@ -1,6 +1,6 @@
 """Print, one per line, the `uv pip install` options that make uv see the package sources this
 machine's pip is configured with. scripts/setup.sh runs it before anything is installed; the
-logic lives in kvfuzz/uv_args.py (stdlib only), which kvfuzz/releases.py uses too, and is
+logic lives in kvfuzz/versions/uv_args.py (stdlib only), which kvfuzz/versions/releases.py uses too, and is
 loaded here by path so that nothing of kvfuzz needs to be importable yet."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 _spec = importlib.util.spec_from_file_location(
-    "kvfuzz_uv_args", Path(__file__).resolve().parent.parent / "kvfuzz" / "uv_args.py")
+    "kvfuzz_uv_args", Path(__file__).resolve().parent.parent / "kvfuzz" / "versions" / "uv_args.py")
 assert _spec is not None and _spec.loader is not None
 _mod = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_mod)

@@ -75,7 +75,7 @@ def test_several_candidates_pick_the_reproducing_single_toggle_arm():
 
 
 def test_build_arms_vocabulary(toggles_apply):
-    from kvfuzz.arms import build_arms
+    from kvfuzz.driver.arms import build_arms
 
     cpu_clean = ["fix-lora-batch-keeps-every-adapter-id", "fix-lora-cpu-no-lora-tokens",
                  "fix-lora-reload-prefix-identity"]
@@ -104,7 +104,7 @@ def test_build_arms_vocabulary(toggles_apply):
     ({"arms": "vanilla", "without": ["fix-lora-cpu-no-lora-tokens"]}, "--without", "not on in arm 'vanilla'"),
 ])
 def test_build_arms_rejects_bad_input(kwargs, field, text, toggles_apply):
-    from kvfuzz.arms import build_arms
+    from kvfuzz.driver.arms import build_arms
     from kvfuzz.traces.errors import BadInput
 
     with pytest.raises(BadInput, match=text) as e:
@@ -134,6 +134,6 @@ def test_session_attributes_vanilla_lora_bug_to_the_missing_fix(session, lora_en
     assert {(d.arm, d.request_id, d.class_, d.explained_by) for d in f.divergences} == {
         ("vanilla", "base", "corruption", "fix-lora-cpu-no-lora-tokens"),
         ("without:fix-lora-cpu-no-lora-tokens", "base", "corruption", "fix-lora-cpu-no-lora-tokens")}
-    assert f.notes["attribution"]["clean"] == clean and set(f.notes["attribution"]["added_arms"]) == {"clean", *singles}
+    assert f.attribution.clean == clean and set(f.attribution.added_arms) == {"clean", *singles}
     assert unexplained(f.divergences) == []
     assert {h.arm for h in f.runs} == {"vanilla", "clean", *singles}

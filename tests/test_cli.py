@@ -105,13 +105,13 @@ def test_run_end_to_end_then_resume(kvfuzz_cli, tmp_path):
             continue
         m = small.minimization
         assert m is not None and m.verified and m.requests < m.original_requests
-        orig = load_finding(out / small.notes["minimized_from"]["file"])
-        assert orig.id == m.original and orig.notes["minimized_to"] == small.id
+        orig = load_finding(out / small.provenance.minimized_from.file)
+        assert orig.id == m.original and orig.provenance.minimized_to == small.id
         assert orig.minimization is None and len(orig.trace.sends) == m.original_requests
         # Controls run on the minimized witness only (triage/finish.py): the original has none.
         assert [c.name for c in small.controls] == ["serialized", "batch-invariant"] and orig.controls == []
         # The CPU LoRA bug needs batching, and only its own fix removes it.
-        assert small.notes["reproduced_in"] == ["vanilla", "without:fix-lora-cpu-no-lora-tokens"]
+        assert small.reproduced_in == ["vanilla", "without:fix-lora-cpu-no-lora-tokens"]
 
     p = kvfuzz_cli("run", "--traces", "3", "--resume", *args)
     assert p.returncode == 0, p.stderr[-2000:]

@@ -12,6 +12,8 @@ from kvfuzz.fuzzer import CampaignOptions, Corpus, CorpusEntry, default_engine, 
 from kvfuzz.fuzzer.corpus import Item, Scheduler
 from kvfuzz.fuzzer.feedback import Coverage
 from kvfuzz.traces import (
+    GraftInto,
+    LineageLink,
     Divergence,
     Environment,
     Finding,
@@ -189,13 +191,13 @@ def test_findings_record_lineage(tmp_path):
     assert st.findings >= 1
     f = load_finding(tmp_path / "out" / st.finding_files[0])
     assert f.trace.lineage.parent and f.trace.lineage.operators
-    chain = f.notes["lineage"]
+    chain = f.provenance.lineage
     # A feedback mutant is grafted into that iteration's fresh trace: the link names both.
     assert f.trace.lineage.operators[-1] == "graft"
-    assert chain[0] == {"parent": f.trace.lineage.parent, "operators": f.trace.lineage.operators,
-                        "into": {"generator": "random-v2", "seed": f.trace.lineage.seed}}
-    assert "root" in chain[-1] and chain[-1]["generator"] == "random-v2"
-    assert f.notes["campaign"]["source"] == "mutant"
+    assert chain[0] == LineageLink(parent=f.trace.lineage.parent, operators=f.trace.lineage.operators,
+                                   into=GraftInto(generator="random-v2", seed=f.trace.lineage.seed))
+    assert chain[-1].root and chain[-1].generator == "random-v2"
+    assert f.provenance.campaign.source == "mutant"
 
 
 def test_scheduler_prefers_novel_rare_entries():

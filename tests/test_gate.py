@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from kvfuzz.gate import bundled_corpus, collect, gate_plan, load, self_test_plan
-from kvfuzz.oracle.gate import Case, junit_xml, markdown_summary
+from kvfuzz.gate.gate import bundled_corpus, collect, gate_plan, load, self_test_plan
+from kvfuzz.oracle.gate import Case
+from kvfuzz.present.gate import junit_xml, markdown_summary
 from kvfuzz.traces import Divergence, load_trace
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -178,7 +179,7 @@ def test_pytest_entry_point_turns_findings_into_tests(pytester):
 
 
 def test_overrides_put_the_corpus_on_another_model_and_backend():
-    from kvfuzz.gate import apply_overrides
+    from kvfuzz.gate.gate import apply_overrides
     from kvfuzz.traces.errors import BadInput
 
     t = load_trace(FAST[1])
@@ -196,14 +197,21 @@ def test_overrides_put_the_corpus_on_another_model_and_backend():
 def test_replay_command_names_the_engine_and_device_but_no_url():
     """The command a failing case prints (gate and pytest plugin alike) must replay on the
     same engine and device, and never carries the server URL (it may hold credentials)."""
-    from kvfuzz.gate import default_runs, replay_command, replay_engine_args
+    from kvfuzz.driver.arms import arm_spec, build_arms, replay_command, replay_engine_args
+    from kvfuzz.gate.gate import default_runs
 
     assert replay_engine_args("inprocess", "cpu") == ["--engine", "inprocess"]
     assert replay_engine_args("server", "cuda") == ["--engine", "server", "--device", "cuda"]
     assert replay_engine_args("url", "cuda") == ["--base-url", "URL", "--device", "cuda"]
     assert default_runs("inprocess") == 1 and default_runs("server") == default_runs("url") == 3
-    cmd = replay_command("a b.json", ["t1", "t2"], 3, replay_engine_args("server", "cuda"))
+    cmd = replay_command("a b.json", "gate", ["t1", "t2"], 3, replay_engine_args("server", "cuda"))
     assert cmd == "kvfuzz replay 'a b.json' --arms gate=t1+t2 --runs 3 --engine server --device cuda"
+    # The one builder (finding reports print it too): the arm item replays exactly its toggles,
+    # under its name, whatever the arm was called.
+    toggles = ["fault-lora-hash-namespace", "fix-lora-cpu-no-lora-tokens"]
+    for name in ["with:fault-lora-hash-namespace", "clean,with:fault-lora-hash-namespace", "a=b", "vanilla"]:
+        assert list(build_arms(arms=arm_spec(name, toggles)).values()) == [toggles]
+    assert build_arms(arms=arm_spec("vanilla", [])) == {"vanilla": []}
 
 
 @pytest.mark.engine

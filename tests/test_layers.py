@@ -144,7 +144,7 @@ def test_no_import_cycles():
 
 # The seams where a capability must be declared (harness/base.py Engine, triage/probe.py
 # Replayer), not probed for with getattr/hasattr or hidden behind Any.
-SEAMS = ["kvfuzz.session", "kvfuzz.harness.runner", "kvfuzz.harness.base", "kvfuzz.recovery",
+SEAMS = ["kvfuzz.driver.session", "kvfuzz.harness.runner", "kvfuzz.harness.base", "kvfuzz.driver.recovery",
          "kvfuzz.triage.probe", "kvfuzz.triage.minimize", "kvfuzz.triage.controls", "kvfuzz.triage.finish",
          "kvfuzz.triage.attribution", "kvfuzz.fuzzer.campaign"]
 

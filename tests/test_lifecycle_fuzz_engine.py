@@ -16,7 +16,7 @@ SEED = 23
 
 
 def test_a_generated_lifecycle_trace_replays_step_exactly(session):
-    from kvfuzz.arms import clean_toggles
+    from kvfuzz.driver.arms import clean_toggles
 
     t = generate(SEED, default_engine(lora=True), GenOptions(lifecycle=True))
     assert {e.kind for e in t.lifecycle} == {"load-adapter", "unload-adapter", "reload-adapter"}

@@ -5,6 +5,7 @@ import random
 
 import pytest
 
+from kvfuzz.traces import CampaignOrigin, MinimizedFrom
 from kvfuzz.traces import At, CancelEvent, Divergence, Environment, Finding, GenPrompt, LoraSettings, SendEvent, Trace
 from kvfuzz.traces.result import Checked, Recording
 from kvfuzz.traces.trace import EngineConfig
@@ -212,8 +213,8 @@ def test_minimize_finding_on_a_flaky_wall_clock_engine():
     assert m.verified and m.repeats == 4 and m.min_hits == 2  # wall-clock defaults
     assert sorted(s.request_id for s in small.trace.sends) == ["hit", "victim"]
     assert m.replays == server.replays and m.original == orig.id and m.original_requests == 6
-    assert small.notes["minimized_from"] == {"id": orig.id, "file": "orig.json"}
-    assert small.notes["campaign"] == {"seed": 1, "index": 7}
+    assert small.provenance.minimized_from == MinimizedFrom(id=orig.id, file="orig.json")
+    assert small.provenance.campaign == CampaignOrigin(seed=1, index=7)
     # the offset clock was shrunk (a server schedules by offset_ms)
     assert all(e.at.offset_ms is not None for e in small.trace.events)
     assert min(e.at.offset_ms for e in small.trace.sends) == 0

@@ -31,10 +31,10 @@ def test_minimize_command(session, lora_engine_config, tmp_path, kvfuzz_cli):
     small = load_finding(out)
     m = small.minimization
     assert m.verified and m.original == found.id and m.signature == "corruption:B"
-    assert m.requests <= 3 and small.notes["minimized_from"]["file"] == str(src)
+    assert m.requests <= 3 and small.provenance.minimized_from.file == str(src)
     assert [c.name for c in small.controls] == ["serialized", "batch-invariant"]
     assert small.controls[0].reproduced and not small.controls[1].available
-    assert small.notes["reproduced_in"] == ["default", "serialized"]
+    assert small.reproduced_in == ["default", "serialized"]
     assert "verified" in p.stdout and str(out) in p.stdout
     r = kvfuzz_cli("report", out, "--markdown")
     assert r.returncode == 0 and "## Trace (minimized)" in r.stdout

@@ -7,7 +7,7 @@ from collections import defaultdict
 import pytest
 
 from kvfuzz.harness.toggles.builtin import LORA_CPU_MASK, LORA_NS
-from kvfuzz.traces import At, CancelEvent, GenPrompt, SendEvent, Trace, load_finding, save
+from kvfuzz.traces import At, CancelEvent, GenPrompt, MinimizedFrom, SendEvent, Trace, load_finding, save
 from kvfuzz.triage.finish import finish_finding
 from kvfuzz.triage.minimize import Acceptance, Budget, Options, choose_target, minimize_finding
 
@@ -84,7 +84,7 @@ def test_fault_toggle_finding_minimizes_to_at_most_3_requests_with_k_of_m(sessio
     assert len(small.trace.sends) <= 3, [s.request_id for s in small.trace.sends]
     assert {"A", victim} <= {s.request_id for s in small.trace.sends}
     assert m.original == found.id and m.original_requests == 7 and m.requests == len(small.trace.sends)
-    assert small.notes["minimized_from"] == {"id": found.id, "file": str(path)}
+    assert small.provenance.minimized_from == MinimizedFrom(id=found.id, file=str(path))
     assert small.id != found.id and small.signature() == f"corruption:{victim}"
     assert small.minimization.repeats == 2 and small.minimization.min_hits == 2
     # Replay accounting: every replay the minimizer made is counted, and k-of-m stopped early.
@@ -123,8 +123,8 @@ def test_real_cpu_lora_bug_minimizes_to_one_base_and_one_lora_request(session, l
     # What `kvfuzz run` does with a finding: minimization, controls on the minimized witness,
     # the original kept and linked.
     small = finish_finding(session, found, out=tmp_path)
-    orig = load_finding(tmp_path / small.notes["minimized_from"]["file"])
-    assert orig.id == found.id and orig.notes["minimized_to"] == small.id and orig.controls == []
+    orig = load_finding(tmp_path / small.provenance.minimized_from.file)
+    assert orig.id == found.id and orig.provenance.minimized_to == small.id and orig.controls == []
     assert [(c.name, c.available, c.reproduced) for c in small.controls] == [
         ("serialized", True, False), ("batch-invariant", False, False)]
     m = small.minimization

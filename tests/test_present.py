@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from kvfuzz.oracle.report import build, finding_bounds, to_markdown
+from kvfuzz.oracle.noise import finding_bounds
+from kvfuzz.present.report import build, to_markdown
 from kvfuzz.present import PLOTS_HINT
 from kvfuzz.present.data import (
     campaign_view,
@@ -283,7 +284,7 @@ def test_gate_writes_a_page_linking_each_saved_findings_report(tmp_path):
     from kvfuzz.oracle.gate import Case
 
     f = load_finding(RELOAD)
-    src = f.notes["gate"]["source"]
+    src = f.provenance.gate.source
     case = Case(source=src, name=f.trace.name, arm="vanilla", toggles=[], verdicts=list(f.verdicts), seconds=4.1,
                 replay_command=f"kvfuzz replay {src}")
     ok = Case(source="other.json", name="other", arm="vanilla", toggles=[], seconds=1.0)

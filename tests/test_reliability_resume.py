@@ -32,7 +32,7 @@ def _by_index(out):
     seen = {}
     for p in (out / "findings").glob("*.json"):
         f = load_finding(p)
-        seen[f.notes["campaign"]["index"]] = f.trace.trace_id()
+        seen[f.provenance.campaign.index] = f.trace.trace_id()
     for p in (out / "corpus").glob("*.json"):
         e = json.loads(p.read_text())
         seen[e["origin"]["index"]] = load_trace_dict(e["trace"])
@@ -81,9 +81,9 @@ def test_sigkill_then_resume_loses_nothing_and_keeps_the_sequence(tmp_path, sess
     assert sorted(state["finding_files"]) == sorted(f"findings/{n}" for n in after)
 
     # The same campaign, uninterrupted, on the session's engine: same traces at every index.
-    from kvfuzz.arms import build_arms
+    from kvfuzz.driver.arms import build_arms
     from kvfuzz.fuzzer import CampaignOptions, GenOptions, default_engine, run_campaign
-    from kvfuzz.recovery import Recovering
+    from kvfuzz.driver.recovery import Recovering
 
     ref_out = tmp_path / "uninterrupted"
     arms = build_arms(device="cpu")

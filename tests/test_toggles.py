@@ -329,7 +329,7 @@ def test_bench_finds_a_fault_and_reports_the_control(session, lora_engine_config
     short (the default 16384 lets 6000-token prompts in: 100 s of CI instead of 7)."""
     import json
 
-    from kvfuzz.bench import run_bench
+    from kvfuzz.bench.bench import run_bench
     from kvfuzz.cli.commands.bench import markdown
 
     # The trace cap bounds the test; the time budget is generous because the machine may be loaded.

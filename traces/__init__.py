@@ -28,6 +28,20 @@ from .io import (
     sweep_partial_writes,
 )
 from .prompts import expand
+from .provenance import (
+    Attribution,
+    BoundsUsed,
+    CampaignOrigin,
+    CrashInfo,
+    CrashKind,
+    GateCase,
+    GraftInto,
+    LineageLink,
+    MinimizedFrom,
+    Provenance,
+    ReplayOf,
+    WorkerDeath,
+)
 from .trace import (
     EMBEDDED_HYBRID,
     EMBEDDED_MODEL,
@@ -54,7 +68,8 @@ def json_schemas() -> dict[str, dict]:
 
 
 __all__ = [
-    "Ablation", "At", "BadInput", "BisectRecord", "CancelEvent", "ControlResult", "DIVERGENT_CLASSES", "Divergence",
+    "Ablation", "At", "Attribution", "BoundsUsed", "CampaignOrigin", "CrashInfo", "CrashKind", "GateCase", "GraftInto",
+    "LineageLink", "MinimizedFrom", "Provenance", "ReplayOf", "WorkerDeath", "BadInput", "BisectRecord", "CancelEvent", "ControlResult", "DIVERGENT_CLASSES", "Divergence",
     "EMBEDDED_HYBRID", "EMBEDDED_MODEL", "EngineConfig", "Environment", "Expectation", "Explanation", "EventRecord",
     "Finding", "GenPrompt",
     "History", "InfraError", "KvfuzzError", "Lineage", "LoraSettings", "Minimization",

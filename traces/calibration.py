@@ -1,6 +1,6 @@
 """The calibration profile: how far batch-order floating-point noise moves temperature-0
 logprobs on one device, dtype, model and set of numerics-relevant engine flags. Measured by
-``kvfuzz calibrate`` (kvfuzz/calibrate.py); the oracle's noise bounds come from it
+``kvfuzz calibrate`` (kvfuzz/driver/calibrate.py); the oracle's noise bounds come from it
 (oracle/noise.py). Versioned plain data, stored as JSON in the kvfuzz cache
 (``calibration/<key id>.json``) or wherever ``--out`` says."""
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Literal
+from typing import Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -17,7 +17,7 @@ from .errors import BadInput
 from .io import atomic_write_text
 from .paths import kvfuzz_cache
 
-CALIBRATION_VERSION = 1
+CALIBRATION_VERSION: Final = 1
 
 
 class _Data(BaseModel):

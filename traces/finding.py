@@ -8,12 +8,18 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .history import History, RequestRecord, Scoring
-from .trace import SCHEMA_VERSION, Trace
+from .provenance import Attribution, BoundsUsed, CrashInfo, Provenance, migrate_notes
+from .trace import Trace
+
+# Version 3 (issue #31): crash, provenance, bounds, attribution and reproduced_in are typed
+# fields; versions 1 and 2 kept them in ``notes`` and are migrated on load.
+FINDING_SCHEMA_VERSION: Final = 3
+FINDING_SCHEMA_VERSIONS = (1, 2, 3)
 
 # Verdict classes, most severe first. "ok", "truncation" and "unconstrained" are verdicts, not
 # divergences. "unconstrained": the schedule allows any output for this request (its adapter was
@@ -231,7 +237,7 @@ MECHANISM_WORDS = {"prefix-caching": "prefix caching", "chunked-prefill": "chunk
 
 
 class Finding(_Data):
-    schema_version: Literal[1, 2] = SCHEMA_VERSION
+    schema_version: Literal[1, 2, 3] = FINDING_SCHEMA_VERSION
     kind: Literal["finding"] = "finding"
     id: str = ""
     created: str | None = None
@@ -252,7 +258,30 @@ class Finding(_Data):
     bisect: BisectRecord | None = None
     # The bucket (one root cause) a campaign filed it under: oracle/buckets.py.
     bucket: str | None = None
+    # Typed facts (traces/provenance.py) that code reads; schema 1/2 kept them in notes.
+    crash: CrashInfo | None = None  # engine-crash findings: how it crashed
+    provenance: Provenance = Field(default_factory=Provenance)
+    bounds: BoundsUsed | None = None  # the noise bounds the verdicts were judged with
+    attribution: Attribution | None = None  # toggle attribution ran (triage/attribution.py)
+    reproduced_in: list[str] | None = None  # every arm (its own and the controls') that reproduced it
+    # For people only: code never reads a key from it (tests/test_notes_contract.py).
     notes: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _migrate(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("schema_version") != FINDING_SCHEMA_VERSION:
+            data = {**migrate_notes(data), "schema_version": FINDING_SCHEMA_VERSION}
+        return data
+
+    def inherit(self, other: Finding, *, drop_notes: tuple[str, ...] = ()) -> None:
+        """Take over what ``other`` (the same trace, judged before) knew and this one does
+        not: a re-judged, attributed or minimized finding keeps where it came from."""
+        for name in ("crash", "bounds", "attribution", "reproduced_in"):
+            if getattr(self, name) is None:
+                setattr(self, name, getattr(other, name))
+        self.provenance = self.provenance.under(other.provenance)
+        self.notes = {**{k: v for k, v in other.notes.items() if k not in drop_notes}, **self.notes}
 
     def signature(self) -> str:
         """What makes two findings 'the same bug' for dedup and minimization:

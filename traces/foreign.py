@@ -92,10 +92,7 @@ def normalize_flags(flags: Any, *, source: str) -> dict[str, Any]:
     if isinstance(flags, str):
         flags = shlex.split(flags)
     if isinstance(flags, dict):
-        out = {}
-        for k, v in flags.items():
-            out[str(k).lstrip("-").replace("-", "_")] = v
-        return out
+        return {str(k).lstrip("-").replace("-", "_"): v for k, v in flags.items()}
     if not isinstance(flags, list) or not all(isinstance(t, (str, int, float)) for t in flags):
         raise BadInput("expected an object, a list of command-line flags, or a string", source=source,
                        field="server_flags")

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ValidationError
 
 from .errors import BadInput
-from .finding import Finding
+from .finding import FINDING_SCHEMA_VERSIONS, Finding
 from .paths import check_engine
 from .trace import SCHEMA_VERSION, SCHEMA_VERSIONS, Trace
 
@@ -102,13 +102,13 @@ def read_json(path: str | os.PathLike[str]) -> Any:
         raise BadInput("malformed JSON: nested too deeply", source=str(p)) from None
 
 
-def _check_version(data: Any, source: str) -> None:
+def _check_version(data: Any, source: str, versions: tuple[int, ...] = SCHEMA_VERSIONS) -> None:
     if not isinstance(data, dict):
         raise BadInput(f"expected a JSON object, got {type(data).__name__}", source=source)
     v = data.get("schema_version", SCHEMA_VERSION)
-    if v not in SCHEMA_VERSIONS or isinstance(v, bool):
+    if v not in versions or isinstance(v, bool):
         raise BadInput(
-            f"unsupported schema_version {v!r} (this kvfuzz reads {', '.join(map(str, SCHEMA_VERSIONS))})",
+            f"unsupported schema_version {v!r} (this kvfuzz reads {', '.join(map(str, versions))})",
             source=source,
             field="schema_version",
         )
@@ -126,7 +126,7 @@ def parse_trace(data: Any, source: str = "<trace>") -> Trace:
 
 
 def parse_finding(data: Any, source: str = "<finding>") -> Finding:
-    _check_version(data, source)
+    _check_version(data, source, FINDING_SCHEMA_VERSIONS)
     try:
         finding = Finding.model_validate(data)
     except ValidationError as e:

@@ -43,7 +43,7 @@ def expand(prompt: Prompt) -> list[int]:
     if isinstance(prompt, TokenPrompt):
         return list(prompt.token_ids)
     assert isinstance(prompt, GenPrompt)
-    head = prefix_tokens(prompt.prefix_group, prompt.prefix_len) if prompt.prefix_len else []
+    head = prefix_tokens(prompt.prefix_group, prompt.prefix_len) if prompt.prefix_len and prompt.prefix_group else []
     tail_len = prompt.length - len(head)
     # The tail depends on the group too, so two groups with equal seeds still differ.
     tail = list(_stream(f"kvfuzz/tail/{prompt.prefix_group}/{prompt.seed}", tail_len)) if tail_len else []

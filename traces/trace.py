@@ -11,13 +11,13 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Final, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
 # 2: adapter lifecycle events (load / unload / reload), ``cache_salt`` on sends,
 # ``lora.max_cpu_loras``. Version 1 files still load (they cannot carry those).
-SCHEMA_VERSION = 2
+SCHEMA_VERSION: Final = 2
 SCHEMA_VERSIONS = (1, 2)
 
 # Embedded default model (see harness/embedded.py); a path or hub name selects another model.

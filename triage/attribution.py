@@ -7,8 +7,9 @@ from __future__ import annotations
 from kvfuzz.harness.toggles import clean_set
 from kvfuzz.oracle import divergent
 from kvfuzz.oracle.attribution import attribute, plan
-from kvfuzz.session import Session
-from kvfuzz.traces import Finding, Trace
+from kvfuzz.driver.recovery import Recovering
+from kvfuzz.driver.session import Session
+from kvfuzz.traces import Attribution, Finding, Trace
 from kvfuzz.traces.result import Checked, Recording
 
 
@@ -30,7 +31,13 @@ def explain_toggles(session: Session, checked: Checked, *, runs: int | None = No
         checked = session.verdicts_of(rec)
     verdicts = attribute(checked.verdicts, rec.arms, clean)
     return Checked(rec, verdicts, session.finding_of(
-        rec, verdicts, notes={"attribution": {"clean": clean, "added_arms": sorted(extra)}}))
+        rec, verdicts, attribution=Attribution(clean=list(clean), added_arms=sorted(extra))))
+
+
+def explain_guarded(guard: Recovering, checked: Checked, *, runs: int | None = None) -> Checked:
+    """``explain_toggles`` inside the campaign's crash guard: an engine that dies or hangs in
+    an attribution re-run makes the trace an engine-crash finding, as in its first run."""
+    return guard.rerun(checked, lambda: explain_toggles(guard.session, checked, runs=runs))
 
 
 def check_attributed(session: Session, trace: Trace, *, runs: int | None = None,
@@ -50,6 +57,6 @@ def explain_finding(session: Session, finding: Finding) -> Finding:
     if new is None:
         return finding
     new.minimization, new.controls = finding.minimization, list(finding.controls)
-    new.notes = {**finding.notes, **new.notes}
+    new.inherit(finding)
     new.id = new.compute_id()
     return new

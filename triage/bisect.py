@@ -9,7 +9,7 @@ untried neighbour). With ``exhaustive`` every release is probed, which is what a
 every release needs, and what can show a non-monotone history (inconclusive).
 
 Then ``replay_probe``: one probe as ``kvfuzz bisect`` runs it, ``kvfuzz replay FILE --vllm V``
-in a child process (kvfuzz/releases.py makes that release's environment), judged from the
+in a child process (kvfuzz/versions/releases.py makes that release's environment), judged from the
 replay's summary file.
 """
 
@@ -231,7 +231,7 @@ def parse_versions(text: str | None, known: Sequence[str], *, parse: Callable[[s
     """``--versions``: ``A..B`` (inclusive; either end may be left out), or a comma list, of
     published releases (``known``, ascending); None: ``oldest`` to the newest. A range holds
     final releases only (and its ends as given); a comma list, exactly what it names.
-    ``parse`` normalises one version (kvfuzz.releases.parse_version)."""
+    ``parse`` normalises one version (kvfuzz.versions.releases.parse_version)."""
     known = list(known)
     if not known:
         raise InfraError("no published vLLM releases are known")
@@ -308,10 +308,10 @@ def _last_error(log: Path) -> str:
 def replay_probe(version: str, *, file: Path, out: Path, runs: int, flags: Sequence[str],
                  victims: set[str] | None, min_rate: float = 0.0, device: str = "cpu",
                  progress: Callable[..., Any] | None = None) -> VersionResult:
-    """Probe one release: make its environment (kvfuzz.releases.ensure_env), then run
+    """Probe one release: make its environment (kvfuzz.versions.releases.ensure_env), then run
     ``python -m kvfuzz replay FILE --vllm V --runs K --out OUT/V FLAGS`` and judge the summary
     it writes. The child's output goes to ``OUT/V/replay.log``."""
-    from kvfuzz import releases
+    from kvfuzz.versions import releases
 
     try:
         # The release installed here replays here (replay --vllm does not re-execute for it).

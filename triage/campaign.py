@@ -34,12 +34,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvfuzz.oracle.buckets import CHEAP_MECHANISMS, bucket_id, describe, prekeys
-from kvfuzz.recovery import Recovering
-from kvfuzz.session import Session
-from kvfuzz.settings import CampaignSettings
+from kvfuzz.driver.recovery import Recovering
+from kvfuzz.driver.session import Session
+from kvfuzz.driver.settings import CampaignSettings
 from kvfuzz.traces import Finding, Trace
 from kvfuzz.traces.result import Checked
 
+from .attribution import explain_guarded
 from .explain import explain
 from .finish import finish_finding
 
@@ -92,7 +93,7 @@ class CampaignTriage:
             return checked
         t0 = time.monotonic()
         if self.attribute:
-            checked = self.guard.explain(checked, runs=runs)
+            checked = explain_guarded(self.guard, checked, runs=runs)
             f = checked.finding or f
         keys = prekeys(f, self._cheap_needs(f) if self._unexplained(f) else None)
         new = [k for k in keys if k not in self.known]
@@ -134,9 +135,9 @@ class CampaignTriage:
     def _confirm(self, checked: Checked) -> Checked:
         """The same trace up to ``confirm_runs`` times in every arm it ran in: the rate."""
         rec = self.session.confirm(checked.recording, self.confirm_runs)
-        again = self.session.verdicts_of(rec, notes=checked.finding.notes if checked.finding else None)
-        if self.attribute and "attribution" in (checked.finding.notes if checked.finding else {}):
-            again = self.guard.explain(again, runs=self.confirm_runs)
+        again = self.session.verdicts_of(rec, carry=checked.finding)
+        if self.attribute and checked.finding is not None and checked.finding.attribution is not None:
+            again = explain_guarded(self.guard, again, runs=self.confirm_runs)
         return again
 
     # -- buckets -------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@
   kernels). A divergence that survives it is not batch-order numerics. vLLM implements it
   with Triton kernels only: on the CPU build it crashes at the first forward pass, so there
   the control is recorded as not available, with the reason. The variable is read when
-  modules are imported, so the arm runs in a fresh process (``kvfuzz.isolated``).
+  modules are imported, so the arm runs in a fresh process (``kvfuzz.driver.isolated``).
 
 Judging a control's verdicts against the finding is pure (oracle/controls.py); this module
 replays.

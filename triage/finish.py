@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Literal
 
 from kvfuzz.oracle.controls import escalate, reproducing_arms
-from kvfuzz.session import Session
+from kvfuzz.driver.session import Session
 from kvfuzz.traces import Finding, save
 from kvfuzz.traces.errors import BadInput
 from kvfuzz.traces.io import finding_path
@@ -23,7 +23,7 @@ from .reduce import Acceptance, default_acceptance
 def isolated_runner(session: Session) -> IsolatedCheck:
     """How the batch-invariant control checks a trace: in a fresh child process whose session is
     built from this session's settings, so it judges by the same bounds and calibration."""
-    from kvfuzz.isolated import check_isolated
+    from kvfuzz.driver.isolated import check_isolated
 
     return functools.partial(check_isolated, settings=session.settings)
 
@@ -32,7 +32,7 @@ def add_controls(session: Session, finding: Finding) -> Finding:
     """Run the control arms of ``finding`` (serialized; batch-invariant where supported)."""
     finding.controls = run_controls(session, finding, device=session.device, isolated=isolated_runner(session))
     # Stated in the file: every arm (the finding's own and the controls) that reproduced it.
-    finding.notes["reproduced_in"] = reproducing_arms(finding)
+    finding.reproduced_in = reproducing_arms(finding)
     return finding
 
 
@@ -78,10 +78,10 @@ def finish_finding(session: Session, finding: Finding, *, out: Path, do_minimize
         shown = escalate(add_controls(session, finding) if controls else finding)
         shown.notes["minimize"] = f"not minimized: {e}"
         return shown
-    if "attribution" in finding.notes:
+    if finding.attribution is not None:
         small = explain_finding(session, small)
     if controls:
         small = escalate(add_controls(session, small))
-    finding.notes["minimized_to"] = small.id
+    finding.provenance.minimized_to = small.id
     save(finding, out / rel)
     return small

@@ -17,7 +17,7 @@ Passes, repeated until nothing changes or the budget is spent:
    towards its smallest value.
 
 Nothing here imports torch or vLLM: replays go through a ``Replayer`` (triage/probe.py;
-``kvfuzz.session.Session`` on any engine), so the same code minimizes against the in-process
+``kvfuzz.driver.session.Session`` on any engine), so the same code minimizes against the in-process
 engine and a managed server. The reducers are pure (triage/reduce.py).
 """
 
@@ -31,7 +31,8 @@ from typing import Any, Literal
 from pydantic import ValidationError
 
 from kvfuzz.oracle.check import ENGINE
-from kvfuzz.traces import CancelEvent, EngineConfig, Finding, GenPrompt, Minimization, SendEvent, TokenPrompt, Trace
+from kvfuzz.traces import (CancelEvent, EngineConfig, Finding, GenPrompt, MinimizedFrom, Minimization, SendEvent, TokenPrompt,
+                           Trace)
 from kvfuzz.traces.finding import DIVERGENT_CLASSES, SEVERITY
 from kvfuzz.traces.trace import ADAPTER_EVENT_TYPES
 
@@ -76,11 +77,7 @@ def choose_target(finding: Finding, victim: str | None = None) -> Target:
     return Target(cls=best.class_, victim=best.request_id, arm=best.arm, toggles=tuple(toggles))
 
 
-
 # -- the minimizer -----------------------------------------------------------------------------
-
-
-    def check(self, trace: Trace, *, runs: int | None = None, arms: dict[str, list[str]] | None = None) -> Any: ...
 
 
 class BudgetExhausted(Exception):
@@ -533,9 +530,8 @@ def minimize_finding(replayer: Replayer, finding: Finding, *, victim: str | None
         engine_changes=engine_diff(finding.trace.engine, final.trace.engine), passes=passes,
         stopped=result.stopped,
     )
-    keep = {k: v for k, v in finding.notes.items() if k not in ("minimized_from", "minimized_to", "minimize")}
-    final.notes = {**keep, **final.notes}
-    final.notes["minimized_from"] = {"id": finding.id or finding.compute_id(), **({"file": original_path}
-                                                                                   if original_path else {})}
+    final.inherit(finding, drop_notes=("minimize",))
+    final.provenance = final.provenance.model_copy(update={
+        "minimized_to": None, "minimized_from": MinimizedFrom(id=finding.id or finding.compute_id(), file=original_path)})
     final.id = final.compute_id()
     return final

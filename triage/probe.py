@@ -1,6 +1,6 @@
 """How triage replays a candidate trace and judges it: the ``Replayer`` seam and the probe.
 
-A replayer is ``kvfuzz.session.Session`` (in-process engine, managed server or URL) or a
+A replayer is ``kvfuzz.driver.session.Session`` (in-process engine, managed server or URL) or a
 fake in tests. It declares what it can do instead of being probed for it:
 
 - ``step_exact``: events land at exact engine steps, so a replay is deterministic and one

@@ -12,7 +12,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from kvfuzz.oracle.report import CLASS_STYLE
+from kvfuzz.present.report import CLASS_STYLE
 
 
 class CampaignDisplay:

@@ -1,4 +1,4 @@
-"""Typer options shared by several commands (arms: kvfuzz/arms.py and docs/toggles.md)."""
+"""Typer options shared by several commands (arms: kvfuzz/driver/arms.py and docs/toggles.md)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from kvfuzz.traces.calibration import CalibrationProfile
 from kvfuzz.traces.errors import BadInput
 
 if TYPE_CHECKING:
-    from kvfuzz.settings import SessionSettings
+    from kvfuzz.driver.settings import SessionSettings
 
 WithOpt = Annotated[Optional[list[str]], typer.Option(
     "--with", metavar="TOGGLE",
@@ -55,7 +55,7 @@ def use_release(vllm: str | None, *, device: str, base_url: str | None = None) -
     exits with its exit code. Call it first in a command, before any work."""
     import sys
 
-    from kvfuzz import releases
+    from kvfuzz.versions import releases
 
     if vllm is None:
         releases.check_requested()  # a re-executed child: the release asked for is the one here
@@ -117,7 +117,7 @@ def model_dir(model: Path, lora: bool) -> str:
     return str(model.resolve())
 
 
-# -- where traces run: declared once, parsed once into kvfuzz.settings.SessionSettings -----------
+# -- where traces run: declared once, parsed once into kvfuzz.driver.settings.SessionSettings -----------
 EngineOpt = Annotated[str, typer.Option(
     "--engine", help="inprocess (step-exact) or server (a managed vLLM OpenAI server).")]
 DeviceOpt = Annotated[str, typer.Option("--device", help="cpu or cuda.")]
@@ -140,7 +140,7 @@ def session_settings(engine: str = "inprocess", device: str = "cpu", *, runs: in
     naming the flag, before any engine starts)."""
     from pydantic import SecretStr
 
-    from kvfuzz.settings import SessionSettings, check_device, engine_kind
+    from kvfuzz.driver.settings import SessionSettings, check_device, engine_kind
 
     kind = engine_kind(engine, base_url, device)
     if port is not None and not 0 < port < 65536:

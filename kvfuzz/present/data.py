@@ -17,7 +17,7 @@ from typing import Any, Literal
 from kvfuzz.oracle.controls import primary_arm, signature_of
 from kvfuzz.oracle.diff import margin_at
 from kvfuzz.oracle.noise import NoiseBounds
-from kvfuzz.oracle.report import finding_bounds
+from kvfuzz.oracle.noise import finding_bounds
 from kvfuzz.traces import Divergence, Finding, GenPrompt, History, RequestRecord, Scoring, SendEvent
 from kvfuzz.traces.finding import DIVERGENT_CLASSES, MECHANISM_WORDS, SEVERITY
 

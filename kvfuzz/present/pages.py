@@ -17,8 +17,8 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
-from kvfuzz.oracle.report import CLASS_STYLE, Bullets, Code, Heading, Para, Report, Table
-from kvfuzz.traces import Finding, atomic_write_text, load_finding
+from .report import CLASS_STYLE, Bullets, Code, Heading, Para, Report, Table
+from kvfuzz.traces import Finding, KvfuzzError, atomic_write_text, load_finding
 
 from .deps import PLOTS_HINT, have_matplotlib
 from .data import campaign_view, divergence_data, gate_view, grid_data, schedule_data
@@ -83,7 +83,7 @@ def _segs(segs: list[tuple[str, str]]) -> str:
 
 
 def report_html(report: Report) -> str:
-    """The report's blocks (oracle/report.py's document model) as HTML, headings demoted by
+    """The report's blocks (present/report.py's document model) as HTML, headings demoted by
     none: the page's own title is the report's level-1 heading."""
     out: list[str] = []
     for b in report.blocks:
@@ -118,10 +118,10 @@ def report_html(report: Report) -> str:
 
 
 def original_of(finding: Finding, source: Path | None) -> Finding | None:
-    """The finding a minimized one came from, when its file (``notes.minimized_from.file``,
+    """The finding a minimized one came from, when its file (``provenance.minimized_from.file``,
     relative to the campaign directory or the finding's) can still be read."""
-    info = finding.notes.get("minimized_from")
-    rel = info.get("file") if isinstance(info, dict) else None
+    info = finding.provenance.minimized_from
+    rel = info.file if info is not None else None
     if not isinstance(rel, str) or not rel:
         return None
     p = Path(rel)
@@ -195,7 +195,7 @@ def finding_page(finding: Finding, *, source: Path | None = None,
                  toggles_known: Mapping[str, tuple[str, str]] | None = None,
                  pictures: list[Picture] | None = None) -> str:
     """The HTML report of a finding: the pictures first, then the report document."""
-    from kvfuzz.oracle.report import build
+    from kvfuzz.present.report import build
 
     report = build(finding, source=str(source) if source else "FINDING.json", toggles_known=toggles_known)
     pics = finding_pictures(finding, source) if pictures is None else pictures
@@ -354,11 +354,11 @@ def _gate_findings(out: Path) -> dict[tuple[str, str], Path]:
     found: dict[tuple[str, str], Path] = {}
     for p in sorted((out / "findings").glob("*.json")):
         try:
-            gate = json.loads(p.read_text(encoding="utf-8")).get("notes", {}).get("gate") or {}
-        except (OSError, ValueError, AttributeError):
+            gate = load_finding(p).provenance.gate
+        except (KvfuzzError, OSError):
             continue
-        if isinstance(gate, dict) and gate.get("source") is not None:
-            found[(str(gate["source"]), str(gate.get("arm")))] = p
+        if gate is not None:
+            found[(gate.source, str(gate.arm))] = p
     return found
 
 

@@ -1,4 +1,4 @@
-"""``kvfuzz bench``: the detection benchmark's command line and tables (logic: kvfuzz/bench.py)."""
+"""``kvfuzz bench``: the detection benchmark's command line and tables (logic: kvfuzz/bench/bench.py)."""
 
 from __future__ import annotations
 
@@ -105,10 +105,10 @@ def bench_cmd(
 ) -> None:
     """Detection benchmark: traces and seconds until each fault (or missing fix) is found, and
     the clean control's false positives."""
-    from kvfuzz.bench import run_bench
+    from kvfuzz.bench.bench import run_bench
     from kvfuzz.harness import toggles as reg
     from kvfuzz.harness.dtypes import check_dtype
-    from kvfuzz.settings import check_device
+    from kvfuzz.driver.settings import check_device
 
     seed_list = _ints(seeds, "--seeds")
     if len(seed_list) < 1:

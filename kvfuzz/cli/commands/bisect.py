@@ -1,5 +1,5 @@
 """``kvfuzz bisect FILE``: in which vLLM releases does a finding reproduce? Each release probed
-is one ``kvfuzz replay FILE --vllm V`` in that release's environment (kvfuzz/releases.py);
+is one ``kvfuzz replay FILE --vllm V`` in that release's environment (kvfuzz/versions/releases.py);
 the search is triage/bisect.py. docs/bisect.md.
 
 Exit codes: 0 the search completed (whatever it found), 2 bad input, 3 no release could be
@@ -60,7 +60,7 @@ def _check_arms(arms: str | None, with_: list[str], without: list[str]) -> None:
 
 
 def _table(title: str, rows: list[list[str]]) -> Table:
-    from kvfuzz.oracle.report import BISECT_COLUMNS, STATUS_STYLE
+    from kvfuzz.present.report import BISECT_COLUMNS, STATUS_STYLE
 
     t = Table(title=title, show_header=True, header_style="bold", title_justify="left")
     for i, col in enumerate(BISECT_COLUMNS):
@@ -103,8 +103,8 @@ def bisect_cmd(
     OUT/bisect.json."""
     from kvfuzz.cli.commands.replay import load_item
     from kvfuzz.harness.environment import kvfuzz_version
-    from kvfuzz.oracle.report import bisect_lines, bisect_rows
-    from kvfuzz.settings import engine_kind
+    from kvfuzz.present.report import bisect_lines, bisect_rows
+    from kvfuzz.driver.settings import engine_kind
 
     engine_kind(engine, None, device)  # bad --engine / --device: exit 2 before any release runs
     if not 0.0 <= min_rate <= 1.0:
@@ -112,7 +112,7 @@ def bisect_cmd(
     item = load_item(file)
     with_, without = list(with_ or []), list(without or [])
     _check_arms(arms, with_, without)
-    from kvfuzz import releases
+    from kvfuzz.versions import releases
 
     chosen = search.parse_versions(versions, releases.known_releases(device), parse=releases.parse_version)
 

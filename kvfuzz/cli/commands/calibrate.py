@@ -1,5 +1,5 @@
 """``kvfuzz calibrate``: measure the numeric noise floor of an engine on this device and keep
-the profile the oracle judges by (kvfuzz/calibrate.py, docs/oracle.md "Noise bounds")."""
+the profile the oracle judges by (kvfuzz/driver/calibrate.py, docs/oracle.md "Noise bounds")."""
 
 from __future__ import annotations
 
@@ -68,10 +68,10 @@ def calibrate_cmd(
 ) -> None:
     """Measure how far batch-order noise moves temperature-0 logprobs here, in every batch
     context a campaign produces, and keep the profile the oracle's noise bounds come from."""
-    from kvfuzz.calibrate import Plan, calibrate
+    from kvfuzz.driver.calibrate import Plan, calibrate
     from kvfuzz.fuzzer import default_engine
     from kvfuzz.harness.dtypes import check_dtype
-    from kvfuzz.session import build_session
+    from kvfuzz.driver.session import build_session
     from kvfuzz.traces.calibration import profile_path, save_profile
 
     settings = options.session_settings(engine_name, device, runs=1)

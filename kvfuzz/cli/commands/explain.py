@@ -36,7 +36,7 @@ def explain_cmd(
     make its divergence disappear: prefix caching, chunked prefill, KV pressure, concurrency,
     cancels, LoRA adapters, adapter swaps, 16-bit numerics."""
     options.use_release(vllm, device=device)
-    from kvfuzz.session import build_session
+    from kvfuzz.driver.session import build_session
     from kvfuzz.triage.explain import ABLATIONS, explain
 
     settings = options.session_settings(engine, device, runs=1, calibration=calibration)

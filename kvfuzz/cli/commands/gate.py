@@ -19,14 +19,14 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from kvfuzz import arms as arm_specs
+from kvfuzz.driver import arms as arm_specs
 from kvfuzz.cli import options
 from kvfuzz.cli.app import app, console
-from kvfuzz.traces import atomic_write_text
+from kvfuzz.traces import GateCase, atomic_write_text
 from kvfuzz.traces.errors import BadInput
 
 if TYPE_CHECKING:
-    from kvfuzz.settings import SessionSettings
+    from kvfuzz.driver.settings import SessionSettings
 
 STYLE = {"pass": "green", "detected": "green", "skipped": "dim", "FAIL": "bold red", "BLIND": "bold red",
          "error": "bold red"}
@@ -69,7 +69,7 @@ def gate(
 ) -> None:
     """Replay a corpus of findings/traces as a CI regression gate."""
     options.use_release(vllm, device=device, base_url=base_url)
-    from kvfuzz.gate import (
+    from kvfuzz.gate.gate import (
         GateRunner,
         bundled_corpus,
         collect,
@@ -77,11 +77,11 @@ def gate(
         gate_plan,
         in_dtype,
         load,
-        replay_engine_args,
         self_test_plan,
     )
+    from kvfuzz.driver.arms import replay_engine_args
     from kvfuzz.harness.dtypes import check_dtype
-    from kvfuzz.session import build_session
+    from kvfuzz.driver.session import build_session
 
     settings = options.session_settings(engine, device, base_url=base_url, api_key=api_key, served_model=model,
                                         near_tie=near_tie, bound=bound, calibration=calibration,
@@ -152,12 +152,12 @@ def _conclude(cases, what: str, *, out: Path, junit: Path | None, summary: Path 
 def _gate_on_ray(address: str, planned, *, what: str, files: int, settings: SessionSettings, strict: bool, out: Path,
                  junit: Path | None, summary: Path | None, workers: int) -> None:
     """The gate's cases spread over Ray workers (docs/scale.md); the same reports, in plan order."""
-    from kvfuzz.cluster import RayExecutor, WorkerSpec, connect, local_cpus, worker_env
-    from kvfuzz.gate import replay_engine_args
+    from kvfuzz.scale.cluster import RayExecutor, WorkerSpec, connect, local_cpus, worker_env
+    from kvfuzz.driver.arms import replay_engine_args
     from kvfuzz.traces import save
     from kvfuzz.traces.io import finding_path
 
-    from kvfuzz.settings import CampaignSettings
+    from kvfuzz.driver.settings import CampaignSettings
 
     k, kind, device = settings.runs, settings.kind, settings.device
     spec = WorkerSpec(CampaignSettings(session=settings), log_dir=str((out / "workers").resolve()), threads=1)
@@ -174,7 +174,7 @@ def _gate_on_ray(address: str, planned, *, what: str, files: int, settings: Sess
         cases[n] = case
         done[0] += 1
         if finding is not None and case.diverged and not case.expect_fail:
-            finding.notes["gate"] = {"source": case.source, "arm": case.arm}
+            finding.provenance.gate = GateCase(source=case.source, arm=case.arm)
             save(finding, finding_path(out / "findings", finding))
         console.print(Text.assemble((f"[{done[0]}/{len(planned)}] ", "dim"), (f"{case.status:9}", STYLE[case.status]),
                                     f" {case.name}  arm {case.arm}  ({case.seconds:.1f}s)"), highlight=False)
@@ -204,7 +204,7 @@ def _table(cases, what: str) -> Table:
 
 
 def _write_reports(cases, *, out: Path, junit: Path | None, summary: Path | None, what: str, complete: bool) -> None:
-    from kvfuzz.oracle.gate import junit_xml, markdown_summary
+    from kvfuzz.present.gate import junit_xml, markdown_summary
 
     # Written even when the run stops early (infrastructure failure): CI shows what did run.
     header = "" if complete else "**Incomplete**: the gate stopped early (see the log for the error)."

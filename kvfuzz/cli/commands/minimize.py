@@ -44,10 +44,10 @@ def minimize_cmd(
 
     Exit codes: 0 written, 1 not reproduced here (nothing written), 2 bad input, 3 engine failure."""
     options.use_release(vllm, device=device)
-    from kvfuzz.gate import in_dtype
+    from kvfuzz.gate.gate import in_dtype
     from kvfuzz.harness.dtypes import check_dtype
     from kvfuzz.oracle.controls import escalate
-    from kvfuzz.session import build_session
+    from kvfuzz.driver.session import build_session
     from kvfuzz.triage.finish import acceptance_for, add_controls, minimize
     from kvfuzz.triage.minimize import NotReproduced
 

@@ -19,11 +19,11 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from kvfuzz import arms as arm_specs
+from kvfuzz.driver import arms as arm_specs
 from kvfuzz.cli import options, tables
 from kvfuzz.cli.app import app, console
-from kvfuzz.oracle.report import CLASS_STYLE
-from kvfuzz.traces import Divergence, Finding, Trace, atomic_write_text, load_any, save
+from kvfuzz.present.report import CLASS_STYLE
+from kvfuzz.traces import Divergence, Finding, ReplayOf, Trace, atomic_write_text, load_any, save
 from kvfuzz.traces.finding import DIVERGENT_CLASSES
 from kvfuzz.traces.foreign import ForeignFinding
 from kvfuzz.traces.io import finding_path
@@ -140,9 +140,9 @@ def replay(
     Each file replays in its own arms (a finding's, else its trace's toggles) unless --arms /
     --with / --without say otherwise; --attribute explains divergences by toggles as `kvfuzz run` does."""
     options.use_release(vllm, device=device, base_url=base_url)
-    from kvfuzz.gate import in_dtype
+    from kvfuzz.gate.gate import in_dtype
     from kvfuzz.harness.dtypes import check_dtype
-    from kvfuzz.session import build_session
+    from kvfuzz.driver.session import build_session
 
     settings = options.session_settings(engine, device, runs=runs, base_url=base_url, api_key=api_key,
                                         served_model=model, near_tie=near_tie, bound=bound, calibration=calibration,
@@ -177,11 +177,11 @@ def replay(
     written: list[tuple[str, Finding]] = []
     try:
         for n, item in enumerate(items, start=1):
-            arms = url_arms(item) if kind == "url" else item.arms
+            item_arms = url_arms(item) if kind == "url" else item.arms
             print(f"replaying {item.path} ({n}/{len(items)}): {len(item.trace.sends)} requests, "
                   f"{runs} run(s) per arm, on the {where}", flush=True)
-            checked = (check_attributed(session, item.trace, runs=runs, arms=arms) if explain
-                       else session.check(item.trace, runs=runs, arms=arms))
+            checked = (check_attributed(session, item.trace, runs=runs, arms=item_arms) if explain
+                       else session.check(item.trace, runs=runs, arms=item_arms))
             verdicts = checked.verdicts
             reproduced = any(v.class_ in DIVERGENT_CLASSES for v in verdicts)
             reproduced_any |= reproduced
@@ -197,7 +197,7 @@ def replay(
             finding_file = None
             if checked.finding is not None:
                 f = checked.finding
-                f.notes["replay_of"] = {"source": str(item.path), "kind": item.kind}
+                f.provenance.replay_of = ReplayOf(source=str(item.path), kind=item.kind)
                 if item.kind == "foreign":
                     f.notes["foreign"] = {"notes": item.notes}
                 finding_file = finding_path(out / "findings", f)

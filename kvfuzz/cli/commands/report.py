@@ -29,7 +29,7 @@ def report_cmd(
     first divergence, control arms, toggles and the replay command; with --html / --plots, the
     schedule, divergence and controls pictures."""
     from kvfuzz.harness.toggles import catalog
-    from kvfuzz.oracle.report import build, to_markdown, to_rich
+    from kvfuzz.present.report import build, to_markdown, to_rich
 
     if html is not None or plots is not None:
         from kvfuzz.present.draw import require

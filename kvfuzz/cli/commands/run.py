@@ -7,13 +7,13 @@ from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 
-from kvfuzz import arms as arm_specs
+from kvfuzz.driver import arms as arm_specs
 from kvfuzz.cli import options, tables
 from kvfuzz.cli.app import app, console, err_console
 from kvfuzz.traces.errors import BadInput
 
 if TYPE_CHECKING:
-    from kvfuzz.cluster import WorkerSpec
+    from kvfuzz.scale.cluster import WorkerSpec
 
 
 @app.command()
@@ -87,11 +87,11 @@ def run(
     re-run in the clean arm to say which toggle explains it; unexplained ones are candidate
     new vLLM bugs and are listed first."""
     options.use_release(vllm, device=device)
-    from kvfuzz.calibrate import prepare_bounds
+    from kvfuzz.driver.calibrate import prepare_bounds
     from kvfuzz.cli.display import CampaignDisplay
     from kvfuzz.fuzzer import CampaignOptions, default_engine, run_campaign
     from kvfuzz.harness.dtypes import check_dtype
-    from kvfuzz.settings import CampaignSettings, TriageSettings
+    from kvfuzz.driver.settings import CampaignSettings, TriageSettings
     from kvfuzz.traces import load_finding
 
     if budget is None and traces_n is None:
@@ -161,9 +161,9 @@ def run(
                            resume=resume, corpus=corpus, mode="feedback" if feedback else "random", operators=ops,
                            # Naming an engine-changing operator (small_kv) is asking for restarts.
                            allow_engine_changes=bool(ops) and any(OPERATORS[o].changes_engine for o in ops))
-    # What builds the campaign's session and triage, here or on each Ray worker (kvfuzz/cluster.py;
+    # What builds the campaign's session and triage, here or on each Ray worker (kvfuzz/scale/cluster.py;
     # it imports no Ray).
-    from kvfuzz.cluster import WorkerSpec
+    from kvfuzz.scale.cluster import WorkerSpec
 
     spec = WorkerSpec(settings, log_dir=str((out / "workers").resolve()), threads=1)
     if ray_address is not None:
@@ -171,7 +171,7 @@ def run(
                     workers=workers or 2, window=window)
         return
     session = spec.build_session(out)
-    from kvfuzz.recovery import Recovering
+    from kvfuzz.driver.recovery import Recovering
 
     # A trace that kills or hangs the engine becomes an engine-crash finding; the engine restarts.
     guard = Recovering(session)
@@ -216,7 +216,7 @@ def _run_on_ray(address: str, opts: Any, spec: WorkerSpec, *, arm_map: dict[str,
     """The campaign on Ray workers (docs/scale.md): the driver here owns the state, each worker
     an engine. Ray is imported only on this path."""
     from kvfuzz.cli.display import CampaignDisplay
-    from kvfuzz.cluster import RayExecutor, connect, local_cpus, worker_env
+    from kvfuzz.scale.cluster import RayExecutor, connect, local_cpus, worker_env
     from kvfuzz.fuzzer.distributed import Driver
     from kvfuzz.traces import load_finding
 

@@ -3,7 +3,7 @@
 For engine settings vLLM reads once per process — ``VLLM_BATCH_INVARIANT`` is read when
 vLLM's attention modules are imported — an arm cannot be switched on in a process that
 already imported them. The parent writes a request file, the child (``python -m
-kvfuzz.isolated IN OUT``) runs ``Session.check`` and writes the verdicts back.
+kvfuzz.driver.isolated IN OUT``) runs ``Session.check`` and writes the verdicts back.
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ from pathlib import Path
 
 from typing import TYPE_CHECKING
 
-from kvfuzz.settings import SessionSettings
+from kvfuzz.driver.settings import SessionSettings
 from kvfuzz.traces import Divergence, Trace
 from kvfuzz.traces.errors import InfraError
 
 if TYPE_CHECKING:
-    from kvfuzz.session import Session
+    from kvfuzz.driver.session import Session
 
 
 def request(trace: Trace, runs: int, arms: dict[str, list[str]], settings: SessionSettings,
@@ -34,8 +34,8 @@ def request(trace: Trace, runs: int, arms: dict[str, list[str]], settings: Sessi
 
 
 def child_session(req: dict) -> Session:
-    """The child's session, built from the parent's settings (kvfuzz.settings.build_session)."""
-    from kvfuzz.session import build_session
+    """The child's session, built from the parent's settings (kvfuzz.driver.session.build_session)."""
+    from kvfuzz.driver.session import build_session
 
     settings = SessionSettings.model_validate(req["settings"]).model_copy(update={"runs": req["runs"]})
     log = Path(req["log_file"]) if req.get("log_file") else None
@@ -51,7 +51,7 @@ def check_isolated(trace: Trace, runs: int, arms: dict[str, list[str]], env: dic
         inp, out = Path(d) / "in.json", Path(d) / "out.json"
         inp.write_text(json.dumps(request(trace, runs, arms, settings, log_file)))
         try:
-            p = subprocess.run([sys.executable, "-m", "kvfuzz.isolated", str(inp), str(out)],
+            p = subprocess.run([sys.executable, "-m", "kvfuzz.driver.isolated", str(inp), str(out)],
                                env={**os.environ, **env}, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired:
             raise InfraError(f"isolated check timed out after {timeout:g} s") from None

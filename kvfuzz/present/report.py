@@ -1,25 +1,26 @@
 """Issue-ready reports of findings: markdown for a bug tracker, rich for the terminal.
 
 One document model (headings, paragraphs, tables, code) is built from the finding and then
-rendered twice, so the terminal shows exactly what the markdown says. Pure: reads a Finding,
+rendered twice, so the terminal shows exactly what the markdown says. Presentation: it reads
+what the oracle decided (the Finding, ``oracle.noise.finding_bounds``) and judges nothing;
 imports neither torch nor vLLM (rich is imported only to render).
 """
 
 from __future__ import annotations
 
 import json
-import shlex
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvfuzz.traces import (BisectRecord, CancelEvent, Divergence, Finding, GenPrompt, History, RequestRecord, SendEvent,
                             TokenPrompt)
 from kvfuzz.traces.finding import DIVERGENT_CLASSES, SEVERITY
 
-from .check import ENGINE
-from .controls import primary_arm, reproducing_arms, signature_of
-from .noise import NoiseBounds, default_bounds
+from kvfuzz.driver.arms import replay_command, replay_engine_args
+from kvfuzz.oracle.check import ENGINE
+from kvfuzz.oracle.controls import primary_arm, reproducing_arms, signature_of
+from kvfuzz.oracle.noise import NoiseBounds, finding_bounds
 
 CLASS_STYLE = {"corruption": "bold red", "engine-crash": "bold magenta", "error": "red",
                "numeric-near-tie": "yellow", "unconstrained": "dim", "truncation": "dim",
@@ -106,22 +107,6 @@ def _adapter(a: str | None) -> str:
     return a if a else "base"
 
 
-def finding_bounds(finding: Finding) -> NoiseBounds:
-    """The noise bounds a finding was judged with (its ``notes.oracle``); files written before
-    there were bounds recorded only ``near_tie``."""
-    oracle = finding.notes.get("oracle")
-    base = default_bounds(finding.trace.engine.dtype)
-    if not isinstance(oracle, dict):
-        return base
-    values = {k: float(oracle[k]) for k in ("near_tie", "drift", "teacher") if isinstance(oracle.get(k), (int, float))}
-    if set(values) == {"near_tie"}:  # an older finding: one threshold for margin and drift
-        values["drift"] = values["near_tie"]
-    profile = oracle.get("profile") if isinstance(oracle.get("profile"), str) else None
-    source = str(oracle.get("source", base.source))
-    overrides = tuple(str(o) for o in oracle.get("overrides", ()) if isinstance(o, str))
-    return replace(base, **values, source=source, profile=profile, overrides=overrides)
-
-
 EVIDENCE_WORDS = {"margin": "the pair shift at the first differing token", "drift": "the drift before it",
                   "teacher": "teacher forcing over the whole run"}
 
@@ -169,14 +154,11 @@ def _lp(rec: RequestRecord, i: int, k: int) -> tuple[str, str]:
     return "—", "—"
 
 
-def replay_command(finding: Finding, path: str, arm: str, toggles: list[str]) -> str:
+def finding_replay_command(finding: Finding, path: str, arm: str, toggles: list[str]) -> str:
+    """``kvfuzz replay`` of the finding's arm, as many runs as it had, on its engine."""
     runs = max(1, sum(1 for h in finding.runs if h.arm == arm))
-    parts = ["kvfuzz", "replay", path, "--runs", str(runs)]
-    # A URL finding came from a server kvfuzz did not manage: the reader supplies their own.
-    parts += ["--base-url", "URL"] if finding.environment.engine == "url" else ["--engine", finding.environment.engine]
-    for t in toggles:
-        parts += ["--with", t]
-    return " ".join(shlex.quote(p) for p in parts)
+    env = finding.environment
+    return replay_command(path, arm, toggles, runs, replay_engine_args(env.engine, env.device))
 
 
 # -- the report ----------------------------------------------------------------------------------
@@ -305,8 +287,8 @@ def build(finding: Finding, *, source: str = "FINDING.json",
         elif isinstance(ev, CancelEvent):
             rows.append([str(i), "cancel", ev.request_id, _when(ev, mps), "", "", "", "", ""])
         else:  # an adapter lifecycle event: the adapter column names it and the weights it binds
-            source = getattr(ev, "source", None)
-            what = ev.name + (f" ← {source}" if source else "") + (" (same path)" if getattr(ev, "same_path", False)
+            bound = getattr(ev, "source", None)
+            what = ev.name + (f" ← {bound}" if bound else "") + (" (same path)" if getattr(ev, "same_path", False)
                                                                    else "")
             rows.append([str(i), ev.kind, "", _when(ev, mps), "", "", what, "", ""])
     r.table(["#", "event", "request", "step / offset", "prompt len", "prefix", "adapter", "max_tokens", "diverged"],
@@ -385,10 +367,10 @@ def build(finding: Finding, *, source: str = "FINDING.json",
     if expl:
         r.table(["arm", "request", "class", "explained by"],
                 [[d.arm, d.request_id, d.class_, d.explained_by or ""] for d in expl], class_col=2)
-    attribution = finding.notes.get("attribution")
-    if attribution:
+    attribution = finding.attribution
+    if attribution is not None:
         r.p("Attribution recorded with the finding:")
-        r.blocks.append(Code(json.dumps(attribution, indent=2, sort_keys=True, default=str), "json"))
+        r.blocks.append(Code(json.dumps(attribution.model_dump(), indent=2, sort_keys=True, default=str), "json"))
 
     # Causal ablation
     ex = finding.explanation
@@ -415,8 +397,7 @@ def build(finding: Finding, *, source: str = "FINDING.json",
                 ["verified", "yes" if m.verified else "no"]]
         if m.stopped:
             rows.append(["stopped early", m.stopped])
-        orig_file = finding.notes.get("minimized_from", {}).get("file") if isinstance(
-            finding.notes.get("minimized_from"), dict) else None
+        orig_file = finding.provenance.minimized_from.file if finding.provenance.minimized_from else None
         if orig_file:
             rows.append(["original file", orig_file])
         r.table(["", ""], rows, wrap=(1,))
@@ -425,7 +406,7 @@ def build(finding: Finding, *, source: str = "FINDING.json",
 
     # Replay
     r.h("Replay")
-    r.blocks.append(Code(replay_command(finding, source, arm, toggles)))
+    r.blocks.append(Code(finding_replay_command(finding, source, arm, toggles)))
     if not m:
         r.p("Shrink it first with ", (f"kvfuzz minimize {source} -o minimized.json", "code"), ".")
     r.p(f"Finding {finding.id}, signature ", (finding.signature(), "code"),
@@ -505,11 +486,11 @@ def add_bisect(r: Report, rec: BisectRecord) -> None:
     r.h("Release bisection")
     r.p(("Verdict", "b"), f": {rec.verdict}" + (f" — {rec.detail}." if rec.detail else "."))
     if rec.first_bad:
-        r.p(("first bad", "b"), ": ", (rec.first_bad, "code"),
-            *([" (last good: ", (rec.last_good, "code"), ")"] if rec.last_good else []))
+        last_good: list[Seg | str] = [" (last good: ", (rec.last_good, "code"), ")"] if rec.last_good else []
+        r.p(("first bad", "b"), ": ", (rec.first_bad, "code"), *last_good)
     if rec.first_good:
-        r.p(("first good", "b"), ": ", (rec.first_good, "code"),
-            *([" (last bad: ", (rec.last_bad, "code"), ")"] if rec.last_bad else []))
+        last_bad: list[Seg | str] = [" (last bad: ", (rec.last_bad, "code"), ")"] if rec.last_bad else []
+        r.p(("first good", "b"), ": ", (rec.first_good, "code"), *last_bad)
     r.table(BISECT_COLUMNS, bisect_rows(rec), class_col=2, right=(1, 3, 5), wrap=(6,))
     r.p(bisect_how(rec) + f" Bisected {rec.created or '?'} with kvfuzz {rec.kvfuzz_version or '?'}.")
 

@@ -6,15 +6,15 @@
 
 from __future__ import annotations
 
-import shlex
 import time
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
+from kvfuzz.driver.arms import replay_command
 from kvfuzz.oracle.gate import Case
-from kvfuzz.session import Session
-from kvfuzz.traces import Finding, Trace, load_any
+from kvfuzz.driver.session import Session
+from kvfuzz.traces import Finding, GateCase, Trace, load_any
 from kvfuzz.traces.errors import BadInput
 from kvfuzz.traces.foreign import ForeignFinding
 
@@ -40,7 +40,12 @@ def collect(paths: list[Path]) -> list[Path]:
         else:
             raise BadInput("no such file or directory", source=str(p), field="PATH")
     seen: set[Path] = set()
-    return [f for f in files if not (f.resolve() in seen or seen.add(f.resolve()))]
+    unique = []
+    for f in files:
+        if f.resolve() not in seen:
+            seen.add(f.resolve())
+            unique.append(f)
+    return unique
 
 
 @dataclass
@@ -129,13 +134,6 @@ def default_runs(kind: str) -> int:
     return 1 if kind == "inprocess" else 3
 
 
-def replay_engine_args(kind: str, device: str) -> list[str]:
-    """The engine flags of a case's ``kvfuzz replay`` command (the key of a --base-url server
-    is never printed: the command says URL)."""
-    return (["--base-url", "URL"] if kind == "url" else ["--engine", kind]) + (
-        ["--device", device] if device != "cpu" else [])
-
-
 def gate_plan(entries: list[Entry], arms: dict[str, list[str]]) -> list[Planned]:
     """The gate proper: every file in every arm; nothing is expected to fail."""
     out = [Planned(e, a, list(t)) for e in entries for a, t in arms.items()]
@@ -184,13 +182,8 @@ def _by_engine(cases: list[Planned]) -> list[Planned]:
     return sorted(cases, key=lambda c: first[c.entry.trace.engine.key()])
 
 
-def replay_command(source: str, toggles: list[str], runs: int, engine_args: list[str]) -> str:
-    arms = "gate=" + "+".join(toggles)
-    return shlex.join(["kvfuzz", "replay", source, "--arms", arms, "--runs", str(runs), *engine_args])
-
-
 class GateRunner:
-    """Replays planned cases on one ``kvfuzz.session.Session``."""
+    """Replays planned cases on one ``kvfuzz.driver.session.Session``."""
 
     def __init__(self, session: Session, *, runs: int, strict: bool = False, engine_args: list[str] | None = None,
                  findings_dir: Path | None = None) -> None:
@@ -203,7 +196,8 @@ class GateRunner:
     def run(self, p: Planned) -> tuple[Case, Finding | None]:
         case = Case(source=str(p.entry.path), name=p.entry.name, arm=p.arm, toggles=list(p.toggles),
                     expect_fail=p.expect_fail, skipped=p.skipped, strict=self.strict,
-                    replay_command=replay_command(str(p.entry.path), p.toggles, self.runs, self.engine_args))
+                    replay_command=replay_command(str(p.entry.path), "gate", p.toggles, self.runs,
+                                                   self.engine_args))
         if p.skipped:
             return case, None
         t0 = time.monotonic()
@@ -221,6 +215,6 @@ class GateRunner:
             from kvfuzz.traces import save
             from kvfuzz.traces.io import finding_path
 
-            finding.notes["gate"] = {"source": case.source, "arm": p.arm}
+            finding.provenance.gate = GateCase(source=case.source, arm=p.arm)
             save(finding, finding_path(self.findings_dir, finding))
         return case, finding

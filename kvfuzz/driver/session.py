@@ -19,24 +19,24 @@ from kvfuzz.harness.environment import stamp
 from kvfuzz.harness.runner import ReferenceStore, ScoreStore, record, score_diverged
 from kvfuzz.oracle import NoiseBounds, bounds_from, check, classify_run, default_bounds, divergent, make_finding
 from kvfuzz.oracle.check import ENGINE
-from kvfuzz.traces import Divergence, EngineConfig, Finding, Scoring, Trace
+from kvfuzz.traces import Attribution, Divergence, EngineConfig, Finding, Scoring, Trace
 from kvfuzz.traces.calibration import CalibrationProfile, find_profile
 from kvfuzz.traces.errors import BadInput
 from kvfuzz.traces.result import Checked, Recording
-from kvfuzz.settings import SessionSettings
+from kvfuzz.driver.settings import SessionSettings
 
 if TYPE_CHECKING:
-    from kvfuzz.harness.inprocess import EnginePool
+    from kvfuzz.harness.inprocess import EnginePool, InProcessEngine
     from kvfuzz.harness.server import ServerOptions
 
 @dataclass
 class Session:
-    """Built by ``kvfuzz.settings.build_session`` (the one construction path); what it runs on
+    """Built by ``kvfuzz.driver.session.build_session`` (the one construction path); what it runs on
     and how it judges are its ``settings``."""
 
     settings: SessionSettings = field(default_factory=SessionSettings)
     log_file: Path | None = None
-    # engine kind "server": how to run the managed server (kvfuzz.settings.server_options).
+    # engine kind "server": how to run the managed server (kvfuzz.driver.session.server_options).
     server_options: ServerOptions | None = None
     engine: Engine | None = None
     references: ReferenceStore = field(default_factory=ReferenceStore)
@@ -155,7 +155,7 @@ class Session:
         return bounds.with_overrides(**self.bound_overrides)
 
     # -- verdicts ------------------------------------------------------------------------------------
-    def verdicts_of(self, rec: Recording, *, notes: dict | None = None) -> Checked:
+    def verdicts_of(self, rec: Recording, *, carry: Finding | None = None) -> Checked:
         """The oracle's verdicts on a recording and, when anything diverged, the finding. A run
         that diverged is scored by teacher forcing first (its own tokens, the request alone on a
         clean cache): the evidence that tells a 16-bit near tie from wrong KV."""
@@ -166,16 +166,21 @@ class Session:
             if more:
                 rec.scores.extend(more)
                 verdicts = check(rec.trace, rec.histories, rec.references, bounds, rec.scores)
-        return Checked(rec, verdicts, self.finding_of(rec, verdicts, notes=notes))
+        return Checked(rec, verdicts, self.finding_of(rec, verdicts, carry=carry))
 
-    def finding_of(self, rec: Recording, verdicts: list[Divergence], *, notes: dict | None = None) -> Finding | None:
+    def finding_of(self, rec: Recording, verdicts: list[Divergence], *, carry: Finding | None = None,
+                   attribution: Attribution | None = None) -> Finding | None:
+        """The finding of divergent ``verdicts``; ``carry``: the finding of the same recording
+        judged before, whose provenance and typed facts it keeps."""
         if not divergent(verdicts):
             return None
         finding = make_finding(rec.trace, rec.histories, rec.references, verdicts, rec.environment, rec.arms,
                                bounds=self.bounds_for(rec.trace.engine), scores=rec.scores)
         if self.engine is not None and self.engine.reference_note:
             finding.notes["references"] = self.engine.reference_note
-        finding.notes.update(notes or {})
+        finding.attribution = attribution
+        if carry is not None:
+            finding.inherit(carry)
         return finding
 
     def confirm(self, rec: Recording, runs: int) -> Recording:
@@ -221,9 +226,9 @@ class Session:
         engine, self.engine = self.engine, None
         if engine is None:
             return
-        pool = self._pool_of(engine)
-        if pool is not None:
-            pool.release(engine)
+        pooled = self._pooled(engine)
+        if pooled is not None:
+            pooled[0].release(pooled[1])
         else:
             engine.close()
 
@@ -233,19 +238,21 @@ class Session:
         engine, self.engine = self.engine, None
         if engine is None:
             return
-        pool = self._pool_of(engine)
-        if pool is not None:
-            pool.discard(engine)
+        pooled = self._pooled(engine)
+        if pooled is not None:
+            pooled[0].discard(pooled[1])
         else:
             engine.close()
 
     @staticmethod
-    def _pool_of(engine: Engine) -> EnginePool | None:
+    def _pooled(engine: Engine) -> tuple[EnginePool, InProcessEngine] | None:
+        """The process's engine pool and ``engine`` as the pool's kind, when it is pooled."""
         if engine.kind != "inprocess":
             return None
-        from kvfuzz.harness.inprocess import engine_pool
+        from kvfuzz.harness.inprocess import InProcessEngine, engine_pool
 
-        return engine_pool()
+        pool = engine_pool()
+        return (pool, engine) if pool is not None and isinstance(engine, InProcessEngine) else None
 
     def __enter__(self) -> "Session":
         return self
@@ -254,7 +261,7 @@ class Session:
         self.close()
 
 
-# -- the one construction path (kvfuzz.settings) ---------------------------------------------------
+# -- the one construction path (kvfuzz.driver.settings) ---------------------------------------------------
 def server_options(settings: SessionSettings, log_dir: Path) -> ServerOptions | None:
     """The managed server's options (None unless ``settings.kind`` is "server")."""
     if settings.kind != "server":

@@ -25,11 +25,12 @@ from pathlib import Path
 
 from kvfuzz.harness.toggles import clean_set
 from kvfuzz.oracle.noise import HEADROOM, NoiseBounds, bounds_from, measure_context
-from kvfuzz.session import Session
+from kvfuzz.driver.session import Session
 from kvfuzz.traces import At, EngineConfig, GenPrompt, History, RequestRecord, Scoring, SendEvent, Trace
 from kvfuzz.traces.calibration import (
     DEFAULT_BUDGET_S,
     CalibrationProfile,
+    ContextNoise,
     NoiseKey,
     find_profile,
     load_profile,
@@ -142,7 +143,7 @@ def calibrate(session: Session, config: EngineConfig, plan: Plan = Plan(),
         return out
 
     alone = measure_context("alone (teacher forcing vs decode)", refs, refs, scored(refs))
-    contexts = []
+    contexts: list[ContextNoise] = []
     skipped = []
     for name, events in _contexts(sends, engine.kv_capacity_tokens(), config).items():
         if contexts and time.monotonic() - t0 > plan.budget_s:
@@ -186,12 +187,12 @@ def prepare_bounds(session: Session, config: EngineConfig, *, profile_file: Path
     engine = session.engine_for(config)
     key = engine.noise_key()
     if profile_file is not None:
-        profile = load_profile(profile_file)
-        if profile.key != key:
-            diff = sorted(k for k, v in profile.key.model_dump().items() if key.model_dump()[k] != v)
+        named = load_profile(profile_file)
+        if named.key != key:
+            diff = sorted(k for k, v in named.key.model_dump().items() if key.model_dump()[k] != v)
             raise BadInput(f"the profile was measured for another engine ({', '.join(diff)} differ: "
-                           f"{describe_key(profile.key)})", source=str(profile_file), field="--calibration")
-        return session.use_profile(config, profile)
+                           f"{describe_key(named.key)})", source=str(profile_file), field="--calibration")
+        return session.use_profile(config, named)
     profile = find_profile(key, session.profiles_dir)
     if profile is None and calibrate_if_missing:
         profile = calibrate(session, config, plan, progress)

@@ -1,0 +1,1 @@
+"""The scale-out room: Ray workers and the cluster behind `kvfuzz run --ray` / `kvfuzz gate --ray`, above triage."""

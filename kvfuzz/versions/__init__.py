@@ -1,0 +1,1 @@
+"""The versions room: vLLM releases and the uv environments they are replayed in (kvfuzz bisect), below triage."""
