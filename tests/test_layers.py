@@ -215,6 +215,22 @@ def test_the_room_check_sees_a_lazy_import(tmp_path, monkeypatch):
     assert deps == {"kvfuzz.triage.attribution"} and room_of("kvfuzz.triage.attribution") not in ROOMS["driver"][1]
 
 
+def test_the_architecture_page_is_this_table():
+    """docs/architecture.md's table of rooms says what ROOMS says (floor and imports)."""
+    rows = {}
+    for line in (ROOT / "docs" / "architecture.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 4 and cells[1].isdigit():
+            name = cells[0].strip("`").rstrip("/").removeprefix("kvfuzz/")
+            may = set() if cells[2].startswith("nothing") else \
+                {c.strip() for c in cells[2].replace("all of the above", "").split(",") if c.strip()}
+            rows[name] = (int(cells[1]), may)
+    # cli "may import all of the above": every room on a lower floor.
+    assert rows["cli"] == (ROOMS["cli"][0], set())
+    assert ROOMS["cli"][1] == {r for r, (floor, _) in ROOMS.items() if floor < ROOMS["cli"][0]}
+    assert {r: v for r, v in rows.items() if r != "cli"} == {r: v for r, v in ROOMS.items() if r != "cli"}
+
+
 def test_root_rooms_open_with_one_line():
     """Each room under kvfuzz/ says in its first line what it is."""
     for room in ("driver", "versions", "scale", "gate", "bench", "present", "cli"):
