@@ -107,18 +107,20 @@ def test_rooms_depend_one_way():
         assert not bad, f"{mod} imports {bad}"
 
 
-def test_no_import_cycles():
+def cycles_of(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import circles of ``graph`` (its strongly connected components of more than one
+    node, Tarjan's algorithm)."""
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
     on: set[str] = set()
     cycles: list[list[str]] = []
 
-    def visit(v: str) -> None:  # Tarjan's strongly connected components
+    def visit(v: str) -> None:
         index[v] = low[v] = len(index)
         stack.append(v)
         on.add(v)
-        for w in GRAPH[v]:
+        for w in graph[v]:
             if w not in index:
                 visit(w)
                 low[v] = min(low[v], low[w])
@@ -136,10 +138,104 @@ def test_no_import_cycles():
                 cycles.append(sorted(comp))
 
     sys.setrecursionlimit(10_000)
-    for m in GRAPH:
+    for m in graph:
         if m not in index:
             visit(m)
-    assert not cycles, cycles
+    return cycles
+
+
+def test_no_import_cycles():
+    assert not cycles_of(GRAPH)
+
+
+# -- rooms: folders, not modules (docs/architecture.md draws them) -------------------------------
+# A module's room: its top-level folder (kvfuzz.traces ...) or its sub-package of kvfuzz/
+# (kvfuzz.driver ...); the modules left at the kvfuzz/ root are the front door.
+FRONT_DOOR = {"kvfuzz", "kvfuzz.__main__", "kvfuzz.strategies", "kvfuzz.pytest_plugin"}
+# Room -> (floor, the rooms it may import). Imports go down only: a room imports rooms on lower
+# floors (test_the_table_is_a_layering), function-level (lazy) imports included.
+ROOMS: dict[str, tuple[int, set[str]]] = {
+    "traces": (0, set()),
+    "harness": (1, {"traces"}),
+    "oracle": (1, {"traces"}),
+    "fuzzer": (1, {"traces"}),
+    "driver": (2, {"traces", "harness", "oracle"}),
+    "versions": (2, {"traces", "harness"}),
+    "triage": (3, {"traces", "harness", "oracle", "fuzzer", "driver", "versions"}),
+    "gate": (4, {"traces", "harness", "oracle", "driver"}),
+    "bench": (4, {"traces", "harness", "oracle", "fuzzer", "driver", "triage"}),
+    "present": (4, {"traces", "harness", "oracle", "driver"}),
+    "scale": (5, {"traces", "harness", "oracle", "fuzzer", "driver", "triage", "gate"}),
+    "cli": (6, {"traces", "harness", "oracle", "fuzzer", "driver", "versions", "triage", "gate", "bench", "present",
+                "scale"}),
+    "front door": (7, {"traces", "harness", "oracle", "fuzzer", "driver", "gate", "cli"}),
+}
+
+
+def room_of(mod: str) -> str:
+    if mod in FRONT_DOOR:
+        return "front door"
+    room = mod.split(".")[1]
+    assert room in ROOMS, f"{mod}: not in a room (a new kvfuzz/ root module? give it a room in docs/architecture.md)"
+    return room
+
+
+ROOM_GRAPH: dict[str, set[str]] = {r: set() for r in ROOMS}
+for _mod, _deps in GRAPH.items():
+    ROOM_GRAPH[room_of(_mod)] |= {room_of(d) for d in _deps} - {room_of(_mod)}
+
+
+def test_every_module_is_in_a_room():
+    assert {room_of(m) for m in MODULES} == set(ROOMS)
+
+
+def test_the_table_is_a_layering():
+    for room, (floor, allowed) in ROOMS.items():
+        assert all(ROOMS[a][0] < floor for a in allowed), room
+
+
+def test_rooms_import_only_the_rooms_below():
+    bad = [f"{m} ({room_of(m)}) imports {d} ({room_of(d)})" for m, deps in GRAPH.items() for d in deps
+           if room_of(d) != room_of(m) and room_of(d) not in ROOMS[room_of(m)][1]]
+    assert not bad, "\n".join(bad)
+
+
+def test_no_room_cycles():
+    """No circle between folders either: module-level acyclicity misses recovery.py importing
+    triage while triage imports recovery.py (issue #31)."""
+    assert not cycles_of(ROOM_GRAPH)
+
+
+def test_the_room_check_sees_a_lazy_import(tmp_path, monkeypatch):
+    """A function-level import counts: the recovery -> triage arrow that issue #31 removed was one."""
+    mod = tmp_path / "lazy.py"
+    mod.write_text("def f():\n    from kvfuzz.triage.attribution import explain_toggles\n")
+    monkeypatch.setitem(MODULES, "kvfuzz.driver.lazy", mod)
+    deps = imports("kvfuzz.driver.lazy")
+    assert deps == {"kvfuzz.triage.attribution"} and room_of("kvfuzz.triage.attribution") not in ROOMS["driver"][1]
+
+
+def test_the_architecture_page_is_this_table():
+    """docs/architecture.md's table of rooms says what ROOMS says (floor and imports)."""
+    rows = {}
+    for line in (ROOT / "docs" / "architecture.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 4 and cells[1].isdigit():
+            name = cells[0].strip("`").rstrip("/").removeprefix("kvfuzz/")
+            may = set() if cells[2].startswith("nothing") else \
+                {c.strip() for c in cells[2].replace("all of the above", "").split(",") if c.strip()}
+            rows[name] = (int(cells[1]), may)
+    # cli "may import all of the above": every room on a lower floor.
+    assert rows["cli"] == (ROOMS["cli"][0], set())
+    assert ROOMS["cli"][1] == {r for r, (floor, _) in ROOMS.items() if floor < ROOMS["cli"][0]}
+    assert {r: v for r, v in rows.items() if r != "cli"} == {r: v for r, v in ROOMS.items() if r != "cli"}
+
+
+def test_root_rooms_open_with_one_line():
+    """Each room under kvfuzz/ says in its first line what it is."""
+    for room in ("driver", "versions", "scale", "gate", "bench", "present", "cli"):
+        doc = ast.get_docstring(ast.parse((ROOT / "kvfuzz" / room / "__init__.py").read_text()))
+        assert doc and doc.splitlines()[0].strip(), room
 
 
 # The seams where a capability must be declared (harness/base.py Engine, triage/probe.py
