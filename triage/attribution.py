@@ -29,6 +29,7 @@ def explain_toggles(session: Session, checked: Checked, *, runs: int | None = No
                             "toggles": sorted({t for ts in arms.values() for t in ts})}),
                         arms=arms, scores=[*rec.scores, *more.scores])
         checked = session.verdicts_of(rec)
+        rec = checked.recording  # with the teacher-forced scorings of the new runs
     verdicts = attribute(checked.verdicts, rec.arms, clean)
     return Checked(rec, verdicts, session.finding_of(
         rec, verdicts, attribution=Attribution(clean=list(clean), added_arms=sorted(extra))))

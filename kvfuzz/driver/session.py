@@ -10,7 +10,7 @@ replays through a session.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -156,17 +156,25 @@ class Session:
 
     # -- verdicts ------------------------------------------------------------------------------------
     def verdicts_of(self, rec: Recording, *, carry: Finding | None = None) -> Checked:
-        """The oracle's verdicts on a recording and, when anything diverged, the finding. A run
-        that diverged is scored by teacher forcing first (its own tokens, the request alone on a
-        clean cache): the evidence that tells a 16-bit near tie from wrong KV."""
+        """The oracle's verdicts on a recording and, when anything diverged, the finding. When a
+        run diverged, the recording is first completed with teacher-forced scorings (``scored``)
+        and judged on that evidence, which tells a 16-bit near tie from wrong KV. The returned
+        ``Checked.recording`` is the completed one; ``rec`` is left as it was."""
         bounds = self.bounds_for(rec.trace.engine)
         verdicts = check(rec.trace, rec.histories, rec.references, bounds, rec.scores)
-        if divergent(verdicts) and self.engine is not None:
-            more = score_diverged(self.engine, rec, verdicts, self.scores)
-            if more:
-                rec.scores.extend(more)
-                verdicts = check(rec.trace, rec.histories, rec.references, bounds, rec.scores)
-        return Checked(rec, verdicts, self.finding_of(rec, verdicts, carry=carry))
+        full = self.scored(rec, verdicts)
+        if full is not rec:
+            verdicts = check(full.trace, full.histories, full.references, bounds, full.scores)
+        return Checked(full, verdicts, self.finding_of(full, verdicts, carry=carry))
+
+    def scored(self, rec: Recording, verdicts: list[Divergence]) -> Recording:
+        """A recording step: ``rec`` plus teacher-forced scorings of the runs behind divergent
+        ``verdicts`` (each run's own tokens scored with the request alone on a clean cache), or
+        ``rec`` itself when there is nothing new to score."""
+        if not divergent(verdicts) or self.engine is None:
+            return rec
+        more = score_diverged(self.engine, rec, verdicts, self.scores)
+        return replace(rec, scores=[*rec.scores, *more]) if more else rec
 
     def finding_of(self, rec: Recording, verdicts: list[Divergence], *, carry: Finding | None = None,
                    attribution: Attribution | None = None) -> Finding | None:
