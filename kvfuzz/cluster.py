@@ -215,6 +215,13 @@ class WorkerSpec:
     budget_s: float | None = None
     log_dir: str = "kvfuzz-out/workers"
     threads: int = 1
+    # The reference store (harness/refstore.py): its campaign tier (OUT, shared by the workers
+    # of a local cluster), the cache tier, and the share of hits verified. False: the in-memory
+    # memo alone (``--no-reference-store``).
+    reference_store: bool = True
+    store_dir: str | None = None
+    verify_references: float = 0.02
+    seed: int = 0
 
     @property
     def pooled(self) -> bool:
@@ -233,9 +240,13 @@ class WorkerSpec:
 
             server_options = ServerOptions(device=self.device, extra_flags=list(self.server_flags), log_dir=log_dir,
                                            port=port, request_timeout_s=self.trace_timeout)
-        return Session(engine_kind=self.engine_kind, device=self.device, runs=self.runs,  # type: ignore[arg-type]
-                       bound_overrides=dict(self.bound_overrides), log_file=log_dir / "engine.log",
-                       server_options=server_options, trace_deadline_s=self.trace_timeout)
+        session = Session(engine_kind=self.engine_kind, device=self.device, runs=self.runs,  # type: ignore[arg-type]
+                          bound_overrides=dict(self.bound_overrides), log_file=log_dir / "engine.log",
+                          server_options=server_options, trace_deadline_s=self.trace_timeout)
+        if self.reference_store:
+            session.use_reference_store(Path(self.store_dir) if self.store_dir else None,
+                                        verify=self.verify_references, seed=self.seed)
+        return session
 
     def build_triage(self, session: "Session", guard: "Recovering", out: Path, *,
                      status: Callable[[str], None] = lambda _m: None) -> "CampaignTriage":

@@ -23,6 +23,7 @@ from kvfuzz.traces import Divergence, EngineConfig, Finding, Scoring, Trace
 from kvfuzz.traces.calibration import CalibrationProfile, find_profile
 from kvfuzz.traces.errors import BadInput
 from kvfuzz.traces.result import Checked, Recording
+from kvfuzz.traces.timing import CONFIRM, ENGINE_START, Ledger
 
 if TYPE_CHECKING:
     from kvfuzz.harness.inprocess import EnginePool
@@ -73,7 +74,22 @@ class Session:
     model: str | None = None
     # In-process engine: wall-clock deadline of one run of a trace (docs/reliability.md).
     trace_deadline_s: float | None = 600.0
+    # Where the session's time goes (traces/timing.py), shared with its stores.
+    ledger: Ledger = field(default_factory=Ledger)
     _bounds: dict[str, NoiseBounds] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        self.references.ledger = self.scores.ledger = self.ledger
+
+    def use_reference_store(self, out: Path | None, *, cache: bool = True, verify: float = 0.0,
+                            seed: int = 0) -> None:
+        """References and scorings kept on disk too: in ``out/references`` and (``cache``) the
+        kvfuzz cache, a share ``verify`` of hits computed again (harness/refstore.py)."""
+        from kvfuzz.harness.refstore import DiskTiers
+
+        tiers = DiskTiers.for_campaign(out, cache=cache)
+        self.references = ReferenceStore(tiers=tiers, verify=verify, ledger=self.ledger, verify_seed=seed)
+        self.scores = ScoreStore(tiers=tiers, ledger=self.ledger)
 
     @classmethod
     def for_target(cls, kind: EngineKind, *, device: str, runs: int, out: Path,
@@ -112,8 +128,9 @@ class Session:
 
             pool = engine_pool()
             if pool is not None:  # a test process: engines are shared (kvfuzz's pytest plugin)
-                self.engine = pool.acquire(config, device=self.device, log_file=self.log_file,
-                                           trace_deadline_s=self.trace_deadline_s)
+                with self.ledger.span(ENGINE_START):
+                    self.engine = pool.acquire(config, device=self.device, log_file=self.log_file,
+                                               trace_deadline_s=self.trace_deadline_s)
                 return self.engine
             engine = InProcessEngine(config, device=self.device, log_file=self.log_file,
                                      trace_deadline_s=self.trace_deadline_s)
@@ -131,14 +148,16 @@ class Session:
             engine = UrlEngine(config, self.base_url, api_key=self.api_key, model=self.model)
         # References depend on the engine configuration (the memo key includes it), so the
         # store is kept across restarts.
-        self.engine = engine.start()
+        with self.ledger.span(ENGINE_START):
+            self.engine = engine.start()
         return self.engine
 
     # -- record, check, judge ----------------------------------------------------------------------
     def record(self, trace: Trace, *, runs: int | None = None,
                arms: dict[str, list[str]] | None = None) -> Recording:
         """Replay ``trace`` ``runs`` times in each arm (default: its own toggles), with references."""
-        return record(self.engine_for(trace.engine), trace, runs=runs or self.runs, arms=arms, store=self.references)
+        return record(self.engine_for(trace.engine), trace, runs=runs or self.runs, arms=arms, store=self.references,
+                      fuzzed=self.ledger.take_fresh())
 
     # -- noise bounds ------------------------------------------------------------------------------
     def bounds_for(self, config: EngineConfig) -> NoiseBounds:
@@ -188,10 +207,12 @@ class Session:
         trace runs once, and again only when something diverged, to measure the rate)."""
         engine = self.engine_for(rec.trace.engine)
         histories = list(rec.histories)
-        for arm, toggles in rec.arms.items():
-            have = sum(1 for h in histories if h.arm == arm)
-            for k in range(have, runs):
-                histories.append(stamp(engine.replay(rec.trace, arm=arm, run_index=k, toggles=toggles), engine.kind))
+        with self.ledger.span(CONFIRM):
+            for arm, toggles in rec.arms.items():
+                have = sum(1 for h in histories if h.arm == arm)
+                for k in range(have, runs):
+                    histories.append(stamp(engine.replay(rec.trace, arm=arm, run_index=k, toggles=toggles),
+                                           engine.kind))
         return Recording(trace=rec.trace, histories=histories, references=rec.references,
                          environment=rec.environment, arms=dict(rec.arms), scores=list(rec.scores))
 

@@ -80,6 +80,15 @@ def run(
                                                               "seed and window give the same campaign whatever the "
                                                               "worker count; docs/scale.md).")] = None,
     vllm: options.VllmOpt = None,
+    reference_store: Annotated[bool, typer.Option("--reference-store/--no-reference-store", help="Keep references "
+                                                  "on disk (OUT/references and the kvfuzz cache) and reuse them "
+                                                  "across traces, workers and campaigns (--no-reference-store: an "
+                                                  "in-memory memo per campaign; docs/oracle.md).")] = True,
+    verify_references: Annotated[float, typer.Option(min=0.0, max=1.0, help="Share of reference store hits computed "
+                                                     "again and compared; any mismatch stops the campaign.")] = 0.02,
+    prompt_reuse: Annotated[float, typer.Option(min=0.0, max=1.0, help="Probability that a fresh trace's request "
+                                                "takes a prompt (or a shared prefix) from the campaign's pool, as "
+                                                "real traffic repeats prompts (docs/fuzzer.md).")] = 0.3,
 ) -> None:
     """Fuzz the embedded default model on the in-process vLLM engine or a managed vLLM server.
 
@@ -156,7 +165,8 @@ def run(
     from kvfuzz.fuzzer import GenOptions
 
     gen = GenOptions(min_requests=min(2, max_requests), max_requests=max_requests,
-                     adapters=sorted(engine.lora.adapters) if engine.lora.enabled else [], lifecycle=lifecycle)
+                     adapters=sorted(engine.lora.adapters) if engine.lora.enabled else [], lifecycle=lifecycle,
+                     prompt_reuse=0.0 if lifecycle else prompt_reuse, pool_seed=seed)
     opts = CampaignOptions(seed=seed, budget_s=budget, max_traces=traces_n, runs=runs, out=out, engine=engine, gen=gen,
                            resume=resume, corpus=corpus, mode="feedback" if feedback else "random", operators=ops,
                            # Naming an engine-changing operator (small_kv) is asking for restarts.
@@ -169,7 +179,8 @@ def run(
                       server_flags=list(server_arg or []), trace_timeout=trace_timeout, arms=arm_map,
                       runs_fixed=runs_fixed, attribute=attribute, minimize=minimize, controls=controls,
                       ablate=explain_, minimize_seconds=minimize_seconds, budget_s=budget,
-                      log_dir=str((out / "workers").resolve()), threads=1)
+                      log_dir=str((out / "workers").resolve()), threads=1, reference_store=reference_store,
+                      store_dir=str(out.resolve()), verify_references=verify_references, seed=seed)
     if ray_address is not None:
         _run_on_ray(ray_address, opts, spec, arm_map=arm_map, calibrate=calibrate, calibration=calibration,
                     workers=workers or 2, window=window)
@@ -196,7 +207,8 @@ def run(
             bounds = prepare_bounds(session, engine, profile_file=calibration, calibrate_if_missing=calibrate,
                                     progress=display.status, warn=warned.append)
             display.status("fuzzing")
-            state = run_campaign(opts, triage, display.update, on_start=lambda c: triage.restore(c.state.bug_buckets))
+            state = run_campaign(opts, triage, display.update, on_start=lambda c: triage.restore(c.state.bug_buckets),
+                                 ledger=session.ledger)
     finally:
         session.close()
         if pooled:
@@ -206,6 +218,9 @@ def run(
     for line in warned:
         err_console.print(f"kvfuzz: warning: {line}", markup=False, highlight=False, soft_wrap=True)
     display.summary(state, out)
+    from kvfuzz.cli.time_table import print_time
+
+    print_time(console, state.time)
     console.print(bounds.describe(), markup=False, highlight=False)
     console.print("arms: " + "; ".join(f"{a} = [{', '.join(ts) or 'no toggles'}]" for a, ts in arm_map.items()),
                   markup=False, highlight=False)
