@@ -19,6 +19,8 @@ from kvfuzz.traces import CancelEvent, EngineConfig, GenPrompt, SendEvent
 if TYPE_CHECKING:
     from .generate import GenOptions
 
+# `kvfuzz run` and `kvfuzz bench`'s default (docs/benchmarks.md, issue 29).
+DEFAULT_PROMPT_REUSE = 0.3
 # Pool prompts sharing one prefix group: a handful of "system prompts" under many documents.
 GROUPS = 4
 

@@ -342,12 +342,18 @@ class WorkerCore:
     def run(self, task) -> Any:
         from kvfuzz.fuzzer.distributed import Result
         from kvfuzz.fuzzer.feedback import trace_signature
+        from kvfuzz.traces.timing import TRIAGE
 
         t0 = time.monotonic()
         # Exactly the buckets committed below this index (not what this worker saw before):
         # whether a finding opens a bucket never depends on which worker ran what.
         self.triage.known = dict(task.known)
-        checked = self.triage(task.trace)
+        ledger = self.session.ledger
+        before = ledger.breakdown()
+        ledger.fresh = True  # the trace's first replay is its fuzzed run (traces/timing.py)
+        with ledger.span(TRIAGE):
+            checked = self.triage(task.trace)
+        spent = ledger.breakdown().minus(before)
         buckets = sorted(trace_signature(checked.histories, task.trace))
         files = {}
         for p in self.scratch.rglob("*"):
@@ -355,7 +361,7 @@ class WorkerCore:
                 files[str(p.relative_to(self.scratch))] = p.read_text()
                 p.unlink()
         return Result(task.index, self.name, finding=checked.finding, buckets=buckets,
-                      seconds=time.monotonic() - t0, files=files)
+                      seconds=time.monotonic() - t0, files=files, time=spent)
 
     def gate(self, planned, runs: int, strict: bool, engine_args: list[str], profiles: list) -> tuple:
         from kvfuzz.gate import GateRunner

@@ -183,3 +183,13 @@ def test_prompt_reuse_draws_from_the_campaign_pool_and_leaves_the_rest_of_the_tr
     for a, b in zip(plain, reused):  # the schedule untouched: only prompts (and a whole reuse's max_tokens)
         assert [(s.request_id, s.at) for s in a.sends] == [(s.request_id, s.at)
                                                                 for s in b.sends]
+
+
+def test_the_spec_gives_every_worker_the_campaigns_store(tmp_path):
+    from kvfuzz.cluster import WorkerSpec
+
+    spec = WorkerSpec(engine_kind="inprocess", store_dir=str(tmp_path), verify_references=0.5)
+    s = spec.build_session(tmp_path / "w1")
+    assert s.references.tiers.roots[0] == tmp_path / "references" and s.references.verify == 0.5
+    assert s.scores.tiers is s.references.tiers and s.references.ledger is s.scores.ledger is s.ledger
+    assert WorkerSpec(reference_store=False).build_session(tmp_path).references.tiers is None

@@ -64,6 +64,11 @@ class TimeBreakdown(BaseModel):
         a, b = self.model_dump(), other.model_dump()
         return TimeBreakdown(**{k: round(a[k] + b[k], 3) if isinstance(a[k], float) else a[k] + b[k] for k in a})
 
+    def minus(self, other: "TimeBreakdown") -> "TimeBreakdown":
+        """What happened between ``other`` (an earlier breakdown of the same ledger) and this one."""
+        a, b = self.model_dump(), other.model_dump()
+        return TimeBreakdown(**{k: round(a[k] - b[k], 3) if isinstance(a[k], float) else a[k] - b[k] for k in a})
+
 
 class Ledger:
     """Exclusive seconds per phase, and counters. One per session (a Ray worker has its own)."""

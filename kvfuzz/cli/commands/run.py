@@ -86,9 +86,9 @@ def run(
                                                   "in-memory memo per campaign; docs/oracle.md).")] = True,
     verify_references: Annotated[float, typer.Option(min=0.0, max=1.0, help="Share of reference store hits computed "
                                                      "again and compared; any mismatch stops the campaign.")] = 0.02,
-    prompt_reuse: Annotated[float, typer.Option(min=0.0, max=1.0, help="Probability that a fresh trace's request "
+    prompt_reuse: Annotated[Optional[float], typer.Option(min=0.0, max=1.0, help="Probability that a fresh trace's request "
                                                 "takes a prompt (or a shared prefix) from the campaign's pool, as "
-                                                "real traffic repeats prompts (docs/fuzzer.md).")] = 0.3,
+                                                "real traffic repeats prompts (docs/fuzzer.md).")] = None,
 ) -> None:
     """Fuzz the embedded default model on the in-process vLLM engine or a managed vLLM server.
 
@@ -163,10 +163,12 @@ def run(
             raise BadInput(f"unknown operator {unknown[0] if unknown else operators!r} "
                            f"(known: {', '.join(OPERATORS)})", field="--operators")
     from kvfuzz.fuzzer import GenOptions
+    from kvfuzz.fuzzer.reuse import DEFAULT_PROMPT_REUSE
 
     gen = GenOptions(min_requests=min(2, max_requests), max_requests=max_requests,
                      adapters=sorted(engine.lora.adapters) if engine.lora.enabled else [], lifecycle=lifecycle,
-                     prompt_reuse=0.0 if lifecycle else prompt_reuse, pool_seed=seed)
+                     prompt_reuse=0.0 if lifecycle else (DEFAULT_PROMPT_REUSE if prompt_reuse is None else prompt_reuse),
+                     pool_seed=seed)
     opts = CampaignOptions(seed=seed, budget_s=budget, max_traces=traces_n, runs=runs, out=out, engine=engine, gen=gen,
                            resume=resume, corpus=corpus, mode="feedback" if feedback else "random", operators=ops,
                            # Naming an engine-changing operator (small_kv) is asking for restarts.
@@ -263,6 +265,9 @@ def _run_on_ray(address: str, opts: Any, spec: WorkerSpec, *, arm_map: dict[str,
     for line in infos[0]["warnings"]:
         err_console.print(f"kvfuzz: warning: {line}", markup=False, highlight=False, soft_wrap=True)
     display.summary(state, opts.out)
+    from kvfuzz.cli.time_table import print_time
+
+    print_time(console, state.time)
     per = 1000 * driver.driver_cpu_s / max(1, driver.committed)
     commit = 1000 * driver.commit_cpu_s / max(1, driver.committed)
     console.print(f"ray: {workers} worker(s) on {len({i['host'] for i in infos})} host(s), window {state.window}; "
