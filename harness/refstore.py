@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 
 FORMAT = 1
 REFERENCES_DIR = "references"
+CACHE_ENV = "KVFUZZ_REFERENCE_CACHE"
 _SCORES = TypeAdapter(list[TopLogprobs])
 
 
@@ -157,7 +158,13 @@ class DiskTiers:
 
     @classmethod
     def for_campaign(cls, out: Path | None, *, cache: bool = True, **kw: object) -> "DiskTiers":
-        roots = ([out / REFERENCES_DIR] if out is not None else []) + ([kvfuzz_cache() / REFERENCES_DIR] if cache else [])
+        """The campaign's tier (``out/references``) and the cache's: the kvfuzz cache, or
+        ``$KVFUZZ_REFERENCE_CACHE`` (a directory, or ``off``: campaigns compared side by side
+        must not serve each other)."""
+        roots = [out / REFERENCES_DIR] if out is not None else []
+        where = os.environ.get(CACHE_ENV, "")
+        if cache and where != "off":
+            roots.append(Path(where) if where else kvfuzz_cache() / REFERENCES_DIR)
         return cls(roots=roots, **kw)  # type: ignore[arg-type]
 
     def namespace(self, engine: Engine) -> Namespace:

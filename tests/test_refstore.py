@@ -193,3 +193,10 @@ def test_the_spec_gives_every_worker_the_campaigns_store(tmp_path):
     assert s.references.tiers.roots[0] == tmp_path / "references" and s.references.verify == 0.5
     assert s.scores.tiers is s.references.tiers and s.references.ledger is s.scores.ledger is s.ledger
     assert WorkerSpec(reference_store=False).build_session(tmp_path).references.tiers is None
+
+
+def test_the_cache_tier_can_be_moved_or_turned_off(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVFUZZ_REFERENCE_CACHE", "off")
+    assert DiskTiers.for_campaign(tmp_path).roots == [tmp_path / "references"]
+    monkeypatch.setenv("KVFUZZ_REFERENCE_CACHE", str(tmp_path / "elsewhere"))
+    assert DiskTiers.for_campaign(tmp_path).roots == [tmp_path / "references", tmp_path / "elsewhere"]
