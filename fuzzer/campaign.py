@@ -147,8 +147,17 @@ class CampaignState:
     worker_deaths: list[dict] = field(default_factory=list)
     # Adapter-lifecycle generation (``kvfuzz run --lifecycle``; GenOptions.lifecycle).
     lifecycle: bool = False
-    # Where the time went (traces/timing.py TimeBreakdown, summed over resumed sessions).
+    # Where the time went, seconds per phase, and the reference store's counts and hit rate
+    # (traces/timing.py TimeBreakdown.state_parts; summed over resumed sessions).
     time: dict[str, float] = field(default_factory=dict)
+    reference_store: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def time_breakdown(self) -> TimeBreakdown:
+        return TimeBreakdown.from_state(self.time, self.reference_store) if self.time else TimeBreakdown()
+
+    def set_time(self, t: TimeBreakdown) -> None:
+        self.time, self.reference_store = t.state_parts()
     # Prompt reuse probability (GenOptions.prompt_reuse): part of what iteration i's trace is.
     prompt_reuse: float = 0.0
 
@@ -386,7 +395,7 @@ def run_campaign(opts: CampaignOptions, check_trace: Callable[[Trace], Checked],
         on_start(camp)
     start = time.monotonic()
     base_seconds = state.seconds
-    base_time = TimeBreakdown.model_validate(state.time) if state.time else TimeBreakdown()
+    base_time = state.time_breakdown
     atomic_write_text(out / CAMPAIGN_FILE, state.to_json())
     while True:
         elapsed = time.monotonic() - start
@@ -417,14 +426,14 @@ def run_campaign(opts: CampaignOptions, check_trace: Callable[[Trace], Checked],
             if (state.buckets, state.findings) != before or i == 0:
                 state.coverage_log.append([state.traces, state.seconds, state.buckets, state.findings])
                 thin_log(state.coverage_log)
-            state.time = base_time.plus(ledger.breakdown()).model_dump()
+            state.set_time(base_time.plus(ledger.breakdown()))
             atomic_write_text(out / CAMPAIGN_FILE, state.to_json())
         if on_outcome:
             with ledger.span(GENERATION):
                 on_outcome(TraceOutcome(i, trace, finding, time.monotonic() - t0, source, novel, buckets), state)
     state.complete = True
     state.seconds = round(base_seconds + time.monotonic() - start, 3)
-    state.time = base_time.plus(ledger.breakdown()).model_dump()
+    state.set_time(base_time.plus(ledger.breakdown()))
     atomic_write_text(out / CAMPAIGN_FILE, state.to_json())
     return state
 

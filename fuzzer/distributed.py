@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from kvfuzz.traces import Finding, Trace, atomic_write_text, parse_trace
-from kvfuzz.traces.timing import TimeBreakdown
+from kvfuzz.traces.timing import TimeBreakdown  # noqa: TC001 - a Result field
 from kvfuzz.traces.errors import BadInput, InfraError
 
 from .campaign import CAMPAIGN_FILE, Campaign, CampaignOptions, CampaignState, TraceOutcome, thin_log
@@ -302,7 +302,7 @@ class Driver:
         st.sources[source] = st.sources.get(source, 0) + 1
         st.by_worker[res.worker] = st.by_worker.get(res.worker, 0) + 1
         if res.time is not None:
-            st.time = (TimeBreakdown.model_validate(st.time) if st.time else TimeBreakdown()).plus(res.time).model_dump()
+            st.set_time(st.time_breakdown.plus(res.time))
         st.seconds = round(base_seconds + time.monotonic() - start, 3)
         if (st.buckets, st.findings) != before or i == 0:
             st.coverage_log.append([st.traces, st.seconds, st.buckets, st.findings])

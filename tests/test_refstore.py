@@ -200,3 +200,14 @@ def test_the_cache_tier_can_be_moved_or_turned_off(tmp_path, monkeypatch):
     assert DiskTiers.for_campaign(tmp_path).roots == [tmp_path / "references"]
     monkeypatch.setenv("KVFUZZ_REFERENCE_CACHE", str(tmp_path / "elsewhere"))
     assert DiskTiers.for_campaign(tmp_path).roots == [tmp_path / "references", tmp_path / "elsewhere"]
+
+
+def test_campaign_json_keeps_seconds_and_counts_apart_and_reads_them_back():
+    from kvfuzz.fuzzer.campaign import CampaignState
+
+    t = TimeBreakdown(fuzzed_runs_s=3.5, wall_s=10.0, references_computed=3, references_from_store=1)
+    st = CampaignState(seed=0)
+    st.set_time(t)
+    assert all(isinstance(v, float) for v in st.time.values())  # the campaign page charts them as seconds
+    assert st.reference_store["hit_rate"] == 0.25
+    assert CampaignState(**json.loads(st.to_json())).time_breakdown == t

@@ -24,6 +24,7 @@ SCORES = "scores"
 TRIAGE = "triage"
 GENERATION = "generation_feedback_files"
 PHASES = (ENGINE_START, FUZZED, CONFIRM, REF_COMPUTED, REF_STORE, REF_VERIFY, SCORES, TRIAGE, GENERATION)
+SECONDS = tuple(f"{p}_s" for p in PHASES) + ("wall_s",)
 
 
 class TimeBreakdown(BaseModel):
@@ -63,6 +64,17 @@ class TimeBreakdown(BaseModel):
     def plus(self, other: "TimeBreakdown") -> "TimeBreakdown":
         a, b = self.model_dump(), other.model_dump()
         return TimeBreakdown(**{k: round(a[k] + b[k], 3) if isinstance(a[k], float) else a[k] + b[k] for k in a})
+
+    def state_parts(self) -> tuple[dict[str, float], dict[str, float]]:
+        """campaign.json's ``time`` (seconds only: the campaign page charts it) and
+        ``reference_store`` (counts and the hit rate)."""
+        d = self.model_dump()
+        counts = {k: v for k, v in d.items() if k not in SECONDS}
+        return {k: d[k] for k in SECONDS}, {**counts, "hit_rate": round(self.hit_rate, 3)}
+
+    @classmethod
+    def from_state(cls, time: dict[str, float], store: dict[str, float]) -> "TimeBreakdown":
+        return cls(**time, **{k: int(v) for k, v in store.items() if k != "hit_rate"})
 
     def minus(self, other: "TimeBreakdown") -> "TimeBreakdown":
         """What happened between ``other`` (an earlier breakdown of the same ledger) and this one."""

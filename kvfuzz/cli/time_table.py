@@ -39,8 +39,6 @@ def time_table(time: TimeBreakdown) -> Table:
     return table
 
 
-def print_time(console: Console, time: dict[str, float] | TimeBreakdown) -> None:
-    if not time:
-        return
-    t = time if isinstance(time, TimeBreakdown) else TimeBreakdown.model_validate(time)
-    console.print(time_table(t))
+def print_time(console: Console, time: TimeBreakdown) -> None:
+    if time.wall_s > 0:
+        console.print(time_table(time))

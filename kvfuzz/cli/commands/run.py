@@ -222,7 +222,7 @@ def run(
     display.summary(state, out)
     from kvfuzz.cli.time_table import print_time
 
-    print_time(console, state.time)
+    print_time(console, state.time_breakdown)
     console.print(bounds.describe(), markup=False, highlight=False)
     console.print("arms: " + "; ".join(f"{a} = [{', '.join(ts) or 'no toggles'}]" for a, ts in arm_map.items()),
                   markup=False, highlight=False)
@@ -267,7 +267,7 @@ def _run_on_ray(address: str, opts: Any, spec: WorkerSpec, *, arm_map: dict[str,
     display.summary(state, opts.out)
     from kvfuzz.cli.time_table import print_time
 
-    print_time(console, state.time)
+    print_time(console, state.time_breakdown)
     per = 1000 * driver.driver_cpu_s / max(1, driver.committed)
     commit = 1000 * driver.commit_cpu_s / max(1, driver.committed)
     console.print(f"ray: {workers} worker(s) on {len({i['host'] for i in infos})} host(s), window {state.window}; "
