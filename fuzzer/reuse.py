@@ -2,11 +2,18 @@
 
 Real traffic repeats system prompts and documents; a fuzzer that never repeats a prompt
 across traces computes a fresh reference for every request. The pool is a pure function of
-the campaign seed (``GenOptions.pool_seed``), so iteration i's trace stays a pure function
-of (seed, i) and a resumed campaign draws the same prompts. A reused request either takes a
-pool prompt whole (its reference is then usually in the store) or only the pool prompt's
-prefix group (a shared system prompt with its own tail). The choice of the default
-probability is in docs/benchmarks.md ("Reference store and where the time goes").
+the campaign seed (``GenOptions.pool_seed``): ``pool_size`` prompts in ``GROUPS`` prefix
+groups ("system prompts" under "documents"), so iteration i's trace stays a pure function of
+(seed, i) and a resumed campaign draws the same prompts.
+
+Reuse keeps the trace's own prefix sharing: the bugs kvfuzz hunts live where requests of one
+trace share blocks. A trace's prefix group is mapped, with probability ``prompt_reuse``, to
+one pool group as a whole (every request of the group moves together, so they still share),
+and each of its requests then takes, two times in three, a pool prompt of that group whole
+(with the pool entry's own ``max_tokens``: a repeated request, whose reference the store
+already has), else keeps its own length and tail under the pool's prefix. A request without a
+prefix group takes a pool prompt whole with probability ``prompt_reuse``. The probability is
+chosen in docs/benchmarks.md ("Reference store and where the time goes").
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ if TYPE_CHECKING:
 
 # `kvfuzz run` and `kvfuzz bench`'s default (docs/benchmarks.md, issue 29).
 DEFAULT_PROMPT_REUSE = 0.3
-# Pool prompts sharing one prefix group: a handful of "system prompts" under many documents.
+# Prefix groups of the pool: entry j is in group j % GROUPS.
 GROUPS = 4
 
 
@@ -31,36 +38,60 @@ def pool_max_tokens(pool_seed: int, j: int, opts: GenOptions) -> int:
     return random.Random(f"kvfuzz/pool-max/{pool_seed}/{j}").randint(*opts.max_tokens)
 
 
+def pool_group(pool_seed: int, r: int) -> str:
+    return f"pool{pool_seed}-{r}"
+
+
 def pool_prompt(pool_seed: int, j: int, block_size: int) -> GenPrompt:
-    """The pool's j-th prompt (lengths like the generator's short ones, often on block edges)."""
+    """The pool's j-th prompt: lengths and prefix lengths as the generator draws them (on and
+    next to block boundaries), without the rare long ones."""
     rng = random.Random(f"kvfuzz/pool/{pool_seed}/{j}")
+    bs = block_size
     if rng.random() < 0.4:
-        length = max(1, block_size * rng.randint(1, 16) + rng.choice((-1, 0, 0, 1)))
+        length = max(1, bs * rng.randint(1, 16) + rng.choice((-1, 0, 0, 1)))
     else:
         length = rng.randint(8, 700)
-    prefix = min(length, rng.choice((block_size, 2 * block_size, 4 * block_size, 4 * block_size - 1)))
-    return GenPrompt(length=length, prefix_group=f"pool{pool_seed}-{j % GROUPS}", prefix_len=prefix,
+    prefix = min(length, rng.choice([bs, 2 * bs, 4 * bs, 8 * bs, 16 * bs, 2 * bs + 1, 4 * bs - 1,
+                                     rng.randint(1, max(1, length))]))
+    return GenPrompt(length=length, prefix_group=pool_group(pool_seed, j % GROUPS), prefix_len=prefix,
                      seed=rng.randrange(1 << 30))
 
 
 def reuse_prompts(events: list[SendEvent | CancelEvent], seed: int, engine: EngineConfig,
                   opts: GenOptions) -> list[SendEvent | CancelEvent]:
-    """``events`` with some sends' prompts taken from the pool (probability ``opts.prompt_reuse``
-    each): two in three whole (with the pool entry's own max_tokens), one in three its prefix
-    group only. Drawn with an RNG of its own
-    (from the trace seed), so the rest of the trace is what it would be without reuse."""
+    """``events`` with prompts taken from the pool (module docstring). Drawn with an RNG of
+    its own (from the trace seed), so the rest of the trace is what it would be without reuse."""
     rng = random.Random(f"kvfuzz/reuse/{seed}")
+    groups: dict[str, int | None] = {}  # the trace's group -> its pool group (None: kept)
     out: list[SendEvent | CancelEvent] = []
     for ev in events:
-        if isinstance(ev, SendEvent) and rng.random() < opts.prompt_reuse:
-            j = rng.randrange(opts.pool_size)
-            pooled = pool_prompt(opts.pool_seed, j, engine.block_size)
-            whole = rng.random() < 2 / 3
-            max_tokens = pool_max_tokens(opts.pool_seed, j, opts)
-            if whole and pooled.length + max_tokens <= engine.max_model_len:
-                ev = ev.model_copy(update={"prompt": pooled, "max_tokens": max_tokens})
-            elif not whole and isinstance(ev.prompt, GenPrompt) and pooled.prefix_len <= ev.prompt.length:
-                ev = ev.model_copy(update={"prompt": GenPrompt(length=ev.prompt.length, prefix_group=pooled.prefix_group,
-                                                               prefix_len=pooled.prefix_len, seed=ev.prompt.seed)})
+        if isinstance(ev, SendEvent) and isinstance(ev.prompt, GenPrompt):
+            ev = _reuse(ev, ev.prompt, rng, groups, engine, opts)
         out.append(ev)
     return out
+
+
+def _reuse(ev: SendEvent, prompt: GenPrompt, rng: random.Random, groups: dict[str, int | None],
+           engine: EngineConfig, opts: GenOptions) -> SendEvent:
+    n_per_group = max(1, opts.pool_size // GROUPS)
+    if prompt.prefix_group is None:
+        if rng.random() >= opts.prompt_reuse:
+            return ev
+        j = rng.randrange(opts.pool_size)
+    else:
+        if prompt.prefix_group not in groups:
+            groups[prompt.prefix_group] = rng.randrange(GROUPS) if rng.random() < opts.prompt_reuse else None
+        r = groups[prompt.prefix_group]
+        if r is None:
+            return ev
+        if rng.random() >= 2 / 3:  # the pool's prefix, the request's own length and tail
+            pooled = pool_prompt(opts.pool_seed, r, engine.block_size)  # group r's first entry's prefix
+            prefix = min(prompt.prefix_len, prompt.length)
+            return ev.model_copy(update={"prompt": GenPrompt(length=prompt.length, prefix_group=pooled.prefix_group,
+                                                             prefix_len=prefix, seed=prompt.seed)})
+        j = r + GROUPS * rng.randrange(n_per_group)
+    pooled = pool_prompt(opts.pool_seed, j, engine.block_size)
+    max_tokens = pool_max_tokens(opts.pool_seed, j, opts)
+    if pooled.length + max_tokens > engine.max_model_len:
+        return ev
+    return ev.model_copy(update={"prompt": pooled, "max_tokens": max_tokens})

@@ -180,6 +180,13 @@ def test_prompt_reuse_draws_from_the_campaign_pool_and_leaves_the_rest_of_the_tr
     whole = [s for t in reused for s in t.sends if s.prompt.model_dump_json() in pool]
     shared = [s for t in reused for s in t.sends if (s.prompt.prefix_group or "").startswith("pool9-")]
     assert len(whole) >= 10 and len(shared) > len(whole)
+    for a, b in zip(plain, reused):
+        # The trace's own prefix sharing is kept: requests that shared a group still share one.
+        def together(t):
+            return {frozenset(s.request_id for s in t.sends if s.prompt.prefix_group == g)
+                    for g in {s.prompt.prefix_group for s in t.sends if s.prompt.prefix_group}}
+        for members in together(a):
+            assert len({b.send(r).prompt.prefix_group for r in members}) == 1, (a.name, members)
     for a, b in zip(plain, reused):  # the schedule untouched: only prompts (and a whole reuse's max_tokens)
         assert [(s.request_id, s.at) for s in a.sends] == [(s.request_id, s.at)
                                                                 for s in b.sends]
