@@ -12,7 +12,8 @@ one pool group as a whole (every request of the group moves together, so they st
 and each of its requests then takes, two times in three, a pool prompt of that group whole
 (with the pool entry's own ``max_tokens``: a repeated request, whose reference the store
 already has), else keeps its own length and tail under the pool's prefix. A request without a
-prefix group takes a pool prompt whole with probability ``prompt_reuse``. The probability is
+prefix group takes a pool prompt whole with probability ``prompt_reuse``. A prompt longer than
+any of the pool's keeps its length (KV pressure: preemption bugs need it). The probability is
 chosen in docs/benchmarks.md ("Reference store and where the time goes").
 """
 
@@ -30,6 +31,11 @@ if TYPE_CHECKING:
 DEFAULT_PROMPT_REUSE = 0.3
 # Prefix groups of the pool: entry j is in group j % GROUPS.
 GROUPS = 4
+
+
+def max_pool_len(block_size: int) -> int:
+    """The longest prompt the pool holds (``pool_prompt``)."""
+    return max(700, 16 * block_size + 1)
 
 
 def pool_max_tokens(pool_seed: int, j: int, opts: GenOptions) -> int:
@@ -74,7 +80,12 @@ def reuse_prompts(events: list[SendEvent | CancelEvent], seed: int, engine: Engi
 def _reuse(ev: SendEvent, prompt: GenPrompt, rng: random.Random, groups: dict[str, int | None],
            engine: EngineConfig, opts: GenOptions) -> SendEvent:
     n_per_group = max(1, opts.pool_size // GROUPS)
+    # A prompt longer than any of the pool's is KV pressure (preemption bugs need it): it keeps
+    # its length; only its prefix may move with its group.
+    long = prompt.length > max_pool_len(engine.block_size)
     if prompt.prefix_group is None:
+        if long:
+            return ev
         if rng.random() >= opts.prompt_reuse:
             return ev
         j = rng.randrange(opts.pool_size)
@@ -84,7 +95,7 @@ def _reuse(ev: SendEvent, prompt: GenPrompt, rng: random.Random, groups: dict[st
         r = groups[prompt.prefix_group]
         if r is None:
             return ev
-        if rng.random() >= 2 / 3:  # the pool's prefix, the request's own length and tail
+        if long or rng.random() >= 2 / 3:  # the pool's prefix, the request's own length and tail
             pooled = pool_prompt(opts.pool_seed, r, engine.block_size)  # group r's first entry's prefix
             prefix = min(prompt.prefix_len, prompt.length)
             return ev.model_copy(update={"prompt": GenPrompt(length=prompt.length, prefix_group=pooled.prefix_group,
