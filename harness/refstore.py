@@ -171,10 +171,6 @@ class DiskTiers:
         ns = self._namespaces.get(id(engine))
         if ns is None:
             ns = self._namespaces[id(engine)] = namespace_of(engine)
-            for root in self._roots_for(ns):
-                d = root / ns.dirname
-                if not (d / "namespace.json").exists():
-                    atomic_write_text(d / "namespace.json", json.dumps(ns.__dict__, indent=2, sort_keys=True) + "\n")
         return ns
 
     def _roots_for(self, ns: Namespace) -> list[Path]:
@@ -204,15 +200,18 @@ class DiskTiers:
             return data, path
         return None
 
-    def _save(self, ns: Namespace, kind: str, key: dict[str, object], body: dict[str, object]) -> None:
-        text = json.dumps({"format": FORMAT, "key": key, "writer": self.writer, **body}, sort_keys=True)
+    def _save(self, ns: Namespace, kind: str, key: dict[str, object], body: dict[str, object],
+              writer: str | None) -> None:
+        text = json.dumps({"format": FORMAT, "key": key, "writer": writer or self.writer, **body}, sort_keys=True)
         for root in self._roots_for(ns):
+            d = root / ns.dirname
+            if not (d / "namespace.json").exists():
+                atomic_write_text(d / "namespace.json", json.dumps(ns.__dict__, indent=2, sort_keys=True) + "\n")
             atomic_write_text(self._path(root, ns, kind, key), text)
 
     # -- references ----------------------------------------------------------------------------
-    def load_reference(self, engine: Engine, key: dict[str, object], min_tokens: int) -> tuple[RequestRecord, bool] | None:
-        """A stored reference of at least ``min_tokens`` tokens, and whether another writer made it."""
-        ns = self.namespace(engine)
+    def load_reference(self, ns: Namespace, key: dict[str, object], min_tokens: int) -> tuple[RequestRecord, str] | None:
+        """A stored reference of at least ``min_tokens`` tokens, and who wrote it."""
         got = self._load(ns, "ref", key)
         if got is None:
             return None
@@ -224,14 +223,14 @@ class DiskTiers:
             return None
         if len(rec.token_ids) < min_tokens:
             return None  # too short: computed again, longer, and overwritten
-        return rec, data.get("writer") != self.writer
+        return rec, str(data.get("writer"))
 
-    def save_reference(self, engine: Engine, key: dict[str, object], rec: RequestRecord) -> None:
-        self._save(self.namespace(engine), "ref", key, {"record": rec.model_dump(mode="json")})
+    def save_reference(self, ns: Namespace, key: dict[str, object], rec: RequestRecord,
+                       writer: str | None = None) -> None:
+        self._save(ns, "ref", key, {"record": rec.model_dump(mode="json")}, writer)
 
     # -- teacher-forced scorings -----------------------------------------------------------------
-    def load_score(self, engine: Engine, key: dict[str, object]) -> list[TopLogprobs] | None:
-        ns = self.namespace(engine)
+    def load_score(self, ns: Namespace, key: dict[str, object]) -> list[TopLogprobs] | None:
         got = self._load(ns, "score", key)
         if got is None:
             return None
@@ -242,8 +241,54 @@ class DiskTiers:
             self.warn(f"corrupt reference store entry {path} ({str(e).splitlines()[0][:80]}): recomputed")
             return None
 
-    def save_score(self, engine: Engine, key: dict[str, object], logprobs: list[TopLogprobs]) -> None:
-        self._save(self.namespace(engine), "score", key, {"logprobs": logprobs})
+    def save_score(self, ns: Namespace, key: dict[str, object], logprobs: list[TopLogprobs],
+                   writer: str | None = None) -> None:
+        self._save(ns, "score", key, {"logprobs": logprobs}, writer)
+
+
+class StoreService:
+    """The store of a campaign on many workers (a Ray actor on the driver's node, made in
+    kvfuzz/cluster.py): workers read and add entries through it; it writes each one to the
+    driver's ``OUT/references`` (and cache) when it arrives, so a dead worker loses none and
+    workers on other nodes need no shared filesystem. Plain Python: Ray is not imported here."""
+
+    def __init__(self, out: str, cache: bool = True) -> None:
+        self.tiers = DiskTiers.for_campaign(Path(out), cache=cache)
+
+    def load_reference(self, ns: Namespace, key: dict[str, object], min_tokens: int) -> tuple[RequestRecord, str] | None:
+        return self.tiers.load_reference(ns, key, min_tokens)
+
+    def save_reference(self, ns: Namespace, key: dict[str, object], rec: RequestRecord, writer: str) -> None:
+        self.tiers.save_reference(ns, key, rec, writer)
+
+    def load_score(self, ns: Namespace, key: dict[str, object]) -> list[TopLogprobs] | None:
+        return self.tiers.load_score(ns, key)
+
+    def save_score(self, ns: Namespace, key: dict[str, object], logprobs: list[TopLogprobs], writer: str) -> None:
+        self.tiers.save_score(ns, key, logprobs, writer)
+
+
+class RemoteTiers(DiskTiers):
+    """A worker's view of a ``StoreService``: ``call(method, *args)`` runs the service's method
+    (kvfuzz/cluster.py passes one that goes through Ray) — read-through and write-through."""
+
+    def __init__(self, call: Callable[..., object], writer: str) -> None:
+        super().__init__(roots=[], writer=writer)
+        self._call = call
+
+    def load_reference(self, ns: Namespace, key: dict[str, object], min_tokens: int) -> tuple[RequestRecord, str] | None:
+        return self._call("load_reference", ns, key, min_tokens)  # type: ignore[return-value]
+
+    def save_reference(self, ns: Namespace, key: dict[str, object], rec: RequestRecord,
+                       writer: str | None = None) -> None:
+        self._call("save_reference", ns, key, rec, writer or self.writer)
+
+    def load_score(self, ns: Namespace, key: dict[str, object]) -> list[TopLogprobs] | None:
+        return self._call("load_score", ns, key)  # type: ignore[return-value]
+
+    def save_score(self, ns: Namespace, key: dict[str, object], logprobs: list[TopLogprobs],
+                   writer: str | None = None) -> None:
+        self._call("save_score", ns, key, logprobs, writer or self.writer)
 
 
 def same_reference(stored: RequestRecord, fresh: RequestRecord, *, exact: bool) -> str | None:
@@ -260,5 +305,5 @@ def same_reference(stored: RequestRecord, fresh: RequestRecord, *, exact: bool) 
     return None
 
 
-__all__ = ["DiskTiers", "Namespace", "ReferenceMismatch", "namespace_of", "reference_key", "same_reference",
-           "solo_settings"]
+__all__ = ["DiskTiers", "Namespace", "ReferenceMismatch", "RemoteTiers", "StoreService", "namespace_of",
+           "reference_key", "same_reference", "solo_settings"]

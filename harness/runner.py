@@ -66,9 +66,9 @@ class ReferenceStore:
         if self.tiers is not None:
             with self.ledger.span(REF_STORE):
                 disk_key = reference_key(engine, send, binding)
-                got = self.tiers.load_reference(engine, disk_key, send.max_tokens)
+                got = self.tiers.load_reference(self.tiers.namespace(engine), disk_key, send.max_tokens)
                 if got is not None:
-                    self._hit(engine, send, binding, got[0], shared=got[1])
+                    self._hit(engine, send, binding, got[0], shared=got[1] != self.tiers.writer)
                     self._remember(k, got[0])
                     return got[0].model_copy(update={"request_id": send.request_id})
         with self.ledger.span(REF_COMPUTED):
@@ -76,7 +76,7 @@ class ReferenceStore:
             self.computed += 1
             self.ledger.count("references_computed")
             if self.tiers is not None and disk_key is not None:
-                self.tiers.save_reference(engine, disk_key, rec)
+                self.tiers.save_reference(self.tiers.namespace(engine), disk_key, rec)
             self._remember(k, rec)
         return rec.model_copy(update={"request_id": send.request_id})
 
@@ -163,12 +163,12 @@ class ScoreStore:
             got = None
             if self.tiers is not None:
                 disk_key = {**reference_key(engine, send, binding), "scored": [int(t) for t in tokens]}
-                got = self.tiers.load_score(engine, disk_key)
+                got = self.tiers.load_score(self.tiers.namespace(engine), disk_key)
             if got is None:
                 got = engine.score(send, tokens, binding=binding)
                 self.computed += 1
                 if self.tiers is not None and disk_key is not None:
-                    self.tiers.save_score(engine, disk_key, got)
+                    self.tiers.save_score(self.tiers.namespace(engine), disk_key, got)
         self._memo[k] = got
         while len(self._memo) > self.max_entries:
             self._memo.popitem(last=False)

@@ -218,10 +218,13 @@ class WorkerSpec:
     # The reference store (harness/refstore.py): its campaign tier (OUT, shared by the workers
     # of a local cluster), the cache tier, and the share of hits verified. False: the in-memory
     # memo alone (``--no-reference-store``).
-    reference_store: bool = True
+    reference_store: bool = False
     store_dir: str | None = None
     verify_references: float = 0.02
     seed: int = 0
+    # On Ray: the name of the campaign's StoreService actor (set by RayExecutor), which every
+    # worker reads and writes instead of its own disk tiers.
+    store_actor: str | None = None
 
     @property
     def pooled(self) -> bool:
@@ -309,6 +312,8 @@ class WorkerCore:
                              start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL)
         self.session = spec.build_session(log_dir)
+        if spec.store_actor:
+            self._use_store(spec.store_actor)
         self.guard = Recovering(self.session)
         self.pooled = spec.pooled
         if self.pooled:
@@ -317,6 +322,21 @@ class WorkerCore:
             share_engines(6)
         self.scratch = Path(tempfile.mkdtemp(prefix=f"kvfuzz-{name}-"))
         self.triage = spec.build_triage(self.session, self.guard, self.scratch)
+
+    def _use_store(self, actor: str) -> None:
+        """The campaign's reference store is the driver's StoreService (harness/refstore.py):
+        read-through, write-through; hits on entries another worker wrote count as shared."""
+        import ray
+
+        from kvfuzz.harness.refstore import RemoteTiers
+
+        handle = ray.get_actor(actor, namespace=NAMESPACE)
+
+        def call(method: str, *args: Any) -> Any:
+            return ray.get(getattr(handle, method).remote(*args))
+
+        tiers = RemoteTiers(call, writer=f"{socket.gethostname()}-{os.getpid()}-{self.name}")
+        self.session.references.tiers = self.session.scores.tiers = tiers
 
     def ready(self) -> dict:
         return {"name": self.name, "pid": os.getpid(), "host": socket.gethostname()}
@@ -435,6 +455,20 @@ class RayExecutor:
         self.info: dict[str, dict] = {}
         RayExecutor.created += 1
         self.prefix = f"kvfuzz-{os.getpid()}-{RayExecutor.created}"
+        self.store = None
+        if spec.reference_store and spec.store_dir:
+            # One reference store for every worker, on the driver's node: it writes OUT/references.
+            import dataclasses
+
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            from kvfuzz.harness.refstore import StoreService
+
+            here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+            name = f"{self.prefix}-store"
+            self.store = ray.remote(num_cpus=0, max_restarts=0)(StoreService).options(
+                name=name, namespace=NAMESPACE, scheduling_strategy=here).remote(spec.store_dir)
+            self.spec = dataclasses.replace(spec, store_actor=name)
 
     created = 0
 
@@ -608,6 +642,12 @@ class RayExecutor:
                 pass
         self.actors.clear()
         self.ready_workers.clear()
+        if self.store is not None:
+            try:
+                self.ray.kill(self.store, no_restart=True)
+            except Exception:  # noqa: BLE001 - already dead
+                pass
+            self.store = None
 
 
 def _first_line(e: BaseException) -> str:

@@ -195,7 +195,7 @@ def test_prompt_reuse_draws_from_the_campaign_pool_and_leaves_the_rest_of_the_tr
 def test_the_spec_gives_every_worker_the_campaigns_store(tmp_path):
     from kvfuzz.cluster import WorkerSpec
 
-    spec = WorkerSpec(engine_kind="inprocess", store_dir=str(tmp_path), verify_references=0.5)
+    spec = WorkerSpec(engine_kind="inprocess", reference_store=True, store_dir=str(tmp_path), verify_references=0.5)
     s = spec.build_session(tmp_path / "w1")
     assert s.references.tiers.roots[0] == tmp_path / "references" and s.references.verify == 0.5
     assert s.scores.tiers is s.references.tiers and s.references.ledger is s.scores.ledger is s.ledger
@@ -218,3 +218,24 @@ def test_campaign_json_keeps_seconds_and_counts_apart_and_reads_them_back():
     assert all(isinstance(v, float) for v in st.time.values())  # the campaign page charts them as seconds
     assert st.reference_store["hit_rate"] == 0.25
     assert CampaignState(**json.loads(st.to_json())).time_breakdown == t
+
+
+def test_workers_share_one_store_service_and_count_each_others_entries(tmp_path):
+    from kvfuzz.harness.refstore import RemoteTiers, StoreService
+
+    service = StoreService(str(tmp_path / "out"))  # on the driver's node (a Ray actor there)
+
+    def call(method, *args):
+        return getattr(service, method)(*args)
+
+    eng1, eng2 = SoloEngine(), SoloEngine()
+    w1 = ReferenceStore(tiers=RemoteTiers(call, writer="w1"))
+    w1.get(eng1, send(), None)
+    # Written by the service when it arrived: the worker may die now and nothing is lost.
+    assert len(list((tmp_path / "out" / "references").glob("*/ref/*.json"))) == 1
+    w2 = ReferenceStore(tiers=RemoteTiers(call, writer="w2"), verify=1.0)
+    w2.get(eng2, send(n=4), None)
+    assert eng2.calls == 1 and w2.computed == 0 and w2.ledger.counts["references_shared"] == 1  # 1: the verify
+    ScoreStore(tiers=RemoteTiers(call, writer="w1")).get(eng1, send(), [1, 2], None)
+    ScoreStore(tiers=RemoteTiers(call, writer="w2")).get(eng2, send(), [1, 2], None)
+    assert eng2.calls == 1
