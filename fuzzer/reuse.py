@@ -27,8 +27,9 @@ from kvfuzz.traces import CancelEvent, EngineConfig, GenPrompt, SendEvent
 if TYPE_CHECKING:
     from .generate import GenOptions
 
-# `kvfuzz run` and `kvfuzz bench`'s default (docs/benchmarks.md, issue 29).
-DEFAULT_PROMPT_REUSE = 0.3
+# `kvfuzz run` and `kvfuzz bench`'s default: off, by measurement (docs/benchmarks.md, issue 29: at 0.3 the hit
+# rate rose 31% -> 44% but traces got costlier and the preemption fault took 25 traces instead of 13 on one seed).
+DEFAULT_PROMPT_REUSE = 0.0
 # Prefix groups of the pool: entry j is in group j % GROUPS.
 GROUPS = 4
 
