@@ -239,3 +239,15 @@ def test_workers_share_one_store_service_and_count_each_others_entries(tmp_path)
     ScoreStore(tiers=RemoteTiers(call, writer="w1")).get(eng1, send(), [1, 2], None)
     ScoreStore(tiers=RemoteTiers(call, writer="w2")).get(eng2, send(), [1, 2], None)
     assert eng2.calls == 1
+
+
+def test_resume_refuses_another_prompt_reuse(tmp_path):
+    from kvfuzz.fuzzer.campaign import CAMPAIGN_FILE, CampaignOptions, load_state
+    from kvfuzz.traces import atomic_write_text
+    from kvfuzz.traces.errors import BadInput
+
+    opts = CampaignOptions(out=tmp_path, gen=GenOptions(prompt_reuse=0.3, pool_seed=0))
+    atomic_write_text(tmp_path / CAMPAIGN_FILE, load_state(tmp_path, opts).to_json())
+    assert load_state(tmp_path, CampaignOptions(out=tmp_path, resume=True, gen=opts.gen)).prompt_reuse == 0.3
+    with pytest.raises(BadInput, match="prompt reuse"):
+        load_state(tmp_path, CampaignOptions(out=tmp_path, resume=True, gen=GenOptions()))
