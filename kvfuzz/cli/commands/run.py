@@ -88,7 +88,7 @@ def run(
                                                      "again and compared; any mismatch stops the campaign.")] = 0.02,
     prompt_reuse: Annotated[Optional[float], typer.Option(min=0.0, max=1.0, help="Probability that a fresh trace's request "
                                                 "takes a prompt (or a shared prefix) from the campaign's pool, as "
-                                                "real traffic repeats prompts (docs/fuzzer.md).")] = None,
+                                                "real traffic repeats prompts (default 0: off, by measurement; docs/fuzzer.md).")] = None,
 ) -> None:
     """Fuzz the embedded default model on the in-process vLLM engine or a managed vLLM server.
 
