@@ -27,6 +27,7 @@ from kvfuzz.traces import CampaignOrigin, EngineConfig, Finding, LineageLink, Tr
 from kvfuzz.traces.errors import BadInput
 from kvfuzz.traces.io import finding_path
 from kvfuzz.traces.result import Checked
+from kvfuzz.traces.timing import GENERATION, TRIAGE, Ledger, TimeBreakdown
 
 from .corpus import Corpus, CorpusEntry, Item, Scheduler, Seed, measured_key, now
 from .feedback import Coverage, trace_signature
@@ -92,6 +93,10 @@ class CampaignOptions:
         return self.corpus if self.corpus is not None else self.out / "corpus"
 
     @property
+    def prompt_reuse(self) -> float:
+        return self.gen.prompt_reuse if self.gen is not None and not self.gen.lifecycle else 0.0
+
+    @property
     def lifecycle(self) -> bool:
         """Adapter-lifecycle churn (``gen.lifecycle``): fresh traces from the lifecycle
         generator, and the lifecycle mutation operators drawn too."""
@@ -142,6 +147,19 @@ class CampaignState:
     worker_deaths: list[dict] = field(default_factory=list)
     # Adapter-lifecycle generation (``kvfuzz run --lifecycle``; GenOptions.lifecycle).
     lifecycle: bool = False
+    # Where the time went, seconds per phase, and the reference store's counts and hit rate
+    # (traces/timing.py TimeBreakdown.state_parts; summed over resumed sessions).
+    time: dict[str, float] = field(default_factory=dict)
+    reference_store: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def time_breakdown(self) -> TimeBreakdown:
+        return TimeBreakdown.from_state(self.time, self.reference_store) if self.time else TimeBreakdown()
+
+    def set_time(self, t: TimeBreakdown) -> None:
+        self.time, self.reference_store = t.state_parts()
+    # Prompt reuse probability (GenOptions.prompt_reuse): part of what iteration i's trace is.
+    prompt_reuse: float = 0.0
 
     @property
     def buckets(self) -> int:
@@ -193,6 +211,9 @@ def load_state(out: Path, opts: CampaignOptions) -> CampaignState:
         if state.lifecycle != opts.lifecycle:
             was = "with" if state.lifecycle else "without"
             raise BadInput(f"cannot resume: the campaign was run {was} --lifecycle", source=str(path), field="lifecycle")
+        if state.prompt_reuse != opts.prompt_reuse:
+            raise BadInput(f"cannot resume: the campaign's prompt reuse is {state.prompt_reuse}, not "
+                           f"{opts.prompt_reuse}", source=str(path), field="prompt_reuse")
         if state.engine and state.engine != opts.engine.model_dump(mode="json"):
             raise BadInput("cannot resume: the engine options differ from the interrupted campaign's",
                            source=str(path), field="engine")
@@ -203,7 +224,7 @@ def load_state(out: Path, opts: CampaignOptions) -> CampaignState:
         return state
     return CampaignState(seed=opts.seed, engine=opts.engine.model_dump(mode="json"), runs=opts.runs,
                          mode=opts.mode, arms=opts.arms, corpus_dir=str(opts.corpus_dir), operators=opts.operators,
-                         mutants=opts.mutants, lifecycle=opts.lifecycle)
+                         mutants=opts.mutants, lifecycle=opts.lifecycle, prompt_reuse=opts.prompt_reuse)
 
 
 class Campaign:
@@ -363,17 +384,20 @@ class Campaign:
 
 def run_campaign(opts: CampaignOptions, check_trace: Callable[[Trace], Checked],
                  on_outcome: Callable[[TraceOutcome, CampaignState], None] | None = None,
-                 on_start: Callable[["Campaign"], None] | None = None) -> CampaignState:
+                 on_start: Callable[["Campaign"], None] | None = None, ledger: Ledger | None = None) -> CampaignState:
     """Run traces until the budget or trace count is used up. ``check_trace`` records and
-    checks one trace (harness + oracle); its histories feed coverage, its finding is kept."""
+    checks one trace (harness + oracle); its histories feed coverage, its finding is kept.
+    ``ledger``: the session's (traces/timing.py): where the time went lands in ``state.time``."""
     out = opts.out
     (out / "findings").mkdir(parents=True, exist_ok=True)
+    ledger = ledger if ledger is not None else Ledger()
     camp = Campaign(opts)
     state = camp.state
     if on_start:
         on_start(camp)
     start = time.monotonic()
     base_seconds = state.seconds
+    base_time = state.time_breakdown
     atomic_write_text(out / CAMPAIGN_FILE, state.to_json())
     while True:
         elapsed = time.monotonic() - start
@@ -383,26 +407,35 @@ def run_campaign(opts: CampaignOptions, check_trace: Callable[[Trace], Checked],
             break
         i = state.next_index
         t0 = time.monotonic()
-        trace, source = camp.next_trace(i)
-        checked = check_trace(trace)
-        finding = checked.finding
-        buckets = trace_signature(checked.histories, trace)
-        before = (state.buckets, state.findings)
-        novel = camp.learn(i, trace, source, buckets)
-        if finding is not None:
-            camp.record_finding(i, trace, source, finding)
-        state.traces += 1
-        state.next_index = i + 1
-        state.sources[source] = state.sources.get(source, 0) + 1
-        state.seconds = round(base_seconds + time.monotonic() - start, 3)
-        if (state.buckets, state.findings) != before or i == 0:
-            state.coverage_log.append([state.traces, state.seconds, state.buckets, state.findings])
-            thin_log(state.coverage_log)
-        atomic_write_text(out / CAMPAIGN_FILE, state.to_json())
+        with ledger.span(GENERATION):
+            trace, source = camp.next_trace(i)
+        # Everything check_trace spends outside runs, references and scorings is triage's.
+        ledger.fresh = True
+        with ledger.span(TRIAGE):
+            checked = check_trace(trace)
+        ledger.fresh = False
+        with ledger.span(GENERATION):
+            finding = checked.finding
+            buckets = trace_signature(checked.histories, trace)
+            before = (state.buckets, state.findings)
+            novel = camp.learn(i, trace, source, buckets)
+            if finding is not None:
+                camp.record_finding(i, trace, source, finding)
+            state.traces += 1
+            state.next_index = i + 1
+            state.sources[source] = state.sources.get(source, 0) + 1
+            state.seconds = round(base_seconds + time.monotonic() - start, 3)
+            if (state.buckets, state.findings) != before or i == 0:
+                state.coverage_log.append([state.traces, state.seconds, state.buckets, state.findings])
+                thin_log(state.coverage_log)
+            state.set_time(base_time.plus(ledger.breakdown()))
+            atomic_write_text(out / CAMPAIGN_FILE, state.to_json())
         if on_outcome:
-            on_outcome(TraceOutcome(i, trace, finding, time.monotonic() - t0, source, novel, buckets), state)
+            with ledger.span(GENERATION):
+                on_outcome(TraceOutcome(i, trace, finding, time.monotonic() - t0, source, novel, buckets), state)
     state.complete = True
     state.seconds = round(base_seconds + time.monotonic() - start, 3)
+    state.set_time(base_time.plus(ledger.breakdown()))
     atomic_write_text(out / CAMPAIGN_FILE, state.to_json())
     return state
 

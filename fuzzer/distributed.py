@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from kvfuzz.traces import Finding, Trace, atomic_write_text, parse_trace
+from kvfuzz.traces.timing import TimeBreakdown  # noqa: TC001 - a Result field
 from kvfuzz.traces.errors import BadInput, InfraError
 
 from .campaign import CAMPAIGN_FILE, Campaign, CampaignOptions, CampaignState, TraceOutcome, thin_log
@@ -65,6 +66,8 @@ class Result:
     # Files the worker's triage wrote (originals of minimized findings ...), relative to OUT:
     # the driver writes them, so workers on other nodes need no shared filesystem.
     files: dict[str, str] = field(default_factory=dict)
+    # Where the worker's time went on this trace (traces/timing.py); summed into state.time.
+    time: TimeBreakdown | None = None
 
 
 @dataclass
@@ -298,6 +301,8 @@ class Driver:
         st.next_index = i + 1
         st.sources[source] = st.sources.get(source, 0) + 1
         st.by_worker[res.worker] = st.by_worker.get(res.worker, 0) + 1
+        if res.time is not None:
+            st.set_time(st.time_breakdown.plus(res.time))
         st.seconds = round(base_seconds + time.monotonic() - start, 3)
         if (st.buckets, st.findings) != before or i == 0:
             st.coverage_log.append([st.traces, st.seconds, st.buckets, st.findings])

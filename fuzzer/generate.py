@@ -31,6 +31,7 @@ from kvfuzz.traces.trace import (
 )
 
 from . import hybrid, lifecycle, shapes
+from .reuse import reuse_prompts
 
 GENERATOR = "random-v2"
 
@@ -82,6 +83,12 @@ class GenOptions:
     p_race: float = 0.15
     p_salt: float = 0.3
     p_base: float = 0.25
+    # Prompt reuse (issue 29): each request of a fresh trace takes, with this probability, a
+    # prompt of the campaign's pool (``fuzzer/reuse.py``; seeded by ``pool_seed``), as real
+    # traffic repeats system prompts and documents. 0: the generator before issue 29.
+    prompt_reuse: float = 0.0
+    pool_seed: int = 0
+    pool_size: int = 32
 
 
 def _length(rng: random.Random, bs: int, opts: GenOptions) -> int:
@@ -133,6 +140,9 @@ def generate(seed: int, engine: EngineConfig | None = None, opts: GenOptions | N
                 s = step + rng.randint(0, 6)
                 at = At(step=s, offset_ms=s * engine.ms_per_step)
             events.append(CancelEvent(request_id=rid, at=at))
+    if opts.prompt_reuse > 0:
+        # Its own RNG: the trace drawn above is the same whatever the reuse probability.
+        events = reuse_prompts(events, seed, engine, opts)
     events = _additions(rng, engine, opts, events, step)
     return Trace(engine=engine, events=events, lineage=Lineage(generator=GENERATOR, seed=seed),
                  name=f"random-{seed}")

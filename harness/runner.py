@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import hashlib
+import random
 from collections import OrderedDict
 from collections.abc import Callable
 
 from kvfuzz.traces import Divergence, History, RequestRecord, Scoring, SendEvent, Trace, expand
 from kvfuzz.traces.history import TopLogprobs
 from kvfuzz.traces.result import Recording
+from kvfuzz.traces.timing import FUZZED, REF_COMPUTED, REF_STORE, REF_VERIFY, SCORES, Ledger
 from kvfuzz.traces.trace import Binding
 
 from .base import Engine
 from .environment import stamp
+from .refstore import DiskTiers, ReferenceMismatch, reference_key, same_reference
 
 
 class ReferenceStore:
@@ -25,12 +28,21 @@ class ReferenceStore:
 
     DEFAULT_MAX_ENTRIES = 4096
 
-    def __init__(self, max_entries: int = DEFAULT_MAX_ENTRIES) -> None:
+    def __init__(self, max_entries: int = DEFAULT_MAX_ENTRIES, *, tiers: DiskTiers | None = None,
+                 verify: float = 0.0, ledger: Ledger | None = None, verify_seed: int = 0) -> None:
         self._memo: OrderedDict[tuple[str, str | None, str], RequestRecord] = OrderedDict()
         self.max_entries = max(1, max_entries)
         self.computed = 0
         self.hits = 0
         self.evicted = 0
+        # Disk tiers behind the memo (harness/refstore.py; None: the memo alone, the behaviour
+        # before issue 29 and ``--no-reference-store``'s).
+        self.tiers = tiers
+        # The share of hits computed again and compared (``--verify-references``).
+        self.verify = verify
+        self.verified = 0
+        self._verify_rng = random.Random(f"kvfuzz/verify/{verify_seed}")
+        self.ledger = ledger if ledger is not None else Ledger()
 
     @staticmethod
     def key(engine: Engine, send: SendEvent, binding: Binding | None) -> tuple[str, str | None, str]:
@@ -46,17 +58,54 @@ class ReferenceStore:
         k = self.key(engine, send, binding)
         have = self._memo.get(k)
         if have is not None and len(have.token_ids) >= send.max_tokens:
-            self.hits += 1
-            self._memo.move_to_end(k)
+            with self.ledger.span(REF_STORE):
+                self._hit(engine, send, binding, have, shared=False)
+                self._memo.move_to_end(k)
             return have.model_copy(update={"request_id": send.request_id})
-        rec = engine.run_alone(send, binding=binding)
-        self.computed += 1
+        disk_key = None
+        if self.tiers is not None:
+            with self.ledger.span(REF_STORE):
+                disk_key = reference_key(engine, send, binding)
+                got = self.tiers.load_reference(self.tiers.namespace(engine), disk_key, send.max_tokens)
+                if got is not None:
+                    self._hit(engine, send, binding, got[0], shared=got[1] != self.tiers.writer)
+                    self._remember(k, got[0])
+                    return got[0].model_copy(update={"request_id": send.request_id})
+        with self.ledger.span(REF_COMPUTED):
+            rec = engine.run_alone(send, binding=binding)
+            self.computed += 1
+            self.ledger.count("references_computed")
+            if self.tiers is not None and disk_key is not None:
+                self.tiers.save_reference(self.tiers.namespace(engine), disk_key, rec)
+            self._remember(k, rec)
+        return rec.model_copy(update={"request_id": send.request_id})
+
+    def _remember(self, k: tuple[str, str | None, str], rec: RequestRecord) -> None:
         self._memo[k] = rec
         self._memo.move_to_end(k)
         while len(self._memo) > self.max_entries:
             self._memo.popitem(last=False)
             self.evicted += 1
-        return rec.model_copy(update={"request_id": send.request_id})
+
+    def _hit(self, engine: Engine, send: SendEvent, binding: Binding | None, have: RequestRecord, *,
+             shared: bool) -> None:
+        """Count a hit, and now and then check it: the same reference computed again must agree
+        (to the bit on a step-exact engine), else the store's key misses something."""
+        self.hits += 1
+        self.ledger.count("references_from_store")
+        if shared:
+            self.ledger.count("references_shared")
+        if self.verify <= 0 or self._verify_rng.random() >= self.verify:
+            return
+        with self.ledger.span(REF_VERIFY):
+            fresh = engine.run_alone(send, binding=binding)
+        self.verified += 1
+        self.ledger.count("references_verified")
+        why = same_reference(have, fresh, exact=engine.step_exact)
+        if why is not None:
+            raise ReferenceMismatch(f"reference store: the stored reference of {send.request_id!r} differs from "
+                                    f"the same reference computed again ({why}); rerun with --no-reference-store "
+                                    f"and report it")
 
     def __len__(self) -> int:
         return len(self._memo)
@@ -64,18 +113,23 @@ class ReferenceStore:
 
 def record(engine: Engine, trace: Trace, *, runs: int = 3, arms: dict[str, list[str]] | None = None,
            store: ReferenceStore | None = None,
-           on_run: Callable[[History], None] | None = None) -> Recording:
+           on_run: Callable[[History], None] | None = None, fuzzed: bool = False) -> Recording:
     """Replay ``trace`` ``runs`` times in each arm (arm name -> toggles; default: the trace's
-    own toggles), then compute a reference for every request."""
+    own toggles), then compute a reference for every request. ``fuzzed``: these replays are a
+    campaign's fuzzed runs (their time is counted as such in the store's ledger)."""
     arms = {a: list(t) for a, t in arms.items()} if arms else {"default": list(trace.engine.toggles)}
     histories: list[History] = []
+    store = store if store is not None else ReferenceStore()
     for arm, toggles in arms.items():
         for k in range(runs):
-            h = stamp(engine.replay(trace, arm=arm, run_index=k, toggles=toggles), engine.kind)
+            if fuzzed:
+                with store.ledger.span(FUZZED):
+                    h = stamp(engine.replay(trace, arm=arm, run_index=k, toggles=toggles), engine.kind)
+            else:
+                h = stamp(engine.replay(trace, arm=arm, run_index=k, toggles=toggles), engine.kind)
             histories.append(h)
             if on_run:
                 on_run(h)
-    store = store if store is not None else ReferenceStore()
     bindings = trace.bindings_at_admission()
     references = {s.request_id: store.get(engine, s, bindings.get(s.request_id)) for s in trace.sends}
     env = engine.environment()
@@ -89,10 +143,13 @@ class ScoreStore:
     prompt) plus the tokens. Runs that diverged the same way are scored once. Bounded like
     the reference memo."""
 
-    def __init__(self, max_entries: int = ReferenceStore.DEFAULT_MAX_ENTRIES) -> None:
+    def __init__(self, max_entries: int = ReferenceStore.DEFAULT_MAX_ENTRIES, *, tiers: DiskTiers | None = None,
+                 ledger: Ledger | None = None) -> None:
         self._memo: OrderedDict[tuple[str, str | None, str, str], list[TopLogprobs]] = OrderedDict()
         self.max_entries = max(1, max_entries)
         self.computed = 0
+        self.tiers = tiers
+        self.ledger = ledger if ledger is not None else Ledger()
 
     def get(self, engine: Engine, send: SendEvent, tokens: list[int], binding: Binding | None) -> list[TopLogprobs]:
         config, adapter, prompt = ReferenceStore.key(engine, send, binding)
@@ -101,8 +158,17 @@ class ScoreStore:
         if have is not None:
             self._memo.move_to_end(k)
             return have
-        got = engine.score(send, tokens, binding=binding)
-        self.computed += 1
+        with self.ledger.span(SCORES):
+            disk_key = None
+            got = None
+            if self.tiers is not None:
+                disk_key = {**reference_key(engine, send, binding), "scored": [int(t) for t in tokens]}
+                got = self.tiers.load_score(self.tiers.namespace(engine), disk_key)
+            if got is None:
+                got = engine.score(send, tokens, binding=binding)
+                self.computed += 1
+                if self.tiers is not None and disk_key is not None:
+                    self.tiers.save_score(self.tiers.namespace(engine), disk_key, got)
         self._memo[k] = got
         while len(self._memo) > self.max_entries:
             self._memo.popitem(last=False)

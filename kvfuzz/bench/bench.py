@@ -120,7 +120,7 @@ def _detects(f: Finding | None, toggle: str) -> bool:
 
 def _campaign(session: Session, arm: str, toggles: list[str], seed: int, *, budget: float, max_traces: int | None,
               runs: int, out: Path, engine: EngineConfig, stop_on: str | None, runs_fixed: bool = False,
-              on_finding: Any = None) -> tuple[Any, float, Any]:
+              on_finding: Any = None, prompt_reuse: float = 0.0) -> tuple[Any, float, Any]:
     """One campaign of ``arm`` as ``kvfuzz run`` runs it (adaptive runs, attribution and
     buckets; no minimization, controls or ablation: they come after detection); stops at the
     first finding explained by ``stop_on``."""
@@ -130,8 +130,16 @@ def _campaign(session: Session, arm: str, toggles: list[str], seed: int, *, budg
     from kvfuzz.driver.settings import CampaignSettings, TriageSettings
     from kvfuzz.triage.campaign import build_triage
 
-    session.references, session.scores = ReferenceStore(), ScoreStore()
-    opts = CampaignOptions(seed=seed, budget_s=budget, max_traces=max_traces, runs=runs, out=out, engine=engine)
+    # A fresh memo per (toggle, seed): no campaign profits from another's references.
+    session.references, session.scores = ReferenceStore(ledger=session.ledger), ScoreStore(ledger=session.ledger)
+    gen = None
+    if prompt_reuse > 0:
+        from kvfuzz.fuzzer import GenOptions
+
+        gen = GenOptions(adapters=sorted(engine.lora.adapters) if engine.lora.enabled else [],
+                         prompt_reuse=prompt_reuse, pool_seed=seed)
+    opts = CampaignOptions(seed=seed, budget_s=budget, max_traces=max_traces, runs=runs, out=out, engine=engine,
+                           gen=gen)
     hit: dict[str, Any] = {}
     t0 = time.monotonic()
 
@@ -150,7 +158,7 @@ def _campaign(session: Session, arm: str, toggles: list[str], seed: int, *, budg
                                     triage=TriageSettings(runs_fixed=runs_fixed, minimize=False, controls=False,
                                                           ablate=False))
         triage = build_triage(settings, session, Recovering(session), out)
-        state = run_campaign(opts, triage, outcome)
+        state = run_campaign(opts, triage, outcome, ledger=session.ledger)
     except _Detected:
         pass
     return state, time.monotonic() - t0, hit
@@ -194,7 +202,7 @@ def run_bench(*, toggles: list[str] | None, seeds: list[int], budget: float, max
               control_budget: float, runs: int, out: Path, device: str, lora: str = "auto",
               kv_cache_mb: int | None = 8, max_model_len: int | None = 8000, dtypes: list[str] | None = None,
               runs_fixed: bool = False, progress: Any = print, session: Session | None = None,
-              model: str | None = None) -> dict:
+              model: str | None = None, prompt_reuse: float = 0.0) -> dict:
     from kvfuzz.driver.calibrate import prepare_bounds
     from kvfuzz.harness import toggles as reg
     from kvfuzz.oracle.attribution import single_arm
@@ -215,6 +223,9 @@ def run_bench(*, toggles: list[str] | None, seeds: list[int], budget: float, max
     own = session is None
     if own:
         session = build_session(SessionSettings(device=check_device(device), runs=runs), out)
+    from kvfuzz.traces.timing import Ledger
+
+    session.ledger = Ledger()  # where this benchmark's time goes (traces/timing.py)
     results: list[ToggleResult] = []
     engines: dict[str, Any] = {}
     starts: dict[str, float] = {}
@@ -259,7 +270,8 @@ def run_bench(*, toggles: list[str] | None, seeds: list[int], budget: float, max
                         state, secs, hit = _campaign(session, arm, arm_toggles, seed, budget=budget,
                                                      max_traces=max_traces, runs=runs,
                                                      out=out / dtype / name / f"seed{seed}", engine=engine,
-                                                     stop_on=name, runs_fixed=runs_fixed, on_finding=count)
+                                                     stop_on=name, runs_fixed=runs_fixed, on_finding=count,
+                                                     prompt_reuse=prompt_reuse)
                         if hit:
                             f = hit["outcome"].finding
                             victims = sorted({d.request_id for d in f.divergences if d.explained_by == name})
@@ -280,7 +292,8 @@ def run_bench(*, toggles: list[str] | None, seeds: list[int], budget: float, max
                 for seed in seeds if share > 0 else []:
                     state, secs, _ = _campaign(session, "clean", clean, seed, budget=share, max_traces=None,
                                                runs=runs, out=out / dtype / "control" / profile / f"seed{seed}",
-                                               engine=engine, stop_on=None, runs_fixed=runs_fixed, on_finding=note)
+                                               engine=engine, stop_on=None, runs_fixed=runs_fixed, on_finding=note,
+                                               prompt_reuse=prompt_reuse)
                     control_traces += state.traces if state else 0
                     control_seconds += secs
                     progress(f"control ({label}) seed {seed}: {state.traces if state else 0} traces, {secs:.0f} s, "
@@ -288,14 +301,18 @@ def run_bench(*, toggles: list[str] | None, seeds: list[int], budget: float, max
     finally:
         if own:
             session.close()
+    time_spent = session.ledger.breakdown()
     return {
         "date": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
+        # Where the benchmark's wall time went; fuzzed_share: the share in fuzzed runs (issue 29).
+        "time": time_spent.model_dump(),
+        "fuzzed_share": round(time_spent.share("fuzzed_runs"), 3),
         "machine": _machine(),
         "load_avg_before": [round(x, 2) for x in load_before],
         "load_avg_after": [round(x, 2) for x in os.getloadavg()],
         "command": "kvfuzz " + " ".join(sys.argv[1:]),
         "config": {"device": device, "seeds": seeds, "budget_s": budget, "max_traces": max_traces, "runs": runs,
-                   "runs_fixed": runs_fixed,
+                   "runs_fixed": runs_fixed, "prompt_reuse": prompt_reuse,
                    "control_budget_s": control_budget, "lora": lora, "kv_cache_mb": kv_cache_mb, "model": model,
                    "max_model_len": max_model_len, "dtypes": dtypes,
                    "engines": {p: e.model_dump(mode="json") for p, e in engines.items()},

@@ -24,6 +24,7 @@ from kvfuzz.traces.calibration import CalibrationProfile, find_profile
 from kvfuzz.traces.errors import BadInput
 from kvfuzz.traces.result import Checked, Recording
 from kvfuzz.driver.settings import SessionSettings
+from kvfuzz.traces.timing import CONFIRM, ENGINE_START, Ledger
 
 if TYPE_CHECKING:
     from kvfuzz.harness.inprocess import EnginePool, InProcessEngine
@@ -41,7 +42,22 @@ class Session:
     engine: Engine | None = None
     references: ReferenceStore = field(default_factory=ReferenceStore)
     scores: ScoreStore = field(default_factory=ScoreStore)
+    # Where the session's time goes (traces/timing.py), shared with its stores.
+    ledger: Ledger = field(default_factory=Ledger)
     _bounds: dict[str, NoiseBounds] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        self.references.ledger = self.scores.ledger = self.ledger
+
+    def use_reference_store(self, out: Path | None, *, cache: bool = True, verify: float = 0.0,
+                            seed: int = 0) -> None:
+        """References and scorings kept on disk too: in ``out/references`` and (``cache``) the
+        kvfuzz cache, a share ``verify`` of hits computed again (harness/refstore.py)."""
+        from kvfuzz.harness.refstore import DiskTiers
+
+        tiers = DiskTiers.for_campaign(out, cache=cache)
+        self.references = ReferenceStore(tiers=tiers, verify=verify, ledger=self.ledger, verify_seed=seed)
+        self.scores = ScoreStore(tiers=tiers, ledger=self.ledger)
 
     # -- the settings, read where the session is used ---------------------------------------------
     @property
@@ -102,8 +118,9 @@ class Session:
 
             pool = engine_pool()
             if pool is not None:  # a test process: engines are shared (kvfuzz's pytest plugin)
-                self.engine = pool.acquire(config, device=self.device, log_file=self.log_file,
-                                           trace_deadline_s=self.trace_deadline_s)
+                with self.ledger.span(ENGINE_START):
+                    self.engine = pool.acquire(config, device=self.device, log_file=self.log_file,
+                                               trace_deadline_s=self.trace_deadline_s)
                 return self.engine
             engine = InProcessEngine(config, device=self.device, log_file=self.log_file,
                                      trace_deadline_s=self.trace_deadline_s)
@@ -123,14 +140,16 @@ class Session:
                                model=st.served_model)
         # References depend on the engine configuration (the memo key includes it), so the
         # store is kept across restarts.
-        self.engine = engine.start()
+        with self.ledger.span(ENGINE_START):
+            self.engine = engine.start()
         return self.engine
 
     # -- record, check, judge ----------------------------------------------------------------------
     def record(self, trace: Trace, *, runs: int | None = None,
                arms: dict[str, list[str]] | None = None) -> Recording:
         """Replay ``trace`` ``runs`` times in each arm (default: its own toggles), with references."""
-        return record(self.engine_for(trace.engine), trace, runs=runs or self.runs, arms=arms, store=self.references)
+        return record(self.engine_for(trace.engine), trace, runs=runs or self.runs, arms=arms, store=self.references,
+                      fuzzed=self.ledger.take_fresh())
 
     # -- noise bounds ------------------------------------------------------------------------------
     def bounds_for(self, config: EngineConfig) -> NoiseBounds:
@@ -196,10 +215,12 @@ class Session:
         trace runs once, and again only when something diverged, to measure the rate)."""
         engine = self.engine_for(rec.trace.engine)
         histories = list(rec.histories)
-        for arm, toggles in rec.arms.items():
-            have = sum(1 for h in histories if h.arm == arm)
-            for k in range(have, runs):
-                histories.append(stamp(engine.replay(rec.trace, arm=arm, run_index=k, toggles=toggles), engine.kind))
+        with self.ledger.span(CONFIRM):
+            for arm, toggles in rec.arms.items():
+                have = sum(1 for h in histories if h.arm == arm)
+                for k in range(have, runs):
+                    histories.append(stamp(engine.replay(rec.trace, arm=arm, run_index=k, toggles=toggles),
+                                           engine.kind))
         return Recording(trace=rec.trace, histories=histories, references=rec.references,
                          environment=rec.environment, arms=dict(rec.arms), scores=list(rec.scores))
 
@@ -285,4 +306,7 @@ def server_options(settings: SessionSettings, log_dir: Path) -> ServerOptions | 
 
 def build_session(settings: SessionSettings, log_dir: Path, *, log_name: str = "engine.log") -> Session:
     """The one way a command's session is made: its engine log (and server logs) in ``log_dir``."""
-    return Session(settings=settings, log_file=log_dir / log_name, server_options=server_options(settings, log_dir))
+    session = Session(settings=settings, log_file=log_dir / log_name, server_options=server_options(settings, log_dir))
+    if settings.store is not None:
+        session.use_reference_store(settings.store.out, verify=settings.store.verify, seed=settings.store.seed)
+    return session

@@ -43,6 +43,19 @@ def engine_kind(engine: str, base_url: str | None, device: str) -> EngineKind:
     raise BadInput(f"unknown engine {engine!r} (inprocess or server)", field="--engine")
 
 
+class StoreSettings(BaseModel):
+    """The reference store on disk (harness/refstore.py): the campaign's tier (``out``/references,
+    shared by the workers of a campaign), the kvfuzz cache's tier, and the share of hits computed
+    again and compared. No StoreSettings (``--no-reference-store``): an in-memory memo only."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    out: Path | None = None
+    verify: float = Field(0.02, ge=0.0, le=1.0)
+    # Which hits are verified: a pure function of this seed (a resumed campaign checks alike).
+    seed: int = 0
+
+
 class SessionSettings(BaseModel):
     """Where traces run and how they are judged: everything a session needs besides its log
     directory. JSON-safe (the isolated child and Ray workers receive it), except the API key,
@@ -67,6 +80,7 @@ class SessionSettings(BaseModel):
     base_url: str | None = None
     api_key: SecretStr | None = Field(default=None, exclude=True)
     served_model: str | None = None
+    store: StoreSettings | None = None
 
     @property
     def step_exact(self) -> bool:

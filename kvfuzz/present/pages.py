@@ -217,11 +217,16 @@ REDRAW_S = 30.0
 # A bucket's report (a second or two of drawing, once) is written while the campaign runs only
 # after this long; a shorter campaign gets it from its final page (kvfuzz run's summary).
 BUCKET_REPORTS_AFTER_S = 120.0
+# ...and, on a loaded machine where a redraw takes seconds, at most this share of the campaign's
+# time goes to charts (issue 29 measured redraws at 5% of a 10-minute campaign): the next redraw
+# waits at least the last one's duration divided by it.
+CHART_SHARE = 0.02
 
 
 @dataclass
 class _Cache:
     drawn_at: float = 0.0
+    cost: float = 0.0  # seconds the last redraw took
     key: Any = None
     charts: str = ""
     warned: bool = False
@@ -333,10 +338,13 @@ def write_campaign_page(out: Path | str, state: Mapping[str, Any] | Any, *, fina
         if draw_now:
             key = (v.progress[:-1], v.findings, len(v.buckets), v.time_breakdown)
             now = time.monotonic()
-            due = final or v.complete or not cache.charts or (key != cache.key and now - cache.drawn_at >= REDRAW_S) \
-                or now - cache.drawn_at >= 6 * REDRAW_S
+            wait = max(REDRAW_S, cache.cost / CHART_SHARE)
+            due = final or v.complete or not cache.charts or (key != cache.key and now - cache.drawn_at >= wait) \
+                or now - cache.drawn_at >= 6 * wait
             if due:
-                cache.charts, cache.key, cache.drawn_at = _campaign_charts(v), key, now
+                cache.charts, cache.key = _campaign_charts(v), key
+                cache.drawn_at = time.monotonic()
+                cache.cost = cache.drawn_at - now
         atomic_write_text(out / CAMPAIGN_PAGE, campaign_html(out, state, charts=cache.charts, reports=reports))
     except Exception as e:  # the page is a convenience: the campaign never stops for it
         if not cache.warned:

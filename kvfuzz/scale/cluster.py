@@ -202,6 +202,9 @@ class WorkerSpec:
     settings: CampaignSettings = field(default_factory=CampaignSettings)
     log_dir: str = "kvfuzz-out/workers"
     threads: int = 1
+    # On Ray: the name of the campaign's StoreService actor (set by RayExecutor), which every
+    # worker reads and writes instead of its own disk tiers.
+    store_actor: str | None = None
 
     @property
     def device(self) -> str:
@@ -274,6 +277,8 @@ class WorkerCore:
                              start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL)
         self.session = spec.build_session(log_dir)
+        if spec.store_actor:
+            self._use_store(spec.store_actor)
         self.guard = Recovering(self.session)
         self.pooled = spec.pooled
         if self.pooled:
@@ -282,6 +287,21 @@ class WorkerCore:
             share_engines(6)
         self.scratch = Path(tempfile.mkdtemp(prefix=f"kvfuzz-{name}-"))
         self.triage = spec.build_triage(self.session, self.guard, self.scratch)
+
+    def _use_store(self, actor: str) -> None:
+        """The campaign's reference store is the driver's StoreService (harness/refstore.py):
+        read-through, write-through; hits on entries another worker wrote count as shared."""
+        import ray
+
+        from kvfuzz.harness.refstore import RemoteTiers
+
+        handle = ray.get_actor(actor, namespace=NAMESPACE)
+
+        def call(method: str, *args: Any) -> Any:
+            return ray.get(getattr(handle, method).remote(*args))
+
+        tiers = RemoteTiers(call, writer=f"{socket.gethostname()}-{os.getpid()}-{self.name}")
+        self.session.references.tiers = self.session.scores.tiers = tiers
 
     def ready(self) -> dict:
         return {"name": self.name, "pid": os.getpid(), "host": socket.gethostname()}
@@ -306,12 +326,18 @@ class WorkerCore:
     def run(self, task) -> Any:
         from kvfuzz.fuzzer.distributed import Result
         from kvfuzz.fuzzer.feedback import trace_signature
+        from kvfuzz.traces.timing import TRIAGE
 
         t0 = time.monotonic()
         # Exactly the buckets committed below this index (not what this worker saw before):
         # whether a finding opens a bucket never depends on which worker ran what.
         self.triage.known = dict(task.known)
-        checked = self.triage(task.trace)
+        ledger = self.session.ledger
+        before = ledger.breakdown()
+        ledger.fresh = True  # the trace's first replay is its fuzzed run (traces/timing.py)
+        with ledger.span(TRIAGE):
+            checked = self.triage(task.trace)
+        spent = ledger.breakdown().minus(before)
         buckets = sorted(trace_signature(checked.histories, task.trace))
         files = {}
         for p in self.scratch.rglob("*"):
@@ -319,7 +345,7 @@ class WorkerCore:
                 files[str(p.relative_to(self.scratch))] = p.read_text()
                 p.unlink()
         return Result(task.index, self.name, finding=checked.finding, buckets=buckets,
-                      seconds=time.monotonic() - t0, files=files)
+                      seconds=time.monotonic() - t0, files=files, time=spent)
 
     def gate(self, planned, runs: int, strict: bool, engine_args: list[str]) -> tuple:
         from kvfuzz.gate.gate import GateRunner
@@ -392,6 +418,21 @@ class RayExecutor:
         self.info: dict[str, dict] = {}
         RayExecutor.created += 1
         self.prefix = f"kvfuzz-{os.getpid()}-{RayExecutor.created}"
+        self.store = None
+        store = spec.settings.session.store
+        if store is not None and store.out is not None:
+            # One reference store for every worker, on the driver's node: it writes OUT/references.
+            import dataclasses
+
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            from kvfuzz.harness.refstore import StoreService
+
+            here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+            name = f"{self.prefix}-store"
+            self.store = ray.remote(num_cpus=0, max_restarts=0)(StoreService).options(
+                name=name, namespace=NAMESPACE, scheduling_strategy=here).remote(str(store.out))
+            self.spec = dataclasses.replace(spec, store_actor=name)
 
     created = 0
 
@@ -565,6 +606,12 @@ class RayExecutor:
                 pass
         self.actors.clear()
         self.ready_workers.clear()
+        if self.store is not None:
+            try:
+                self.ray.kill(self.store, no_restart=True)
+            except Exception:  # noqa: BLE001 - already dead
+                pass
+            self.store = None
 
 
 def _first_line(e: BaseException) -> str:

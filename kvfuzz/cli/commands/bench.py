@@ -102,10 +102,13 @@ def bench_cmd(
     Path("kvfuzz-bench"),
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Report file (default OUT/bench.json).")] = None,
     md: Annotated[bool, typer.Option("--markdown", help="Also print the table as Markdown.")] = False,
+    prompt_reuse: Annotated[Optional[float], typer.Option(min=0.0, max=1.0, help="Prompt reuse probability, as in "
+                                                          "kvfuzz run (default: kvfuzz run's).")] = None,
 ) -> None:
     """Detection benchmark: traces and seconds until each fault (or missing fix) is found, and
     the clean control's false positives."""
     from kvfuzz.bench.bench import run_bench
+    from kvfuzz.fuzzer.reuse import DEFAULT_PROMPT_REUSE
     from kvfuzz.harness import toggles as reg
     from kvfuzz.harness.dtypes import check_dtype
     from kvfuzz.driver.settings import check_device
@@ -138,10 +141,12 @@ def bench_cmd(
                        kv_cache_mb=kv_cache_mb if kv_cache_mb or model == EMBEDDED_HYBRID else 8,
                        max_model_len=max_model_len if max_model_len or model == EMBEDDED_HYBRID else 8000,
                        model=None if model == EMBEDDED_MODEL else model, dtypes=dtypes, runs_fixed=runs_fixed,
-                       progress=lambda m: console.print(f"[dim]{m}[/dim]"))
+                       progress=lambda m: console.print(f"[dim]{m}[/dim]"),
+                       prompt_reuse=DEFAULT_PROMPT_REUSE if prompt_reuse is None else prompt_reuse)
     path = json_path or out / "bench.json"
     atomic_write_text(path, json.dumps(report, indent=2) + "\n")
     console.print(render(report))
+    console.print(f"fuzzed runs: {report['fuzzed_share']:.0%} of the benchmark's wall time")
     console.print(f"machine: {report['machine'].get('cpu', '?')} x{report['machine'].get('cpus')}, "
                   f"load average before/after {report['load_avg_before']} / {report['load_avg_after']}")
     console.print(f"report written to {path.resolve()}")

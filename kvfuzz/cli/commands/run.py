@@ -80,6 +80,15 @@ def run(
                                                               "seed and window give the same campaign whatever the "
                                                               "worker count; docs/scale.md).")] = None,
     vllm: options.VllmOpt = None,
+    reference_store: Annotated[bool, typer.Option("--reference-store/--no-reference-store", help="Keep references "
+                                                  "on disk (OUT/references and the kvfuzz cache) and reuse them "
+                                                  "across traces, workers and campaigns (--no-reference-store: an "
+                                                  "in-memory memo per campaign; docs/oracle.md).")] = True,
+    verify_references: Annotated[float, typer.Option(min=0.0, max=1.0, help="Share of reference store hits computed "
+                                                     "again and compared; any mismatch stops the campaign.")] = 0.02,
+    prompt_reuse: Annotated[Optional[float], typer.Option(min=0.0, max=1.0, help="Probability that a fresh trace's request "
+                                                "takes a prompt (or a shared prefix) from the campaign's pool, as "
+                                                "real traffic repeats prompts (default 0: off, by measurement; docs/fuzzer.md).")] = None,
 ) -> None:
     """Fuzz the embedded default model on the in-process vLLM engine or a managed vLLM server.
 
@@ -91,7 +100,7 @@ def run(
     from kvfuzz.cli.display import CampaignDisplay
     from kvfuzz.fuzzer import CampaignOptions, default_engine, run_campaign
     from kvfuzz.harness.dtypes import check_dtype
-    from kvfuzz.driver.settings import CampaignSettings, TriageSettings
+    from kvfuzz.driver.settings import CampaignSettings, StoreSettings, TriageSettings
     from kvfuzz.traces import load_finding
 
     if budget is None and traces_n is None:
@@ -105,7 +114,8 @@ def run(
     settings = CampaignSettings(
         session=options.session_settings(engine_name, device, runs=runs, near_tie=near_tie, bound=bound,
                                          calibration=calibration, server_arg=server_arg, port=port,
-                                         trace_timeout=trace_timeout),
+                                         trace_timeout=trace_timeout).model_copy(update={
+            "store": StoreSettings(out=out.resolve(), verify=verify_references, seed=seed) if reference_store else None}),
         arms=arm_specs.build_arms(with_=with_, without=without, arms=arms, device=device),
         triage=TriageSettings(runs_fixed=runs_fixed, attribute=attribute, minimize=minimize, controls=controls,
                               ablate=explain_, minimize_seconds=minimize_seconds, budget_s=budget))
@@ -154,9 +164,12 @@ def run(
             raise BadInput(f"unknown operator {unknown[0] if unknown else operators!r} "
                            f"(known: {', '.join(OPERATORS)})", field="--operators")
     from kvfuzz.fuzzer import GenOptions
+    from kvfuzz.fuzzer.reuse import DEFAULT_PROMPT_REUSE
 
     gen = GenOptions(min_requests=min(2, max_requests), max_requests=max_requests,
-                     adapters=sorted(engine.lora.adapters) if engine.lora.enabled else [], lifecycle=lifecycle)
+                     adapters=sorted(engine.lora.adapters) if engine.lora.enabled else [], lifecycle=lifecycle,
+                     prompt_reuse=0.0 if lifecycle else (DEFAULT_PROMPT_REUSE if prompt_reuse is None else prompt_reuse),
+                     pool_seed=seed)
     opts = CampaignOptions(seed=seed, budget_s=budget, max_traces=traces_n, runs=runs, out=out, engine=engine, gen=gen,
                            resume=resume, corpus=corpus, mode="feedback" if feedback else "random", operators=ops,
                            # Naming an engine-changing operator (small_kv) is asking for restarts.
@@ -192,7 +205,8 @@ def run(
             bounds = prepare_bounds(session, engine, profile_file=calibration, calibrate_if_missing=calibrate,
                                     progress=display.status, warn=warned.append)
             display.status("fuzzing")
-            state = run_campaign(opts, triage, display.update, on_start=lambda c: triage.restore(c.state.bug_buckets))
+            state = run_campaign(opts, triage, display.update, on_start=lambda c: triage.restore(c.state.bug_buckets),
+                                 ledger=session.ledger)
     finally:
         session.close()
         if pooled:
@@ -202,6 +216,9 @@ def run(
     for line in warned:
         err_console.print(f"kvfuzz: warning: {line}", markup=False, highlight=False, soft_wrap=True)
     display.summary(state, out)
+    from kvfuzz.cli.time_table import print_time
+
+    print_time(console, state.time_breakdown)
     console.print(bounds.describe(), markup=False, highlight=False)
     console.print("arms: " + "; ".join(f"{a} = [{', '.join(ts) or 'no toggles'}]" for a, ts in arm_map.items()),
                   markup=False, highlight=False)
@@ -244,6 +261,9 @@ def _run_on_ray(address: str, opts: Any, spec: WorkerSpec, *, arm_map: dict[str,
     for line in infos[0]["warnings"]:
         err_console.print(f"kvfuzz: warning: {line}", markup=False, highlight=False, soft_wrap=True)
     display.summary(state, opts.out)
+    from kvfuzz.cli.time_table import print_time
+
+    print_time(console, state.time_breakdown)
     per = 1000 * driver.driver_cpu_s / max(1, driver.committed)
     commit = 1000 * driver.commit_cpu_s / max(1, driver.committed)
     console.print(f"ray: {workers} worker(s) on {len({i['host'] for i in infos})} host(s), window {state.window}; "
