@@ -335,15 +335,16 @@ class WorkerCore:
         t0 = time.monotonic()
         # Exactly the buckets committed below this index (not what this worker saw before):
         # whether a finding opens a bucket never depends on which worker ran what.
-        self.triage.known = dict(task.known)
-        checked = self.triage(task.trace)
+        self.triage.restore(dict(task.known), dict(task.merges))
+        triaged = self.triage(task.trace)
+        checked = triaged.checked
         buckets = sorted(trace_signature(checked.histories, task.trace))
         files = {}
         for p in self.scratch.rglob("*"):
             if p.is_file():
                 files[str(p.relative_to(self.scratch))] = p.read_text()
                 p.unlink()
-        return Result(task.index, self.name, finding=checked.finding, buckets=buckets,
+        return Result(task.index, self.name, finding=checked.finding, buckets=buckets, memberships=triaged.buckets,
                       seconds=time.monotonic() - t0, files=files)
 
     def gate(self, planned, runs: int, strict: bool, engine_args: list[str], profiles: list) -> tuple:

@@ -47,10 +47,12 @@ def test_new_bucket_box_is_the_smaller_of_minimize_seconds_and_the_budget_share(
 
 
 def test_a_skipped_ablation_is_not_reported_as_measured():
-    from kvfuzz.oracle.buckets import describe
+    from kvfuzz.oracle.buckets import describe, keys_of, verdicts_of
 
     f = finding()
     f.explanation = explain(Recorder(), f, deadline=time.monotonic() - 1)
     assert f.explanation.summary().startswith("not ablated: the triage time box ran out")
-    key = describe(f"corruption|{f.divergences[0].explained_by}", f)
-    assert "needs: not measured" in key["text"] and key["needs"] == []
+    (key,) = keys_of(f, verdicts_of(f.explanation))
+    d = describe(key, f)
+    assert "needs: not measured" in d.text and d.needs == [] and not d.measured
+    assert key.verdicts == {}  # skipped ablations are "not tried": never part of a key

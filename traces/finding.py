@@ -10,7 +10,9 @@ import hashlib
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from .buckets import BucketMembership, memberships_from_notes
 
 from .history import History, RequestRecord, Scoring
 from .trace import SCHEMA_VERSION, Trace
@@ -252,7 +254,19 @@ class Finding(_Data):
     bisect: BisectRecord | None = None
     # The bucket (one root cause) a campaign filed it under: oracle/buckets.py.
     bucket: str | None = None
+    # Its bucket memberships, one per class-worst divergence key (traces/buckets.py).
+    buckets: list[BucketMembership] = Field(default_factory=list)
     notes: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _buckets_from_notes(cls, data: Any) -> Any:
+        # Findings written before issue 30 kept their buckets in notes["buckets"].
+        if isinstance(data, dict) and not data.get("buckets") and isinstance(data.get("notes"), dict) \
+                and isinstance(data["notes"].get("buckets"), list):
+            notes = dict(data["notes"])
+            data = {**data, "buckets": memberships_from_notes(notes.pop("buckets")), "notes": notes}
+        return data
 
     def signature(self) -> str:
         """What makes two findings 'the same bug' for dedup and minimization:

@@ -1,0 +1,13 @@
+"""Faults kvfuzz has never seen (issue 30): vLLM patches that no built-in toggle implements,
+installed in every vLLM process through ``KVFUZZ_PLUGIN_MODULES`` (harness/toggles/plugin.py),
+e.g. ``PYTHONPATH=tests KVFUZZ_PLUGIN_MODULES=unseen_faults.evict_keeps_hash``. Always on: to
+kvfuzz they are vLLM bugs that no toggle explains, as a user's own bug would be.
+
+- ``evict_keeps_hash`` (P, the allocator): reusing a free block drops its hash metadata but
+  leaves the prefix-cache map pointing at it.
+- ``short_hash_lookup`` (Q, the prefix-cache lookup): a lookup miss falls back to a cached
+  block whose hash agrees in its first 8 bits.
+
+They were written, and the bucket rule tuned on them, before fault R (docs/benchmarks.md,
+"Buckets on faults kvfuzz has never seen").
+"""
