@@ -97,7 +97,7 @@ class CampaignDisplay:
                 if len(bugs) > 4:
                     grid.add_row("", f"... {len(bugs) - 4} more bug bucket(s)")
                 if ties:
-                    grid.add_row("near-tie buckets", f"{len(ties)} ({sum(r.count for r in ties)} findings: 16-bit noise)")
+                    grid.add_row("near-tie buckets", f"{len(ties)} ({sum(r.count for r in ties)} findings)")
         if self._last is not None:
             t = self._last.trace
             last = self._last

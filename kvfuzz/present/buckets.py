@@ -80,7 +80,7 @@ def rich_tables(rs: list[BucketRow]) -> list[Any]:
 
     out = []
     for title, part in (("bug buckets (one root cause each; regression cases in OUT/buckets/)", sections(rs)[0]),
-                        ("near-tie buckets (16-bit numerics flipped a near tie: noise, not a bug)", sections(rs)[1])):
+                        ("near-tie buckets (a flipped near tie: expected of 16-bit numerics, not a bug there; suspect in float32)", sections(rs)[1])):
         if not part:
             continue
         table = Table(title=title, header_style="bold")
@@ -97,7 +97,7 @@ def rich_tables(rs: list[BucketRow]) -> list[Any]:
 
 def markdown(rs: list[BucketRow], findings: int) -> str:
     lines = [summary_line(rs, findings), ""]
-    for title, part in (("Bug buckets", sections(rs)[0]), ("Near-tie buckets (16-bit noise, not bugs)", sections(rs)[1])):
+    for title, part in (("Bug buckets", sections(rs)[0]), ("Near-tie buckets (a flipped near tie: 16-bit noise, suspect in float32)", sections(rs)[1])):
         if not part:
             continue
         lines += [f"## {title}", "", "| bucket | findings | first trace | explanation | needs | report |",
