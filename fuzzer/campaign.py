@@ -413,16 +413,18 @@ class Campaign:
         return changed
 
     def write_bucket(self, bid: str) -> None:
-        """``OUT/buckets/<id>.bucket.json``: the bucket and every finding in it (a merged one
-        names the bucket it went to)."""
+        """``OUT/buckets/<id>.findings.jsonl``: the bucket (its first line, a merged one naming
+        the bucket it went to), then one line per finding in it. Not ``.json``: ``kvfuzz gate
+        OUT/buckets`` reads every ``.json`` there as a regression case."""
         b = self.state.bug_buckets[bid]
-        path = self.out / "buckets" / f"{bid}.bucket.json"
+        path = self.out / "buckets" / f"{bid}.findings.jsonl"
         b.listing = str(path.relative_to(self.out))
-        body = b.model_dump(mode="json", by_alias=True)
+        head = {"bucket": b.model_dump(mode="json", by_alias=True, exclude={"findings"})}
         if bid in self.state.merges:
-            body["merged_into"] = resolve(bid, self.state.merges)
+            head["merged_into"] = resolve(bid, self.state.merges)
+        lines = [json.dumps(head, sort_keys=True)] + [json.dumps({"finding": f}) for f in b.findings]
         path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(path, json.dumps(body, indent=2, sort_keys=True) + "\n")
+        atomic_write_text(path, "\n".join(lines) + "\n")
 
 
 def _fallback_memberships(finding: Finding) -> list[BucketMembership]:

@@ -155,9 +155,12 @@ def test_buckets_merge_when_their_evidence_comes_to_agree_and_findings_follow(tm
     # A finding a worker filed under the merged bucket lands in the survivor.
     c.record_finding(3, f.trace, "fresh", f.model_copy(deep=True), [member("C", {}, status="assigned")])
     assert a.count == 3 and a.assigned == 2
-    listing = json.loads((tmp_path / "buckets" / "A.bucket.json").read_text())
-    assert listing["count"] == 3 and len(listing["findings"]) == 3
-    assert json.loads((tmp_path / "buckets" / "C.bucket.json").read_text())["merged_into"] == "A"
+    head, *lines = (json.loads(x) for x in (tmp_path / "buckets" / "A.findings.jsonl").read_text().splitlines())
+    assert head["bucket"]["count"] == 3 and [x["finding"] for x in lines] == a.findings
+    assert json.loads((tmp_path / "buckets" / "C.findings.jsonl").read_text().splitlines()[0])["merged_into"] == "A"
+    # `kvfuzz gate OUT/buckets` reads every .json there as a regression case: listings are not .json.
+    cases = {b.case for b in c.state.bug_buckets.values() if b.case}
+    assert {str(p.relative_to(tmp_path)) for p in (tmp_path / "buckets").rglob("*.json")} == cases
     # Every finding file names its bucket, typed; none is without one.
     for rel in c.state.finding_files:
         g = load_finding(tmp_path / rel)

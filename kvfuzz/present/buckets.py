@@ -2,7 +2,7 @@
 representative, explanation, needs, report command), near-tie buckets in a section of their
 own so 16-bit noise never reads as a bug. Used by the closing table of ``kvfuzz run``
 (kvfuzz/cli/display.py), the live panel, ``kvfuzz report OUT`` and the campaign page. The
-findings themselves are behind each bucket, listed in ``OUT/buckets/<id>.bucket.json``."""
+findings themselves are behind each bucket, listed in ``OUT/buckets/<id>.findings.jsonl``."""
 
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ def summary_line(rs: list[BucketRow], findings: int) -> str:
     bugs, ties = sections(rs)
     unexplained = sum(1 for r in bugs if r.explanation.startswith("unexplained"))
     line = (f"{findings} finding(s) in {len(bugs)} bug bucket(s)" + (f" and {len(ties)} near-tie bucket(s)" if ties else "")
-            + "; findings listed per bucket in OUT/buckets/<id>.bucket.json")
+            + "; findings listed per bucket in OUT/buckets/<id>.findings.jsonl")
     if unexplained:
         line += (f". {unexplained} bucket(s) UNEXPLAINED by any toggle — candidate vLLM bug(s): report them "
                  "(docs/findings.md)")
