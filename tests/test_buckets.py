@@ -238,3 +238,12 @@ def test_plugin_modules_install_in_order_and_fail_with_their_name(monkeypatch):
     assert plugin.plugin_modules("a.b:go, c.d") == [("a.b", "go"), ("c.d", "install")]
     with pytest.raises(RuntimeError, match="KVFUZZ_PLUGIN_MODULES: cannot install no_such_module_x:install"):
         plugin.install_plugin_modules("no_such_module_x")
+
+
+def test_a_findings_report_names_its_bucket_and_how_it_got_there():
+    from kvfuzz.present.buckets import finding_lines
+
+    f = unexplained()
+    f.buckets = [member("Q", {"prefix-caching": "disappears"}, "assigned")]
+    (line,) = finding_lines(f)
+    assert line.startswith("Bucket Q — corruption, unexplained") and "assigned, not triaged" in line

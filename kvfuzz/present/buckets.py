@@ -110,6 +110,18 @@ def markdown(rs: list[BucketRow], findings: int) -> str:
     return "\n".join(lines)
 
 
+def finding_lines(finding: Any) -> list[str]:
+    """A finding's bucket memberships in words, for its report (``kvfuzz report FILE``)."""
+    out = []
+    for m in getattr(finding, "buckets", None) or []:
+        what = {"opened": "this finding opened it (triaged fully)",
+                "triaged": "joined it after attribution and the bucket checks, not minimized",
+                "assigned": "assigned, not triaged (past the campaign's triage share)"}[m.status]
+        text = m.description.text if m.description else m.key.label()
+        out.append(f"Bucket {m.bucket} — {text}; {what}" + (f"; matched by {m.how}" if m.how else "") + ".")
+    return out
+
+
 def load_campaign(path: Path) -> tuple[list[BucketRow], int]:
     """``OUT`` or ``OUT/campaign.json``: its bucket rows and finding count (old campaigns too)."""
     file = path / "campaign.json" if path.is_dir() else path
@@ -122,4 +134,4 @@ def load_campaign(path: Path) -> tuple[list[BucketRow], int]:
     return rows(buckets, data.get("merges") or {}), int(data.get("findings", 0))
 
 
-__all__ = ["BucketRow", "load_campaign", "markdown", "rich_tables", "rows", "sections", "summary_line"]
+__all__ = ["BucketRow", "finding_lines", "load_campaign", "markdown", "rich_tables", "rows", "sections", "summary_line"]
