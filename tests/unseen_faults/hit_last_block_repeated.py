@@ -1,17 +1,20 @@
-"""Fault R (the prefix-cache hit's block table): written after the bucket rule was frozen
+"""Fault R (the prefix-cache hit's block list): written after the bucket rule was frozen
 (issue 30: the acceptance runs use a fault the rule was not tuned on).
 
 ``KVCacheManager.get_computed_blocks`` returns the cached blocks a request's prompt hits, in
 prompt order; they become the head of its block table. With this fault a hit of two blocks or
-more comes back with its first two blocks swapped, so the request's first 2 x block_size
-positions read each other's KV. The same set of blocks is touched and freed (reference counts
-stay right; nothing crashes). It needs prefix caching and a hit of at least two blocks; not
-KV pressure, not concurrency (a later request hitting an earlier one's blocks is enough).
+more comes back with its last block replaced by the one before it (an off-by-one in the hit
+list), so the request attends to that block's keys twice and never to the last one's. The
+block is touched and freed once per listing, so reference counts stay right and nothing
+crashes. (Swapping two hit blocks would not do: cached keys carry their rotary positions, and
+attention over a fully cached prefix does not depend on where each block sits.) It needs
+prefix caching and a hit of at least two blocks; not KV pressure, not concurrency (a later
+request hitting an earlier one's blocks is enough).
 """
 
 from __future__ import annotations
 
-_TAG = "unseen-fault-hit-blocks-swapped"
+_TAG = "unseen-fault-hit-last-block-repeated"
 
 
 def install() -> None:
@@ -26,8 +29,8 @@ def install() -> None:
         groups = blocks.blocks
         if n == 0 or not groups or any(len(g) < 2 for g in groups):
             return blocks, n, boundary
-        swapped = tuple([g[1], g[0], *g[2:]] for g in groups)
-        return type(blocks)(swapped), n, boundary
+        repeated = tuple([*g[:-1], g[-2]] for g in groups)
+        return type(blocks)(repeated), n, boundary
 
     get_computed_blocks.__unseen_tag__ = _TAG  # type: ignore[attr-defined]
     get_computed_blocks.__wrapped__ = original  # type: ignore[attr-defined]
