@@ -46,11 +46,24 @@ def keys_of(finding: Finding, verdicts: Mapping[str, Outcome] | None = None) -> 
 
 
 def verdicts_of(explanation: Explanation | None) -> dict[str, Outcome]:
-    """The key's part of an ablation: engine mechanisms whose removal was tried and judged."""
+    """The key's part of an ablation: engine mechanisms whose removal was tried and judged.
+
+    A removal counts as "disappears" only when the victim stopped diverging altogether. One
+    that left a milder divergence (corruption in bfloat16 -> a flipped near tie in float32)
+    is ambiguous: the token still flips, and whether float32 calls it a near tie depends on the
+    witness's margin. It is left out of the key, like a removal not tried (issue 30, found on
+    fault R after the rule was frozen: one cause split on "needs: 16-bit numerics")."""
     if explanation is None:
         return {}
-    return {a.mechanism: a.outcome for a in explanation.ablations  # type: ignore[misc]
-            if a.mechanism in KEY_MECHANISMS and a.outcome in ("disappears", "persists")}
+    out: dict[str, Outcome] = {}
+    for a in explanation.ablations:
+        if a.mechanism not in KEY_MECHANISMS:
+            continue
+        if a.outcome == "persists":
+            out[a.mechanism] = "persists"
+        elif a.outcome == "disappears" and a.victim_class not in DIVERGENT_CLASSES:
+            out[a.mechanism] = "disappears"
+    return out
 
 
 def prekey_candidates(finding: Finding, buckets: Iterable[Bucket]) -> list[Bucket]:

@@ -247,3 +247,20 @@ def test_a_findings_report_names_its_bucket_and_how_it_got_there():
     f.buckets = [member("Q", {"prefix-caching": "disappears"}, "assigned")]
     (line,) = finding_lines(f)
     assert line.startswith("Bucket Q — corruption, unexplained") and "assigned, not triaged" in line
+
+
+def test_a_removal_that_leaves_a_milder_divergence_is_not_evidence():
+    """bfloat16 corruption that float32 calls a flipped near tie: the token still flips; one
+    witness does and another does not, so it never splits a cause (fault R, issue 30)."""
+    from kvfuzz.traces import Ablation, Explanation
+
+    def ex(numerics_class):
+        return Explanation(victim="B", cls="corruption", arm="fault", ablations=[
+            Ablation(mechanism="prefix-caching", change="x", outcome="disappears", victim_class="ok"),
+            Ablation(mechanism="numerics", change="x", outcome="disappears" if numerics_class != "corruption"
+                     else "persists", victim_class=numerics_class)])
+
+    a, b = rule.verdicts_of(ex("numeric-near-tie")), rule.verdicts_of(ex("corruption"))
+    assert a == {"prefix-caching": "disappears"} and b["numerics"] == "persists"
+    assert agrees(key(a), key(b))
+    assert rule.verdicts_of(ex("ok"))["numerics"] == "disappears"
