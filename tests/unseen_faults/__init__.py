@@ -14,6 +14,7 @@ They were written, and the bucket rule tuned on them, before fault R (docs/bench
 - ``hit_last_block_repeated`` (R, the prefix-cache hit's block list, written after the rule was
   frozen): a hit of two blocks or more lists its second-to-last block twice, its last never.
 - ``register_overwrites`` (S, prefix-cache registration, written after the rule's second
-  change, 8641580, which fault R had shown): every fourth registration also points the
-  previously registered hash at the new block.
+  change, 8641580, which fault R had shown): a block registered right after another in one
+  request's registration also takes over the earlier block's hash (when its own hash's first
+  byte is a multiple of 4).
 """
