@@ -12,8 +12,8 @@ finding, which engine mechanisms' *tried* removal made it disappear or not. Two 
 
 A finding joins the earliest bucket whose key agrees with its own. For an unexplained finding
 the evidence comes from replays chosen here (``next_check``): first a mechanism on which the
-candidate buckets differ (it tells them apart), then the mechanisms the candidate needs (the
-new witness replayed under the bucket's ablation verdicts). Buckets whose keys come to agree
+candidate buckets differ (it tells them apart), then the mechanisms the candidate needs and
+those it does not (the new witness replayed under the bucket's ablation verdicts). Buckets whose keys come to agree
 (their evidence grows as findings join) merge, the later into the earlier; findings follow.
 """
 
@@ -77,8 +77,10 @@ def prekey_candidates(finding: Finding, buckets: Iterable[Bucket]) -> list[Bucke
 
 def next_check(key: BucketKey, cands: list[Bucket], tried: Iterable[str] = ()) -> str | None:
     """The next engine mechanism to replay ``key``'s witness without: one on which the
-    candidates differ (it tells them apart), else one the first candidate needs (its ablation
-    verdicts, replayed on the new witness). None: nothing left to check."""
+    candidates differ (it tells them apart), else one the first candidate needs, else one it
+    does not need (its ablation verdicts, replayed on the new witness: a second cause that
+    needs more than the bucket's, e.g. KV pressure besides prefix caching, disagrees only
+    there). None: nothing left to check."""
     done = set(key.verdicts) | set(tried)
     seen: dict[str, set[str]] = {}
     for b in cands:
@@ -88,7 +90,7 @@ def next_check(key: BucketKey, cands: list[Bucket], tried: Iterable[str] = ()) -
         if m not in done and len(seen.get(m, ())) > 1:
             return m
     if cands:
-        for m in cands[0].key.needs:
+        for m in [*cands[0].key.needs, *cands[0].key.not_needed]:
             if m not in done:
                 return m
     return None

@@ -264,3 +264,12 @@ def test_a_removal_that_leaves_a_milder_divergence_is_not_evidence():
     assert a == {"prefix-caching": "disappears"} and b["numerics"] == "persists"
     assert agrees(key(a), key(b))
     assert rule.verdicts_of(ex("ok"))["numerics"] == "disappears"
+
+
+def test_a_second_cause_that_needs_more_than_the_bucket_disagrees_where_the_bucket_did_not_need(tmp_path):
+    """Bucket S needs prefix caching and not KV pressure; a witness of P needs both. Replaying
+    only what S needs would file P under S (two faults, one bucket: the first P+S run)."""
+    bs = {"S": bucket("S", {"prefix-caching": "disappears", "lora": "persists"}, 1)}
+    r = Table(needs=["prefix-caching", "lora"])
+    b, k, _ = triage(r, bs, tmp_path)._match(unexplained(), key())
+    assert b is None and k.verdicts == {"prefix-caching": "disappears", "lora": "disappears"} and r.replays == 2

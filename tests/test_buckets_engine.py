@@ -34,37 +34,36 @@ def campaign(out: Path, fault: str, traces: int, *extra: str) -> subprocess.Comp
 
 
 def check_one_bucket(out: Path) -> dict:
+    """One bucket per class, every finding in one of them, each listed in its bucket's file."""
     state = json.loads((out / "campaign.json").read_text())
     live = {i: b for i, b in state["bug_buckets"].items() if i not in state["merges"]}
     assert state["findings"] >= 2, "the fault gave too few findings to bucket"
-    bugs = [b for b in live.values() if b["key"]["class"] != "numeric-near-tie"]
-    ties = [b for b in live.values() if b["key"]["class"] == "numeric-near-tie"]
-    # One cause: one bucket of its class (the fault reads as corruption, or, when it flips
-    # only first tokens at small margins, as near ties; docs/benchmarks.md), never both split.
-    assert len(bugs) + len(ties) == 1, live
-    (b,) = bugs or ties
-    assert b["key"]["explained_by"] is None  # no toggle explains a fault kvfuzz never saw
-    assert not state["untriaged"] and b["count"] == state["findings"] == len(state["finding_files"])
+    # One cause: one bucket per class it shows (a fault that flips only first tokens at small
+    # margins also reads as flipped near ties; docs/benchmarks.md), never one class split.
+    classes = [b["key"]["class"] for b in live.values()]
+    assert classes and len(classes) == len(set(classes)), live
+    assert all(b["key"]["explained_by"] is None for b in live.values())  # no toggle explains a fault kvfuzz never saw
+    assert not state["untriaged"] and sum(b["count"] for b in live.values()) == state["findings"]
     for rel in state["finding_files"]:
         f = load_finding(out / rel)
-        assert f.buckets and {state["merges"].get(m.bucket, m.bucket) for m in f.buckets} == {b["id"]}
-    listing = (out / b["listing"]).read_text().splitlines()
-    assert len(listing) == 1 + b["count"]
+        assert f.buckets and {state["merges"].get(m.bucket, m.bucket) for m in f.buckets} <= set(live)
+    for b in live.values():
+        assert len((out / b["listing"]).read_text().splitlines()) == 1 + b["count"]
     return state
 
 
-def test_allocator_fault_p_gives_one_bucket_and_resume_keeps_it(tmp_path):
-    out = tmp_path / "p"
-    p = campaign(out, "evict_keeps_hash", 10, "--seed", "1")
+def test_registration_fault_s_gives_one_bucket_and_resume_keeps_it(tmp_path):
+    out = tmp_path / "s"
+    p = campaign(out, "register_overwrites", 8, "--seed", "1")
     assert p.returncode == 0, p.stderr[-3000:]
     before = check_one_bucket(out)
     # The summary speaks in buckets: no row per finding (the old "UNEXPLAINED — candidate vLLM bug" flood).
     assert "UNEXPLAINED by any toggle" in p.stdout and "UNEXPLAINED —" not in p.stdout
-    again = campaign(out, "evict_keeps_hash", 14, "--seed", "1", "--resume")
+    again = campaign(out, "register_overwrites", 11, "--seed", "1", "--resume")
     assert again.returncode == 0, again.stderr[-3000:]
     after = check_one_bucket(out)
     assert set(before["bug_buckets"]) <= set(after["bug_buckets"]) and before["merges"].items() <= after["merges"].items()
-    assert after["findings"] >= before["findings"]
+    assert after["findings"] >= before["findings"] and after["traces"] == 11
 
 
 def test_prefix_cache_lookup_fault_q_gives_one_bucket(tmp_path):
