@@ -28,9 +28,11 @@ if TYPE_CHECKING:
 # Mechanisms whose ablation switches an engine code path off (triage/explain.py): their
 # verdicts are part of a key. The schedule ablations ("concurrency", "cancels") describe how a
 # witness triggers the cause and differ between witnesses of one cause (issue 30: fault P's
-# two buckets); they are described, never keyed.
-KEY_MECHANISMS: tuple[str, ...] = ("prefix-caching", "chunked-prefill", "preemption", "lora", "lora-swaps",
-                                   "numerics")
+# two buckets); so does "numerics" (float32 instead of 16 bits changes every logit, and
+# whether a witness's corrupted KV still flips a token depends on its margins: fault R in
+# bfloat16 disappeared in float32 on one witness and persisted on the next). They are
+# described, never keyed; 16-bit noise is told apart by its class (numeric-near-tie).
+KEY_MECHANISMS: tuple[str, ...] = ("prefix-caching", "chunked-prefill", "preemption", "lora", "lora-swaps")
 Outcome = Literal["disappears", "persists"]
 # opened: this finding opened the bucket (fully triaged: minimized, controls, ablation);
 # triaged: attributed and checked against the bucket's key, then joined it;
