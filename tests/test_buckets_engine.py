@@ -1,6 +1,8 @@
 """One bug, one bucket on faults kvfuzz has never seen (issue 30), on the real CPU engine: a
 fault injected through ``KVFUZZ_PLUGIN_MODULES`` (tests/unseen_faults/, no built-in toggle)
-gives one bucket and no finding without a bucket; ``--resume`` restores the buckets and merges.
+gives one bucket per class it shows and no finding without a bucket; ``--resume`` restores the
+buckets and merges. Each test is a short campaign in its own process (about 2 minutes at load
+~20 on 2 cores, most of it the engine start): marked slow.
 
 Each campaign is its own ``kvfuzz`` process: an unseen fault is always on once installed, so
 it must never reach the test run's shared engines."""
