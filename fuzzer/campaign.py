@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from kvfuzz.traces import CampaignOrigin, EngineConfig, Finding, LineageLink, Trace, atomic_write_text, save, sweep_partial_writes
+from kvfuzz.traces.buckets import (Bucket, BucketDescription, BucketKey, BucketMembership, Triaged, bucket_from_state,
+                                   live, mergeable, resolve, union)
 from kvfuzz.traces.errors import BadInput
 from kvfuzz.traces.io import finding_path
 from kvfuzz.traces.result import Checked
@@ -134,10 +136,13 @@ class CampaignState:
     # The source bandit's discounted [reward, pulls] per source (fuzzer/sources.py).
     bandit: dict[str, list[float]] = field(default_factory=dict)
     mutants: str = "graft"
-    # One root cause, one bug bucket (oracle/buckets.py; not the coverage buckets): bucket id -> {prekey, key (as measured on
-    # its first finding), count, first_index, representative, report, findings}.
-    bug_buckets: dict[str, dict] = field(default_factory=dict)
-    # Findings recorded without triage (the share for known buckets was used up): still listed.
+    # One root cause, one bug bucket (oracle/buckets.py; not the coverage buckets): bucket id ->
+    # its key, description, count, first trace, representative, findings (traces/buckets.py).
+    bug_buckets: dict[str, Bucket] = field(default_factory=dict)
+    # Buckets merged into another (id -> the id it was merged into); their findings follow.
+    merges: dict[str, str] = field(default_factory=dict)
+    # Campaigns written before issue 30 listed findings recorded without a bucket here; no
+    # finding is left without one now (triage/campaign.py assigns it), so it only ever shrinks.
     untriaged: list[str] = field(default_factory=list)
     # Campaigns on many workers (fuzzer/distributed.py): the window of the determinism rule,
     # traces committed per worker, traces re-queued after their worker died, and those deaths.
@@ -161,12 +166,23 @@ class CampaignState:
     # Prompt reuse probability (GenOptions.prompt_reuse): part of what iteration i's trace is.
     prompt_reuse: float = 0.0
 
+    def __post_init__(self) -> None:
+        # campaign.json keeps buckets as JSON; campaigns before issue 30 in another shape.
+        self.bug_buckets = {bid: b if isinstance(b, Bucket) else bucket_from_state(bid, b)
+                            for bid, b in self.bug_buckets.items()}
+
     @property
     def buckets(self) -> int:
         return len(self.coverage)
 
+    def live_buckets(self) -> list[Bucket]:
+        """The buckets not merged into another, earliest first."""
+        return live(self.bug_buckets, self.merges)
+
     def to_json(self) -> str:
-        return json.dumps(self.__dict__, indent=2, sort_keys=True) + "\n"
+        data = dict(self.__dict__)
+        data["bug_buckets"] = {bid: b.model_dump(mode="json", by_alias=True) for bid, b in self.bug_buckets.items()}
+        return json.dumps(data, indent=2, sort_keys=True) + "\n"
 
 
 @dataclass
@@ -194,8 +210,9 @@ def load_state(out: Path, opts: CampaignOptions) -> CampaignState:
         try:
             data = json.loads(path.read_text())
             state = CampaignState(**data)
-        except (ValueError, TypeError) as e:
-            raise BadInput(f"cannot resume: unreadable campaign state ({e})", source=str(path)) from None
+        except (ValueError, TypeError) as e:  # pydantic's ValidationError is a ValueError
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise BadInput(f"cannot resume: unreadable campaign state ({first})", source=str(path)) from None
         if state.seed != opts.seed:
             raise BadInput(f"cannot resume: campaign seed is {state.seed}, --seed says {opts.seed}",
                            source=str(path), field="seed")
@@ -351,38 +368,98 @@ class Campaign:
             self._add_item(tid, trace, buckets, len(novel))
         return novel
 
-    def record_finding(self, i: int, trace: Trace, source: str, finding: Finding) -> None:
+    def record_finding(self, i: int, trace: Trace, source: str, finding: Finding,
+                       memberships: list[BucketMembership] | None = None) -> None:
+        """Write the finding and file it in its buckets (``memberships``, from triage; a
+        finding without any, e.g. triage off, opens or joins its class's bucket by key)."""
         st = self.state
         prov = finding.provenance
         if prov.campaign is None:
             prov.campaign = CampaignOrigin(seed=self.opts.seed, index=i, mode=self.opts.mode, source=source)
         if not prov.lineage:
             prov.lineage = [LineageLink.model_validate(link) for link in self.lineage(trace)]
+        members = list(memberships if memberships is not None else finding.buckets)
+        if not members and finding.worst_class() != "ok":
+            members = _fallback_memberships(finding)
+        # A bucket merged away since the worker saw it: file under the one it lives on in.
+        members = [m.model_copy(update={"bucket": resolve(m.bucket, st.merges)}) for m in members]
+        finding.buckets = members
+        finding.bucket = members[0].bucket if members else None
         path = finding_path(self.out / "findings", finding)
         save(finding, path)
         st.findings += 1
-        st.finding_files.append(str(path.relative_to(self.out)))
+        rel = str(path.relative_to(self.out))
+        st.finding_files.append(rel)
         counts = Counter(st.by_class)
         counts[finding.worst_class()] += 1
         st.by_class = dict(counts)
-        rel = str(path.relative_to(self.out))
-        entries = finding.notes.get("buckets") or []
-        if not entries and finding.worst_class() != "ok":
-            st.untriaged.append(rel)
-        for b in entries:
-            bucket = st.bug_buckets.setdefault(b["id"], {"prekey": b["prekey"], "count": 0, "first_index": i,
-                                                     "findings": []})
-            bucket["count"] += 1
-            bucket["findings"].append(rel)
-            if b.get("first"):
-                # The bucket's regression case: the (minimal) first finding, for `kvfuzz gate`.
-                case = self.out / "buckets" / f"{b['id']}.json"
-                save(finding, case)
-                bucket.update(key=b.get("key"), first_index=i, representative=rel,
-                              case=str(case.relative_to(self.out)), report=f"kvfuzz report {path}")
+        touched = set()
+        for m in members:
+            bucket = st.bug_buckets.get(m.bucket)
+            if bucket is None:
+                bucket = Bucket(id=m.bucket, key=m.key, first_index=i, representative=rel,
+                                description=m.description or BucketDescription(text=m.key.label()),
+                                report=f"kvfuzz report {path}")
+                if m.status != "assigned":
+                    # The bucket's regression case: the (minimal) first finding, for `kvfuzz gate`.
+                    case = self.out / "buckets" / f"{m.bucket}.json"
+                    save(finding, case)
+                    bucket.case = str(case.relative_to(self.out))
+                st.bug_buckets[m.bucket] = bucket
+            else:
+                bucket.key = union(bucket.key, m.key)
+            bucket.count += 1
+            bucket.assigned += m.status == "assigned"
+            bucket.findings.append(rel)
+            touched.add(bucket.id)
+        touched |= self.merge_buckets()
+        for bid in touched:
+            self.write_bucket(bid)
+
+    def merge_buckets(self) -> set[str]:
+        """Merge every pair of live buckets whose keys agree (their evidence grew as findings
+        joined), the later into the earlier: its findings follow. The ids that changed."""
+        st = self.state
+        changed: set[str] = set()
+        while (pair := mergeable(st.bug_buckets, st.merges)) is not None:
+            keep, gone = (st.bug_buckets[x] for x in pair)
+            keep.key = union(keep.key, gone.key)
+            keep.count += gone.count
+            keep.assigned += gone.assigned
+            keep.findings += gone.findings
+            keep.merged_from += [gone.id, *gone.merged_from]
+            st.merges[gone.id] = keep.id
+            for k, v in list(st.merges.items()):
+                if v == gone.id:
+                    st.merges[k] = keep.id
+            changed |= {keep.id, gone.id}
+        return changed
+
+    def write_bucket(self, bid: str) -> None:
+        """``OUT/buckets/<id>.findings.jsonl``: the bucket (its first line, a merged one naming
+        the bucket it went to), then one line per finding in it. Not ``.json``: ``kvfuzz gate
+        OUT/buckets`` reads every ``.json`` there as a regression case."""
+        b = self.state.bug_buckets[bid]
+        path = self.out / "buckets" / f"{bid}.findings.jsonl"
+        b.listing = str(path.relative_to(self.out))
+        head: dict[str, object] = {"bucket": b.model_dump(mode="json", by_alias=True, exclude={"findings"})}
+        if bid in self.state.merges:
+            head["merged_into"] = resolve(bid, self.state.merges)
+        lines = [json.dumps(head, sort_keys=True)] + [json.dumps({"finding": f}) for f in b.findings]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, "\n".join(lines) + "\n")
 
 
-def run_campaign(opts: CampaignOptions, check_trace: Callable[[Trace], Checked],
+def _fallback_memberships(finding: Finding) -> list[BucketMembership]:
+    """Untriaged campaigns (a checker without triage): by class and explanation alone."""
+    worst = finding.worst_class()
+    explained = sorted({d.explained_by or "" for d in finding.divergences if d.class_ == worst})
+    keys = [BucketKey(cls=worst, explained_by=e or None) for e in explained] or [BucketKey(cls=worst)]
+    return [BucketMembership(bucket=k.digest(), key=k, status="assigned", how="key (no triage)",
+                             description=BucketDescription(text=k.label() + " (not triaged)")) for k in keys]
+
+
+def run_campaign(opts: CampaignOptions, check_trace: Callable[[Trace], Checked | Triaged],
                  on_outcome: Callable[[TraceOutcome, CampaignState], None] | None = None,
                  on_start: Callable[["Campaign"], None] | None = None, ledger: Ledger | None = None) -> CampaignState:
     """Run traces until the budget or trace count is used up. ``check_trace`` records and
@@ -412,15 +489,16 @@ def run_campaign(opts: CampaignOptions, check_trace: Callable[[Trace], Checked],
         # Everything check_trace spends outside runs, references and scorings is triage's.
         ledger.fresh = True
         with ledger.span(TRIAGE):
-            checked = check_trace(trace)
+            result = check_trace(trace)
         ledger.fresh = False
+        checked, members = (result.checked, result.buckets) if isinstance(result, Triaged) else (result, None)
         with ledger.span(GENERATION):
             finding = checked.finding
             buckets = trace_signature(checked.histories, trace)
             before = (state.buckets, state.findings)
             novel = camp.learn(i, trace, source, buckets)
             if finding is not None:
-                camp.record_finding(i, trace, source, finding)
+                camp.record_finding(i, trace, source, finding, members)
             state.traces += 1
             state.next_index = i + 1
             state.sources[source] = state.sources.get(source, 0) + 1

@@ -37,6 +37,7 @@ from typing import Any, Protocol
 
 from kvfuzz.traces import Finding, Trace, atomic_write_text, parse_trace
 from kvfuzz.traces.timing import TimeBreakdown  # noqa: TC001 - a Result field
+from kvfuzz.traces.buckets import Bucket, BucketMembership
 from kvfuzz.traces.errors import BadInput, InfraError
 
 from .campaign import CAMPAIGN_FILE, Campaign, CampaignOptions, CampaignState, TraceOutcome, thin_log
@@ -51,9 +52,10 @@ MAX_WORKER_DEATHS_PER_TRACE = 2
 class Task:
     index: int
     trace: Trace
-    # Bug-bucket prekeys committed so far (prekey -> bucket id): the worker triages fully only a
-    # finding with a prekey outside this set. Every committed index is lower than this one.
-    known: dict[str, str]
+    # Bug buckets committed so far (id -> bucket) and their merges: the worker triages fully
+    # only a finding whose key agrees with none. Every committed index is lower than this one.
+    known: dict[str, Bucket]
+    merges: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -62,6 +64,8 @@ class Result:
     worker: str
     finding: Finding | None = None
     buckets: list[str] = field(default_factory=list)
+    # The finding's bug-bucket memberships, as the worker's triage placed it.
+    memberships: list[BucketMembership] = field(default_factory=list)
     seconds: float = 0.0
     # Files the worker's triage wrote (originals of minimized findings ...), relative to OUT:
     # the driver writes them, so workers on other nodes need no shared filesystem.
@@ -234,7 +238,7 @@ class Driver:
                         break
                     i = self.queue.popleft()
                     self.running[i] = w
-                    self.ex.submit(w, Task(i, self.generated[i][0], self._known()))
+                    self.ex.submit(w, Task(i, self.generated[i][0], *self._known()))
             if not self.running:
                 if not self.ex.alive():
                     raise InfraError("no Ray worker is left alive (every worker died and none could be replaced)")
@@ -266,8 +270,8 @@ class Driver:
         self._compact_log()
         return st
 
-    def _known(self) -> dict[str, str]:
-        return {b["prekey"]: bid for bid, b in self.state.bug_buckets.items() if "prekey" in b}
+    def _known(self) -> tuple[dict[str, Bucket], dict[str, str]]:
+        return dict(self.state.bug_buckets), dict(self.state.merges)
 
     def _lost(self, ev: Lost) -> None:
         st = self.state
@@ -292,10 +296,10 @@ class Driver:
         for rel, text in res.files.items():
             atomic_write_text(self.out / rel, text)
         if res.finding is not None:
-            self._first_in_order(res.finding)
+            members = self._first_in_order(res.memberships or res.finding.buckets)
             # Before record_finding: it writes the file, and the file must name its worker.
             res.finding.provenance.worker = res.finding.provenance.worker or res.worker
-            self.camp.record_finding(i, trace, source, res.finding)
+            self.camp.record_finding(i, trace, source, res.finding, members)
         st.traces += 1
         self.committed += 1
         st.next_index = i + 1
@@ -315,14 +319,16 @@ class Driver:
         if self.on_commit:
             self.on_commit(self, i)
 
-    def _first_in_order(self, finding: Finding) -> None:
+    def _first_in_order(self, members: list[BucketMembership]) -> list[BucketMembership]:
         """A bucket's first finding is its lowest index: two workers may both have opened (and
-        fully triaged) the same new bucket; the one committed first keeps "first"."""
-        entries: list[dict[str, Any]] = finding.notes.get("buckets") or []
-        for b in entries:
-            b["first"] = b["id"] not in self.state.bug_buckets
-        if entries and not entries[0]["first"] and "triage" not in finding.notes:
-            finding.notes["triage"] = "duplicate of a known bucket (another worker opened it first)"
+        fully triaged) a bucket for one cause; the one committed first opens it, the other
+        joins it (same key) or is merged into it by ``record_finding`` (keys that agree)."""
+        out = []
+        for m in members:
+            if m.status == "opened" and m.bucket in self.state.bug_buckets:
+                m = m.model_copy(update={"status": "triaged", "how": "another worker opened it first"})
+            out.append(m)
+        return out
 
 
 __all__ = ["Driver", "Executor", "Lost", "Result", "Task"]

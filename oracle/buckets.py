@@ -1,53 +1,103 @@
-"""Buckets: one root cause, one bucket (pure).
+"""Buckets: one root cause, one bucket (pure). The rule, its evidence and its known limits are
+in docs/oracle.md "Buckets"; the data in traces/buckets.py; the replays in triage/campaign.py.
 
-ClusterFuzz buckets crashes by their stack; kvfuzz buckets a divergence by what explains it.
-A finding's **prekeys** are what a campaign can compute for every finding cheaply, after the
-toggle attribution it runs anyway: for each divergent request of the finding's worst class,
-``class | explaining toggle`` — or ``class | unexplained | the cheap ablations it needs`` when
-no toggle explains it (a candidate vLLM bug: requests one at a time, cancels removed, adapters
-removed; three replays). A finding whose prekeys are all known joins those buckets cheaply; one
-with a new prekey opens a bucket and is triaged fully (controls, minimization, the full
-ablation), which gives the bucket its **description**: the class, the explanation, the
-mechanisms the minimal finding needs, and its shape (requests, which event kinds remain).
+ClusterFuzz buckets crashes by their stack; kvfuzz buckets a divergence by what explains it. A
+finding's **keys** (one per distinct key among its worst-class divergences) hold only evidence
+that one cause cannot split: the class; what among kvfuzz's switches makes it disappear (the
+explaining toggle, fix, arm or control; none: a candidate vLLM bug); and, for an unexplained
+finding, which engine mechanisms' *tried* removal made it disappear or not. Two keys
+**agree** when that base is equal and no engine mechanism tried on both went different ways:
+"not tried" never counts as a difference, and the minimized shape and the schedule ablations
+(concurrency, cancels), which measure the witness rather than the cause, are not compared.
 
-Known limits (docs/oracle.md "Buckets"): matching uses the prekey only, so two root causes
-explained by the same toggle (or, unexplained, needing the same cheap mechanisms) share a
-bucket; one root cause whose findings are explained by different toggles (a fault and a fix
-that both touch it) gets two; the description is measured on the bucket's first finding.
+A finding joins the earliest bucket whose key agrees with its own. For an unexplained finding
+the evidence comes from replays chosen here (``next_check``): first a mechanism on which the
+candidate buckets differ (it tells them apart), then the mechanisms the candidate needs and
+those it does not (the new witness replayed under the bucket's ablation verdicts). Buckets whose keys come to agree
+(their evidence grows as findings join) merge, the later into the earlier; findings follow.
 """
 
 from __future__ import annotations
 
-import hashlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from kvfuzz.traces import Finding
-from kvfuzz.traces.finding import DIVERGENT_CLASSES, MECHANISM_WORDS, SEVERITY
+from kvfuzz.traces.buckets import (KEY_MECHANISMS, Bucket, BucketDescription, BucketKey, Outcome, agrees, candidates,
+                                   conflicts, live, mergeable, resolve, union)
+from kvfuzz.traces.finding import DIVERGENT_CLASSES, MECHANISM_WORDS, SEVERITY, Explanation
 
 # The ablations cheap enough for every unexplained finding (no engine restart).
 CHEAP_MECHANISMS = ("concurrency", "cancels", "lora")
+# Replays an unexplained finding may spend on matching a bucket (each is one replay).
+MAX_CHECKS = 3
 
 
-def prekeys(finding: Finding, cheap_needs: Iterable[str] | None = None) -> list[str]:
-    """``class|explained_by`` for each divergent request of the worst class; unexplained ones
-    carry the cheap ablations they need (``cheap_needs``), sorted."""
+def keys_of(finding: Finding, verdicts: Mapping[str, Outcome] | None = None) -> list[BucketKey]:
+    """The finding's keys: one per (class, explaining toggle) among its worst-class
+    divergences; unexplained ones carry ``verdicts``. Sorted, most severe first."""
     worst = finding.worst_class()
     if worst not in DIVERGENT_CLASSES:
         return []
     if worst == "engine-crash":
-        kind = finding.crash.kind if finding.crash is not None else "died"
-        return [f"engine-crash|{kind}"]
-    needs = ",".join(sorted(cheap_needs or ())) or "-"
-    keys = {f"{worst}|{d.explained_by}" if d.explained_by else f"{worst}|unexplained|{needs}"
-            for d in finding.divergences if d.class_ == worst}
-    return sorted(keys)
+        # The typed crash info (traces/provenance.py) says how: a hang, a death, a worker's death.
+        return [BucketKey(cls=worst, crash_kind=finding.crash.kind if finding.crash is not None else "died")]
+    explained = sorted({d.explained_by or "" for d in finding.divergences if d.class_ == worst})
+    return [BucketKey(cls=worst, explained_by=e or None, verdicts=dict(verdicts or {}) if not e else {})
+            for e in explained]
 
 
-def bucket_id(prekey: str) -> str:
-    return hashlib.sha256(prekey.encode()).hexdigest()[:10]
+def verdicts_of(explanation: Explanation | None) -> dict[str, Outcome]:
+    """The key's part of an ablation: engine mechanisms whose removal was tried and judged.
+
+    A removal counts as "disappears" only when the victim stopped diverging altogether. One
+    that left a milder divergence (corruption in bfloat16 -> a flipped near tie in float32)
+    is ambiguous: the token still flips, and whether float32 calls it a near tie depends on the
+    witness's margin. It is left out of the key, like a removal not tried (issue 30, found on
+    fault R after the rule was frozen: one cause split on "needs: 16-bit numerics")."""
+    if explanation is None:
+        return {}
+    out: dict[str, Outcome] = {}
+    for a in explanation.ablations:
+        if a.mechanism not in KEY_MECHANISMS:
+            continue
+        if a.outcome == "persists":
+            out[a.mechanism] = "persists"
+        elif a.outcome == "disappears" and a.victim_class not in DIVERGENT_CLASSES:
+            out[a.mechanism] = "disappears"
+    return out
 
 
-def shape(finding: Finding) -> dict:
+def prekey_candidates(finding: Finding, buckets: Iterable[Bucket]) -> list[Bucket]:
+    """Without attribution (past the triage share): the buckets of the finding's worst class
+    that could explain it, i.e. unexplained ones and those explained by a toggle that was on
+    in an arm it diverged in."""
+    worst = finding.worst_class()
+    on = {t for d in finding.divergences if d.class_ == worst for t in finding.arms.get(d.arm, [])}
+    return [b for b in buckets if b.key.cls == worst and (b.key.explained_by is None or b.key.explained_by in on)]
+
+
+def next_check(key: BucketKey, cands: list[Bucket], tried: Iterable[str] = ()) -> str | None:
+    """The next engine mechanism to replay ``key``'s witness without: one on which the
+    candidates differ (it tells them apart), else one the first candidate needs, else one it
+    does not need (its ablation verdicts, replayed on the new witness: a second cause that
+    needs more than the bucket's, e.g. KV pressure besides prefix caching, disagrees only
+    there). None: nothing left to check."""
+    done = set(key.verdicts) | set(tried)
+    seen: dict[str, set[str]] = {}
+    for b in cands:
+        for m, o in b.key.verdicts.items():
+            seen.setdefault(m, set()).add(o)
+    for m in KEY_MECHANISMS:
+        if m not in done and len(seen.get(m, ())) > 1:
+            return m
+    if cands:
+        for m in [*cands[0].key.needs, *cands[0].key.not_needed]:
+            if m not in done:
+                return m
+    return None
+
+
+def shape(finding: Finding) -> tuple[int, list[str]]:
     """The (minimal) trace's shape: how many requests, and which kinds of events remain."""
     t = finding.trace
     kinds = {"send"} if t.sends else set()
@@ -57,27 +107,44 @@ def shape(finding: Finding) -> dict:
         kinds.add("adapter")
     if any(getattr(s.prompt, "prefix_len", 0) for s in t.sends):
         kinds.add("shared-prefix")
-    return {"requests": len(t.sends), "events": sorted(kinds)}
+    return len(t.sends), sorted(kinds)
 
 
-def describe(prekey: str, finding: Finding) -> dict:
-    """The bucket's key, as measured on its first finding (minimized and explained)."""
-    cls, _, rest = prekey.partition("|")
-    explained = rest.split("|", 1)[0]
+def words(mechanisms: Iterable[str]) -> str:
+    return ", ".join(MECHANISM_WORDS.get(m, m) for m in mechanisms)
+
+
+def describe(key: BucketKey, finding: Finding, *, triaged: bool = True) -> BucketDescription:
+    """The bucket's description, as measured on its first finding (minimized and explained)."""
     ex = finding.explanation
-    key = {"class": cls, "explained_by": explained, "needs": ex.needs if ex else None,
-           "not_needed": ex.not_needed if ex else None, "shape": shape(finding)}
-    if ex is None or (ex.skipped and not (ex.needs or ex.not_needed)):
+    requests, events = shape(finding)
+    measured = ex is not None and bool(ex.needs or ex.not_needed)
+    d = BucketDescription(needs=list(ex.needs) if ex else [], not_needed=list(ex.not_needed) if ex else [],
+                          not_tried=list(ex.skipped) if ex else [], measured=measured, requests=requests,
+                          events=events)
+    if not measured:
         needs = "not measured"  # no ablation, or the triage time box ran out first
     else:
-        needs = ", ".join(MECHANISM_WORDS.get(m, m) for m in ex.needs) or "none of the mechanisms tried"
-        if ex.skipped:
-            needs += f" (not tried: {', '.join(MECHANISM_WORDS.get(m, m) for m in ex.skipped)})"
-    s = key["shape"]
-    key["text"] = (f"{cls}, {'explained by ' + explained if explained != 'unexplained' else 'unexplained'}; "
-                   f"needs: {needs}; {s['requests']} request(s) ({', '.join(s['events'])})")
-    return key
+        needs = words(d.needs) or "none of the mechanisms tried"
+        if d.not_tried:
+            needs += f" (not tried: {words(d.not_tried)})"
+    tail = "" if triaged else " (not triaged: past the campaign's triage share)"
+    d.text = f"{key.label()}; needs: {needs}; {requests} request(s) ({', '.join(events)}){tail}"
+    return d
 
 
-def severity_order(prekeys_: Iterable[str]) -> list[str]:
-    return sorted(prekeys_, key=lambda k: (SEVERITY.get(k.split("|", 1)[0], 99), k))
+def needs_text(b: Bucket) -> str:
+    """What a bucket needs, for its row: the description's, else the key's evidence."""
+    d = b.description
+    if d.measured:
+        return words(d.needs) or "none of the mechanisms tried"
+    return words(b.key.needs) or "not measured"
+
+
+def severity_order(buckets: Iterable[Bucket]) -> list[Bucket]:
+    return sorted(buckets, key=lambda b: (SEVERITY.get(b.key.cls, 99), -b.count, b.id))
+
+
+__all__ = ["CHEAP_MECHANISMS", "MAX_CHECKS", "agrees", "candidates", "conflicts", "describe", "keys_of", "live",
+           "mergeable", "needs_text", "next_check", "prekey_candidates", "resolve", "severity_order", "shape",
+           "union", "verdicts_of"]

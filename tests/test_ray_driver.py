@@ -229,10 +229,44 @@ def test_one_spec_builds_the_session_and_triage_of_run_and_of_each_ray_worker(tm
     assert (o.port, o.log_dir, o.extra_flags, o.request_timeout_s) == (8123, tmp_path, ["--max-num-seqs", "4"], 42.0)
     seen = []
     t = spec.build_triage(s, None, tmp_path, status=seen.append)
-    assert (t.arms, t.confirm_runs, t.runs_fixed, t.minimize, t.controls, t.ablate) == (
-        {"vanilla": []}, 2, True, False, False, False)
-    assert (t.minimize_seconds, t.budget_s, t.attribute) == (17.0, 300.0, True)
+    assert (t.arms, t.confirm_runs, t.settings) == ({"vanilla": []}, 2, settings.triage)
     t.status("x")
     assert seen == ["x"]
     assert not spec.pooled and WorkerSpec().pooled
     assert WorkerSpec().build_session(tmp_path).server_options is None
+
+
+class BuggyCluster(FakeCluster):
+    """Every task finds the same unexplained bug; each worker opens its own bucket for it, with
+    the evidence its witness gave (workers see only the buckets committed below their task)."""
+
+    def wait(self, timeout_s):
+        from test_report import finding
+
+        from kvfuzz.traces.buckets import BucketKey, BucketMembership
+
+        w = self.rng.choice(sorted(self.running))
+        task = self.running.pop(w)
+        f = finding()
+        f.divergences[0].explained_by = None
+        v = {"prefix-caching": "disappears"} if task.index % 2 else {"preemption": "persists"}
+        key = BucketKey(cls="corruption", verdicts=v)
+        known = [b for b in task.known.values() if b.id not in task.merges]
+        m = (BucketMembership(bucket=known[0].id, key=key, status="assigned") if known
+             else BucketMembership(bucket=key.digest(), key=key, status="opened"))
+        f.buckets = [m]
+        return [Result(task.index, w, finding=f, buckets=fake_buckets(task.trace), memberships=[m])]
+
+
+def test_buckets_two_workers_opened_at_once_merge_and_every_finding_has_one(tmp_path):
+    out = tmp_path / "out"
+    d = Driver(opts(out, 8), BuggyCluster(2, 5), window=4, arms={})
+    st = d.run()
+    live = st.live_buckets()
+    assert len(live) == 1 and live[0].count == st.findings == 8 and not st.untriaged
+    assert st.merges and set(st.merges) == set(st.bug_buckets) - {live[0].id} and live[0].first_index == 0
+    # --resume reads the buckets and the merges back.
+    from kvfuzz.fuzzer.campaign import CampaignState
+
+    again = CampaignState(**json.loads((out / "campaign.json").read_text()))
+    assert again.bug_buckets == st.bug_buckets and again.merges == st.merges

@@ -34,9 +34,11 @@ def test_ablation_past_its_deadline_skips_the_rest_and_says_so():
 
 
 def test_new_bucket_box_is_the_smaller_of_minimize_seconds_and_the_budget_share(tmp_path):
+    from kvfuzz.driver.settings import TriageSettings
+
     def box(budget, minimize_seconds=120.0):
-        t = CampaignTriage(session=None, guard=None, arms={}, out=tmp_path, minimize_seconds=minimize_seconds,
-                           budget_s=budget)
+        t = CampaignTriage(session=None, guard=None, arms={}, out=tmp_path,  # type: ignore[arg-type]
+                           settings=TriageSettings(minimize_seconds=minimize_seconds, budget_s=budget))
         return t.new_bucket_box
 
     assert box(None) == 120.0  # --traces N: only --minimize-seconds bounds it
@@ -47,10 +49,12 @@ def test_new_bucket_box_is_the_smaller_of_minimize_seconds_and_the_budget_share(
 
 
 def test_a_skipped_ablation_is_not_reported_as_measured():
-    from kvfuzz.oracle.buckets import describe
+    from kvfuzz.oracle.buckets import describe, keys_of, verdicts_of
 
     f = finding()
     f.explanation = explain(Recorder(), f, deadline=time.monotonic() - 1)
     assert f.explanation.summary().startswith("not ablated: the triage time box ran out")
-    key = describe(f"corruption|{f.divergences[0].explained_by}", f)
-    assert "needs: not measured" in key["text"] and key["needs"] == []
+    (key,) = keys_of(f, verdicts_of(f.explanation))
+    d = describe(key, f)
+    assert "needs: not measured" in d.text and d.needs == [] and not d.measured
+    assert key.verdicts == {}  # skipped ablations are "not tried": never part of a key

@@ -12,6 +12,8 @@ from typing import Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from .buckets import BucketMembership, memberships_from_notes
+
 from .history import History, RequestRecord, Scoring
 from .provenance import Attribution, BoundsUsed, CrashInfo, Provenance, migrate_notes
 from .trace import Trace
@@ -264,6 +266,8 @@ class Finding(_Data):
     bounds: BoundsUsed | None = None  # the noise bounds the verdicts were judged with
     attribution: Attribution | None = None  # toggle attribution ran (triage/attribution.py)
     reproduced_in: list[str] | None = None  # every arm (its own and the controls') that reproduced it
+    # Its bucket memberships, one per class-worst divergence key (traces/buckets.py).
+    buckets: list[BucketMembership] = Field(default_factory=list)
     # For people only: code never reads a key from it (tests/test_notes_contract.py).
     notes: dict[str, Any] = Field(default_factory=dict)
 
@@ -272,6 +276,11 @@ class Finding(_Data):
     def _migrate(cls, data: Any) -> Any:
         if isinstance(data, dict) and data.get("schema_version") != FINDING_SCHEMA_VERSION:
             data = {**migrate_notes(data), "schema_version": FINDING_SCHEMA_VERSION}
+        # Findings written before issue 30 kept their buckets in notes["buckets"].
+        if isinstance(data, dict) and not data.get("buckets") and isinstance(data.get("notes"), dict) \
+                and isinstance(data["notes"].get("buckets"), list):
+            notes = dict(data["notes"])
+            data = {**data, "buckets": memberships_from_notes(notes.pop("buckets")), "notes": notes}
         return data
 
     def inherit(self, other: Finding, *, drop_notes: tuple[str, ...] = ()) -> None:

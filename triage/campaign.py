@@ -1,28 +1,31 @@
 """How much triage each finding of a campaign gets: one bug, one bucket (docs/oracle.md
-"Buckets").
+"Buckets"; the rule is oracle/buckets.py).
 
 Every trace runs once. A finding is attributed to toggles (the clean arm re-run), which gives
-its prekeys (oracle/buckets.py). A finding whose prekeys are all known joins those buckets
-cheaply: its trace and verdicts, linked, no minimization. One with a new prekey opens a bucket
-and is triaged fully, time-boxed: confirmation runs (the trace up to K times, to measure the
-rate), control arms, minimization, the full causal ablation, and a copy of the minimal finding
-as the bucket's regression case (``OUT/buckets/<id>.json``, for ``kvfuzz gate``).
+its keys. An unexplained finding (no toggle explains it: a candidate vLLM bug) is then checked
+against the buckets of the same class by a few replays (``oracle.buckets.next_check``: a
+mechanism the candidates differ on, then the mechanisms the candidate needs) and joins the
+first that agrees: its trace and verdicts, linked, no minimization. One that agrees with no
+bucket is triaged fully, time-boxed: confirmation runs (the trace up to K times, to measure the
+rate), control arms, minimization, the full causal ablation. Its full key is then checked
+against the buckets once more (the merge check) before it opens a bucket; the minimal finding
+is copied as the bucket's regression case (``OUT/buckets/<id>.json``, for ``kvfuzz gate``).
 
 Repeats of a duplicate are skipped on a step-exact engine, where they are identical (the
 in-process replay is deterministic: tests/test_engine.py); wall-clock engines confirm every
 divergent trace. Time spent on findings of known buckets is capped at ``share`` of the
-campaign so far: beyond it, a finding is recorded untriaged (listed, replayable, never dropped).
-Untriaged findings add no triage time, so the share falls back under the cap as the campaign
-goes on and a later finding is attributed again: a second bug that keeps recurring is delayed,
-not lost.
+campaign so far: beyond it, a finding is **assigned, not triaged**: to the one bucket its
+cheap pre-key allows (class, and the toggles on in its arm), or, when several do, by one replay
+(attribution, or the candidates' distinguishing check). It is never left without a bucket.
+Assigned findings add little time, so the share falls back under the cap as the campaign goes
+on and later findings are triaged again.
 
 A new bucket's triage is time-boxed: ``minimize_seconds`` (--minimize-seconds), and at most
 ``NEW_BUCKET_SHARE`` of the campaign's budget when it has one (never below
-``MIN_NEW_BUCKET_BOX_S``), so a 10-minute campaign that
-finds a bug keeps fuzzing most of its time (issue 18: >= 0.7x the clean traces/min). Control
-arms run on the minimized finding (triage/finish.py), inside the box. What the
-box cuts short is marked (a partial minimization, ablations "skipped"); `kvfuzz minimize` and
-`kvfuzz explain` finish it from the finding file.
+``MIN_NEW_BUCKET_BOX_S``), so a 10-minute campaign that finds a bug keeps fuzzing most of its
+time (issue 18: >= 0.7x the clean traces/min). What the box cuts short is marked (a partial
+minimization, ablations "skipped", which never count in a key); `kvfuzz minimize` and `kvfuzz
+explain` finish it from the finding file.
 """
 
 from __future__ import annotations
@@ -33,11 +36,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvfuzz.oracle.buckets import CHEAP_MECHANISMS, bucket_id, describe, prekeys
 from kvfuzz.driver.recovery import Recovering
 from kvfuzz.driver.session import Session
-from kvfuzz.driver.settings import CampaignSettings
+from kvfuzz.driver.settings import CampaignSettings, TriageSettings
+from kvfuzz.oracle import buckets as rule
 from kvfuzz.traces import Finding, Trace
+from kvfuzz.traces.buckets import Bucket, BucketKey, BucketMembership, Outcome, Triaged
 from kvfuzz.traces.result import Checked
 
 from .attribution import explain_guarded
@@ -59,113 +63,183 @@ class CampaignTriage:
     guard: Recovering
     arms: dict[str, list[str]]
     out: Path
+    # How much each finding is re-run (--runs-fixed, --no-minimize, --minimize-seconds ...).
+    settings: TriageSettings = field(default_factory=TriageSettings)
     confirm_runs: int = 3
-    runs_fixed: bool = False
-    attribute: bool = True
-    minimize: bool = True
-    controls: bool = True
-    ablate: bool = True
-    minimize_seconds: float = 120.0
     share: float = KNOWN_BUCKET_SHARE
-    budget_s: float | None = None  # the campaign's --budget, if any
     status: Callable[[str], None] = lambda _m: None
-    # prekey -> bucket id, restored from campaign.json on --resume (``restore``).
-    known: dict[str, str] = field(default_factory=dict)
+    # The campaign's buckets (id -> bucket) and merges (id -> the id it lives on in): in-process
+    # the campaign state's own (``restore``), on Ray the committed ones sent with each task.
+    known: dict[str, Bucket] = field(default_factory=dict)
+    merges: dict[str, str] = field(default_factory=dict)
     known_seconds: float = 0.0
     started: float = field(default_factory=time.monotonic)
 
-    def restore(self, buckets: dict[str, dict]) -> None:
-        self.known.update({b["prekey"]: i for i, b in buckets.items() if "prekey" in b})
+    def restore(self, buckets: dict[str, Bucket], merges: dict[str, str] | None = None) -> None:
+        """Share the campaign's buckets (the campaign adds to them as findings are recorded)."""
+        self.known = buckets
+        self.merges = merges if merges is not None else {}
 
-    def __call__(self, trace: Trace) -> Checked:
-        runs = self.confirm_runs if self.runs_fixed else 1
+    @property
+    def alive(self) -> list[Bucket]:
+        return rule.live(self.known, self.merges)
+
+    def __call__(self, trace: Trace) -> Triaged:
+        runs = self.confirm_runs if self.settings.runs_fixed else 1
         checked = self.guard.check(trace, runs=runs, arms=self.arms)
         f = checked.finding
         if f is None:
-            return checked
+            return Triaged(checked)
         if f.worst_class() == "engine-crash":
             # Not repeated nor minimized: each replay could crash the engine again (and a hang
             # costs the trace deadline each time).
-            return self._file(checked, f, prekeys(f), full=False)
-        if self.known and self.over_share:
-            f.notes["triage"] = (f"untriaged: findings of known buckets already took {self.share:.0%} of the "
-                                 f"campaign's time (kvfuzz replay / minimize / explain it)")
-            return checked
+            return self._place(checked, f, rule.keys_of(f), status="triaged", how="class")
         t0 = time.monotonic()
-        if self.attribute:
+        if self.alive and self.over_share:
+            out = self._assign(checked)
+            self.known_seconds += time.monotonic() - t0
+            return out
+        if self.settings.attribute:
             checked = explain_guarded(self.guard, checked, runs=runs)
             f = checked.finding or f
-        keys = prekeys(f, self._cheap_needs(f) if self._unexplained(f) else None)
-        new = [k for k in keys if k not in self.known]
+        joined: list[BucketMembership] = []
+        new: list[BucketKey] = []
+        for key in rule.keys_of(f):
+            bucket, key, how = self._match(f, key)
+            if bucket is None:
+                new.append(key)
+            else:
+                joined.append(BucketMembership(bucket=bucket.id, key=key, status="triaged", how=how))
         if not new:
-            if not self.session.step_exact and not self.runs_fixed and self.confirm_runs > 1:
+            if not self.session.step_exact and not self.settings.runs_fixed and self.confirm_runs > 1:
                 checked = self._confirm(checked)
             self.known_seconds += time.monotonic() - t0
-            return self._file(checked, checked.finding or f, keys, full=False)
-        return self._triage(checked, keys)
+            return self._done(checked, checked.finding or f, joined, "joined")
+        return self._triage(checked, joined, new)
+
+    # -- matching ------------------------------------------------------------------------------------
+    def _match(self, f: Finding, key: BucketKey, max_checks: int = rule.MAX_CHECKS) -> tuple[Bucket | None, BucketKey, str]:
+        """The earliest bucket ``key`` agrees with, after up to ``max_checks`` replays of the
+        finding without one engine mechanism each (``rule.next_check``)."""
+        cands = rule.candidates(key, self.alive)
+        tried: list[str] = []
+        while cands and key.explained_by is None and len(tried) < max_checks:
+            m = rule.next_check(key, cands, tried)
+            if m is None:
+                break
+            tried.append(m)
+            key = key.model_copy(update={"verdicts": {**key.verdicts, **self._check(f, m)}})
+            cands = rule.candidates(key, cands)
+        if not cands:
+            return None, key, ""
+        checked = ", ".join(f"{m} {key.verdicts[m]}" for m in tried if m in key.verdicts)
+        return cands[0], key, ("replay: " + checked) if checked else "key"
+
+    def _check(self, f: Finding, mechanism: str) -> dict[str, Outcome]:
+        """One replay of ``f`` without ``mechanism``: its verdict, if it could be judged."""
+        self.status(f"finding {f.id}: checking against buckets (without {mechanism})")
+        ex = explain(self.session, f, mechanisms=[mechanism])
+        return rule.verdicts_of(ex)
+
+    def _assign(self, checked: Checked) -> Triaged:
+        """Past the share: the bucket the cheap pre-key allows, or one replay decides."""
+        f = checked.finding
+        assert f is not None
+        cands = rule.prekey_candidates(f, self.alive)
+        how = "pre-key"
+        if len({b.key.base for b in cands}) != 1 and self.settings.attribute:
+            # Several explanations possible, or none known: one attribution replay.
+            checked = explain_guarded(self.guard, checked)
+            f = checked.finding or f
+            how = "pre-key after attribution"
+            keys = rule.keys_of(f)
+            cands = [b for b in self.alive if any(b.key.base == k.base for k in keys)]
+        if not cands:
+            # No bucket of its kind yet: it opens one, untriaged (a later triaged finding whose
+            # key agrees joins it and brings the evidence).
+            return self._place(checked, f, rule.keys_of(f), status="assigned", how="opened past the triage share")
+        key = rule.keys_of(f)[0] if rule.keys_of(f) else cands[0].key
+        if key.base != cands[0].key.base:
+            key = cands[0].key.model_copy(update={"verdicts": {}})
+        if len(cands) > 1 and key.explained_by is None:
+            bucket, key, how2 = self._match(f, key, max_checks=1)
+            bucket = bucket or cands[0]
+            how = how2 if how2 != "key" else how
+        else:
+            bucket = cands[0]
+        m = BucketMembership(bucket=bucket.id, key=key, status="assigned", how=how)
+        return self._done(checked, f, [m], "assigned")
 
     # -- a new bucket: everything ------------------------------------------------------------------
     @property
     def new_bucket_box(self) -> float:
         """Seconds one new bucket's triage may take."""
-        if self.budget_s is None:
-            return self.minimize_seconds
-        return min(self.minimize_seconds, max(MIN_NEW_BUCKET_BOX_S, NEW_BUCKET_SHARE * self.budget_s))
+        if self.settings.budget_s is None:
+            return self.settings.minimize_seconds
+        return min(self.settings.minimize_seconds, max(MIN_NEW_BUCKET_BOX_S, NEW_BUCKET_SHARE * self.settings.budget_s))
 
-    def _triage(self, checked: Checked, keys: list[str]) -> Checked:
+    def _triage(self, checked: Checked, joined: list[BucketMembership], new: list[BucketKey]) -> Triaged:
         deadline = time.monotonic() + self.new_bucket_box
-        if not self.runs_fixed and self.confirm_runs > 1:
+        if not self.settings.runs_fixed and self.confirm_runs > 1:
             self.status("new bucket: confirming the rate")
             checked = self._confirm(checked)
         finding = checked.finding
         assert finding is not None
         small = finding
-        if self.minimize or self.controls:
-            self.status(f"finding {finding.id}: " + ("minimizing" if self.minimize else "control arms"))
+        if self.settings.minimize or self.settings.controls:
+            self.status(f"finding {finding.id}: " + ("minimizing" if self.settings.minimize else "control arms"))
             # Minimization gets half of what is left; the ablation of the (small) result the rest.
             left = max(1.0, 0.5 * (deadline - time.monotonic()))
-            small = finish_finding(self.session, finding, out=self.out, do_minimize=self.minimize,
-                                   controls=self.controls, max_seconds=left)
-        if self.ablate:
+            small = finish_finding(self.session, finding, out=self.out, do_minimize=self.settings.minimize,
+                                   controls=self.settings.controls, max_seconds=left)
+        if self.settings.ablate:
             self.status(f"finding {small.id}: causal ablation")
             small.explanation = explain(self.session, small, deadline=deadline)
         self.status("fuzzing")
-        return self._file(dataclasses.replace(checked, finding=small), small, keys, full=True)
+        measured = rule.verdicts_of(small.explanation)
+        out = list(joined)
+        for key in new:
+            if key.explained_by is None:
+                # The minimal witness's ablation, over the checks the original one had.
+                key = key.model_copy(update={"verdicts": {**key.verdicts, **measured}})
+            # The merge check: the full key against the buckets once more.
+            cands = rule.candidates(key, self.alive)
+            if cands:
+                out.append(BucketMembership(bucket=cands[0].id, key=key, status="triaged",
+                                            how="merge check: agrees after full triage"))
+            else:
+                out.append(BucketMembership(bucket=key.digest(), key=key, status="opened",
+                                            description=rule.describe(key, small), how="new key"))
+        return self._done(dataclasses.replace(checked, finding=small), small, out,
+                          "opened" if any(m.status == "opened" for m in out) else "joined")
 
     def _confirm(self, checked: Checked) -> Checked:
         """The same trace up to ``confirm_runs`` times in every arm it ran in: the rate."""
         rec = self.session.confirm(checked.recording, self.confirm_runs)
         again = self.session.verdicts_of(rec, carry=checked.finding)
-        if self.attribute and checked.finding is not None and checked.finding.attribution is not None:
+        if self.settings.attribute and checked.finding is not None and checked.finding.attribution is not None:
             again = explain_guarded(self.guard, again, runs=self.confirm_runs)
         return again
 
-    # -- buckets -------------------------------------------------------------------------------------
-    def _file(self, checked: Checked, finding: Finding, keys: list[str], *, full: bool) -> Checked:
-        entries = []
-        for k in keys:
-            bid = bucket_id(k)
-            first = k not in self.known
-            entry = {"id": bid, "prekey": k, "first": first}
-            if first:
-                entry["key"] = describe(k, finding)
-                self.known[k] = bid
-            entries.append(entry)
-        finding.notes["buckets"] = entries
-        finding.bucket = entries[0]["id"] if entries else None
-        if not full and entries:
-            finding.notes["triage"] = "duplicate of a known bucket: not minimized"
-        return dataclasses.replace(checked, finding=finding)
+    # -- filing --------------------------------------------------------------------------------------
+    def _place(self, checked: Checked, f: Finding, keys: list[BucketKey], *, status: str, how: str) -> Triaged:
+        """Keys matched by base alone (engine crashes; findings past the share with no bucket
+        of their kind): the earliest agreeing bucket, else a new one."""
+        out = []
+        for key in keys:
+            cands = rule.candidates(key, self.alive)
+            if cands:
+                out.append(BucketMembership(bucket=cands[0].id, key=key, status=status, how=how))  # type: ignore[arg-type]
+            else:
+                out.append(BucketMembership(bucket=key.digest(), key=key, status="opened" if status != "assigned"
+                                            else "assigned", description=rule.describe(key, f, triaged=status != "assigned"),
+                                            how=how))
+        return self._done(checked, f, out, status)
 
-    def _unexplained(self, f: Finding) -> bool:
-        worst = f.worst_class()
-        return any(d.class_ == worst and d.explained_by is None for d in f.divergences)
-
-    def _cheap_needs(self, f: Finding) -> list[str]:
-        """For an unexplained finding (no toggle explains it): the cheap ablations it needs, on
-        the trace as found (three replays, no engine restart)."""
-        ex = explain(self.session, f, mechanisms=list(CHEAP_MECHANISMS))
-        return ex.needs
+    def _done(self, checked: Checked, f: Finding, memberships: list[BucketMembership], status: str) -> Triaged:
+        f.buckets = memberships
+        f.bucket = memberships[0].bucket if memberships else None
+        return Triaged(dataclasses.replace(checked, finding=f), memberships, status)
 
     @property
     def over_share(self) -> bool:
@@ -175,7 +249,5 @@ class CampaignTriage:
 def build_triage(settings: CampaignSettings, session: Session, guard: Recovering, out: Path, *,
                  status: Callable[[str], None] = lambda _m: None) -> CampaignTriage:
     """The one way a campaign's triage is made (``kvfuzz run``, each Ray worker, ``kvfuzz bench``)."""
-    t = settings.triage
-    return CampaignTriage(session, guard, settings.arms, out, confirm_runs=settings.session.runs,
-                          runs_fixed=t.runs_fixed, attribute=t.attribute, minimize=t.minimize, controls=t.controls,
-                          ablate=t.ablate, minimize_seconds=t.minimize_seconds, budget_s=t.budget_s, status=status)
+    return CampaignTriage(session, guard, settings.arms, out, settings=settings.triage,
+                          confirm_runs=settings.session.runs, status=status)

@@ -12,7 +12,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from kvfuzz.present.report import CLASS_STYLE
+from kvfuzz.present.style import CLASS_STYLE
 
 
 class CampaignDisplay:
@@ -59,7 +59,8 @@ class CampaignDisplay:
             campaign_page(self.out, state)  # never raises
         if outcome.finding is not None and self._live is None:
             f = outcome.finding
-            self.console.print(f"finding {f.id}: {f.worst_class()} ({f.signature()}) in trace {outcome.index}")
+            where = f" -> bucket {f.bucket}" if f.bucket else ""
+            self.console.print(f"finding {f.id}: {f.worst_class()} ({f.signature()}) in trace {outcome.index}{where}")
         if self._live is not None:
             self._live.update(self._render())
 
@@ -86,6 +87,17 @@ class CampaignDisplay:
             for cls, n in sorted(s.by_class.items()):
                 found.append(f"{cls}: {n}  ", style=CLASS_STYLE.get(cls, ""))
             grid.add_row("findings", found if s.by_class else Text("none", style="green"))
+            if getattr(s, "bug_buckets", None):
+                from kvfuzz.present.buckets import rows, sections
+
+                bugs, ties = sections(rows(s.bug_buckets, getattr(s, "merges", {})))
+                for r in bugs[:4]:
+                    grid.add_row(f"bucket {r.id}", Text(f"{r.count} x {r.cls}, {r.explanation}; needs: {r.needs}",
+                                                        style=CLASS_STYLE.get(r.cls, "")))
+                if len(bugs) > 4:
+                    grid.add_row("", f"... {len(bugs) - 4} more bug bucket(s)")
+                if ties:
+                    grid.add_row("near-tie buckets", f"{len(ties)} ({sum(r.count for r in ties)} findings)")
         if self._last is not None:
             t = self._last.trace
             last = self._last
@@ -113,12 +125,20 @@ class CampaignDisplay:
         table.add_row("findings", str(state.findings))
         for cls, n in sorted(state.by_class.items()):
             table.add_row(f"  {cls}", Text(str(n), style=CLASS_STYLE.get(cls, "")))
-        table.add_row("bug buckets", str(len(state.bug_buckets)))
-        if state.untriaged:
-            table.add_row("  untriaged findings", str(len(state.untriaged)))
+        from kvfuzz.present.buckets import rich_tables, rows, sections, summary_line
+
+        brows = rows(state.bug_buckets, getattr(state, "merges", {}))
+        bugs, ties = sections(brows)
+        table.add_row("bug buckets", str(len(bugs)))
+        if ties:
+            table.add_row("near-tie buckets", str(len(ties)))
+        if state.untriaged:  # campaigns written before issue 30 only
+            table.add_row("  findings without a bucket (older campaign)", str(len(state.untriaged)))
         self.console.print(table)
-        if state.bug_buckets:
-            self.console.print(bucket_table(state.bug_buckets, out))
+        for t in rich_tables(brows):
+            self.console.print(t)
+        if state.findings:
+            self.console.print(summary_line(brows, state.findings), markup=False, highlight=False, soft_wrap=True)
         where = out / "findings"
         self.console.print(f"findings written to: {where.resolve()}" + ("" if state.findings else " (none)"))
         self.console.print(f"campaign state: {(out / 'campaign.json').resolve()}")
@@ -131,16 +151,3 @@ class CampaignDisplay:
             self.console.print(f"corpus: {Path(state.corpus_dir).resolve()}")
 
 
-def bucket_table(buckets: dict[str, dict], out: Path) -> Table:
-    """One row per bug bucket: how many findings, where it first showed, what it is, and the
-    report of its (minimal) first finding."""
-    table = Table(title="bug buckets (one root cause each; regression cases in OUT/buckets/)", header_style="bold")
-    for col in ("bucket", "findings", "first trace", "what", "report"):
-        table.add_column(col, overflow="fold")
-    for bid, b in sorted(buckets.items(), key=lambda kv: (-kv[1].get("count", 0), kv[0])):
-        key = b.get("key") or {}
-        cls = str(key.get("class", b.get("prekey", "?").split("|")[0]))
-        table.add_row(bid, str(b.get("count", 0)), str(b.get("first_index", "?")),
-                      Text(key.get("text", b.get("prekey", "")), style=CLASS_STYLE.get(cls, "")),
-                      b.get("report", "(not triaged)"))
-    return table

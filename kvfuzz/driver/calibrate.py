@@ -170,6 +170,36 @@ def _observed(h: History, measured: set[str]) -> dict[str, int]:
     return {"prefix_hit_requests": len(hits), "chunked_requests": len(chunked), "preempted_requests": len(preempted)}
 
 
+# Bounds no batch-order noise reaches (nats): a float32 logit moves by ~1e-5 with batch order,
+# a 16-bit one by a few steps of 0.125. A profile beyond them measured something else — a fault
+# patched into the engine (KVFUZZ_PLUGIN_MODULES, issue 30: one such profile in the shared
+# cache, 8.4 nats in float32, had every later campaign call corruption a near tie).
+PLAUSIBLE = {"float32": 0.1, "float16": 1.0, "bfloat16": 2.0}
+
+
+def implausible(profile: CalibrationProfile) -> str | None:
+    """Why ``profile`` cannot be batch-order noise, or None."""
+    ceiling = PLAUSIBLE.get(profile.key.dtype, max(PLAUSIBLE.values()))
+    over = {k: v for k, v in profile.bounds.items() if v > ceiling}
+    if not over:
+        return None
+    what = ", ".join(f"{k} {v:.3g}" for k, v in sorted(over.items()))
+    return (f"the measured {profile.key.dtype} noise ({what} nats) is beyond what batch order can do "
+            f"(<= {ceiling:g}): the engine is not clean (a patch or fault in it?)")
+
+
+def unclean_engine() -> str | None:
+    """Why this process's engines cannot be calibrated: patches of the user's own
+    (KVFUZZ_PLUGIN_MODULES) are always on, so their effect would be measured as noise."""
+    from kvfuzz.harness.toggles.plugin import PLUGIN_MODULES_VAR, plugin_modules
+
+    mods = plugin_modules()
+    if not mods:
+        return None
+    return (f"{PLUGIN_MODULES_VAR} patches this engine ({', '.join(m for m, _ in mods)}), so its noise would "
+            f"include them; measure a profile without them (`kvfuzz calibrate`)")
+
+
 def describe_key(key: NoiseKey) -> str:
     flags = f"block {key.block_size}, chunked prefill {'on' if key.chunked_prefill else 'off'}"
     return (f"{key.device} ({key.device_name}), {key.dtype}, {key.model}"
@@ -195,8 +225,17 @@ def prepare_bounds(session: Session, config: EngineConfig, *, profile_file: Path
         return session.use_profile(config, named)
     profile = find_profile(key, session.profiles_dir)
     if profile is None and calibrate_if_missing:
-        profile = calibrate(session, config, plan, progress)
-        save_profile(profile, profile_path(key, session.profiles_dir))
+        if (why := unclean_engine()) is not None:
+            if warn is not None:
+                warn(f"not calibrating: {why}")
+        else:
+            profile = calibrate(session, config, plan, progress)
+            if (why := implausible(profile)) is not None:
+                if warn is not None:
+                    warn(f"calibration refused, not saved: {why}")
+                profile = None
+            else:
+                save_profile(profile, profile_path(key, session.profiles_dir))
     if profile is not None:
         return session.use_profile(config, profile)
     bounds = session.bounds_for(config)

@@ -595,9 +595,15 @@ def campaign_view(state: Mapping[str, Any] | Any) -> CampaignView:
     if not progress or progress[-1] != now:
         progress.append(now)
     buckets = []
+    merged = s.get("merges") or {}
     for bid, b in (s.get("bug_buckets") or {}).items():
+        if bid in merged:
+            continue  # inside the bucket it was merged into
+        if hasattr(b, "model_dump"):  # a live CampaignState's typed bucket (traces/buckets.py)
+            b = {**b.model_dump(mode="json", by_alias=True), "text": b.text}
         key = b.get("key") or {}
-        text = str(key.get("text") or b.get("prekey") or "")
+        desc = b.get("description") or {}
+        text = str(b.get("text") or desc.get("text") or key.get("text") or b.get("prekey") or "")
         buckets.append(BucketView(str(bid), int(b.get("count", 0)), b.get("first_index"), text, b.get("representative"),
                                   b.get("case")))
     buckets.sort(key=lambda b: (b.first_index if b.first_index is not None else 1 << 30, b.id))

@@ -17,7 +17,8 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
-from .report import CLASS_STYLE, Bullets, Code, Heading, Para, Report, Table
+from .style import CLASS_STYLE
+from .report import Bullets, Code, Heading, Para, Report, Table
 from kvfuzz.traces import Finding, KvfuzzError, atomic_write_text, load_finding
 
 from .deps import PLOTS_HINT, have_matplotlib

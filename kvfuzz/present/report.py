@@ -21,10 +21,9 @@ from kvfuzz.driver.arms import replay_command, replay_engine_args
 from kvfuzz.oracle.check import ENGINE
 from kvfuzz.oracle.controls import primary_arm, reproducing_arms, signature_of
 from kvfuzz.oracle.noise import NoiseBounds, finding_bounds
+from kvfuzz.present.buckets import membership_text
+from kvfuzz.present.style import CLASS_STYLE
 
-CLASS_STYLE = {"corruption": "bold red", "engine-crash": "bold magenta", "error": "red",
-               "numeric-near-tie": "yellow", "unconstrained": "dim", "truncation": "dim",
-               "ok": "green"}
 # A release's status in a bisection (kvfuzz bisect).
 STATUS_STYLE = {"bad": "bold red", "good": "green", "unavailable": "yellow", "error": "magenta", "not": "dim"}
 
@@ -246,10 +245,8 @@ def build(finding: Finding, *, source: str = "FINDING.json",
         r.p(("Causal ablation", "b"), f": {finding.explanation.summary()} (see below).")
     if finding.bisect is not None:
         r.p(("Releases", "b"), f": {bisect_summary(finding.bisect)} (see Release bisection).")
-    for b in finding.notes.get("buckets") or []:
-        text = (b.get("key") or {}).get("text") if isinstance(b, dict) else None
-        r.p(("Bucket", "b"), ": ", (str(b.get("id")), "code"), f" — {text or b.get('prekey')}"
-            + (" (this finding opened it)" if b.get("first") else " (a known bucket: not minimized)") + ".")
+    for mb in finding.buckets:
+        r.p(("Bucket", "b"), ": ", (mb.bucket, "code"), f" — {membership_text(mb)}.")
 
     # Environment
     env = finding.environment

@@ -331,12 +331,13 @@ class WorkerCore:
         t0 = time.monotonic()
         # Exactly the buckets committed below this index (not what this worker saw before):
         # whether a finding opens a bucket never depends on which worker ran what.
-        self.triage.known = dict(task.known)
+        self.triage.restore(dict(task.known), dict(task.merges))
         ledger = self.session.ledger
         before = ledger.breakdown()
         ledger.fresh = True  # the trace's first replay is its fuzzed run (traces/timing.py)
         with ledger.span(TRIAGE):
-            checked = self.triage(task.trace)
+            triaged = self.triage(task.trace)
+        checked = triaged.checked
         spent = ledger.breakdown().minus(before)
         buckets = sorted(trace_signature(checked.histories, task.trace))
         files = {}
@@ -344,7 +345,7 @@ class WorkerCore:
             if p.is_file():
                 files[str(p.relative_to(self.scratch))] = p.read_text()
                 p.unlink()
-        return Result(task.index, self.name, finding=checked.finding, buckets=buckets,
+        return Result(task.index, self.name, finding=checked.finding, buckets=buckets, memberships=triaged.buckets,
                       seconds=time.monotonic() - t0, files=files, time=spent)
 
     def gate(self, planned, runs: int, strict: bool, engine_args: list[str]) -> tuple:

@@ -85,12 +85,18 @@ def calibrate_cmd(
     config = default_engine(lora=lora, kv_cache_bytes=kv_cache_mb * 2**20, **overrides)
     log_dir = out if out is not None and out.suffix != ".json" else Path("kvfuzz-out")
     log_dir.mkdir(parents=True, exist_ok=True)
+    from kvfuzz.driver.calibrate import implausible, unclean_engine
+
+    if (why := unclean_engine()) is not None:
+        raise BadInput(f"cannot calibrate: {why}", field="KVFUZZ_PLUGIN_MODULES")
     with build_session(settings, log_dir) as session:
         console.print(f"starting vLLM ({config.dtype}, log: {log_dir / 'engine.log'})", markup=False)
         session.engine_for(config)
         profile = calibrate(session, config, Plan(requests=requests, max_tokens=max_tokens, seed=seed,
                                                   budget_s=budget),
                             progress=lambda m: console.print(m, style="dim", markup=False))
+    if (why := implausible(profile)) is not None:
+        raise BadInput(f"calibration refused, not saved: {why}", field="calibration")
     if out is None:
         path = save_profile(profile)
     elif out.suffix == ".json":

@@ -22,7 +22,7 @@ from rich.text import Text
 from kvfuzz.driver import arms as arm_specs
 from kvfuzz.cli import options, tables
 from kvfuzz.cli.app import app, console
-from kvfuzz.present.report import CLASS_STYLE
+from kvfuzz.present.style import CLASS_STYLE
 from kvfuzz.traces import Divergence, Finding, ReplayOf, Trace, atomic_write_text, load_any, save
 from kvfuzz.traces.finding import DIVERGENT_CLASSES
 from kvfuzz.traces.foreign import ForeignFinding

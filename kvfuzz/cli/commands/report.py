@@ -16,7 +16,8 @@ from kvfuzz.traces import atomic_write_text, load_finding
 
 @app.command("report")
 def report_cmd(
-    file: Annotated[Path, typer.Argument(help="Finding file (JSON).")],
+    file: Annotated[Path, typer.Argument(help="Finding file (JSON), or a campaign's OUT directory / campaign.json "
+                                              "(one row per bug bucket).")],
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Write the markdown report to this file.")] = None,
     as_markdown: Annotated[bool, typer.Option("--markdown", help="Print markdown instead of the terminal view.")] = False,
     html: Annotated[Optional[Path], typer.Option("--html", help="Write a self-contained HTML report with the pictures "
@@ -37,6 +38,9 @@ def report_cmd(
         require()  # exit 2, one line with the install command
     # Status lines stay off stdout when stdout is the markdown.
     say = err_console if as_markdown and out is None else console
+    if file.is_dir() or file.name == "campaign.json":
+        _campaign_report(file, out, as_markdown)
+        return
     finding = load_finding(file)
     report = build(finding, source=str(file), toggles_known=catalog())
     pictures = None
@@ -69,3 +73,21 @@ def report_cmd(
         return
     for r in to_rich(report):
         console.print(r)
+
+
+def _campaign_report(path: Path, out: Optional[Path], as_markdown: bool) -> None:
+    """A campaign speaks in buckets: one row per bucket, near-tie buckets apart (issue 30)."""
+    from kvfuzz.present.buckets import load_campaign, markdown, rich_tables, summary_line
+
+    rows, findings = load_campaign(path)
+    if out is not None or as_markdown:
+        text = markdown(rows, findings)
+        if out is not None:
+            atomic_write_text(out, text)
+            console.print(f"wrote {out}", markup=False, highlight=False)
+        else:
+            print(text)
+        return
+    for t in rich_tables(rows):
+        console.print(t)
+    console.print(summary_line(rows, findings), markup=False, highlight=False, soft_wrap=True)

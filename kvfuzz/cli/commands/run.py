@@ -205,7 +205,8 @@ def run(
             bounds = prepare_bounds(session, engine, profile_file=calibration, calibrate_if_missing=calibrate,
                                     progress=display.status, warn=warned.append)
             display.status("fuzzing")
-            state = run_campaign(opts, triage, display.update, on_start=lambda c: triage.restore(c.state.bug_buckets),
+            state = run_campaign(opts, triage, display.update,
+                                 on_start=lambda c: triage.restore(c.state.bug_buckets, c.state.merges),
                                  ledger=session.ledger)
     finally:
         session.close()
@@ -222,8 +223,7 @@ def run(
     console.print(bounds.describe(), markup=False, highlight=False)
     console.print("arms: " + "; ".join(f"{a} = [{', '.join(ts) or 'no toggles'}]" for a, ts in arm_map.items()),
                   markup=False, highlight=False)
-    findings = [(f, load_finding(out / f)) for f in state.finding_files]
-    tables.print_attribution(console, findings)
+    # The closing table speaks in buckets (display.summary): no row per finding (issue 30).
 
 
 
@@ -274,5 +274,4 @@ def _run_on_ray(address: str, opts: Any, spec: WorkerSpec, *, arm_map: dict[str,
     console.print(infos[0]["bounds"], markup=False, highlight=False)
     console.print("arms: " + "; ".join(f"{a} = [{', '.join(ts) or 'no toggles'}]" for a, ts in arm_map.items()),
                   markup=False, highlight=False)
-    findings = [(f, load_finding(opts.out / f)) for f in state.finding_files]
-    tables.print_attribution(console, findings)
+    # The closing table speaks in buckets (display.summary): no row per finding (issue 30).

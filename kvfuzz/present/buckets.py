@@ -1,0 +1,140 @@
+"""A campaign's bug buckets for people: one row per bucket (count, first trace,
+representative, explanation, needs, report command), near-tie buckets in a section of their
+own so 16-bit noise never reads as a bug. Used by the closing table of ``kvfuzz run``
+(kvfuzz/cli/display.py), the live panel, ``kvfuzz report OUT`` and the campaign page. The
+findings themselves are behind each bucket, listed in ``OUT/buckets/<id>.findings.jsonl``."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvfuzz.oracle.buckets import live, needs_text
+from kvfuzz.traces import Finding
+from kvfuzz.traces.buckets import Bucket, BucketMembership, bucket_from_state
+from kvfuzz.traces.errors import BadInput
+
+
+@dataclass(frozen=True)
+class BucketRow:
+    id: str
+    cls: str
+    count: int
+    assigned: int  # of count: assigned, not triaged
+    first_index: int | None
+    representative: str | None
+    explanation: str
+    needs: str
+    report: str
+    listing: str | None
+    merged: int  # buckets merged into this one
+
+    @property
+    def near_tie(self) -> bool:
+        return self.cls == "numeric-near-tie"
+
+
+def rows(buckets: Mapping[str, Bucket], merges: Mapping[str, str]) -> list[BucketRow]:
+    """Live buckets (merged ones are inside their survivor), most findings first."""
+    out = []
+    for b in live(buckets, merges):
+        k = b.key
+        if k.explained_by:
+            why = f"explained by {k.explained_by}"
+        elif k.crash_kind:
+            why = k.crash_kind
+        else:
+            why = "unexplained: candidate vLLM bug"
+        out.append(BucketRow(b.id, k.cls, b.count, b.assigned, b.first_index, b.representative, why, needs_text(b),
+                             f"kvfuzz report {b.representative}" if b.representative else "", b.listing,
+                             len(b.merged_from)))
+    out.sort(key=lambda r: (-r.count, r.first_index if r.first_index is not None else 1 << 40, r.id))
+    return out
+
+
+def sections(rs: Iterable[BucketRow]) -> tuple[list[BucketRow], list[BucketRow]]:
+    """(bugs, near ties): near-tie buckets apart."""
+    rs = list(rs)
+    return [r for r in rs if not r.near_tie], [r for r in rs if r.near_tie]
+
+
+def summary_line(rs: list[BucketRow], findings: int) -> str:
+    bugs, ties = sections(rs)
+    unexplained = sum(1 for r in bugs if r.explanation.startswith("unexplained"))
+    line = (f"{findings} finding(s) in {len(bugs)} bug bucket(s)" + (f" and {len(ties)} near-tie bucket(s)" if ties else "")
+            + "; findings listed per bucket in OUT/buckets/<id>.findings.jsonl")
+    if unexplained:
+        line += (f". {unexplained} bucket(s) UNEXPLAINED by any toggle — candidate vLLM bug(s): report them "
+                 "(docs/findings.md)")
+    return line
+
+
+def rich_tables(rs: list[BucketRow]) -> list[Any]:
+    """Rich tables: the bug buckets, then the near-tie buckets (16-bit numerics, not bugs)."""
+    from rich.table import Table
+    from rich.text import Text
+
+    from kvfuzz.present.style import CLASS_STYLE
+
+    out = []
+    for title, part in (("bug buckets (one root cause each; regression cases in OUT/buckets/)", sections(rs)[0]),
+                        ("near-tie buckets (a flipped near tie: expected of 16-bit numerics, not a bug there; suspect in float32)", sections(rs)[1])):
+        if not part:
+            continue
+        table = Table(title=title, header_style="bold")
+        for col in ("bucket", "findings", "first trace", "explanation", "needs", "report"):
+            table.add_column(col, overflow="fold")
+        for r in part:
+            count = str(r.count) + (f" ({r.assigned} assigned, not triaged)" if r.assigned else "")
+            why = Text(f"{r.cls}, {r.explanation}", style=CLASS_STYLE.get(r.cls, ""))
+            table.add_row(r.id + (f" (+{r.merged} merged)" if r.merged else ""), count,
+                          "?" if r.first_index is None else str(r.first_index), why, r.needs, r.report or "-")
+        out.append(table)
+    return out
+
+
+def markdown(rs: list[BucketRow], findings: int) -> str:
+    lines = [summary_line(rs, findings), ""]
+    for title, part in (("Bug buckets", sections(rs)[0]), ("Near-tie buckets (a flipped near tie: 16-bit noise, suspect in float32)", sections(rs)[1])):
+        if not part:
+            continue
+        lines += [f"## {title}", "", "| bucket | findings | first trace | explanation | needs | report |",
+                  "|---|---|---|---|---|---|"]
+        for r in part:
+            lines.append(f"| `{r.id}` | {r.count}{f' ({r.assigned} assigned)' if r.assigned else ''} | "
+                         f"{'' if r.first_index is None else r.first_index} | {r.cls}, {r.explanation} | {r.needs} | "
+                         f"`{r.report}` |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def membership_text(m: BucketMembership) -> str:
+    """One bucket membership in words: the bucket's description, how the finding joined it."""
+    what = {"opened": "this finding opened it (triaged fully)",
+            "triaged": "joined it after attribution and the bucket checks, not minimized",
+            "assigned": "assigned, not triaged (past the campaign's triage share)"}[m.status]
+    text = m.description.text if m.description else m.key.label()
+    return f"{text}; {what}" + (f"; matched by {m.how}" if m.how else "")
+
+
+def finding_lines(finding: Finding) -> list[str]:
+    """A finding's bucket memberships in words, for its report (``kvfuzz report FILE``)."""
+    return [f"Bucket {m.bucket} — {membership_text(m)}." for m in finding.buckets]
+
+
+def load_campaign(path: Path) -> tuple[list[BucketRow], int]:
+    """``OUT`` or ``OUT/campaign.json``: its bucket rows and finding count (old campaigns too)."""
+    file = path / "campaign.json" if path.is_dir() else path
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+        buckets = {bid: bucket_from_state(bid, b) for bid, b in (data.get("bug_buckets") or {}).items()}
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        raise BadInput(f"not a readable campaign state ({str(e).splitlines()[0] if str(e) else type(e).__name__})",
+                       source=str(file)) from None
+    return rows(buckets, data.get("merges") or {}), int(data.get("findings", 0))
+
+
+__all__ = ["BucketRow", "finding_lines", "membership_text", "load_campaign", "markdown", "rich_tables", "rows", "sections", "summary_line"]

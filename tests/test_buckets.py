@@ -1,0 +1,278 @@
+"""One bug, one bucket (issue 30): the key, the merge check and the assignment of every
+finding. Pure logic, no engine: the replayer below answers each ablation from a table, as a
+fault with known mechanisms would."""
+
+import json
+import shutil
+from pathlib import Path
+
+from hypothesis import given
+from hypothesis import strategies as st
+from test_report import finding
+
+from kvfuzz.fuzzer.campaign import Campaign, CampaignOptions, CampaignState
+from kvfuzz.oracle import buckets as rule
+from kvfuzz.traces import Finding, load_finding, save
+from kvfuzz.traces.buckets import KEY_MECHANISMS, Bucket, BucketKey, BucketMembership, agrees, conflicts, union
+from kvfuzz.triage.campaign import CampaignTriage
+
+DATA = Path(__file__).parent / "data" / "present"
+verdicts = st.dictionaries(st.sampled_from(KEY_MECHANISMS), st.sampled_from(["disappears", "persists"]))
+
+
+def key(v=None, cls="corruption", explained_by=None):
+    return BucketKey(cls=cls, explained_by=explained_by, verdicts=dict(v or {}))
+
+
+@given(verdicts, verdicts)
+def test_agreement_is_symmetric_and_union_keeps_it(a, b):
+    assert agrees(key(a), key(b)) == agrees(key(b), key(a))
+    if agrees(key(a), key(b)):
+        u = union(key(a), key(b))
+        assert agrees(u, key(a)) and agrees(u, key(b)) and set(u.verdicts) == set(a) | set(b)
+
+
+@given(verdicts, st.sampled_from(KEY_MECHANISMS))
+def test_not_tried_never_counts_as_a_difference(v, m):
+    """A witness whose box cut its ablation short agrees with the full one; a tried removal
+    that went the other way does not."""
+    partial = {k: o for k, o in v.items() if k != m}
+    assert agrees(key(partial), key(v))
+    flipped = {**v, m: "persists" if v.get(m) == "disappears" else "disappears"}
+    assert not agrees(key(flipped), key({**v, m: "disappears" if flipped[m] == "persists" else "persists"}))
+    assert conflicts(key(flipped), key({**flipped, m: v.get(m, "persists")})) in ([], [m])
+
+
+def test_class_and_explanation_must_match():
+    assert not agrees(key(), key(cls="numeric-near-tie"))
+    assert not agrees(key(explained_by="fault-x"), key())
+    # An explained key is decided by its toggle: mechanism verdicts are recorded, not compared.
+    assert agrees(key({"prefix-caching": "disappears"}, explained_by="t"), key({"prefix-caching": "persists"},
+                                                                               explained_by="t"))
+
+
+def test_the_shape_and_schedule_ablations_are_not_in_the_key():
+    f = finding()
+    f.divergences[0].explained_by = None
+    from kvfuzz.traces import Ablation, Explanation
+
+    f.explanation = Explanation(victim="B", cls="corruption", arm="fault", ablations=[
+        Ablation(mechanism="concurrency", change="x", outcome="disappears"),
+        Ablation(mechanism="prefix-caching", change="x", outcome="disappears"),
+        Ablation(mechanism="preemption", change="x", outcome="skipped"),
+        Ablation(mechanism="cancels", change="x", outcome="persists")])
+    (k,) = rule.keys_of(f, rule.verdicts_of(f.explanation))
+    assert k.verdicts == {"prefix-caching": "disappears"}
+    d = rule.describe(k, f)
+    assert "concurrent requests" in d.text and "not tried: KV pressure" in d.text and d.requests == 3
+
+
+class Table:
+    """A replayer whose victim diverges unless a mechanism in ``needs`` is removed."""
+
+    def __init__(self, needs):
+        self.needs = set(needs)
+        self.replays = 0
+
+    def judge(self, trace, *, victim, arm, toggles):
+        self.replays += 1
+        e = trace.engine
+        gone = {"prefix-caching": not e.enable_prefix_caching, "chunked-prefill": not e.enable_chunked_prefill,
+                "lora": not e.lora.enabled}
+        return "ok" if any(gone.get(m) for m in self.needs) else "corruption"
+
+
+def bucket(bid, v, first, cls="corruption"):
+    return Bucket(id=bid, key=key(v, cls=cls), first_index=first, count=1)
+
+
+def triage(replayer, buckets, tmp_path):
+    t = CampaignTriage(replayer, None, {}, tmp_path)  # type: ignore[arg-type]
+    t.restore(buckets, {})
+    return t
+
+
+def unexplained():
+    f = finding()
+    f.divergences[0].explained_by = None
+    f.trace = f.trace.model_copy(update={"engine": f.trace.engine.model_copy(update={"enable_prefix_caching": True})})
+    return f
+
+
+def test_one_replay_of_the_distinguishing_check_picks_the_bucket(tmp_path):
+    """Two unexplained buckets that differ on prefix caching: a new witness is replayed without
+    it once, and joins the one it agrees with, not the earlier one."""
+    bs = {"P": bucket("P", {"prefix-caching": "persists", "lora": "disappears"}, 1),
+          "Q": bucket("Q", {"prefix-caching": "disappears"}, 2)}
+    r = Table(needs=["prefix-caching"])
+    b, k, how = triage(r, bs, tmp_path)._match(unexplained(), key())
+    assert b is not None and b.id == "Q" and k.verdicts["prefix-caching"] == "disappears"
+    assert "prefix-caching disappears" in how and r.replays <= rule.MAX_CHECKS
+
+
+def test_a_witness_that_agrees_with_no_bucket_opens_one(tmp_path):
+    bs = {"Q": bucket("Q", {"prefix-caching": "disappears"}, 2)}
+    b, k, _ = triage(Table(needs=["lora"]), bs, tmp_path)._match(unexplained(), key())
+    assert b is None and k.verdicts["prefix-caching"] == "persists"
+
+
+def test_past_the_share_a_finding_is_assigned_never_left_without_a_bucket(tmp_path):
+    f = unexplained()
+    bs = {"Q": bucket("Q", {"prefix-caching": "disappears"}, 2)}
+    r = Table(needs=["prefix-caching"])
+    t = triage(r, bs, tmp_path)
+    from kvfuzz.traces.result import Checked, Recording
+
+    rec = Recording(trace=f.trace, histories=list(f.runs), references=dict(f.references), environment=f.environment,
+                    arms=dict(f.arms))
+    out = t._assign(Checked(rec, list(f.verdicts), f))
+    assert out.status == "assigned" and [m.bucket for m in out.buckets] == ["Q"] and r.replays == 0
+    assert out.finding.buckets[0].status == "assigned" and out.finding.bucket == "Q"
+
+
+def campaign(tmp_path):
+    return Campaign(CampaignOptions(out=tmp_path, budget_s=None, max_traces=0))
+
+
+def member(bid, v, status="opened"):
+    return BucketMembership(bucket=bid, key=key(v), status=status)
+
+
+def test_buckets_merge_when_their_evidence_comes_to_agree_and_findings_follow(tmp_path):
+    c = campaign(tmp_path)
+    f = unexplained()
+    # Two witnesses of one cause: one knows prefix caching, the other KV pressure (box cut).
+    c.record_finding(0, f.trace, "fresh", f.model_copy(deep=True), [member("A", {"prefix-caching": "disappears",
+                                                                                 "lora": "persists"})])
+    c.record_finding(1, f.trace, "fresh", f.model_copy(deep=True), [member("B", {"lora": "disappears"})])
+    assert set(c.state.bug_buckets) == {"A", "B"} and not c.state.merges  # they conflict on lora
+    # A third finding joins B with evidence that settles the conflict? No: B's lora verdict
+    # stays; but a bucket without evidence agrees with A and is merged into it, findings and all.
+    c.record_finding(2, f.trace, "fresh", f.model_copy(deep=True), [member("C", {}, status="assigned")])
+    assert c.state.merges == {"C": "A"}
+    a = c.state.bug_buckets["A"]
+    assert a.count == 2 and a.merged_from == ["C"] and len(a.findings) == 2
+    # A finding a worker filed under the merged bucket lands in the survivor.
+    c.record_finding(3, f.trace, "fresh", f.model_copy(deep=True), [member("C", {}, status="assigned")])
+    assert a.count == 3 and a.assigned == 2
+    head, *lines = (json.loads(x) for x in (tmp_path / "buckets" / "A.findings.jsonl").read_text().splitlines())
+    assert head["bucket"]["count"] == 3 and [x["finding"] for x in lines] == a.findings
+    assert json.loads((tmp_path / "buckets" / "C.findings.jsonl").read_text().splitlines()[0])["merged_into"] == "A"
+    # `kvfuzz gate OUT/buckets` reads every .json there as a regression case: listings are not .json.
+    cases = {b.case for b in c.state.bug_buckets.values() if b.case}
+    assert {str(p.relative_to(tmp_path)) for p in (tmp_path / "buckets").rglob("*.json")} == cases
+    # Every finding file names its bucket, typed; none is without one.
+    for rel in c.state.finding_files:
+        g = load_finding(tmp_path / rel)
+        assert g.buckets and g.bucket in c.state.bug_buckets and "buckets" not in g.notes
+    # The state round-trips (what --resume reads).
+    again = CampaignState(**json.loads(c.state.to_json()))
+    assert again.bug_buckets == c.state.bug_buckets and again.merges == c.state.merges
+
+
+def test_a_finding_without_memberships_still_gets_a_bucket(tmp_path):
+    c = campaign(tmp_path)
+    f = unexplained()
+    f.buckets = []
+    c.record_finding(0, f.trace, "fresh", f, [])
+    c.record_finding(1, f.trace, "fresh", f.model_copy(deep=True), None)
+    assert len(c.state.live_buckets()) == 1 and c.state.live_buckets()[0].count == 2 and not c.state.untriaged
+
+
+def test_old_campaigns_and_findings_still_load(tmp_path):
+    """campaign.json and finding files written before issue 30 (notes["buckets"], prekeys)."""
+    state = json.loads((DATA / "campaign.json").read_text())
+    assert state["bug_buckets"] and all("prekey" in b for b in state["bug_buckets"].values())
+    s = CampaignState(**state)
+    assert set(s.bug_buckets) == set(state["bug_buckets"])
+    b = next(iter(s.bug_buckets.values()))
+    assert isinstance(b, Bucket) and b.prekey and b.key.cls == b.prekey.split("|")[0] and b.text
+    f = json.loads(json.dumps(finding().model_dump(mode="json", by_alias=True)))
+    f["notes"]["buckets"] = [{"id": "abc", "prekey": "corruption|unexplained|concurrency", "first": True,
+                              "key": {"class": "corruption", "needs": ["prefix-caching", "concurrency"],
+                                      "not_needed": ["cancels"], "shape": {"requests": 2, "events": ["send"]},
+                                      "text": "old text"}}]
+    g = Finding.model_validate(f)
+    assert "buckets" not in g.notes and g.buckets[0].bucket == "abc" and g.buckets[0].status == "opened"
+    assert g.buckets[0].key.verdicts == {"prefix-caching": "disappears"} and g.buckets[0].description.text == "old text"
+    # The resumed campaign: the old state in OUT, loaded as --resume does.
+    out = tmp_path / "out"
+    out.mkdir()
+    shutil.copy(DATA / "campaign.json", out / "campaign.json")
+    from kvfuzz.fuzzer.campaign import load_state
+
+    opts = CampaignOptions(out=out, seed=state["seed"], resume=True, mode=state["mode"])
+    try:
+        loaded = load_state(out, opts)
+    except Exception as e:  # a differing option is a one-line BadInput, never a traceback
+        assert "cannot resume" in str(e)
+    else:
+        assert set(loaded.bug_buckets) == set(state["bug_buckets"])
+
+
+def test_a_campaign_report_speaks_in_buckets(tmp_path):
+    from kvfuzz.present.buckets import load_campaign, markdown, sections
+
+    c = campaign(tmp_path)
+    f = unexplained()
+    for i in range(5):
+        c.record_finding(i, f.trace, "fresh", f.model_copy(deep=True),
+                         [member("A", {"prefix-caching": "disappears"}, "opened" if i == 0 else "assigned")])
+    g = f.model_copy(deep=True)
+    g.divergences[0].class_ = "numeric-near-tie"
+    c.record_finding(5, f.trace, "fresh", g, [BucketMembership(bucket="N", key=key(cls="numeric-near-tie"),
+                                                                status="opened")])
+    (tmp_path / "campaign.json").write_text(c.state.to_json())
+    rows, n = load_campaign(tmp_path)
+    bugs, ties = sections(rows)
+    assert [r.count for r in bugs] == [5] and [r.id for r in ties] == ["N"] and n == 6
+    md = markdown(rows, n)
+    assert md.count("| `A` |") == 1 and "Near-tie buckets" in md and "4 assigned" in md
+
+
+def test_plugin_modules_install_in_order_and_fail_with_their_name(monkeypatch):
+    import pytest
+
+    from kvfuzz.harness.toggles import plugin
+
+    assert plugin.plugin_modules("a.b:go, c.d") == [("a.b", "go"), ("c.d", "install")]
+    with pytest.raises(RuntimeError, match="KVFUZZ_PLUGIN_MODULES: cannot install no_such_module_x:install"):
+        plugin.install_plugin_modules("no_such_module_x")
+
+
+def test_a_findings_report_names_its_bucket_and_how_it_got_there():
+    from kvfuzz.present.buckets import finding_lines
+
+    f = unexplained()
+    f.buckets = [member("Q", {"prefix-caching": "disappears"}, "assigned")]
+    (line,) = finding_lines(f)
+    assert line.startswith("Bucket Q — corruption, unexplained") and "assigned, not triaged" in line
+
+
+def test_a_removal_that_leaves_a_milder_divergence_is_not_evidence():
+    """Corruption that chunked prefill off turns into a flipped near tie: the token still
+    flips, and whether it is called a near tie depends on the witness's margin."""
+    from kvfuzz.traces import Ablation, Explanation
+
+    def ex(cls):
+        return Explanation(victim="B", cls="corruption", arm="fault", ablations=[
+            Ablation(mechanism="prefix-caching", change="x", outcome="disappears", victim_class="ok"),
+            Ablation(mechanism="chunked-prefill", change="x", outcome="disappears" if cls != "corruption"
+                     else "persists", victim_class=cls),
+            Ablation(mechanism="numerics", change="x", outcome="disappears", victim_class="ok")])
+
+    a, b = rule.verdicts_of(ex("numeric-near-tie")), rule.verdicts_of(ex("corruption"))
+    assert a == {"prefix-caching": "disappears"} and b["chunked-prefill"] == "persists"
+    assert agrees(key(a), key(b))
+    assert rule.verdicts_of(ex("ok"))["chunked-prefill"] == "disappears"
+    # 16-bit numerics is never keyed (fault R in bfloat16: float32 removed it on one witness only).
+    assert "numerics" not in rule.verdicts_of(ex("ok"))
+
+
+def test_a_second_cause_that_needs_more_than_the_bucket_disagrees_where_the_bucket_did_not_need(tmp_path):
+    """Bucket S needs prefix caching and not KV pressure; a witness of P needs both. Replaying
+    only what S needs would file P under S (two faults, one bucket: the first P+S run)."""
+    bs = {"S": bucket("S", {"prefix-caching": "disappears", "lora": "persists"}, 1)}
+    r = Table(needs=["prefix-caching", "lora"])
+    b, k, _ = triage(r, bs, tmp_path)._match(unexplained(), key())
+    assert b is None and k.verdicts == {"prefix-caching": "disappears", "lora": "disappears"} and r.replays == 2

@@ -1,0 +1,20 @@
+"""Faults kvfuzz has never seen (issue 30): vLLM patches that no built-in toggle implements,
+installed in every vLLM process through ``KVFUZZ_PLUGIN_MODULES`` (harness/toggles/plugin.py),
+e.g. ``PYTHONPATH=tests KVFUZZ_PLUGIN_MODULES=unseen_faults.evict_keeps_hash``. Always on: to
+kvfuzz they are vLLM bugs that no toggle explains, as a user's own bug would be.
+
+- ``evict_keeps_hash`` (P, the allocator): reusing a free block drops its hash metadata but
+  leaves the prefix-cache map pointing at it.
+- ``short_hash_lookup`` (Q, the prefix-cache lookup): a lookup miss falls back to a cached
+  block whose hash agrees in its first 8 bits.
+
+They were written, and the bucket rule tuned on them, before fault R (docs/benchmarks.md,
+"Buckets on faults kvfuzz has never seen"):
+
+- ``hit_last_block_repeated`` (R, the prefix-cache hit's block list, written after the rule was
+  frozen): a hit of two blocks or more lists its second-to-last block twice, its last never.
+- ``register_overwrites`` (S, prefix-cache registration, written after the rule's second
+  change, 8641580, which fault R had shown): a block registered right after another in one
+  request's registration also takes over the earlier block's hash (when its own hash's first
+  byte is a multiple of 4).
+"""

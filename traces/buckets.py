@@ -1,0 +1,250 @@
+"""Bug buckets as data (issue 30): what a bucket's key is, a finding's membership of a bucket,
+and a campaign's bucket. The rule that matches keys is in oracle/buckets.py; the triage that
+measures them in triage/campaign.py; docs/oracle.md "Buckets" says why the key is what it is.
+
+A key holds only evidence that is stable across witnesses of one cause: the class, what makes
+it disappear among kvfuzz's own switches (the explaining toggle, fix, arm or control:
+``explained_by``; None = nothing does, a candidate vLLM bug), an engine crash's kind, and, per
+engine mechanism whose removal was actually tried, whether the divergence disappeared or
+persisted. A mechanism not tried is absent, never a difference. The minimized shape and the
+schedule ablations (concurrency, cancels: properties of the witness, not the cause) are kept in
+the bucket's description, outside the key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+if TYPE_CHECKING:
+    from .finding import Finding
+    from .history import History
+    from .result import Checked
+
+# Mechanisms whose ablation switches an engine code path off (triage/explain.py): their
+# verdicts are part of a key. The schedule ablations ("concurrency", "cancels") describe how a
+# witness triggers the cause and differ between witnesses of one cause (issue 30: fault P's
+# two buckets); so does "numerics" (float32 instead of 16 bits changes every logit, and
+# whether a witness's corrupted KV still flips a token depends on its margins: fault R in
+# bfloat16 disappeared in float32 on one witness and persisted on the next). They are
+# described, never keyed; 16-bit noise is told apart by its class (numeric-near-tie).
+KEY_MECHANISMS: tuple[str, ...] = ("prefix-caching", "chunked-prefill", "preemption", "lora", "lora-swaps")
+Outcome = Literal["disappears", "persists"]
+# opened: this finding opened the bucket (fully triaged: minimized, controls, ablation);
+# triaged: attributed and checked against the bucket's key, then joined it;
+# assigned: assigned, not triaged (past the campaign's triage share): by its cheap pre-key or by
+# one replay of the bucket's distinguishing check.
+Status = Literal["opened", "triaged", "assigned"]
+
+
+class _Data(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class BucketKey(_Data):
+    cls: str = Field(alias="class")
+    explained_by: str | None = None
+    crash_kind: str | None = None
+    # Engine mechanism (KEY_MECHANISMS) -> what removing it did; tried removals only.
+    verdicts: dict[str, Outcome] = Field(default_factory=dict)
+
+    @property
+    def base(self) -> tuple[str, str | None, str | None]:
+        """What must be equal for two keys to be one cause at all."""
+        return (self.cls, self.explained_by, self.crash_kind)
+
+    @property
+    def needs(self) -> list[str]:
+        return sorted(m for m, o in self.verdicts.items() if o == "disappears")
+
+    @property
+    def not_needed(self) -> list[str]:
+        return sorted(m for m, o in self.verdicts.items() if o == "persists")
+
+    def label(self) -> str:
+        what = f"explained by {self.explained_by}" if self.explained_by else "unexplained"
+        if self.crash_kind:
+            what = f"{self.crash_kind}"
+        return f"{self.cls}, {what}"
+
+    def digest(self) -> str:
+        body = "|".join([self.cls, self.explained_by or "-", self.crash_kind or "-",
+                         ",".join(f"{m}={o}" for m, o in sorted(self.verdicts.items()))])
+        return hashlib.sha256(body.encode()).hexdigest()[:10]
+
+
+class BucketDescription(_Data):
+    """What the bucket's first (minimized, explained) finding showed: for people, not matching."""
+
+    needs: list[str] = Field(default_factory=list)  # every mechanism whose removal removed it
+    not_needed: list[str] = Field(default_factory=list)
+    not_tried: list[str] = Field(default_factory=list)  # skipped by the time box
+    measured: bool = False  # an ablation ran at all
+    requests: int = 0
+    events: list[str] = Field(default_factory=list)
+    text: str = ""
+
+
+class BucketMembership(_Data):
+    """A finding's place in a campaign's bucket (``Finding.buckets``)."""
+
+    bucket: str
+    key: BucketKey
+    status: Status
+    # Set on the finding that opened the bucket: its description.
+    description: BucketDescription | None = None
+    # How it was matched, in words ("pre-key", "replay: prefix-caching disappears", ...).
+    how: str = ""
+
+
+class Bucket(_Data):
+    """One bucket of a campaign (``CampaignState.bug_buckets``)."""
+
+    id: str
+    key: BucketKey
+    description: BucketDescription = Field(default_factory=BucketDescription)
+    count: int = 0
+    assigned: int = 0  # of count: assigned, not triaged
+    first_index: int | None = None
+    representative: str | None = None  # the opening finding's file, relative to OUT
+    case: str | None = None  # OUT/buckets/<id>.json, the regression case for `kvfuzz gate`
+    listing: str | None = None  # OUT/buckets/<id>.findings.json: every finding of the bucket
+    report: str | None = None  # the command that shows the representative
+    findings: list[str] = Field(default_factory=list)
+    merged_from: list[str] = Field(default_factory=list)
+    # The previous text key of campaigns written before issue 30 (kept, never matched on).
+    prekey: str | None = None
+
+    @property
+    def near_tie(self) -> bool:
+        return self.key.cls == "numeric-near-tie"
+
+    @property
+    def text(self) -> str:
+        return self.description.text or self.key.label()
+
+
+@dataclass
+class Triaged:
+    """What a campaign's triage returns for one trace (triage/campaign.py): the check, the
+    finding's bucket memberships, and what happened (clean / joined / assigned / opened / triaged)."""
+
+    checked: "Checked"
+    buckets: list[BucketMembership] = field(default_factory=list)
+    status: str = "clean"
+
+    @property
+    def finding(self) -> "Finding | None":
+        return self.checked.finding
+
+    @property
+    def histories(self) -> "list[History]":
+        return self.checked.histories
+
+
+# -- the rule's pure part (oracle/buckets.py says why; the fuzzer merges with it too) ------------
+def conflicts(a: BucketKey, b: BucketKey) -> list[str]:
+    """Engine mechanisms tried on both keys whose removal went different ways."""
+    return sorted(m for m in set(a.verdicts) & set(b.verdicts) if a.verdicts[m] != b.verdicts[m])
+
+
+def agrees(a: BucketKey, b: BucketKey) -> bool:
+    if a.base != b.base:
+        return False
+    # An explained key is decided by its explanation (a deterministic A/B of one toggle).
+    return a.explained_by is not None or not conflicts(a, b)
+
+
+def union(a: BucketKey, b: BucketKey) -> BucketKey:
+    """``a`` with the verdicts only ``b`` tried (the evidence of an agreeing key joins)."""
+    if a.explained_by is not None:
+        return a
+    return a.model_copy(update={"verdicts": {**b.verdicts, **a.verdicts}})
+
+
+def live(buckets: Mapping[str, Bucket], merges: Mapping[str, str]) -> list[Bucket]:
+    """The buckets not merged into another, earliest first."""
+    return sorted((b for i, b in buckets.items() if i not in merges),
+                  key=lambda b: (b.first_index if b.first_index is not None else 1 << 40, b.id))
+
+
+def resolve(bid: str, merges: Mapping[str, str]) -> str:
+    """The bucket a (possibly merged) bucket id lives on in."""
+    seen = set()
+    while bid in merges and bid not in seen:
+        seen.add(bid)
+        bid = merges[bid]
+    return bid
+
+
+def candidates(key: BucketKey, buckets: Iterable[Bucket]) -> list[Bucket]:
+    """The buckets ``key`` agrees with, in the order given (earliest first)."""
+    return [b for b in buckets if agrees(key, b.key)]
+
+
+def mergeable(buckets: Mapping[str, Bucket], merges: Mapping[str, str]) -> tuple[str, str] | None:
+    """(keep, gone): the first pair of live buckets whose keys agree; the later one goes."""
+    alive = live(buckets, merges)
+    for i, a in enumerate(alive):
+        for b in alive[i + 1:]:
+            if agrees(a.key, b.key):
+                return a.id, b.id
+    return None
+
+
+
+# -- campaigns and findings written before issue 30 ------------------------------------------------
+def _old_key(prekey: str, old: dict[str, Any] | None) -> BucketKey:
+    """``class|explained_by`` / ``class|unexplained|cheap-needs`` / ``engine-crash|kind``."""
+    parts = prekey.split("|")
+    cls = parts[0]
+    if cls == "engine-crash":
+        return BucketKey(cls=cls, crash_kind=parts[1] if len(parts) > 1 else "died")
+    explained = parts[1] if len(parts) > 1 and parts[1] != "unexplained" else None
+    verdicts: dict[str, Outcome] = {}
+    for m in (old or {}).get("needs") or []:
+        if m in KEY_MECHANISMS:
+            verdicts[m] = "disappears"
+    for m in (old or {}).get("not_needed") or []:
+        if m in KEY_MECHANISMS:
+            verdicts[m] = "persists"
+    return BucketKey(cls=cls, explained_by=explained, verdicts=verdicts)
+
+
+def _old_description(old: dict[str, Any] | None) -> BucketDescription:
+    old = old or {}
+    shape = old.get("shape") or {}
+    return BucketDescription(needs=list(old.get("needs") or []), not_needed=list(old.get("not_needed") or []),
+                             measured=old.get("needs") is not None, requests=int(shape.get("requests", 0)),
+                             events=list(shape.get("events") or []), text=str(old.get("text") or ""))
+
+
+def memberships_from_notes(entries: list[dict[str, Any]]) -> list[BucketMembership]:
+    """A finding's old ``notes["buckets"]`` ([{id, prekey, first, key?}]) as memberships."""
+    out = []
+    for e in entries:
+        key = _old_key(str(e.get("prekey", "?")), e.get("key"))
+        out.append(BucketMembership(bucket=str(e["id"]), key=key, status="opened" if e.get("first") else "triaged",
+                                    description=_old_description(e.get("key")) if e.get("key") else None,
+                                    how="pre-key (written before issue 30)"))
+    return out
+
+
+def bucket_from_state(bid: str, data: dict[str, Any]) -> Bucket:
+    """A bucket as campaign.json keeps it: today's model, or the old dict (prekey, key, ...)."""
+    if "id" in data and isinstance(data.get("key"), dict) and "class" in data["key"]:
+        return Bucket.model_validate(data)
+    old = data.get("key") if isinstance(data.get("key"), dict) else None
+    prekey = str(data.get("prekey") or "?")
+    return Bucket(id=bid, key=_old_key(prekey, old), description=_old_description(old),
+                  count=int(data.get("count", 0)), first_index=data.get("first_index"),
+                  representative=data.get("representative"), case=data.get("case"), report=data.get("report"),
+                  findings=list(data.get("findings") or []), prekey=prekey)
+
+
+__all__ = ["KEY_MECHANISMS", "Bucket", "BucketDescription", "BucketKey", "BucketMembership", "Status", "Triaged", "agrees",
+           "bucket_from_state", "candidates", "conflicts", "live", "memberships_from_notes", "mergeable", "resolve", "union"]
