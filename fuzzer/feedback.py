@@ -270,7 +270,7 @@ def _lifecycle_features(h: History, trace: Trace | None, f: set[str]) -> None:
     # The LoRA manager (in-process): disk loads, CPU-LRU evictions, slot activations, in-place
     # re-reads; a step that evicts and loads is LRU churn.
     if h.steps:
-        tot = Counter()
+        tot: Counter[str] = Counter()
         for s in h.steps:
             tot.update(loads=s.lora_loads, evictions=s.lora_evictions, slots=s.lora_slot_changes,
                        reloads=s.lora_reloads)
@@ -340,9 +340,9 @@ def _after_rebind(h: History, trace: Trace | None, rebinds: list[tuple[EventReco
                 continue  # a later rebinding is the one this request follows
             f.add(f"life:after-{label}")
             s = sends.get(r.request_id)
-            shared = [b for b in before
-                      if s is not None and b.request_id in sends and shares_prefix(sends[b.request_id], s)]
-            if shared:
+            shared = [] if s is None else [b for b in before
+                                           if b.request_id in sends and shares_prefix(sends[b.request_id], s)]
+            if s is not None and shared:
                 f.add(f"life:after-{label}:shares-prefix")
                 if any(sends[b.request_id].cache_salt == s.cache_salt for b in shared):
                     f.add(f"life:after-{label}:shares-prefix:same-tenant")
