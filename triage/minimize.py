@@ -342,20 +342,20 @@ class Minimizer:
 
         for rid in [s.request_id for s in trace.sends]:
             s = box[0].send(rid)
-            shrink_int(s.max_tokens, 1, lambda v, rid=rid: attempt(rid, max_tokens=v))
+            shrink_int(s.max_tokens, 1, lambda v: attempt(rid, max_tokens=v))
             s = box[0].send(rid)
             if isinstance(s.prompt, GenPrompt) and s.prompt.prefix_len:
-                p = s.prompt
-                if not attempt(rid, prompt=GenPrompt(length=p.length, seed=p.seed)):
-                    shrink_int(p.prefix_len, 1, lambda v, rid=rid, p=p: attempt(
-                        rid, prompt=p.model_copy(update={"prefix_len": v})))
+                g = s.prompt
+                if not attempt(rid, prompt=GenPrompt(length=g.length, seed=g.seed)):
+                    shrink_int(g.prefix_len, 1, lambda v: attempt(
+                        rid, prompt=g.model_copy(update={"prefix_len": v})))
             s = box[0].send(rid)
             p = s.prompt
             if isinstance(p, GenPrompt):
-                shrink_int(p.length, max(1, p.prefix_len), lambda v, rid=rid, p=p: attempt(
+                shrink_int(p.length, max(1, p.prefix_len), lambda v: attempt(
                     rid, prompt=p.model_copy(update={"length": v})))
             else:
-                shrink_int(len(p.token_ids), 1, lambda v, rid=rid, p=p: attempt(
+                shrink_int(len(p.token_ids), 1, lambda v: attempt(
                     rid, prompt=TokenPrompt(token_ids=p.token_ids[:v])))
         box[0] = self._timing(box[0])
         after = _sizes(box[0])
@@ -393,14 +393,14 @@ class Minimizer:
                 return False
 
             if isinstance(ev, CancelEvent) and ev.at.after_tokens is not None:
-                shrink_int(ev.at.after_tokens, 0, lambda v, ev=ev: put(
+                shrink_int(ev.at.after_tokens, 0, lambda v: put(
                     ev.model_copy(update={"at": ev.at.model_copy(update={"after_tokens": v})})))
             else:
                 lo = 0
                 if isinstance(ev, CancelEvent):
                     lo = int(when(box[0].send(ev.request_id)))
                 cur = int(when(ev))
-                shrink_int(cur, lo, lambda v, ev=ev: put(_at_time(ev, v, use_step, mps)))
+                shrink_int(cur, lo, lambda v: put(_at_time(ev, v, use_step, mps)))
             trace = box[0]
         return trace
 
