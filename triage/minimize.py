@@ -34,7 +34,7 @@ from kvfuzz.oracle.check import ENGINE
 from kvfuzz.traces import (CancelEvent, EngineConfig, Finding, GenPrompt, MinimizedFrom, Minimization, SendEvent, TokenPrompt,
                            Trace)
 from kvfuzz.traces.finding import DIVERGENT_CLASSES, SEVERITY
-from kvfuzz.traces.trace import ADAPTER_EVENT_TYPES
+from kvfuzz.traces.trace import ADAPTER_EVENT_TYPES, Event
 
 from .probe import Probe, Replayer
 from .reduce import Acceptance, accepts, ddmin, default_acceptance, probdd, shrink_int
@@ -120,7 +120,7 @@ class Result:
     seconds: float
 
 
-def _rebuild(trace: Trace, events: Iterable[Any] | None = None, engine: EngineConfig | None = None) -> Trace | None:
+def _rebuild(trace: Trace, events: Iterable[Event] | None = None, engine: EngineConfig | None = None) -> Trace | None:
     """A validated copy with new events / engine, or None if the result is not a valid trace."""
     data = trace.model_dump(mode="json")
     if events is not None:
@@ -366,7 +366,7 @@ class Minimizer:
         mps = trace.engine.ms_per_step
         use_step = self.opts.clock == "step"
 
-        def when(e: Any) -> float:
+        def when(e: Event) -> float:
             return e.at.step_or(mps) if use_step else e.at.offset_or(mps)
 
         # Shift everything so the first event is at time 0 (one candidate), then each event
@@ -384,7 +384,7 @@ class Minimizer:
             ev = trace.events[idx]
             box = [trace]
 
-            def put(new_ev: Any, idx: int = idx) -> bool:
+            def put(new_ev: Event, idx: int = idx) -> bool:
                 cand = _rebuild(box[0], box[0].events[:idx] + [new_ev] + box[0].events[idx + 1:])
                 if self.keeps(cand):
                     assert cand is not None
@@ -437,7 +437,7 @@ def _replace_send(trace: Trace, rid: str, **update: Any) -> Trace | None:
     return _rebuild(trace, events)
 
 
-def _at_time(ev: Any, v: float, use_step: bool, mps: float) -> Any:
+def _at_time(ev: Event, v: float, use_step: bool, mps: float) -> Event:
     at = ev.at
     if use_step:
         upd: dict[str, Any] = {"step": int(v)}
@@ -450,7 +450,7 @@ def _at_time(ev: Any, v: float, use_step: bool, mps: float) -> Any:
     return ev.model_copy(update={"at": at.model_copy(update=upd)})
 
 
-def _shift(ev: Any, delta: float, use_step: bool, mps: float) -> Any:
+def _shift(ev: Event, delta: float, use_step: bool, mps: float) -> Event:
     cur = ev.at.step_or(mps) if use_step else ev.at.offset_or(mps)
     return _at_time(ev, max(0, cur + delta), use_step, mps)
 
@@ -461,12 +461,14 @@ def _tidy(trace: Trace, *, use_step: bool = True) -> Trace:
     mps = trace.engine.ms_per_step
     pos = {e.request_id: i for i, e in enumerate(trace.events) if isinstance(e, SendEvent)}
 
-    def when(e: Any) -> float:
+    def when(e: Event) -> float:
         return e.at.step_or(mps) if use_step else e.at.offset_or(mps)
 
-    def key(ie: tuple[int, Any]) -> tuple[float, float]:
+    def key(ie: tuple[int, Event]) -> tuple[float, float]:
         i, e = ie
-        if e.at.after_tokens is not None and e.at.step is None and e.at.offset_ms is None:
+        # Only a cancel can be relative (after_tokens: At and the events' validators).
+        if (isinstance(e, CancelEvent) and e.at.after_tokens is not None
+                and e.at.step is None and e.at.offset_ms is None):
             return (when(trace.events[pos[e.request_id]]), pos[e.request_id] + 0.5)
         return (when(e), float(i))
 
