@@ -17,6 +17,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from kvfuzz.traces import EventRecord, History, RequestRecord, Trace
+from kvfuzz.traces.trace import ReloadAdapterEvent
 
 from .lifecycle import shares_prefix
 
@@ -306,7 +307,7 @@ def _lifecycle_features(h: History, trace: Trace | None, f: set[str]) -> None:
             f.add(f"life:{e.kind}:idle")
         if e.kind == "reload-adapter":
             ev = trace.events[e.index] if trace is not None and e.index < len(trace.events) else None
-            same = getattr(ev, "same_path", None)
+            same = ev.same_path if isinstance(ev, ReloadAdapterEvent) else None
             rebinds.append((e, "reload" if same is None else "reload-in-place" if same else "reload-new-path"))
         elif e.kind == "load-adapter" and e.adapter in had_weights:
             rebinds.append((e, "unload+load"))  # the name had weights earlier in this run
