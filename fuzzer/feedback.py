@@ -17,6 +17,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from kvfuzz.traces import EventRecord, History, RequestRecord, Trace
+from kvfuzz.traces.trace import ReloadAdapterEvent
 
 from .lifecycle import shares_prefix
 
@@ -270,7 +271,7 @@ def _lifecycle_features(h: History, trace: Trace | None, f: set[str]) -> None:
     # The LoRA manager (in-process): disk loads, CPU-LRU evictions, slot activations, in-place
     # re-reads; a step that evicts and loads is LRU churn.
     if h.steps:
-        tot = Counter()
+        tot: Counter[str] = Counter()
         for s in h.steps:
             tot.update(loads=s.lora_loads, evictions=s.lora_evictions, slots=s.lora_slot_changes,
                        reloads=s.lora_reloads)
@@ -306,7 +307,7 @@ def _lifecycle_features(h: History, trace: Trace | None, f: set[str]) -> None:
             f.add(f"life:{e.kind}:idle")
         if e.kind == "reload-adapter":
             ev = trace.events[e.index] if trace is not None and e.index < len(trace.events) else None
-            same = getattr(ev, "same_path", None)
+            same = ev.same_path if isinstance(ev, ReloadAdapterEvent) else None
             rebinds.append((e, "reload" if same is None else "reload-in-place" if same else "reload-new-path"))
         elif e.kind == "load-adapter" and e.adapter in had_weights:
             rebinds.append((e, "unload+load"))  # the name had weights earlier in this run
@@ -340,9 +341,9 @@ def _after_rebind(h: History, trace: Trace | None, rebinds: list[tuple[EventReco
                 continue  # a later rebinding is the one this request follows
             f.add(f"life:after-{label}")
             s = sends.get(r.request_id)
-            shared = [b for b in before
-                      if s is not None and b.request_id in sends and shares_prefix(sends[b.request_id], s)]
-            if shared:
+            shared = [] if s is None else [b for b in before
+                                           if b.request_id in sends and shares_prefix(sends[b.request_id], s)]
+            if s is not None and shared:
                 f.add(f"life:after-{label}:shares-prefix")
                 if any(sends[b.request_id].cache_salt == s.cache_salt for b in shared):
                     f.add(f"life:after-{label}:shares-prefix:same-tenant")

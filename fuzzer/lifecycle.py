@@ -17,10 +17,12 @@ the name's requests have had time to finish (``finish_estimate``), and a few rac
 from __future__ import annotations
 
 import random
+from typing import TypeGuard
 
-from kvfuzz.traces import EngineConfig, SendEvent, Trace
+from kvfuzz.traces import EngineConfig, GenPrompt, SendEvent, Trace
 from kvfuzz.traces.trace import (
     ADAPTER_EVENT_TYPES,
+    AdapterEvent,
     LoadAdapterEvent,
     ReloadAdapterEvent,
     UnloadAdapterEvent,
@@ -87,7 +89,7 @@ def bound_at(trace: Trace, step: int, *, inclusive: bool = True) -> dict[str, st
     return bound
 
 
-def is_lifecycle(ev: object) -> bool:
+def is_lifecycle(ev: object) -> TypeGuard[AdapterEvent]:
     return isinstance(ev, ADAPTER_EVENT_TYPES)
 
 
@@ -96,9 +98,9 @@ def shares_prefix(a: SendEvent, b: SendEvent) -> bool:
     group with a shared prefix of at least one token."""
     if a.prompt == b.prompt:
         return True
-    group = getattr(a.prompt, "prefix_group", None)
-    return (group is not None and group == getattr(b.prompt, "prefix_group", None)
-            and min(a.prompt.prefix_len, b.prompt.prefix_len) > 0)
+    pa, pb = a.prompt, b.prompt
+    return (isinstance(pa, GenPrompt) and isinstance(pb, GenPrompt) and pa.prefix_group is not None
+            and pa.prefix_group == pb.prefix_group and min(pa.prefix_len, pb.prefix_len) > 0)
 
 
 def simulate_finish(sends: list[SendEvent], engine: EngineConfig, *, max_loras: int | None = None) -> dict[str, int]:

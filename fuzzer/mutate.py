@@ -30,13 +30,12 @@ from kvfuzz.traces import (
     TokenPrompt,
     Trace,
 )
-from kvfuzz.traces.trace import LoadAdapterEvent, ReloadAdapterEvent, UnloadAdapterEvent
+from kvfuzz.traces.trace import Event, LoadAdapterEvent, Prompt, ReloadAdapterEvent, UnloadAdapterEvent
 
 from . import lifecycle, shapes
 from .lifecycle import overwrites_in_flight
 from .shapes import at_step, embedded_bytes_per_token, fresh_id, kv_capacity_tokens  # noqa: F401  (kv_capacity_tokens: public)
 
-Event = SendEvent | CancelEvent
 OperatorFn = Callable[[Trace, random.Random], Trace | None]
 
 
@@ -172,6 +171,8 @@ def op_split(trace: Trace, rng: random.Random) -> Trace | None:
     L = s.prompt.length
     cands = [k for k in (bs - 1, bs, bs + 1, 2 * bs, 4 * bs - 1, 4 * bs, 4 * bs + 1, L // 2) if 0 < k < L]
     k = rng.choice(cands) if cands else L - 1
+    head: Prompt
+    full: Prompt
     if isinstance(s.prompt, TokenPrompt):
         head = TokenPrompt(token_ids=s.prompt.token_ids[:k])
         full = s.prompt
@@ -472,14 +473,15 @@ def op_rebind(trace: Trace, rng: random.Random) -> Trace | None:
     order = trace.planned_order()
     rank = {i: k for k, i in enumerate(order)}
     ev = trace.events
-    firsts = [i for i in order if isinstance(ev[i], SendEvent) and ev[i].adapter is not None]
+    sends = {i: e for i, e in enumerate(ev) if isinstance(e, SendEvent)}
+    firsts = [i for i in order if i in sends and sends[i].adapter is not None]
     if not firsts:
         return None
     pairs = [(i, j) for i in firsts for j in order
-             if rank[j] > rank[i] and isinstance(ev[j], SendEvent) and lifecycle.shares_prefix(ev[i], ev[j])]
+             if rank[j] > rank[i] and j in sends and lifecycle.shares_prefix(sends[i], sends[j])]
     i1, i2 = rng.choice(pairs) if pairs and rng.random() < 0.8 else (rng.choice(firsts), None)
-    s1 = ev[i1]
-    assert isinstance(s1, SendEvent) and s1.adapter is not None
+    s1 = sends[i1]
+    assert s1.adapter is not None
     name = s1.adapter
     t1 = step_of(s1, trace) or 0
     before = [e for e in trace.sends if e.adapter == name and rank[ev.index(e)] <= rank[i1]]
@@ -512,9 +514,7 @@ def op_rebind(trace: Trace, rng: random.Random) -> Trace | None:
                              stream=s1.stream, cache_salt=salt)
         events = [*ev, *life, follower]
     else:
-        s2 = ev[i2]
-        assert isinstance(s2, SendEvent)
-        s2 = s2.model_copy(update={"adapter": name, "cache_salt": salt})
+        s2 = sends[i2].model_copy(update={"adapter": name, "cache_salt": salt})
         events = [*ev[:i2], *life, s2, *ev[i2 + 1:]]
     return _rebuild_lc(trace, events)
 
@@ -525,11 +525,10 @@ def op_rebind(trace: Trace, rng: random.Random) -> Trace | None:
                              "hold the slots and the CPU cache when it lands.", lifecycle=True)
 def op_lifecycle_shift(trace: Trace, rng: random.Random) -> Trace | None:
     eng = trace.engine
-    idx = [i for i, e in enumerate(trace.events) if lifecycle.is_lifecycle(e)]
-    if not idx:
+    life = [(i, e) for i, e in enumerate(trace.events) if lifecycle.is_lifecycle(e)]
+    if not life:
         return None
-    i = rng.choice(idx)
-    e = trace.events[i]
+    i, e = rng.choice(life)
     s0 = step_of(e, trace) or 0
     deltas = [d for d in rng.sample((-16, -8, -4, -2, -1, 1, 2, 4, 8, 16), 10) if s0 + d >= 0]
     if rng.random() < 0.3:

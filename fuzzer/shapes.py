@@ -21,10 +21,10 @@ offsets), so traces replay on the in-process engine and on a server alike.
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 
 from kvfuzz.traces import EMBEDDED_MODEL, At, CancelEvent, EngineConfig, GenPrompt, SendEvent, Trace
-
-Event = SendEvent | CancelEvent
+from kvfuzz.traces.trace import Event
 
 
 def at_step(step: int, engine: EngineConfig) -> At:
@@ -33,7 +33,7 @@ def at_step(step: int, engine: EngineConfig) -> At:
     return At(step=step, offset_ms=step * engine.ms_per_step)
 
 
-def fresh_id(trace: Trace | list[Event], base: str) -> str:
+def fresh_id(trace: Trace | Sequence[Event], base: str) -> str:
     """``base``, or ``base2``, ``base3``... if a request of that id exists."""
     events = trace.events if isinstance(trace, Trace) else trace
     used = {e.request_id for e in events if isinstance(e, (SendEvent, CancelEvent))}  # lifecycle events have none
@@ -51,8 +51,14 @@ def in_time_order(events: list[Event], engine: EngineConfig) -> list[Event]:
     life (no time of its own) sorts at its send's step."""
     mps = engine.ms_per_step
     send_step = {e.request_id: e.at.step_or(mps) for e in events if isinstance(e, SendEvent)}
-    return sorted(events, key=lambda e: send_step.get(e.request_id, 0) if e.at.step is None and e.at.offset_ms is None
-                  else e.at.step_or(mps))
+
+    def step(e: Event) -> int:
+        # Only a cancel can lack an absolute time (At and the events' validators).
+        if isinstance(e, CancelEvent) and e.at.step is None and e.at.offset_ms is None:
+            return send_step.get(e.request_id, 0)
+        return e.at.step_or(mps)
+
+    return sorted(events, key=step)
 
 
 def prefill_steps(length: int, engine: EngineConfig) -> int:

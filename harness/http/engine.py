@@ -41,6 +41,8 @@ class HttpEngineBase:
     reference_isolation: str = "reset_prefix_cache"
     # Working copies of adapters reloaded in place (``_adapter_book``); removed by close().
     _adapters: AdapterWorkdir | None = None
+    # Base URL -> served adapter names changed since its last restore (``_touched``).
+    _touched_by_server: dict[str, set[str]] | None = None
 
     def _http_replay(self, trace: Trace, *, arm: str, run_index: int, toggles: list[str],
                      cache_salt: str | None, book: AdapterBook | None = None,
@@ -70,10 +72,9 @@ class HttpEngineBase:
         managed engine keeps one server per toggle set)."""
         target = target or self.target
         assert target is not None
-        books: dict[str, set[str]] | None = getattr(self, "_touched_by_server", None)
-        if books is None:
-            books = self._touched_by_server = {}
-        return books.setdefault(target.base_url, set())
+        if self._touched_by_server is None:
+            self._touched_by_server = {}
+        return self._touched_by_server.setdefault(target.base_url, set())
 
     def _adapter_book(self, trace: Trace) -> AdapterBook:
         """This run's adapter bindings (harness/adapters.py), working copies in this engine's

@@ -474,10 +474,13 @@ class Replayer:
         # Connections due within PRECONNECT_MS of the start are opened before the clock starts.
         self.t0 = time.perf_counter() + self.lead_ms / 1000.0
         early = {rid for rid, r in self.reqs.items() if r.planned_ms < PRECONNECT_MS}
+        early_conns: list[asyncio.Task[Conn]] = []
         for rid, r in self.reqs.items():
             r.conn = asyncio.create_task(self.connect() if rid in early else self.preconnect(r))
-        if early:
-            await asyncio.wait([self.reqs[rid].conn for rid in early])  # type: ignore[misc]
+            if rid in early:
+                early_conns.append(r.conn)
+        if early_conns:
+            await asyncio.wait(early_conns)
         start = time.perf_counter()
         self.t0 = start + self.lead_ms / 1000.0
         tasks: list[asyncio.Task[None]] = []

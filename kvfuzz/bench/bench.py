@@ -221,7 +221,7 @@ def run_bench(*, toggles: list[str] | None, seeds: list[int], budget: float, max
     profiles = _profiles(chosen, lora)
     load_before = os.getloadavg()
     own = session is None
-    if own:
+    if session is None:
         session = build_session(SessionSettings(device=check_device(device), runs=runs), out)
     from kvfuzz.traces.timing import Ledger
 

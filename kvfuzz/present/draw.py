@@ -120,6 +120,7 @@ def _adapter_colors(s: Schedule) -> dict[str | None, str]:
 
 
 def schedule_figure(s: Schedule) -> Any:
+    from matplotlib.artist import Artist
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch, Rectangle
 
@@ -191,7 +192,7 @@ def schedule_figure(s: Schedule) -> Any:
         ax.grid(axis="x", color="#eeeeee", lw=0.8, zorder=0)
         ax.set_axisbelow(True)
         ax.set_title(s.title + (f"\n{s.note}" if s.note else ""), loc="left")
-        handles = [Patch(color=colors[a], label=a or "base model") for a in colors if a is None or
+        handles: list[Artist] = [Patch(color=colors[a], label=a or "base model") for a in colors if a is None or
                    any(b.adapter == a for b in s.bars)]
         step = s.unit == "step"
         handles += [Patch(color="#9e9e9e", alpha=0.9, label="prefill (tall)" if step else "to first token"),

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
+import functools
 import json
 import os
 import re
@@ -593,9 +594,11 @@ def _build(version: str, device: str, directory: Path, reporter: _Reporter) -> d
         excludes_file.write_text("\n".join(CPU_EXCLUDES) + "\n")
     from kvfuzz.versions.uv_args import pip_sources
 
-    how = dict(venv=venv, base_python=base_python(), uv=uv, sources=pip_sources() if uv else [], kvfuzz=source,
-               deps=kvfuzz_runtime_deps(), excludes_file=excludes_file, excludes=read_excludes(excludes_file))
-    cmds = install_commands(version, device, **how)
+    commands = functools.partial(
+        install_commands, version, device, venv=venv, base_python=base_python(), uv=uv,
+        sources=pip_sources() if uv else [], kvfuzz=source, deps=kvfuzz_runtime_deps(),
+        excludes_file=excludes_file, excludes=read_excludes(excludes_file))
+    cmds = commands()
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME")}
     with open(log, "a") as fh:
         fh.write(f"# kvfuzz from {source.kind}: {source.spec}\n")
@@ -616,7 +619,7 @@ def _build(version: str, device: str, directory: Path, reporter: _Reporter) -> d
                 with open(log, "a") as fh:
                     fh.write(f"\n# kvfuzz: {pinned}; retrying with PyPI's {substitute} in its place "
                              f"(uv --override {overrides}; the default CUDA build, which runs on CPU)\n")
-                cmd = install_commands(version, device, **how, overrides_file=overrides)[1]
+                cmd = commands(overrides_file=overrides)[1]
                 reporter.step(f"{substitute}+cpu is on no reachable index: installing PyPI's {substitute} instead")
                 start = log.stat().st_size
                 rc = _run_logged(cmd, log, reporter, env)

@@ -173,7 +173,7 @@ def run(
     opts = CampaignOptions(seed=seed, budget_s=budget, max_traces=traces_n, runs=runs, out=out, engine=engine, gen=gen,
                            resume=resume, corpus=corpus, mode="feedback" if feedback else "random", operators=ops,
                            # Naming an engine-changing operator (small_kv) is asking for restarts.
-                           allow_engine_changes=bool(ops) and any(OPERATORS[o].changes_engine for o in ops))
+                           allow_engine_changes=any(OPERATORS[o].changes_engine for o in ops or []))
     # What builds the campaign's session and triage, here or on each Ray worker (kvfuzz/scale/cluster.py;
     # it imports no Ray).
     from kvfuzz.scale.cluster import WorkerSpec
