@@ -26,6 +26,7 @@ from kvfuzz.traces.trace import (
     EMBEDDED_HYBRID,
     EMBEDDED_MODEL,
     LoadAdapterEvent,
+    Prompt,
     ReloadAdapterEvent,
     UnloadAdapterEvent,
 )
@@ -242,7 +243,7 @@ class _Lifecycle:
                              seed=rng.randrange(1 << 30))
         return GenPrompt(length=length, seed=rng.randrange(1 << 30))
 
-    def _send(self, adapter: str | None, prompt: GenPrompt | None = None, salt: str | None = None,
+    def _send(self, adapter: str | None, prompt: Prompt | None = None, salt: str | None = None,
               *, cancel: bool = True) -> SendEvent:
         rng = self.rng
         max_tokens = rng.randint(2, 12)

@@ -270,9 +270,9 @@ def schedule_data(finding: Finding, history: History | None = None, *, kept: set
             markers.append(Marker("first-divergence", made[d], made[d] + 0.5, f"token #{d} differs"))
         send = sends.get(rid)
         group = send.prompt.prefix_group if send is not None and isinstance(send.prompt, GenPrompt) else None
-        v = verdicts.get(rid)
+        verdict = verdicts.get(rid)
         bars.append(Bar(rid, request_label(send, rid, rec, initial), (send.adapter if send else rec.adapter), group,
-                        start, end, spans, tuple(markers), v.class_ if v else "—",
+                        start, end, spans, tuple(markers), verdict.class_ if verdict else "—",
                         rid in victims and worst in DIVERGENT_CLASSES,
                         (rid in kept) if kept is not None else (True if m is not None else None)))
     lines = []
@@ -519,7 +519,7 @@ def grid_data(finding: Finding) -> Grid:
                 if col != ex.victim:
                     cells.append(Cell("", "none"))
                     continue
-                text = ab.outcome
+                text: str = ab.outcome
                 if ab.outcome in ("disappears", "persists") and ab.victim_class:
                     text += f" ({ab.victim_class})"
                 cells.append(Cell(text, ABLATION_STATE[ab.outcome]))
@@ -588,7 +588,8 @@ def campaign_view(state: Mapping[str, Any] | Any) -> CampaignView:
     """What the campaign page shows, from campaign.json's content (or a CampaignState)."""
     s: Mapping[str, Any] = state if isinstance(state, Mapping) else vars(state)
     coverage = len(s.get("coverage") or {})
-    progress = [tuple(float(x) for x in p[:4]) for p in (s.get("coverage_log") or []) if len(p) >= 4]
+    progress = [(float(p[0]), float(p[1]), float(p[2]), float(p[3])) for p in (s.get("coverage_log") or [])
+                if len(p) >= 4]
     if not progress or progress[0] != (0.0, 0.0, 0.0, 0.0):
         progress.insert(0, (0.0, 0.0, 0.0, 0.0))  # the campaign's start
     now = (float(s.get("traces", 0)), float(s.get("seconds", 0.0)), float(coverage), float(s.get("findings", 0)))

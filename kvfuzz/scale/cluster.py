@@ -129,6 +129,7 @@ def connect(address: str | None, *, num_cpus: float | None = None, env: dict[str
                     ray.shutdown()
                     _kill_half_started_ray()
         raise InfraError(f"could not start a local Ray instance ({LOCAL_START_ATTEMPTS} attempts): {error}")
+    assert where is not None  # an address was given: resolved above
     kind, host, port = where
     if "ray" not in sys.modules:
         for k, v in FAST_CONNECT.items():
