@@ -58,3 +58,37 @@ def test_a_skipped_ablation_is_not_reported_as_measured():
     d = describe(key, f)
     assert "needs: not measured" in d.text and d.needs == [] and not d.measured
     assert key.verdicts == {}  # skipped ablations are "not tried": never part of a key
+
+
+def test_confirmation_runs_stop_at_the_new_buckets_deadline(tmp_path):
+    """Issue 30: a long finding's confirmation ran 88 s past the campaign's budget. Inside the
+    box it starts no run past the deadline, and runs up to K before it."""
+    from kvfuzz.driver.session import build_session
+    from kvfuzz.driver.settings import SessionSettings
+    from kvfuzz.traces.result import Recording
+
+    f = finding()
+
+    class Replaying:
+        kind = "inprocess"
+        config = f.trace.engine
+
+        def __init__(self):
+            self.replays = 0
+
+        def compatible(self, config):
+            return True
+
+        def replay(self, trace, *, arm, run_index, toggles):
+            self.replays += 1
+            return f.runs[0].model_copy(update={"arm": arm, "run_index": run_index})
+
+    session = build_session(SessionSettings(runs=3), tmp_path)
+    session.engine = engine = Replaying()  # type: ignore[assignment]
+    one = [h for h in f.runs if h.run_index == 0][:1]
+    rec = Recording(trace=f.trace, histories=one, references=f.references, environment=f.environment,
+                    arms={one[0].arm: []})
+    late = session.confirm(rec, 3, deadline=time.monotonic() - 1)
+    assert engine.replays == 0 and len(late.histories) == 1
+    early = session.confirm(rec, 3, deadline=time.monotonic() + 3600)
+    assert engine.replays == 2 and len(early.histories) == 3

@@ -210,15 +210,21 @@ class Session:
             finding.inherit(carry)
         return finding
 
-    def confirm(self, rec: Recording, runs: int) -> Recording:
+    def confirm(self, rec: Recording, runs: int, *, deadline: float | None = None) -> Recording:
         """``rec`` with each of its arms replayed until it has ``runs`` runs (adaptive runs: a
-        trace runs once, and again only when something diverged, to measure the rate)."""
+        trace runs once, and again only when something diverged, to measure the rate). Past
+        ``deadline`` (time.monotonic()) no further run starts: the rate is measured on the runs
+        it has (a long trace found late must not run the campaign past its budget)."""
+        import time
+
         engine = self.engine_for(rec.trace.engine)
         histories = list(rec.histories)
         with self.ledger.span(CONFIRM):
             for arm, toggles in rec.arms.items():
                 have = sum(1 for h in histories if h.arm == arm)
                 for k in range(have, runs):
+                    if deadline is not None and time.monotonic() >= deadline:
+                        break
                     histories.append(stamp(engine.replay(rec.trace, arm=arm, run_index=k, toggles=toggles),
                                            engine.kind))
         return Recording(trace=rec.trace, histories=histories, references=rec.references,
