@@ -154,7 +154,7 @@ class DiskTiers:
     roots: list[Path]
     writer: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
     warn: Callable[[str], None] = warn_stderr
-    _namespaces: dict[int, Namespace] = field(default_factory=dict, repr=False)
+    _namespaces: dict[tuple[str, str, str, str], Namespace] = field(default_factory=dict, repr=False)
 
     @classmethod
     def for_campaign(cls, out: Path | None, *, cache: bool = True, **kw: object) -> "DiskTiers":
@@ -168,9 +168,12 @@ class DiskTiers:
         return cls(roots=roots, **kw)  # type: ignore[arg-type]
 
     def namespace(self, engine: Engine) -> Namespace:
-        ns = self._namespaces.get(id(engine))
+        # Memoised by what ``namespace_of`` reads (the release is the process's), not by the
+        # engine object: a restarted engine of another dtype may reuse a closed engine's id().
+        k = (engine.kind, engine.device, engine.config.model, engine.config.dtype)
+        ns = self._namespaces.get(k)
         if ns is None:
-            ns = self._namespaces[id(engine)] = namespace_of(engine)
+            ns = self._namespaces[k] = namespace_of(engine)
         return ns
 
     def _roots_for(self, ns: Namespace) -> list[Path]:

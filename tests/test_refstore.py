@@ -97,6 +97,18 @@ def test_another_release_model_or_dtype_never_hits(tmp_path, monkeypatch, change
     assert len(list((tmp_path / "a" / "references").glob("*/namespace.json"))) == 2
 
 
+def test_one_store_never_serves_an_entry_to_an_engine_of_another_dtype(tmp_path):
+    """Within one campaign: an engine restarted with another dtype (here the same object, as a
+    new engine reusing a closed one's id() would look) gets its own namespace."""
+    eng = SoloEngine()
+    s = store(tmp_path / "a")
+    s.get(eng, send(), None)
+    s._memo.clear()  # past the in-memory memo: the disk tiers decide
+    eng.config = default_engine().with_dtype("bfloat16")
+    s.get(eng, send(), None)
+    assert s.computed == 2 and s.hits == 0
+
+
 def test_settings_that_cannot_change_a_solo_run_share_entries_and_the_others_do_not(tmp_path):
     base = default_engine()
     store(tmp_path / "a").get(SoloEngine(base), send(), None)
