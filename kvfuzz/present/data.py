@@ -19,6 +19,7 @@ from kvfuzz.oracle.diff import margin_at
 from kvfuzz.oracle.noise import NoiseBounds
 from kvfuzz.oracle.noise import finding_bounds
 from kvfuzz.traces import Divergence, Finding, GenPrompt, History, RequestRecord, Scoring, SendEvent
+from kvfuzz.traces.buckets import Bucket, bucket_from_state
 from kvfuzz.traces.finding import DIVERGENT_CLASSES, MECHANISM_WORDS, SEVERITY
 
 LIFECYCLE = ("load-adapter", "unload-adapter", "reload-adapter")
@@ -600,13 +601,10 @@ def campaign_view(state: Mapping[str, Any] | Any) -> CampaignView:
     for bid, b in (s.get("bug_buckets") or {}).items():
         if bid in merged:
             continue  # inside the bucket it was merged into
-        if hasattr(b, "model_dump"):  # a live CampaignState's typed bucket (traces/buckets.py)
-            b = {**b.model_dump(mode="json", by_alias=True), "text": b.text}
-        key = b.get("key") or {}
-        desc = b.get("description") or {}
-        text = str(b.get("text") or desc.get("text") or key.get("text") or b.get("prekey") or "")
-        buckets.append(BucketView(str(bid), int(b.get("count", 0)), b.get("first_index"), text, b.get("representative"),
-                                  b.get("case")))
+        # A live CampaignState's typed bucket, or campaign.json's (today's or before issue 30).
+        bucket = b if isinstance(b, Bucket) else bucket_from_state(str(bid), b)
+        buckets.append(BucketView(bucket.id, bucket.count, bucket.first_index, bucket.text, bucket.representative,
+                                  bucket.case))
     buckets.sort(key=lambda b: (b.first_index if b.first_index is not None else 1 << 30, b.id))
     return CampaignView(int(s.get("traces", 0)), float(s.get("seconds", 0.0)), int(s.get("findings", 0)),
                         bool(s.get("complete", False)), str(s.get("mode", "")), coverage, dict(s.get("by_class") or {}),
