@@ -6,6 +6,7 @@ import hashlib
 import random
 from collections import OrderedDict
 from collections.abc import Callable
+from contextlib import nullcontext
 
 from kvfuzz.traces import Divergence, History, RequestRecord, Scoring, SendEvent, Trace, expand
 from kvfuzz.traces.history import TopLogprobs
@@ -122,10 +123,7 @@ def record(engine: Engine, trace: Trace, *, runs: int = 3, arms: dict[str, list[
     store = store if store is not None else ReferenceStore()
     for arm, toggles in arms.items():
         for k in range(runs):
-            if fuzzed:
-                with store.ledger.span(FUZZED):
-                    h = stamp(engine.replay(trace, arm=arm, run_index=k, toggles=toggles), engine.kind)
-            else:
+            with store.ledger.span(FUZZED) if fuzzed else nullcontext():
                 h = stamp(engine.replay(trace, arm=arm, run_index=k, toggles=toggles), engine.kind)
             histories.append(h)
             if on_run:
