@@ -87,10 +87,10 @@ class CampaignDisplay:
             for cls, n in sorted(s.by_class.items()):
                 found.append(f"{cls}: {n}  ", style=CLASS_STYLE.get(cls, ""))
             grid.add_row("findings", found if s.by_class else Text("none", style="green"))
-            if getattr(s, "bug_buckets", None):
+            if s.bug_buckets:
                 from kvfuzz.present.buckets import rows, sections
 
-                bugs, ties = sections(rows(s.bug_buckets, getattr(s, "merges", {})))
+                bugs, ties = sections(rows(s.bug_buckets, s.merges))
                 for r in bugs[:4]:
                     grid.add_row(f"bucket {r.id}", Text(f"{r.count} x {r.cls}, {r.explanation}; needs: {r.needs}",
                                                         style=CLASS_STYLE.get(r.cls, "")))
@@ -127,7 +127,7 @@ class CampaignDisplay:
             table.add_row(f"  {cls}", Text(str(n), style=CLASS_STYLE.get(cls, "")))
         from kvfuzz.present.buckets import rich_tables, rows, sections, summary_line
 
-        brows = rows(state.bug_buckets, getattr(state, "merges", {}))
+        brows = rows(state.bug_buckets, state.merges)
         bugs, ties = sections(brows)
         table.add_row("bug buckets", str(len(bugs)))
         if ties:
