@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 from kvfuzz.traces import CampaignOrigin, EngineConfig, Finding, LineageLink, Trace, atomic_write_text, save, sweep_partial_writes
 from kvfuzz.traces.buckets import (Bucket, BucketDescription, BucketKey, BucketMembership, Triaged, bucket_from_state,
-                                   live, mergeable, resolve, union)
+                                   live, mergeable, resolve, union, with_evidence)
 from kvfuzz.traces.errors import BadInput
 from kvfuzz.traces.io import finding_path
 from kvfuzz.traces.result import Checked
@@ -394,6 +394,13 @@ class Campaign:
         counts[finding.worst_class()] += 1
         st.by_class = dict(counts)
         touched = set()
+        for m in members:
+            for other, verdicts in m.evidence.items():
+                # Measured on that bucket's own witness by this finding's merge check.
+                b = st.bug_buckets.get(resolve(other, st.merges))
+                if b is not None:
+                    b.key = with_evidence(b.key, verdicts)
+                    touched.add(b.id)
         for m in members:
             bucket = st.bug_buckets.get(m.bucket)
             if bucket is None:

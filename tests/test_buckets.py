@@ -14,7 +14,7 @@ from kvfuzz.fuzzer.campaign import Campaign, CampaignOptions, CampaignState
 from kvfuzz.oracle import buckets as rule
 from kvfuzz.traces import Finding, load_finding, save
 from kvfuzz.traces.buckets import KEY_MECHANISMS, Bucket, BucketKey, BucketMembership, agrees, conflicts, union
-from kvfuzz.triage.campaign import CampaignTriage
+from kvfuzz.triage.campaign import ASSIGN_CHECK_EVERY, CampaignTriage
 
 DATA = Path(__file__).parent / "data" / "present"
 verdicts = st.dictionaries(st.sampled_from(KEY_MECHANISMS), st.sampled_from(["disappears", "persists"]))
@@ -126,8 +126,116 @@ def test_past_the_share_a_finding_is_assigned_never_left_without_a_bucket(tmp_pa
     rec = Recording(trace=f.trace, histories=list(f.runs), references=dict(f.references), environment=f.environment,
                     arms=dict(f.arms))
     out = t._assign(Checked(rec, list(f.verdicts), f))
-    assert out.status == "assigned" and [m.bucket for m in out.buckets] == ["Q"] and r.replays == 0
+    # The first assignment is sampled: one replay of the bucket's verdict, which agrees.
+    assert out.status == "assigned" and [m.bucket for m in out.buckets] == ["Q"] and r.replays == 1
     assert out.finding.buckets[0].status == "assigned" and out.finding.bucket == "Q"
+    assert "prefix-caching disappears" in out.finding.buckets[0].how
+    # The next ones (until the next sample) by pre-key alone.
+    for _ in range(ASSIGN_CHECK_EVERY - 1):
+        again = t._assign(Checked(rec, list(f.verdicts), unexplained()))
+        assert again is not None and again.buckets[0].bucket == "Q" and again.buckets[0].how == "pre-key"
+    assert r.replays == 1
+
+
+def checked_of(f):
+    from kvfuzz.traces.result import Checked, Recording
+
+    rec = Recording(trace=f.trace, histories=list(f.runs), references=dict(f.references), environment=f.environment,
+                    arms=dict(f.arms))
+    return Checked(rec, list(f.verdicts), f)
+
+
+def test_past_the_share_a_sampled_replay_sends_a_second_cause_to_triage(tmp_path):
+    """Past the share a second cause would otherwise be filed by pre-key under the only
+    bucket of its class (P + S: 23 of 29 findings assigned, all to one bucket). The sampled
+    replay of one of the bucket's verdicts disagrees, and the finding is triaged instead."""
+    bs = {"S": bucket("S", {"prefix-caching": "disappears", "lora": "persists"}, 1)}
+    r = Table(needs=["prefix-caching", "lora"])  # a witness of P: needs LoRA too
+    t = triage(r, bs, tmp_path)
+    # The rotation reaches every verdict of the bucket: LoRA at the first sample.
+    assert t._assign(checked_of(unexplained())) is None and r.replays == 1
+
+
+class ByTrace(Table):
+    """A replayer for two causes: a trace whose first request asks for ``tokens`` tokens is
+    the second cause's witness (it needs ``other``); any other trace needs ``needs``."""
+
+    def __init__(self, needs, other, tokens):
+        super().__init__(needs)
+        self.other, self.tokens = set(other), tokens
+
+    def judge(self, trace, *, victim, arm, toggles):
+        needs = self.needs
+        if trace.sends[0].max_tokens == self.tokens:
+            self.needs = self.other
+        try:
+            return super().judge(trace, victim=victim, arm=arm, toggles=toggles)
+        finally:
+            self.needs = needs
+
+
+def test_a_bucket_without_key_evidence_is_measured_on_its_own_witness(tmp_path):
+    """Fault P's bucket opened with no verdicts (its box ran out), and every later unexplained
+    finding joined it unchecked (P + Q: one bucket). Now its own witness is replayed once; the
+    new witness, of another cause, disagrees; the measured verdicts go back to the bucket."""
+    old = unexplained()
+    save(old, tmp_path / "buckets" / "P.json")
+    bs = {"P": Bucket(id="P", key=key(), first_index=1, count=1, case="buckets/P.json")}
+    new = unexplained()
+    s0 = new.trace.sends[0]
+    new.trace = new.trace.model_copy(update={"events": [s0.model_copy(update={"max_tokens": s0.max_tokens + 1}),
+                                                        *new.trace.events[1:]]})
+    r = ByTrace(needs=["prefix-caching", "lora"], other=["prefix-caching"], tokens=s0.max_tokens + 1)
+    t = triage(r, bs, tmp_path)
+    b, k, _ = t._match(new, key())
+    assert b is None and k.verdicts["lora"] == "persists"
+    assert set(t._evidence) == {"P"} and t._evidence["P"]["prefix-caching"] == "disappears"
+    assert t._evidence["P"]["lora"] == "disappears"  # where the two causes differ
+    # Carried on the finding's first membership, and added to the bucket's key by the campaign.
+    out = t._done(checked_of(new), new, [member("N", k.verdicts)], "opened")
+    assert out.buckets[0].evidence["P"]["lora"] == "disappears"
+    c = campaign(tmp_path)
+    c.state.bug_buckets["P"] = bs["P"].model_copy()
+    c.record_finding(5, new.trace, "fresh", new, out.buckets)
+    assert c.state.bug_buckets["P"].key.verdicts == t._evidence["P"]
+    assert set(c.state.bug_buckets) == {"P", "N"} and not c.state.merges
+
+
+def test_a_witness_of_the_same_cause_still_joins_after_its_bucket_is_measured(tmp_path):
+    old = unexplained()
+    save(old, tmp_path / "buckets" / "P.json")
+    bs = {"P": Bucket(id="P", key=key(), first_index=1, count=1, case="buckets/P.json")}
+    r = Table(needs=["prefix-caching"])
+    b, k, _ = triage(r, bs, tmp_path)._match(unexplained(), key())
+    assert b is not None and b.id == "P" and k.verdicts["prefix-caching"] == "disappears"
+
+
+def test_against_a_deadline_the_key_mechanisms_are_ablated_first():
+    """The box runs out in order: the mechanisms a key is made of go before the schedule ones
+    (concurrency, cancels), which are only described."""
+    from kvfuzz.traces.buckets import KEY_MECHANISMS
+    from kvfuzz.triage.explain import ABLATIONS, explain
+
+    f = unexplained()
+    ablated = {m: a(f.trace)[0] for m, a in ABLATIONS.items()}
+    ablated = {m: t.model_dump(mode="json") for m, t in ablated.items() if t is not None}
+
+    class Order(Table):
+        def __init__(self):
+            super().__init__([])
+            self.seen = []
+
+        def judge(self, trace, *, victim, arm, toggles):
+            d = trace.model_dump(mode="json")
+            self.seen.append(next(m for m, t in ablated.items() if t == d))
+            return "corruption"
+
+    r = Order()
+    import time as _t
+    explain(r, f, deadline=_t.monotonic() + 3600)
+    applicable = [m for m in KEY_MECHANISMS if m in ablated]
+    assert applicable and set(r.seen[: len(applicable)]) == set(applicable)
+    assert set(r.seen) - set(KEY_MECHANISMS)  # the schedule ablations still ran, after
 
 
 def campaign(tmp_path):

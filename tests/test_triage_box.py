@@ -92,3 +92,40 @@ def test_confirmation_runs_stop_at_the_new_buckets_deadline(tmp_path):
     assert engine.replays == 0 and len(late.histories) == 1
     early = session.confirm(rec, 3, deadline=time.monotonic() + 3600)
     assert engine.replays == 2 and len(early.histories) == 3
+
+
+def test_a_new_buckets_confirmation_gets_a_fifth_of_its_box_and_the_ablation_its_tail(tmp_path):
+    """Issue 30: fault P's 18-request witness spent the whole box confirming its rate, and its
+    bucket opened with no key evidence. The confirmation now ends at CONFIRM_BOX of the box."""
+    from kvfuzz.driver.settings import TriageSettings
+    from kvfuzz.traces.buckets import BucketKey
+    from kvfuzz.traces.result import Checked, Recording
+    from kvfuzz.triage.campaign import CONFIRM_BOX
+
+    f = finding()
+    f.divergences[0].explained_by = None
+    rec = Recording(trace=f.trace, histories=list(f.runs), references=dict(f.references), environment=f.environment,
+                    arms=dict(f.arms))
+
+    class Confirming:
+        step_exact = False
+
+        def __init__(self):
+            self.deadlines = []
+
+        def confirm(self, recording, runs, *, deadline=None):
+            self.deadlines.append(deadline)
+            return recording
+
+        def verdicts_of(self, recording, *, carry=None):
+            return Checked(recording, list(f.verdicts), carry)
+
+    s = Confirming()
+    t = CampaignTriage(session=s, guard=None, arms={}, out=tmp_path, confirm_runs=3,  # type: ignore[arg-type]
+                       settings=TriageSettings(minimize_seconds=100.0, minimize=False, controls=False,
+                                               ablate=False, attribute=False))
+    t0 = time.monotonic()
+    out = t._triage(Checked(rec, list(f.verdicts), f), [], [BucketKey(cls="corruption")])
+    (d,) = s.deadlines
+    assert t0 + CONFIRM_BOX * 100.0 - 1 <= d <= time.monotonic() + CONFIRM_BOX * 100.0
+    assert out.status == "opened"

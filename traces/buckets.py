@@ -99,6 +99,10 @@ class BucketMembership(_Data):
     description: BucketDescription | None = None
     # How it was matched, in words ("pre-key", "replay: prefix-caching disappears", ...).
     how: str = ""
+    # Verdicts this finding's triage measured on *other* buckets' own witnesses (bucket id ->
+    # mechanism -> outcome): the merge check's other direction (the existing witness replayed
+    # under the new one's verdicts). The campaign adds them to those buckets' keys.
+    evidence: dict[str, dict[str, Outcome]] = Field(default_factory=dict)
 
 
 class Bucket(_Data):
@@ -164,6 +168,13 @@ def union(a: BucketKey, b: BucketKey) -> BucketKey:
     if a.explained_by is not None:
         return a
     return a.model_copy(update={"verdicts": {**b.verdicts, **a.verdicts}})
+
+
+def with_evidence(key: BucketKey, verdicts: Mapping[str, Outcome]) -> BucketKey:
+    """``key`` with verdicts measured on its bucket's own witness, where it had none."""
+    if key.explained_by is not None or not verdicts:
+        return key
+    return key.model_copy(update={"verdicts": {**verdicts, **key.verdicts}})
 
 
 def live(buckets: Mapping[str, Bucket], merges: Mapping[str, str]) -> list[Bucket]:
@@ -247,4 +258,5 @@ def bucket_from_state(bid: str, data: dict[str, Any]) -> Bucket:
 
 
 __all__ = ["KEY_MECHANISMS", "Bucket", "BucketDescription", "BucketKey", "BucketMembership", "Status", "Triaged", "agrees",
-           "bucket_from_state", "candidates", "conflicts", "live", "memberships_from_notes", "mergeable", "resolve", "union"]
+           "bucket_from_state", "candidates", "conflicts", "live", "memberships_from_notes", "mergeable", "resolve", "union",
+           "with_evidence"]

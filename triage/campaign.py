@@ -41,7 +41,8 @@ from kvfuzz.driver.session import Session
 from kvfuzz.driver.settings import CampaignSettings, TriageSettings
 from kvfuzz.oracle import buckets as rule
 from kvfuzz.traces import Finding, Trace
-from kvfuzz.traces.buckets import Bucket, BucketKey, BucketMembership, Outcome, Triaged
+from kvfuzz.traces.buckets import KEY_MECHANISMS, Bucket, BucketKey, BucketMembership, Outcome, Triaged, with_evidence
+from kvfuzz.traces.io import load_finding
 from kvfuzz.traces.result import Checked
 
 from .attribution import explain_guarded
@@ -55,6 +56,15 @@ KNOWN_BUCKET_SHARE = 0.1
 NEW_BUCKET_SHARE = 0.15
 # ...but never less than this: a one-minute campaign (the README's) still minimizes its bug.
 MIN_NEW_BUCKET_BOX_S = 30.0
+# Inside a new bucket's box: the confirmation runs end by this share of it, minimization by this
+# one; the causal ablation (the key's mechanisms first) keeps the rest. Issue 30: an 18-request
+# witness's confirmation spent the whole box, and its bucket opened with no key evidence.
+CONFIRM_BOX = 0.2
+MINIMIZE_BOX = 0.6
+# Past the share, every this-many-th finding assigned to an unexplained bucket whose key has
+# verdicts is replayed once without one of them (in turn): a second cause that first shows up
+# after the share is spent still gets a bucket of its own, at a third of a replay per finding.
+ASSIGN_CHECK_EVERY = 3
 
 
 @dataclass
@@ -74,6 +84,9 @@ class CampaignTriage:
     merges: dict[str, str] = field(default_factory=dict)
     known_seconds: float = 0.0
     started: float = field(default_factory=time.monotonic)
+    assigned_n: int = 0
+    # Verdicts measured on existing buckets' own witnesses while triaging the current trace.
+    _evidence: dict[str, dict[str, Outcome]] = field(default_factory=dict)
 
     def restore(self, buckets: dict[str, Bucket], merges: dict[str, str] | None = None) -> None:
         """Share the campaign's buckets (the campaign adds to them as findings are recorded)."""
@@ -95,10 +108,13 @@ class CampaignTriage:
             # costs the trace deadline each time).
             return self._place(checked, f, rule.keys_of(f), status="triaged", how="class")
         t0 = time.monotonic()
+        self._evidence = {}
         if self.alive and self.over_share:
             out = self._assign(checked)
             self.known_seconds += time.monotonic() - t0
-            return out
+            if out is not None:
+                return out
+            t0 = time.monotonic()  # another cause: triaged like any finding from here
         if self.settings.attribute:
             checked = explain_guarded(self.guard, checked, runs=runs)
             f = checked.finding or f
@@ -122,6 +138,10 @@ class CampaignTriage:
         """The earliest bucket ``key`` agrees with, after up to ``max_checks`` replays of the
         finding without one engine mechanism each (``rule.next_check``)."""
         cands = rule.candidates(key, self.alive)
+        if cands and key.explained_by is None and not cands[0].key.verdicts:
+            # The bucket opened without key evidence (its box ran out, or past the share): its
+            # own witness is measured once, so there is something to check against.
+            cands[0] = self._measured(cands[0], list(KEY_MECHANISMS))
         tried: list[str] = []
         while cands and key.explained_by is None and len(tried) < max_checks:
             m = rule.next_check(key, cands, tried)
@@ -135,14 +155,36 @@ class CampaignTriage:
         checked = ", ".join(f"{m} {key.verdicts[m]}" for m in tried if m in key.verdicts)
         return cands[0], key, ("replay: " + checked) if checked else "key"
 
+    def _measured(self, b: Bucket, mechanisms: list[str]) -> Bucket:
+        """``b`` with the verdicts its key lacks among ``mechanisms`` measured on its own
+        witness (its regression case, ``OUT/buckets/<id>.json``; one replay per mechanism the
+        witness uses, once per bucket: the evidence stays in its key). Recorded as evidence for the campaign to add to the bucket's key. Where the
+        witness is not readable (a Ray worker without the driver's OUT) ``b`` is unchanged."""
+        missing = [m for m in mechanisms if m not in b.key.verdicts]
+        path = self.out / b.case if b.case else None
+        if not missing or b.key.explained_by is not None or path is None or not path.is_file():
+            return b
+        try:
+            witness = load_finding(path)
+        except (OSError, ValueError):
+            return b
+        self.status(f"bucket {b.id}: measuring its own witness ({', '.join(missing)})")
+        ex = explain(self.session, witness, mechanisms=missing)
+        got = rule.verdicts_of(ex)
+        if not got:
+            return b
+        self._evidence[b.id] = {**self._evidence.get(b.id, {}), **got}
+        return b.model_copy(update={"key": with_evidence(b.key, got)})
+
     def _check(self, f: Finding, mechanism: str) -> dict[str, Outcome]:
         """One replay of ``f`` without ``mechanism``: its verdict, if it could be judged."""
         self.status(f"finding {f.id}: checking against buckets (without {mechanism})")
         ex = explain(self.session, f, mechanisms=[mechanism])
         return rule.verdicts_of(ex)
 
-    def _assign(self, checked: Checked) -> Triaged:
-        """Past the share: the bucket the cheap pre-key allows, or one replay decides."""
+    def _assign(self, checked: Checked) -> Triaged | None:
+        """Past the share: the bucket the cheap pre-key allows, or one replay decides. None:
+        the sampled replay disagreed with the bucket (another cause: triage it)."""
         f = checked.finding
         assert f is not None
         cands = rule.prekey_candidates(f, self.alive)
@@ -167,6 +209,16 @@ class CampaignTriage:
             how = how2 if how2 != "key" else how
         else:
             bucket = cands[0]
+            if key.explained_by is None and bucket.key.verdicts:
+                n, self.assigned_n = self.assigned_n, self.assigned_n + 1
+                if n % ASSIGN_CHECK_EVERY == 0:
+                    tried = sorted(bucket.key.verdicts)
+                    mech = tried[(n // ASSIGN_CHECK_EVERY) % len(tried)]
+                    key = key.model_copy(update={"verdicts": {**key.verdicts, **self._check(f, mech)}})
+                    if not rule.agrees(key, bucket.key):
+                        return None
+                    if mech in key.verdicts:
+                        how = f"pre-key, replay: {mech} {key.verdicts[mech]}"
         m = BucketMembership(bucket=bucket.id, key=key, status="assigned", how=how)
         return self._done(checked, f, [m], "assigned")
 
@@ -179,17 +231,18 @@ class CampaignTriage:
         return min(self.settings.minimize_seconds, max(MIN_NEW_BUCKET_BOX_S, NEW_BUCKET_SHARE * self.settings.budget_s))
 
     def _triage(self, checked: Checked, joined: list[BucketMembership], new: list[BucketKey]) -> Triaged:
-        deadline = time.monotonic() + self.new_bucket_box
+        start, box = time.monotonic(), self.new_bucket_box
+        deadline = start + box
         if not self.settings.runs_fixed and self.confirm_runs > 1:
             self.status("new bucket: confirming the rate")
-            checked = self._confirm(checked, deadline)
+            checked = self._confirm(checked, start + CONFIRM_BOX * box)
         finding = checked.finding
         assert finding is not None
         small = finding
         if self.settings.minimize or self.settings.controls:
             self.status(f"finding {finding.id}: " + ("minimizing" if self.settings.minimize else "control arms"))
-            # Minimization gets half of what is left; the ablation of the (small) result the rest.
-            left = max(1.0, 0.5 * (deadline - time.monotonic()))
+            # Minimization until MINIMIZE_BOX of the box; the ablation of the (small) result the rest.
+            left = max(1.0, start + MINIMIZE_BOX * box - time.monotonic())
             small = finish_finding(self.session, finding, out=self.out, do_minimize=self.settings.minimize,
                                    controls=self.settings.controls, max_seconds=left)
         if self.settings.ablate:
@@ -202,8 +255,10 @@ class CampaignTriage:
             if key.explained_by is None:
                 # The minimal witness's ablation, over the checks the original one had.
                 key = key.model_copy(update={"verdicts": {**key.verdicts, **measured}})
-            # The merge check: the full key against the buckets once more.
-            cands = rule.candidates(key, self.alive)
+            # The merge check: the full key against the buckets once more, each candidate's own
+            # witness measured on what the new key tried and its key lacks (both directions).
+            cands = [b for b in (self._measured(b, list(key.verdicts)) for b in rule.candidates(key, self.alive))
+                     if rule.agrees(key, b.key)] if key.explained_by is None else rule.candidates(key, self.alive)
             if cands:
                 out.append(BucketMembership(bucket=cands[0].id, key=key, status="triaged",
                                             how="merge check: agrees after full triage"))
@@ -240,6 +295,8 @@ class CampaignTriage:
         return self._done(checked, f, out, status)
 
     def _done(self, checked: Checked, f: Finding, memberships: list[BucketMembership], status: str) -> Triaged:
+        if memberships and self._evidence:
+            memberships[0] = memberships[0].model_copy(update={"evidence": dict(self._evidence)})
         f.buckets = memberships
         f.bucket = memberships[0].bucket if memberships else None
         return Triaged(dataclasses.replace(checked, finding=f), memberships, status)
