@@ -17,4 +17,9 @@ They were written, and the bucket rule tuned on them, before fault R (docs/bench
   change, 8641580, which fault R had shown): a block registered right after another in one
   request's registration also takes over the earlier block's hash (when its own hash's first
   byte is a multiple of 4).
+
+And after bucket rule 4 (fc92d46; docs/oracle.md "The rule's versions"):
+
+- ``row_move_drops_last_block`` (T, the worker's persistent-batch block table): a row moved by
+  ``InputBatch.condense`` keeps its length but loses its last block id.
 """
