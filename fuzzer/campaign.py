@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import random
 import time
 from collections import Counter
@@ -436,11 +437,24 @@ class Campaign:
             keep.findings += gone.findings
             keep.merged_from += [gone.id, *gone.merged_from]
             st.merges[gone.id] = keep.id
+            self._retire_case(gone)
             for k, v in list(st.merges.items()):
                 if v == gone.id:
                     st.merges[k] = keep.id
             changed |= {keep.id, gone.id}
         return changed
+
+    def _retire_case(self, gone: Bucket) -> None:
+        """A merged bucket's regression case leaves OUT/buckets (``kvfuzz gate OUT/buckets``
+        would replay one cause twice) for OUT/merged-buckets, kept: nothing is lost."""
+        if not gone.case:
+            return
+        src, dst = self.out / gone.case, self.out / "merged-buckets" / f"{gone.id}.json"
+        if src.is_file():
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(src, dst)
+        if dst.is_file():
+            gone.case = str(dst.relative_to(self.out))
 
     def write_bucket(self, bid: str) -> None:
         """``OUT/buckets/<id>.findings.jsonl``: the bucket (its first line, a merged one naming

@@ -267,8 +267,13 @@ def test_buckets_merge_when_their_evidence_comes_to_agree_and_findings_follow(tm
     assert head["bucket"]["count"] == 3 and [x["finding"] for x in lines] == a.findings
     assert json.loads((tmp_path / "buckets" / "C.findings.jsonl").read_text().splitlines()[0])["merged_into"] == "A"
     # `kvfuzz gate OUT/buckets` reads every .json there as a regression case: listings are not .json.
-    cases = {b.case for b in c.state.bug_buckets.values() if b.case}
+    cases = {b.case for b in c.state.live_buckets() if b.case}
     assert {str(p.relative_to(tmp_path)) for p in (tmp_path / "buckets").rglob("*.json")} == cases
+    # A bucket opened with its regression case and merged later: the case leaves OUT/buckets
+    # (the gate would replay one cause twice) and is kept in OUT/merged-buckets.
+    c.record_finding(4, f.trace, "fresh", f.model_copy(deep=True), [member("D", {})])
+    assert c.state.merges["D"] == "A" and not (tmp_path / "buckets" / "D.json").exists()
+    assert c.state.bug_buckets["D"].case == "merged-buckets/D.json" and (tmp_path / "merged-buckets" / "D.json").is_file()
     # Every finding file names its bucket, typed; none is without one.
     for rel in c.state.finding_files:
         g = load_finding(tmp_path / rel)

@@ -358,3 +358,21 @@ def test_a_finding_page_opens_in_headless_chromium(tmp_path):
     assert dom.count("<figure") == 4 and "Controls and ablation" in dom
     assert console_errors(log) == []
     print(f"chromium opened {page.name} in {seconds:.1f} s")
+
+
+def test_campaign_page_shows_near_tie_buckets_apart_from_the_bugs(tmp_path, monkeypatch):
+    """Issue 30: 16-bit noise never reads as a bug — on the page as in the closing table."""
+    from kvfuzz.present import pages
+    from kvfuzz.traces.buckets import Bucket, BucketKey
+
+    monkeypatch.setattr(pages, "have_matplotlib", lambda: False)
+    state = json.loads((DATA / "campaign.json").read_text())
+    bug = Bucket(id="b" * 10, key=BucketKey(cls="corruption"), count=7, assigned=5, first_index=1)
+    tie = Bucket(id="t" * 10, key=BucketKey(cls="numeric-near-tie"), count=3, first_index=0)
+    state["bug_buckets"] = {b.id: b.model_dump(mode="json", by_alias=True) for b in (bug, tie)}
+    state["merges"] = {}
+    pages.write_campaign_page(tmp_path, state, final=True)
+    html = (tmp_path / "campaign.html").read_text()
+    bugs, ties = html.split("<h2>Near-tie buckets</h2>")
+    assert "b" * 10 in bugs and "t" * 10 not in bugs and "t" * 10 in ties and "b" * 10 not in ties
+    assert "7 (5 assigned, not triaged)" in bugs

@@ -221,7 +221,7 @@ def test_one_spec_builds_the_session_and_triage_of_run_and_of_each_ray_worker(tm
         arms={"vanilla": []},
         triage=TriageSettings(runs_fixed=True, minimize=False, controls=False, ablate=False, minimize_seconds=17.0,
                               budget_s=300.0))
-    spec = pickle.loads(pickle.dumps(WorkerSpec(settings)))  # as Ray sends it
+    spec = pickle.loads(pickle.dumps(WorkerSpec(settings, cases_dir=str(tmp_path / "driver-out"))))  # as Ray sends it
     s = spec.build_session(tmp_path)
     assert (s.engine_kind, s.device, s.runs, s.bound_overrides) == ("server", "cpu", 2, {"near_tie": 0.5})
     assert s.log_file == tmp_path / "engine.log" and s.trace_deadline_s == 42.0
@@ -230,6 +230,8 @@ def test_one_spec_builds_the_session_and_triage_of_run_and_of_each_ray_worker(tm
     seen = []
     t = spec.build_triage(s, None, tmp_path, status=seen.append)
     assert (t.arms, t.confirm_runs, t.settings) == ({"vanilla": []}, 2, settings.triage)
+    # The merge check reads buckets' own witnesses from the driver's OUT, not the worker's scratch.
+    assert t.cases == tmp_path / "driver-out" and WorkerSpec().build_triage(s, None, tmp_path).cases is None
     t.status("x")
     assert seen == ["x"]
     assert not spec.pooled and WorkerSpec().pooled

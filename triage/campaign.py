@@ -82,6 +82,9 @@ class CampaignTriage:
     # the campaign state's own (``restore``), on Ray the committed ones sent with each task.
     known: dict[str, Bucket] = field(default_factory=dict)
     merges: dict[str, str] = field(default_factory=dict)
+    # Where buckets' regression cases are read from (``Bucket.case`` is relative to it): the
+    # campaign's OUT; a Ray worker's is the driver's (``WorkerSpec.cases_dir``), when readable.
+    cases: Path | None = None
     known_seconds: float = 0.0
     started: float = field(default_factory=time.monotonic)
     assigned_n: int = 0
@@ -161,7 +164,7 @@ class CampaignTriage:
         witness uses, once per bucket: the evidence stays in its key). Recorded as evidence for the campaign to add to the bucket's key. Where the
         witness is not readable (a Ray worker without the driver's OUT) ``b`` is unchanged."""
         missing = [m for m in mechanisms if m not in b.key.verdicts]
-        path = self.out / b.case if b.case else None
+        path = (self.cases or self.out) / b.case if b.case else None
         if not missing or b.key.explained_by is not None or path is None or not path.is_file():
             return b
         try:

@@ -206,6 +206,10 @@ class WorkerSpec:
     # On Ray: the name of the campaign's StoreService actor (set by RayExecutor), which every
     # worker reads and writes instead of its own disk tiers.
     store_actor: str | None = None
+    # The driver's OUT, where its buckets' regression cases are (OUT/buckets/<id>.json): the
+    # merge check replays a bucket's own witness from there when this worker can read it (a
+    # local cluster, a shared filesystem); elsewhere that check is skipped (docs/oracle.md).
+    cases_dir: str | None = None
 
     @property
     def device(self) -> str:
@@ -225,7 +229,10 @@ class WorkerSpec:
                      status: Callable[[str], None] = lambda _m: None) -> "CampaignTriage":
         from kvfuzz.triage.campaign import build_triage
 
-        return build_triage(self.settings, session, guard, out, status=status)
+        triage = build_triage(self.settings, session, guard, out, status=status)
+        if self.cases_dir is not None:
+            triage.cases = Path(self.cases_dir)
+        return triage
 
 
 # Kills a worker's managed vLLM server when the worker process is gone (ray.kill is SIGKILL:

@@ -178,7 +178,7 @@ def run(
     # it imports no Ray).
     from kvfuzz.scale.cluster import WorkerSpec
 
-    spec = WorkerSpec(settings, log_dir=str((out / "workers").resolve()), threads=1)
+    spec = WorkerSpec(settings, log_dir=str((out / "workers").resolve()), threads=1, cases_dir=str(out.resolve()))
     if ray_address is not None:
         _run_on_ray(ray_address, opts, spec, arm_map=arm_map, calibrate=calibrate, calibration=calibration,
                     workers=workers or 2, window=window)

@@ -1,0 +1,74 @@
+"""Benchmark table: one markdown row per campaign directory, as docs/benchmarks.md "Buckets on
+faults kvfuzz has never seen" records them (issue 30's acceptance): traces, traces/min,
+findings, bug buckets (per bucket: findings, how many assigned, explanation, its key's
+verdicts), near-tie buckets, findings whose file names no bucket, merges.
+
+    python benchmarks/bucket_table.py OUT [OUT ...] [--label NAME=TEXT ...]
+
+It reads only what a campaign wrote (``campaign.json``, the finding files), through the same
+models ``kvfuzz report`` uses, so a row is what a user of that campaign would see.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from kvfuzz.oracle.buckets import needs_text, severity_order
+from kvfuzz.traces import load_finding
+from kvfuzz.traces.buckets import bucket_from_state, live
+
+
+def verdicts(v: dict[str, str]) -> str:
+    yes = [m for m, o in sorted(v.items()) if o == "disappears"]
+    no = [m for m, o in sorted(v.items()) if o == "persists"]
+    return (f"needs {', '.join(yes) or 'none tried'}" + (f"; not {', '.join(no)}" if no else ""))
+
+
+def row(out: Path, label: str) -> str:
+    d = json.loads((out / "campaign.json").read_text())
+    buckets = {k: bucket_from_state(k, v) for k, v in d.get("bug_buckets", {}).items()}
+    merges = d.get("merges") or {}
+    alive = severity_order(live(buckets, merges))
+    bugs = [b for b in alive if not b.near_tie]
+    ties = [b for b in alive if b.near_tie]
+    unbucketed = 0
+    for rel in d.get("finding_files", []):
+        f = load_finding(out / rel)
+        unbucketed += not f.buckets
+    secs = float(d.get("seconds") or 0)
+    traces = int(d.get("traces") or 0)
+    rate = f"{60 * traces / secs:.2f}" if secs else "—"
+    by_class = ", ".join(f"{c} {n}" for c, n in sorted((d.get("by_class") or {}).items()))
+
+    def cell(bs: list) -> str:
+        if not bs:
+            return "0"
+        parts = []
+        for b in bs:
+            what = b.key.explained_by and f"explained by `{b.key.explained_by}`" or "unexplained"
+            key = verdicts(b.key.verdicts) if b.key.explained_by is None else needs_text(b)
+            parts.append(f"{b.count} ({b.assigned} assigned) {what}, {key}")
+        return f"**{len(bs)}**: " + "; ".join(parts)
+
+    return (f"| {label} | {traces} | {secs:.0f} | {rate} | {d.get('findings', 0)} ({by_class}) | {cell(bugs)} | "
+            f"{cell(ties)} | {unbucketed} | {len(merges)} |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("outs", nargs="+", type=Path)
+    ap.add_argument("--label", action="append", default=[], help="OUT=TEXT: the row's first cell")
+    a = ap.parse_args()
+    labels = dict(x.split("=", 1) for x in a.label)
+    print("| run | traces | s | traces/min | findings | bug buckets | near-tie buckets | no bucket | merges |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for out in a.outs:
+        if not (out / "campaign.json").is_file():
+            raise SystemExit(f"{out}: no campaign.json (not a campaign directory)")
+        print(row(out, labels.get(str(out), out.name)))
+
+
+if __name__ == "__main__":
+    main()
