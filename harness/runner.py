@@ -174,15 +174,16 @@ class ScoreStore:
 
 
 def score_diverged(engine: Engine, rec: Recording, verdicts: list[Divergence], store: ScoreStore,
-                   *, per_request: int = 3) -> list[Scoring]:
+                   *, per_request: int = 3,
+                   classes: tuple[str, ...] = ("corruption", "numeric-near-tie")) -> list[Scoring]:
     """Teacher-forced scorings of the runs whose tokens differ from their reference, for every
-    request with a divergent verdict (at most ``per_request`` distinct token sequences each:
+    request with a verdict of ``classes`` (at most ``per_request`` distinct token sequences each:
     enough to see how a run differs, without scoring every repeat)."""
     have = {(s.arm, s.run_index, s.request_id) for s in rec.scores}
     bindings = rec.trace.bindings_at_admission()
     out: list[Scoring] = []
     for v in verdicts:
-        if v.class_ not in ("corruption", "numeric-near-tie") or v.request_id not in rec.references:
+        if v.class_ not in classes or v.request_id not in rec.references:
             continue
         ref = rec.references[v.request_id]
         send = rec.trace.send(v.request_id)

@@ -2,6 +2,7 @@
 bucket's triage box follows --minimize-seconds and the campaign's budget. Pure logic, no
 engine: the replayer below records what it was asked to replay."""
 
+import contextlib
 import time
 
 from test_report import finding
@@ -110,6 +111,10 @@ def test_a_new_buckets_confirmation_gets_a_fifth_of_its_box_and_the_ablation_its
     class Confirming:
         step_exact = False
 
+        @contextlib.contextmanager
+        def scoring(self, which):
+            yield
+
         def __init__(self):
             self.deadlines = []
 
@@ -129,3 +134,47 @@ def test_a_new_buckets_confirmation_gets_a_fifth_of_its_box_and_the_ablation_its
     (d,) = s.deadlines
     assert t0 + CONFIRM_BOX * 100.0 - 1 <= d <= time.monotonic() + CONFIRM_BOX * 100.0
     assert out.status == "opened"
+
+
+def test_teacher_forcing_scores_only_the_classes_it_is_asked_for():
+    """Scoring can turn a near tie into corruption, never the reverse: a campaign's fuzzed runs
+    score only near ties (no engine or store is touched for a corruption verdict)."""
+    from kvfuzz.harness.runner import score_diverged
+    from kvfuzz.traces.result import Recording
+
+    f = finding()
+    rec = Recording(trace=f.trace, histories=list(f.runs), references=dict(f.references), environment=f.environment,
+                    arms=dict(f.arms))
+    corrupt = [d for d in f.divergences if d.class_ == "corruption"]
+    assert corrupt
+    assert score_diverged(None, rec, corrupt, None, classes=("numeric-near-tie",)) == []  # type: ignore[arg-type]
+
+    class Store:
+        calls = 0
+
+        def get(self, engine, send, toks, binding):
+            Store.calls += 1
+            return []
+
+    assert score_diverged(None, rec, corrupt, Store()) and Store.calls > 0  # type: ignore[arg-type]
+
+
+def test_a_campaigns_fuzzed_runs_score_near_ties_only_and_the_session_is_left_as_it_was(tmp_path):
+    from kvfuzz.driver.session import build_session
+    from kvfuzz.driver.settings import SessionSettings
+    from kvfuzz.traces.result import Checked, Recording
+
+    f = finding()
+    session = build_session(SessionSettings(), tmp_path)
+    rec = Recording(trace=f.trace, histories=list(f.runs), references=dict(f.references), environment=f.environment,
+                    arms=dict(f.arms))
+    seen = []
+
+    class Guard:
+        def check(self, trace, *, runs=None, arms=None):
+            seen.append(session._score_classes)
+            return Checked(rec, [], None)  # clean
+
+    t = CampaignTriage(session, Guard(), {}, tmp_path)  # type: ignore[arg-type]
+    assert t(f.trace).status == "clean"
+    assert seen == [("numeric-near-tie",)] and session._score_classes == ("corruption", "numeric-near-tie")

@@ -9,10 +9,11 @@ replays through a session.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from kvfuzz.harness.base import Engine, EngineKind
 from kvfuzz.harness.environment import stamp
@@ -45,6 +46,10 @@ class Session:
     # Where the session's time goes (traces/timing.py), shared with its stores.
     ledger: Ledger = field(default_factory=Ledger)
     _bounds: dict[str, NoiseBounds] = field(default_factory=dict, repr=False)
+    # Which divergent verdicts teacher forcing scores (``scoring``): all of them, or only near
+    # ties — the one class scoring can change (it can call a near tie corruption, never the
+    # reverse), which is what a campaign's fuzzed runs need.
+    _score_classes: tuple[str, ...] = field(default=("corruption", "numeric-near-tie"), repr=False)
 
     def __post_init__(self) -> None:
         self.references.ledger = self.scores.ledger = self.ledger
@@ -192,8 +197,21 @@ class Session:
         ``rec`` itself when there is nothing new to score."""
         if not divergent(verdicts) or self.engine is None:
             return rec
-        more = score_diverged(self.engine, rec, verdicts, self.scores)
+        more = score_diverged(self.engine, rec, verdicts, self.scores, classes=self._score_classes)
         return replace(rec, scores=[*rec.scores, *more]) if more else rec
+
+    @contextlib.contextmanager
+    def scoring(self, which: Literal["all", "near-ties"]) -> Iterator[None]:
+        """Inside: teacher forcing scores ``which`` divergent verdicts. A campaign scores only
+        near ties on its fuzzed runs (issue 30: scoring corruption it could not reclassify took
+        7-18% of a campaign with a frequent fault); a bucket's opening finding, and every replay
+        outside a campaign, are scored in full."""
+        old = self._score_classes
+        self._score_classes = ("numeric-near-tie",) if which == "near-ties" else ("corruption", "numeric-near-tie")
+        try:
+            yield
+        finally:
+            self._score_classes = old
 
     def finding_of(self, rec: Recording, verdicts: list[Divergence], *, carry: Finding | None = None,
                    attribution: Attribution | None = None) -> Finding | None:
