@@ -178,3 +178,16 @@ def test_a_campaigns_fuzzed_runs_score_near_ties_only_and_the_session_is_left_as
     t = CampaignTriage(session, Guard(), {}, tmp_path)  # type: ignore[arg-type]
     assert t(f.trace).status == "clean"
     assert seen == [("numeric-near-tie",)] and session._score_classes == ("corruption", "numeric-near-tie")
+
+
+def test_control_arms_past_the_box_are_recorded_as_not_run():
+    """Issue 30: a clean bfloat16 campaign's one near-tie finding spent 120 s on control arms
+    after its 30 s box. Past the deadline no control starts (the replayer here cannot replay),
+    and each says why."""
+    from kvfuzz.triage.controls import SPENT, run_controls
+
+    f = finding()
+    f.trace = f.trace.model_copy(update={"engine": f.trace.engine.with_dtype("bfloat16")})
+    out = run_controls(Recorder(), f, deadline=time.monotonic() - 1)
+    assert [c.name for c in out] == ["serialized", "float32", "batch-invariant"]
+    assert all(not c.available and c.detail == SPENT for c in out)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import time
 from collections.abc import Callable
 
 from kvfuzz.oracle.controls import (
@@ -95,12 +96,19 @@ def batch_invariant_support(device: str) -> tuple[bool, str | None]:
     return True, None
 
 
+SPENT = "not run: the triage time box was spent (`kvfuzz minimize FINDING` runs it)"
+
+
 def run_controls(replayer: Replayer, finding: Finding, *, device: str = "cpu", runs: int | None = None,
-                 isolated: IsolatedCheck | None = None) -> list[ControlResult]:
-    """Re-run ``finding`` in each control arm; returns one ControlResult per arm."""
+                 isolated: IsolatedCheck | None = None, deadline: float | None = None) -> list[ControlResult]:
+    """Re-run ``finding`` in each control arm; returns one ControlResult per arm. An arm that
+    would start past ``deadline`` (time.monotonic()) is recorded as not run, saying why."""
     arm, toggles = primary_arm(finding)
     runs = runs or max(1, sum(1 for h in finding.runs if h.arm == arm))
     out: list[ControlResult] = []
+    names = [SERIALIZED, *([FLOAT32] if finding.trace.engine.dtype in ("bfloat16", "float16") else []), BATCH_INVARIANT]
+    if deadline is not None and time.monotonic() > deadline:
+        return [ControlResult(name=n, reproduced=False, available=False, toggles=toggles, detail=SPENT) for n in names]
 
     ser = serialize(finding.trace)
     checked = replayer.check(ser, runs=runs, arms={SERIALIZED: toggles})
@@ -112,10 +120,15 @@ def run_controls(replayer: Replayer, finding: Finding, *, device: str = "cpu", r
                               runs=runs, toggles=toggles, trace=ser, note=note))
 
     if finding.trace.engine.dtype in ("bfloat16", "float16"):
-        out.append(float32_control(replayer, finding, runs=runs, toggles=toggles))
+        if deadline is not None and time.monotonic() > deadline:
+            out.append(ControlResult(name=FLOAT32, reproduced=False, available=False, toggles=toggles, detail=SPENT))
+        else:
+            out.append(float32_control(replayer, finding, runs=runs, toggles=toggles))
 
     ok, why = batch_invariant_support(device)
-    if not ok or isolated is None:
+    if ok and isolated is not None and deadline is not None and time.monotonic() > deadline:
+        out.append(ControlResult(name=BATCH_INVARIANT, reproduced=False, available=False, toggles=toggles, detail=SPENT))
+    elif not ok or isolated is None:
         out.append(ControlResult(name=BATCH_INVARIANT, reproduced=False, available=False, toggles=toggles,
                                  detail=why or "no isolated runner given"))
     else:

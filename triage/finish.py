@@ -28,9 +28,11 @@ def isolated_runner(session: Session) -> IsolatedCheck:
     return functools.partial(check_isolated, settings=session.settings)
 
 
-def add_controls(session: Session, finding: Finding) -> Finding:
-    """Run the control arms of ``finding`` (serialized; batch-invariant where supported)."""
-    finding.controls = run_controls(session, finding, device=session.device, isolated=isolated_runner(session))
+def add_controls(session: Session, finding: Finding, *, deadline: float | None = None) -> Finding:
+    """Run the control arms of ``finding`` (serialized; batch-invariant where supported); none
+    starts past ``deadline`` (time.monotonic())."""
+    finding.controls = run_controls(session, finding, device=session.device, isolated=isolated_runner(session),
+                                    deadline=deadline)
     # Stated in the file: every arm (the finding's own and the controls) that reproduced it.
     finding.reproduced_in = reproducing_arms(finding)
     return finding
