@@ -113,10 +113,16 @@ class Namespace:
     dtype: str
     device: str
     engine: str
+    # The user's own vLLM patches (KVFUZZ_PLUGIN_MODULES) in the engine's process: a patched
+    # engine's references never serve an unpatched one, nor the reverse (issue 30: the same
+    # mistake in the calibration cache judged corruption as float32 noise). "" = none.
+    patches: str = ""
 
     @property
     def dirname(self) -> str:
-        return hashlib.sha256(json.dumps(self.__dict__, sort_keys=True).encode()).hexdigest()[:20]
+        # Unpatched namespaces keep the directory they had before ``patches`` existed.
+        fields = {k: v for k, v in self.__dict__.items() if k != "patches" or v}
+        return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:20]
 
 
 def namespace_of(engine: Engine) -> Namespace:
@@ -126,7 +132,13 @@ def namespace_of(engine: Engine) -> Namespace:
     release = (vllm_version() or "unknown") if engine.kind != "url" else "url"
     return Namespace(release=release, model=model_identity(engine.config) if engine.kind != "url" else
                      f"url:{engine.config.model}", dtype=engine.config.dtype, device=engine.device,
-                     engine=engine.kind)
+                     engine=engine.kind, patches=_patches())
+
+
+def _patches() -> str:
+    from .toggles.plugin import plugin_modules
+
+    return ",".join(sorted(f"{m}:{f}" for m, f in plugin_modules()))
 
 
 def reference_key(engine: Engine, send: SendEvent, binding: Binding | None) -> dict[str, object]:
@@ -154,7 +166,7 @@ class DiskTiers:
     roots: list[Path]
     writer: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
     warn: Callable[[str], None] = warn_stderr
-    _namespaces: dict[tuple[str, str, str, str], Namespace] = field(default_factory=dict, repr=False)
+    _namespaces: dict[tuple[str, str, str, str, str], Namespace] = field(default_factory=dict, repr=False)
 
     @classmethod
     def for_campaign(cls, out: Path | None, *, cache: bool = True, **kw: object) -> "DiskTiers":
@@ -170,7 +182,7 @@ class DiskTiers:
     def namespace(self, engine: Engine) -> Namespace:
         # Memoised by what ``namespace_of`` reads (the release is the process's), not by the
         # engine object: a restarted engine of another dtype may reuse a closed engine's id().
-        k = (engine.kind, engine.device, engine.config.model, engine.config.dtype)
+        k = (engine.kind, engine.device, engine.config.model, engine.config.dtype, _patches())
         ns = self._namespaces.get(k)
         if ns is None:
             ns = self._namespaces[k] = namespace_of(engine)

