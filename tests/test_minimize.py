@@ -227,3 +227,31 @@ def test_minimize_finding_refuses_what_does_not_reproduce():
     with pytest.raises(NotReproduced, match="corruption:victim"):
         minimize_finding(server, _noisy_finding())
     assert server.replays == 3  # 4 - 2 + 1 misses decide it
+
+
+def test_a_spent_budget_does_not_walk_back_through_every_accepted_step():
+    """Issue 30: after the time budget, a result that does not verify is not followed by a
+    verification of each earlier accepted step (each is several full runs): the original is
+    kept, unverified, and says why."""
+    from kvfuzz.triage.minimize import Budget, Options, minimize_finding
+    from kvfuzz.triage.reduce import Acceptance
+
+    class SmallFails(FakeServer):
+        """Reproduces every time in the search; a full check of anything smaller than the
+        original never does (a result that fails its verification)."""
+
+        verifications = 0
+
+        def check(self, trace, *, runs=None, arms=None):
+            full = (runs or 1) > 1
+            self.verifications += full
+            self.p = 0.0 if full and len(trace.sends) < 6 else 1.0
+            return super().check(trace, runs=runs, arms=arms)
+
+    server = SmallFails(p=1.0)
+    opts = Options(acceptance=Acceptance(1, 1), budget=Budget(max_replays=8), clock="offset", engine=False)
+    small = minimize_finding(server, _noisy_finding(), options=opts, runs=2)
+    m = small.minimization
+    assert m.stopped and not m.verified and m.requests == 6
+    assert any("budget was spent" in p for p in m.passes), m.passes
+    assert server.verifications == 1  # the result's, then no walk back

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from kvfuzz.harness.toggles import clean_set
 from kvfuzz.oracle import divergent
-from kvfuzz.oracle.attribution import attribute, plan
+from kvfuzz.oracle.attribution import attribute, find_arm, plan, singles_needed
 from kvfuzz.driver.recovery import Recovering
 from kvfuzz.driver.session import Session
 from kvfuzz.traces import Attribution, Finding, Trace
@@ -20,19 +20,31 @@ def explain_toggles(session: Session, checked: Checked, *, runs: int | None = No
     rec = checked.recording
     clean = clean_set(session.device)
     extra = plan({v.arm for v in divergent(checked.verdicts)}, rec.arms, clean)
-    if extra:
-        more = session.record(rec.trace, runs=runs, arms=extra)
-        # A new recording: rec.arms may be the caller's arm map, reused for the next trace.
-        arms = {**rec.arms, **extra}
-        rec = Recording(trace=rec.trace, histories=[*rec.histories, *more.histories], references=rec.references,
-                        environment=rec.environment.model_copy(update={
-                            "toggles": sorted({t for ts in arms.values() for t in ts})}),
-                        arms=arms, scores=[*rec.scores, *more.scores])
-        checked = session.verdicts_of(rec)
+    # The clean arm first; the single-toggle arms only when they can still change an answer.
+    first = {k: v for k, v in extra.items() if find_arm({k: v}, clean) is not None}
+    singles = {k: v for k, v in extra.items() if k not in first}
+    added: list[str] = []
+    if first:
+        checked = _recorded(session, rec, first, runs)
         rec = checked.recording  # with the teacher-forced scorings of the new runs
+        added += first
+    if singles and singles_needed(checked.verdicts, rec.arms, clean):
+        checked = _recorded(session, rec, singles, runs)
+        rec = checked.recording
+        added += singles
     verdicts = attribute(checked.verdicts, rec.arms, clean)
     return Checked(rec, verdicts, session.finding_of(
-        rec, verdicts, attribution=Attribution(clean=list(clean), added_arms=sorted(extra))))
+        rec, verdicts, attribution=Attribution(clean=list(clean), added_arms=sorted(added))))
+
+
+def _recorded(session: Session, rec: Recording, arms: dict[str, list[str]], runs: int | None) -> Checked:
+    more = session.record(rec.trace, runs=runs, arms=arms)
+    # A new recording: rec.arms may be the caller's arm map, reused for the next trace.
+    every = {**rec.arms, **arms}
+    return session.verdicts_of(Recording(
+        trace=rec.trace, histories=[*rec.histories, *more.histories], references=rec.references,
+        environment=rec.environment.model_copy(update={"toggles": sorted({t for ts in every.values() for t in ts})}),
+        arms=every, scores=[*rec.scores, *more.scores]))
 
 
 def explain_guarded(guard: Recovering, checked: Checked, *, runs: int | None = None) -> Checked:
@@ -53,7 +65,9 @@ def explain_finding(session: Session, finding: Finding) -> Finding:
     attributed, since minimization replays only the finding's own arm."""
     rec = Recording(trace=finding.trace, histories=list(finding.runs), references=dict(finding.references),
                     environment=finding.environment, arms=dict(finding.arms))
-    checked = explain_toggles(session, Checked(rec, list(finding.verdicts), finding))
+    # One run per arm on a step-exact engine: its repeats are identical.
+    checked = explain_toggles(session, Checked(rec, list(finding.verdicts), finding),
+                              runs=1 if session.step_exact else None)
     new = checked.finding
     if new is None:
         return finding

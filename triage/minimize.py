@@ -506,7 +506,13 @@ def minimize_finding(replayer: Replayer, finding: Finding, *, victim: str | None
     need = opts.acceptance.needed(runs)
     final = None
     passes = list(result.passes)
+    cut = False
     for n, cand in enumerate([result.trace, *reversed(result.accepted)]):
+        if n and result.stopped is not None:
+            # The budget is spent: no walk back through every accepted step (each is ``runs``
+            # replays; issue 30 saw a time box overrun by several of them).
+            cut = True
+            break
         cls, checked = probe.victim_class(cand, runs=runs)
         mini.replays += runs
         v = next((d for d in checked.verdicts if d.request_id == target.victim and d.arm == target.arm), None)
@@ -519,9 +525,11 @@ def minimize_finding(replayer: Replayer, finding: Finding, *, victim: str | None
         if cand is finding.trace:
             break
     verified = final is not None
-    if final is None:  # not even the original reproduced again: report the original, unverified
+    if final is None:  # report the original, unverified
         final = finding.model_copy(deep=True)
-        passes.append(f"verification: nothing reproduced {need} of {runs} times, not even the original")
+        passes.append(f"verification: the result did not reproduce {need} of {runs} times and the budget was spent; "
+                      "the original is kept" if cut else
+                      f"verification: nothing reproduced {need} of {runs} times, not even the original")
     final.minimization = Minimization(
         original=finding.id or finding.compute_id(),
         original_requests=len(finding.trace.sends), requests=len(final.trace.sends),
