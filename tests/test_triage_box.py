@@ -191,3 +191,68 @@ def test_control_arms_past_the_box_are_recorded_as_not_run():
     out = run_controls(Recorder(), f, deadline=time.monotonic() - 1)
     assert [c.name for c in out] == ["serialized", "float32", "batch-invariant"]
     assert all(not c.available and c.detail == SPENT for c in out)
+
+
+def test_nothing_runs_past_the_campaigns_budget(tmp_path):
+    """Issue 30: 3-minute campaigns ran 255-265 s (a last finding's triage after the budget).
+    A new bucket's box ends with the budget (a quarter box at least, for its key); past it, a
+    finding of a known bucket is filed by its pre-key with no replay."""
+    from kvfuzz.driver.settings import TriageSettings
+    from kvfuzz.traces.buckets import Bucket, BucketKey
+    from kvfuzz.traces.result import Checked, Recording
+
+    f = finding()
+    f.divergences[0].explained_by = None
+    rec = Recording(trace=f.trace, histories=list(f.runs), references=dict(f.references), environment=f.environment,
+                    arms=dict(f.arms))
+
+    class Confirming:
+        step_exact = False
+
+        def __init__(self):
+            self.deadlines = []
+
+        @contextlib.contextmanager
+        def scoring(self, which):
+            yield
+
+        def confirm(self, recording, runs, *, deadline=None):
+            self.deadlines.append(deadline)
+            return recording
+
+        def verdicts_of(self, recording, *, carry=None):
+            return Checked(recording, list(f.verdicts), carry)
+
+    s = Confirming()
+    t = CampaignTriage(session=s, guard=None, arms={}, out=tmp_path, confirm_runs=3,  # type: ignore[arg-type]
+                       settings=TriageSettings(minimize_seconds=100.0, minimize=False, controls=False,
+                                               ablate=False, attribute=False, budget_s=1000.0))
+    t.started = time.monotonic() - 995  # 5 s of budget left; the box would be 100 s
+    t._triage(Checked(rec, list(f.verdicts), f), [], [BucketKey(cls="corruption")])
+    (d,) = s.deadlines
+    assert d <= time.monotonic() + 0.2 * 25.0 + 1  # the confirmation's share of a 25 s (quarter) box
+    assert not t.over_budget
+    t.started -= 10
+    assert t.over_budget
+
+    class Guard:
+        def check(self, trace, *, runs=None, arms=None):
+            return Checked(rec, list(f.verdicts), f.model_copy(deep=True))
+
+    class NoReplays:
+        step_exact = True
+
+        @contextlib.contextmanager
+        def scoring(self, which):
+            yield
+
+        def judge(self, *a, **k):
+            raise AssertionError("no replay past the budget")
+
+    t2 = CampaignTriage(session=NoReplays(), guard=Guard(), arms={}, out=tmp_path,  # type: ignore[arg-type]
+                        settings=TriageSettings(budget_s=10.0))
+    t2.restore({"A": Bucket(id="A", key=BucketKey(cls="corruption", verdicts={"prefix-caching": "disappears"}),
+                            first_index=0, count=1)})
+    t2._calls, t2.started = 1, time.monotonic() - 11
+    out = t2(f.trace)
+    assert out.status == "assigned" and out.buckets[0].bucket == "A" and out.buckets[0].how == "pre-key"

@@ -91,6 +91,7 @@ class CampaignTriage:
     known_seconds: float = 0.0
     started: float = field(default_factory=time.monotonic)
     assigned_n: int = 0
+    _calls: int = 0
     # Verdicts measured on existing buckets' own witnesses while triaging the current trace.
     _evidence: dict[str, dict[str, Outcome]] = field(default_factory=dict)
 
@@ -104,6 +105,11 @@ class CampaignTriage:
         return rule.live(self.known, self.merges)
 
     def __call__(self, trace: Trace) -> Triaged:
+        if self._calls == 0:
+            # The campaign's clock starts with its first trace, not when this was built (before
+            # the engine started): the share and the budget's end are measured from here.
+            self.started = time.monotonic()
+        self._calls += 1
         # Teacher forcing only where it can change a class; a new bucket's triage scores in full.
         with self.session.scoring("near-ties"):
             return self._call(trace)
@@ -120,8 +126,9 @@ class CampaignTriage:
             return self._place(checked, f, rule.keys_of(f), status="triaged", how="class")
         t0 = time.monotonic()
         self._evidence = {}
-        if self.alive and self.over_share:
-            out = self._assign(checked)
+        if self.alive and (self.over_share or self.over_budget):
+            # Past the campaign's budget (its last trace), no replay at all: it must end on time.
+            out = self._assign(checked, replays=not self.over_budget)
             self.known_seconds += time.monotonic() - t0
             if out is not None:
                 return out
@@ -193,14 +200,15 @@ class CampaignTriage:
         ex = explain(self.session, f, mechanisms=[mechanism])
         return rule.verdicts_of(ex)
 
-    def _assign(self, checked: Checked) -> Triaged | None:
+    def _assign(self, checked: Checked, *, replays: bool = True) -> Triaged | None:
         """Past the share: the bucket the cheap pre-key allows, or one replay decides. None:
-        the sampled replay disagreed with the bucket (another cause: triage it)."""
+        the sampled replay disagreed with the bucket (another cause: triage it). Without
+        ``replays`` (past the campaign's budget): the pre-key alone, the earliest candidate."""
         f = checked.finding
         assert f is not None
         cands = rule.prekey_candidates(f, self.alive)
         how = "pre-key"
-        if len({b.key.base for b in cands}) != 1 and self.settings.attribute:
+        if len({b.key.base for b in cands}) != 1 and self.settings.attribute and replays:
             # Several explanations possible, or none known: one attribution replay.
             checked = explain_guarded(self.guard, checked)
             f = checked.finding or f
@@ -214,13 +222,13 @@ class CampaignTriage:
         key = rule.keys_of(f)[0] if rule.keys_of(f) else cands[0].key
         if key.base != cands[0].key.base:
             key = cands[0].key.model_copy(update={"verdicts": {}})
-        if len(cands) > 1 and key.explained_by is None:
+        if len(cands) > 1 and key.explained_by is None and replays:
             bucket, key, how2 = self._match(f, key, max_checks=1)
             bucket = bucket or cands[0]
             how = how2 if how2 != "key" else how
         else:
             bucket = cands[0]
-            if key.explained_by is None and bucket.key.verdicts:
+            if key.explained_by is None and bucket.key.verdicts and replays:
                 n, self.assigned_n = self.assigned_n, self.assigned_n + 1
                 if n % ASSIGN_CHECK_EVERY == 0:
                     tried = sorted(bucket.key.verdicts)
@@ -243,6 +251,11 @@ class CampaignTriage:
 
     def _triage(self, checked: Checked, joined: list[BucketMembership], new: list[BucketKey]) -> Triaged:
         start, box = time.monotonic(), self.new_bucket_box
+        end = self.campaign_end
+        if end is not None:
+            # Not past the campaign's budget, but a bucket found at its end still gets a quarter
+            # box for its key (issue 30: campaigns of 180 s ran 255-265 s).
+            box = max(0.25 * box, min(box, end - start))
         deadline = start + box
         if not self.settings.runs_fixed and self.confirm_runs > 1:
             self.status("new bucket: confirming the rate")
@@ -327,6 +340,16 @@ class CampaignTriage:
         f.buckets = memberships
         f.bucket = memberships[0].bucket if memberships else None
         return Triaged(dataclasses.replace(checked, finding=f), memberships, status)
+
+    @property
+    def campaign_end(self) -> float | None:
+        """When the campaign's budget ends (time.monotonic()), if it has one."""
+        return None if self.settings.budget_s is None else self.started + self.settings.budget_s
+
+    @property
+    def over_budget(self) -> bool:
+        end = self.campaign_end
+        return end is not None and time.monotonic() >= end
 
     @property
     def over_share(self) -> bool:
