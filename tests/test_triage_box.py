@@ -20,6 +20,45 @@ class Recorder:
         return "ok"  # every mechanism "needed": the divergence disappears
 
 
+class Confirming:
+    """A session that records each confirmation's deadline and judges by ``f``'s verdicts."""
+
+    step_exact = False
+
+    def __init__(self, f):
+        self.f, self.deadlines = f, []
+
+    @contextlib.contextmanager
+    def scoring(self, which):
+        yield
+
+    def confirm(self, recording, runs, *, deadline=None):
+        self.deadlines.append(deadline)
+        return recording
+
+    def verdicts_of(self, recording, *, carry=None):
+        from kvfuzz.traces.result import Checked
+
+        return Checked(recording, list(self.f.verdicts), carry)
+
+
+def confirming_triage(tmp_path, budget_s=None):
+    """An unexplained finding, its recording, a Confirming session and a triage with a 100 s
+    box that only confirms (no minimization, controls, ablation or attribution)."""
+    from kvfuzz.driver.settings import TriageSettings
+    from kvfuzz.traces.result import Recording
+
+    f = finding()
+    f.divergences[0].explained_by = None
+    rec = Recording(trace=f.trace, histories=list(f.runs), references=dict(f.references), environment=f.environment,
+                    arms=dict(f.arms))
+    s = Confirming(f)
+    t = CampaignTriage(session=s, guard=None, arms={}, out=tmp_path, confirm_runs=3,  # type: ignore[arg-type]
+                       settings=TriageSettings(minimize_seconds=100.0, minimize=False, controls=False,
+                                               ablate=False, attribute=False, budget_s=budget_s))
+    return f, rec, s, t
+
+
 def test_ablation_past_its_deadline_skips_the_rest_and_says_so():
     f = finding()
     r = Recorder()
@@ -98,37 +137,11 @@ def test_confirmation_runs_stop_at_the_new_buckets_deadline(tmp_path):
 def test_a_new_buckets_confirmation_gets_a_fifth_of_its_box_and_the_ablation_its_tail(tmp_path):
     """Issue 30: fault P's 18-request witness spent the whole box confirming its rate, and its
     bucket opened with no key evidence. The confirmation now ends at CONFIRM_BOX of the box."""
-    from kvfuzz.driver.settings import TriageSettings
     from kvfuzz.traces.buckets import BucketKey
-    from kvfuzz.traces.result import Checked, Recording
+    from kvfuzz.traces.result import Checked
     from kvfuzz.triage.campaign import CONFIRM_BOX
 
-    f = finding()
-    f.divergences[0].explained_by = None
-    rec = Recording(trace=f.trace, histories=list(f.runs), references=dict(f.references), environment=f.environment,
-                    arms=dict(f.arms))
-
-    class Confirming:
-        step_exact = False
-
-        @contextlib.contextmanager
-        def scoring(self, which):
-            yield
-
-        def __init__(self):
-            self.deadlines = []
-
-        def confirm(self, recording, runs, *, deadline=None):
-            self.deadlines.append(deadline)
-            return recording
-
-        def verdicts_of(self, recording, *, carry=None):
-            return Checked(recording, list(f.verdicts), carry)
-
-    s = Confirming()
-    t = CampaignTriage(session=s, guard=None, arms={}, out=tmp_path, confirm_runs=3,  # type: ignore[arg-type]
-                       settings=TriageSettings(minimize_seconds=100.0, minimize=False, controls=False,
-                                               ablate=False, attribute=False))
+    f, rec, s, t = confirming_triage(tmp_path)
     t0 = time.monotonic()
     out = t._triage(Checked(rec, list(f.verdicts), f), [], [BucketKey(cls="corruption")])
     (d,) = s.deadlines
@@ -199,34 +212,9 @@ def test_nothing_runs_past_the_campaigns_budget(tmp_path):
     finding of a known bucket is filed by its pre-key with no replay."""
     from kvfuzz.driver.settings import TriageSettings
     from kvfuzz.traces.buckets import Bucket, BucketKey
-    from kvfuzz.traces.result import Checked, Recording
+    from kvfuzz.traces.result import Checked
 
-    f = finding()
-    f.divergences[0].explained_by = None
-    rec = Recording(trace=f.trace, histories=list(f.runs), references=dict(f.references), environment=f.environment,
-                    arms=dict(f.arms))
-
-    class Confirming:
-        step_exact = False
-
-        def __init__(self):
-            self.deadlines = []
-
-        @contextlib.contextmanager
-        def scoring(self, which):
-            yield
-
-        def confirm(self, recording, runs, *, deadline=None):
-            self.deadlines.append(deadline)
-            return recording
-
-        def verdicts_of(self, recording, *, carry=None):
-            return Checked(recording, list(f.verdicts), carry)
-
-    s = Confirming()
-    t = CampaignTriage(session=s, guard=None, arms={}, out=tmp_path, confirm_runs=3,  # type: ignore[arg-type]
-                       settings=TriageSettings(minimize_seconds=100.0, minimize=False, controls=False,
-                                               ablate=False, attribute=False, budget_s=1000.0))
+    f, rec, s, t = confirming_triage(tmp_path, budget_s=1000.0)
     t.started = time.monotonic() - 995  # 5 s of budget left; the box would be 100 s
     t._triage(Checked(rec, list(f.verdicts), f), [], [BucketKey(cls="corruption")])
     (d,) = s.deadlines
