@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
+from kvfuzz.oracle.attribution import candidates as attribution_candidates
 from kvfuzz.traces import Finding
 from kvfuzz.traces.buckets import (KEY_MECHANISMS, Bucket, BucketDescription, BucketKey, Outcome, agrees, candidates,
                                    conflicts, live, mergeable, resolve, union)
@@ -67,13 +68,17 @@ def verdicts_of(explanation: Explanation | None) -> dict[str, Outcome]:
     return out
 
 
-def prekey_candidates(finding: Finding, buckets: Iterable[Bucket]) -> list[Bucket]:
+def prekey_candidates(finding: Finding, buckets: Iterable[Bucket], clean: Iterable[str] = ()) -> list[Bucket]:
     """Without attribution (past the triage share): the buckets of the finding's worst class
-    that could explain it, i.e. unexplained ones and those explained by a toggle that was on
-    in an arm it diverged in."""
+    that could explain it, i.e. unexplained ones and those explained by a toggle by which an
+    arm it diverged in differs from ``clean`` (the device's clean arm): a fault it turned on,
+    or a fix it left off — the CPU LoRA bug's bucket is explained by a fix that the vanilla arm
+    leaves off (issue 30: a finding of it past the budget opened a second bucket)."""
     worst = finding.worst_class()
-    on = {t for d in finding.divergences if d.class_ == worst for t in finding.arms.get(d.arm, [])}
-    return [b for b in buckets if b.key.cls == worst and (b.key.explained_by is None or b.key.explained_by in on)]
+    clean = list(clean)
+    differs = {t for d in finding.divergences if d.class_ == worst
+               for t in attribution_candidates(finding.arms.get(d.arm, []), clean)}
+    return [b for b in buckets if b.key.cls == worst and (b.key.explained_by is None or b.key.explained_by in differs)]
 
 
 def next_check(key: BucketKey, cands: list[Bucket], tried: Iterable[str] = ()) -> str | None:

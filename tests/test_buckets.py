@@ -87,7 +87,7 @@ def bucket(bid, v, first, cls="corruption"):
 
 
 def triage(replayer, buckets, tmp_path):
-    t = CampaignTriage(replayer, None, {}, tmp_path)  # type: ignore[arg-type]
+    t = CampaignTriage(replayer, None, {}, tmp_path, clean_arm=[])  # type: ignore[arg-type]
     t.restore(buckets, {})
     return t
 
@@ -389,3 +389,18 @@ def test_a_second_cause_that_needs_more_than_the_bucket_disagrees_where_the_buck
     r = Table(needs=["prefix-caching", "lora"])
     b, k, _ = triage(r, bs, tmp_path)._match(unexplained(), key())
     assert b is None and k.verdicts == {"prefix-caching": "disappears", "lora": "disappears"} and r.replays == 2
+
+
+def test_the_pre_key_knows_a_bucket_explained_by_a_fix_the_arm_left_off():
+    """The CPU LoRA bug's bucket is explained by a fix that the vanilla arm leaves off; a
+    finding of it past the budget (no attribution replay) must still find that bucket by its
+    pre-key (issue 30: it opened a second, unexplained bucket)."""
+    f = finding()
+    arm = f.divergences[0].arm
+    f.arms = {arm: []}  # vanilla: no toggle on
+    lora = Bucket(id="L", key=key(explained_by="fix-lora-cpu-no-lora-tokens"), first_index=0, count=1)
+    other = Bucket(id="O", key=key(explained_by="fault-elsewhere"), first_index=1, count=1)
+    clean = ["fix-lora-cpu-no-lora-tokens", "fix-other"]
+    assert [b.id for b in rule.prekey_candidates(f, [lora, other], clean)] == ["L"]
+    f.arms = {arm: ["fault-elsewhere", *clean]}  # an arm that turns a fault on, every fix on
+    assert [b.id for b in rule.prekey_candidates(f, [lora, other], clean)] == ["O"]

@@ -238,7 +238,7 @@ def test_nothing_runs_past_the_campaigns_budget(tmp_path):
             raise AssertionError("no replay past the budget")
 
     t2 = CampaignTriage(session=NoReplays(), guard=Guard(), arms={}, out=tmp_path,  # type: ignore[arg-type]
-                        settings=TriageSettings(budget_s=10.0))
+                        settings=TriageSettings(budget_s=10.0), clean_arm=[])
     t2.restore({"A": Bucket(id="A", key=BucketKey(cls="corruption", verdicts={"prefix-caching": "disappears"}),
                             first_index=0, count=1)})
     t2._calls, t2.started = 1, time.monotonic() - 11

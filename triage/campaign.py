@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvfuzz.driver.recovery import Recovering
+from kvfuzz.harness.toggles import clean_set
 from kvfuzz.driver.session import Session
 from kvfuzz.driver.settings import CampaignSettings, TriageSettings
 from kvfuzz.oracle import buckets as rule
@@ -92,6 +93,8 @@ class CampaignTriage:
     started: float = field(default_factory=time.monotonic)
     assigned_n: int = 0
     _calls: int = 0
+    # The device's clean arm; None: read from the toggles registry when first needed.
+    clean_arm: list[str] | None = None
     # Verdicts measured on existing buckets' own witnesses while triaging the current trace.
     _evidence: dict[str, dict[str, Outcome]] = field(default_factory=dict)
 
@@ -206,7 +209,7 @@ class CampaignTriage:
         ``replays`` (past the campaign's budget): the pre-key alone, the earliest candidate."""
         f = checked.finding
         assert f is not None
-        cands = rule.prekey_candidates(f, self.alive)
+        cands = rule.prekey_candidates(f, self.alive, self.clean)
         how = "pre-key"
         if len({b.key.base for b in cands}) != 1 and self.settings.attribute and replays:
             # Several explanations possible, or none known: one attribution replay.
@@ -340,6 +343,13 @@ class CampaignTriage:
         f.buckets = memberships
         f.bucket = memberships[0].bucket if memberships else None
         return Triaged(dataclasses.replace(checked, finding=f), memberships, status)
+
+    @property
+    def clean(self) -> list[str]:
+        """The device's clean arm (every applicable fix): what an arm's toggles differ from."""
+        if self.clean_arm is None:
+            self.clean_arm = list(clean_set(self.session.device))
+        return self.clean_arm
 
     @property
     def campaign_end(self) -> float | None:
