@@ -265,16 +265,14 @@ class CampaignTriage:
             checked = self._confirm(checked, start + CONFIRM_BOX * box)
         finding = checked.finding
         assert finding is not None
+        # The minimized finding is recorded afresh and scored in full. (Re-judging an unminimized
+        # one here would drop its attribution: tests/test_toggles.py's bench found it.)
         with self.session.scoring("all"):
             return self._open(checked, finding, joined, new, start, box)
 
     def _open(self, checked: Checked, finding: Finding, joined: list[BucketMembership], new: list[BucketKey],
               start: float, box: float) -> Triaged:
         deadline = start + box
-        if not self.settings.minimize:
-            # The representative's full evidence (its fuzzed run scored near ties only).
-            checked = self.session.verdicts_of(checked.recording, carry=finding)
-            finding = checked.finding or finding
         small = finding
         if self.settings.minimize:
             self.status(f"finding {finding.id}: minimizing")

@@ -204,8 +204,8 @@ class Session:
     def scoring(self, which: Literal["all", "near-ties"]) -> Iterator[None]:
         """Inside: teacher forcing scores ``which`` divergent verdicts. A campaign scores only
         near ties on its fuzzed runs (issue 30: scoring corruption it could not reclassify took
-        7-18% of a campaign with a frequent fault); a bucket's opening finding, and every replay
-        outside a campaign, are scored in full."""
+        7-18% of a campaign with a frequent fault); a bucket's minimized finding, and every
+        replay outside a campaign, are scored in full."""
         old = self._score_classes
         self._score_classes = ("numeric-near-tie",) if which == "near-ties" else ("corruption", "numeric-near-tie")
         try:
