@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from kvfuzz.harness.toggles import clean_set
 from kvfuzz.oracle import divergent
-from kvfuzz.oracle.attribution import attribute, find_arm, plan, singles_needed
+from kvfuzz.oracle.attribution import CLEAN, attribute, plan, singles_needed
 from kvfuzz.driver.recovery import Recovering
 from kvfuzz.driver.session import Session
 from kvfuzz.traces import Attribution, Finding, Trace
@@ -21,7 +21,7 @@ def explain_toggles(session: Session, checked: Checked, *, runs: int | None = No
     clean = clean_set(session.device)
     extra = plan({v.arm for v in divergent(checked.verdicts)}, rec.arms, clean)
     # The clean arm first; the single-toggle arms only when they can still change an answer.
-    first = {k: v for k, v in extra.items() if find_arm({k: v}, clean) is not None}
+    first = {k: v for k, v in extra.items() if k == CLEAN}
     singles = {k: v for k, v in extra.items() if k not in first}
     added: list[str] = []
     if first:

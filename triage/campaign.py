@@ -179,8 +179,9 @@ class CampaignTriage:
     def _measured(self, b: Bucket, mechanisms: list[str]) -> Bucket:
         """``b`` with the verdicts its key lacks among ``mechanisms`` measured on its own
         witness (its regression case, ``OUT/buckets/<id>.json``; one replay per mechanism the
-        witness uses, once per bucket: the evidence stays in its key). Recorded as evidence for the campaign to add to the bucket's key. Where the
-        witness is not readable (a Ray worker without the driver's OUT) ``b`` is unchanged."""
+        witness uses, once per bucket: the evidence stays in its key), recorded as evidence for
+        the campaign to add to that key. Unchanged where the witness is not readable (a Ray
+        worker without the driver's OUT) or the key is explained."""
         missing = [m for m in mechanisms if m not in b.key.verdicts]
         path = (self.cases or self.out) / b.case if b.case else None
         if not missing or b.key.explained_by is not None or path is None or not path.is_file():
@@ -259,7 +260,6 @@ class CampaignTriage:
             # Not past the campaign's budget, but a bucket found at its end still gets a quarter
             # box for its key (issue 30: campaigns of 180 s ran 255-265 s).
             box = max(0.25 * box, min(box, end - start))
-        deadline = start + box
         if not self.settings.runs_fixed and self.confirm_runs > 1:
             self.status("new bucket: confirming the rate")
             checked = self._confirm(checked, start + CONFIRM_BOX * box)
@@ -298,8 +298,8 @@ class CampaignTriage:
                 key = key.model_copy(update={"verdicts": {**key.verdicts, **measured}})
             # The merge check: the full key against the buckets once more, each candidate's own
             # witness measured on what the new key tried and its key lacks (both directions).
-            cands = [b for b in (self._measured(b, list(key.verdicts)) for b in rule.candidates(key, self.alive))
-                     if rule.agrees(key, b.key)] if key.explained_by is None else rule.candidates(key, self.alive)
+            measured_cands = (self._measured(b, list(key.verdicts)) for b in rule.candidates(key, self.alive))
+            cands = [b for b in measured_cands if rule.agrees(key, b.key)]
             if cands:
                 out.append(BucketMembership(bucket=cands[0].id, key=key, status="triaged",
                                             how="merge check: agrees after full triage"))
