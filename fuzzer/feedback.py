@@ -80,6 +80,10 @@ def signature(history: History, trace: Trace | None = None) -> Signature:
         _lifecycle_features(history, trace, f)
     if history.crashed:
         f.add("crash")
+    # A broken post-condition of vLLM's KV bookkeeping (harness/postconditions.py) is the
+    # sanitizer's report: a trace that breaks one is kept even when no output differs yet.
+    for b in history.breaks:
+        f.add(f"broke:{b.root or b.name}" if b.request else f"broke:{b.name}")
     return frozenset(f)
 
 

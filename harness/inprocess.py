@@ -47,6 +47,7 @@ from . import toggles as toggle_registry
 from .adapters import AdapterBook, AdapterWorkdir, Bound, resolve_source, solo_engine
 from .base import EngineKind
 from .blocks import BlockEdges
+from .postconditions import Monitor, worker_batch
 from .compat import check_inprocess
 from .embedded import ResolvedModel, resolve_model
 from .logs import quiet_stderr, read_tail, route_vllm_logs
@@ -132,6 +133,7 @@ class InProcessEngine:
         self._adapters = AdapterWorkdir()
         self._step_capture: dict[str, Any] = {}
         self._edges = BlockEdges()
+        self._monitor = Monitor()
         self._reference_toggles: list[str] | None = None
         self.start_seconds: float | None = None
 
@@ -436,6 +438,7 @@ class InProcessEngine:
         recs: dict[str, RequestRecord] = {}
         book = self._adapters.book(trace) if trace.engine.lora.enabled else None
         self._edges = BlockEdges()
+        self._monitor = Monitor()
         internal: dict[str, str] = {}  # vLLM internal id -> our request id
         live: set[str] = set()
         scheduled_once: set[str] = set()
@@ -564,6 +567,7 @@ class InProcessEngine:
             step += 1
 
         hist.requests = recs
+        hist.breaks = list(self._monitor.breaks)
         hist.wall_seconds = time.perf_counter() - t0
         return hist
 
@@ -636,6 +640,8 @@ class InProcessEngine:
             if r in recs:
                 recs[r].num_preemptions += 1
         hist.steps.append(rec)
+        core = self._core()
+        self._monitor.check(step, core.scheduler, worker_batch(core), ext)
 
     # -- references ----------------------------------------------------------------------------
     @property

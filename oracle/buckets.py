@@ -9,6 +9,8 @@ finding, which engine mechanisms' *tried* removal made it disappear or not. Two 
 **agree** when that base is equal and no engine mechanism tried on both went different ways:
 "not tried" never counts as a difference, and the minimized shape and the schedule ablations
 (concurrency, cancels), which measure the witness rather than the cause, are not compared.
+Rule 5: where both keys name the post-condition of vLLM's bookkeeping that broke first on the
+victim (oracle/postconditions.py), the names decide, and the verdicts are not compared.
 
 A finding joins the earliest bucket whose key agrees with its own. For an unexplained finding
 the evidence comes from replays chosen here (``next_check``): first a mechanism on which the
@@ -42,9 +44,16 @@ def keys_of(finding: Finding, verdicts: Mapping[str, Outcome] | None = None) -> 
     if worst == "engine-crash":
         # The typed crash info (traces/provenance.py) says how: a hang, a death, a worker's death.
         return [BucketKey(cls=worst, crash_kind=finding.crash.kind if finding.crash is not None else "died")]
-    explained = sorted({d.explained_by or "" for d in finding.divergences if d.class_ == worst})
-    return [BucketKey(cls=worst, explained_by=e or None, verdicts=dict(verdicts or {}) if not e else {})
-            for e in explained]
+    worst_divs = [d for d in finding.divergences if d.class_ == worst]
+    explained = sorted({d.explained_by for d in worst_divs if d.explained_by})
+    keys = [BucketKey(cls=worst, explained_by=e) for e in explained]
+    open_ = [d for d in worst_divs if not d.explained_by]
+    # Unexplained: one key per post-condition broken on a victim (rule 5). A victim on which
+    # none broke adds no key of its own when another did (same finding, same ablation: the
+    # break is the better evidence of the two).
+    broke: list[str | None] = [*sorted({d.broke for d in open_ if d.broke})] or ([None] if open_ else [])
+    keys += [BucketKey(cls=worst, verdicts=dict(verdicts or {}), broke=b) for b in broke]
+    return sorted(keys, key=lambda k: (k.explained_by is not None, k.explained_by or "", k.broke or ""))
 
 
 def verdicts_of(explanation: Explanation | None) -> dict[str, Outcome]:
@@ -70,7 +79,8 @@ def verdicts_of(explanation: Explanation | None) -> dict[str, Outcome]:
 
 def prekey_candidates(finding: Finding, buckets: Iterable[Bucket], clean: Iterable[str] = ()) -> list[Bucket]:
     """Without attribution (past the triage share): the buckets of the finding's worst class
-    that could explain it, i.e. unexplained ones and those explained by a toggle by which an
+    that could explain it, i.e. unexplained ones (of the post-condition it broke, where both
+    broke one) and those explained by a toggle by which an
     arm it diverged in differs from ``clean`` (the device's clean arm): a fault it turned on,
     or a fix it left off — the CPU LoRA bug's bucket is explained by a fix that the vanilla arm
     leaves off (issue 30: a finding of it past the budget opened a second bucket)."""
@@ -78,7 +88,12 @@ def prekey_candidates(finding: Finding, buckets: Iterable[Bucket], clean: Iterab
     clean = list(clean)
     differs = {t for d in finding.divergences if d.class_ == worst
                for t in attribution_candidates(finding.arms.get(d.arm, []), clean)}
-    return [b for b in buckets if b.key.cls == worst and (b.key.explained_by is None or b.key.explained_by in differs)]
+    # Rule 5: an unexplained bucket whose witness broke another post-condition than every one
+    # this finding broke is another cause (the finding's own run recorded them: no replay).
+    broke = {d.broke for d in finding.divergences if d.class_ == worst and d.broke}
+    return [b for b in buckets if b.key.cls == worst
+            and (b.key.explained_by in differs if b.key.explained_by is not None
+                 else not broke or b.key.broke is None or b.key.broke in broke)]
 
 
 def next_check(key: BucketKey, cands: list[Bucket], tried: Iterable[str] = ()) -> str | None:

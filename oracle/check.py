@@ -16,6 +16,7 @@ from kvfuzz.traces.finding import DIVERGENT_CLASSES, SEVERITY
 
 from .diff import Comparison, compare, early_stop_comparison, teacher_drifts
 from .noise import NoiseBounds, default_bounds
+from .postconditions import origin
 from .stats import wilson
 
 ENGINE = "<engine>"  # pseudo request id for an engine crash that hit no live request
@@ -145,6 +146,7 @@ class _Acc:
     send: SendEvent
     verdicts: list[RunVerdict] = field(default_factory=list)
     sequences: list[tuple[int, ...]] = field(default_factory=list)
+    broke: str | None = None
 
 
 def check(trace: Trace, histories: list[History], references: dict[str, RequestRecord],
@@ -167,6 +169,8 @@ def check(trace: Trace, histories: list[History], references: dict[str, RequestR
                 v = classify_run(acc.send, references.get(rid), rec, h, th, scored.get((h.arm, h.run_index, rid)))
                 touched |= v.cls == "engine-crash"
                 acc.verdicts.append(v)
+                if acc.broke is None and v.cls in DIVERGENT_CLASSES:
+                    acc.broke = origin(h.breaks, rid)
                 if rec is not None and not rec.cancelled and v.cls != "engine-crash":
                     acc.sequences.append(tuple(rec.token_ids))
             if h.crashed and not touched:
@@ -202,6 +206,7 @@ def _aggregate(rid: str, arm: str, acc: _Acc, ref: RequestRecord | None) -> Dive
         runs=len(vs), margin=margin, drift=drift, run_margin=run_margin, teacher_drift=max(teachers, default=None),
         teacher_over=max(overs, default=None), evidence=list(worst.evidence),
         variants=max(1, len(set(acc.sequences))), rate_low=lo, rate_high=hi, detail=worst.detail,
+        broke=acc.broke,
     )
 
 

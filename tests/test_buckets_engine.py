@@ -35,8 +35,9 @@ def campaign(out: Path, fault: str, traces: int, *extra: str) -> subprocess.Comp
                            *extra], env=env, capture_output=True, text=True, timeout=900)
 
 
-def check_one_bucket(out: Path) -> dict:
-    """One bucket per class, every finding in one of them, each listed in its bucket's file."""
+def check_one_bucket(out: Path, broke: str) -> dict:
+    """One bucket per class, every finding in one of them, each listed in its bucket's file;
+    each bucket's key names the post-condition the fault breaks (rule 5)."""
     state = json.loads((out / "campaign.json").read_text())
     live = {i: b for i, b in state["bug_buckets"].items() if i not in state["merges"]}
     assert state["findings"] >= 2, "the fault gave too few findings to bucket"
@@ -45,6 +46,7 @@ def check_one_bucket(out: Path) -> dict:
     classes = [b["key"]["class"] for b in live.values()]
     assert classes and len(classes) == len(set(classes)), live
     assert all(b["key"]["explained_by"] is None for b in live.values())  # no toggle explains a fault kvfuzz never saw
+    assert {b["key"].get("broke") for b in live.values()} == {broke}, live
     assert not state["untriaged"] and sum(b["count"] for b in live.values()) == state["findings"]
     for rel in state["finding_files"]:
         f = load_finding(out / rel)
@@ -58,12 +60,12 @@ def test_registration_fault_s_gives_one_bucket_and_resume_keeps_it(tmp_path):
     out = tmp_path / "s"
     p = campaign(out, "register_overwrites", 8, "--seed", "1")
     assert p.returncode == 0, p.stderr[-3000:]
-    before = check_one_bucket(out)
+    before = check_one_bucket(out, "map-entry-stolen")
     # The summary speaks in buckets: no row per finding (the old "UNEXPLAINED — candidate vLLM bug" flood).
     assert "UNEXPLAINED by any toggle" in p.stdout and "UNEXPLAINED —" not in p.stdout
     again = campaign(out, "register_overwrites", 11, "--seed", "1", "--resume")
     assert again.returncode == 0, again.stderr[-3000:]
-    after = check_one_bucket(out)
+    after = check_one_bucket(out, "map-entry-stolen")
     assert set(before["bug_buckets"]) <= set(after["bug_buckets"]) and before["merges"].items() <= after["merges"].items()
     assert after["findings"] >= before["findings"] and after["traces"] == 11
 
@@ -72,4 +74,4 @@ def test_prefix_cache_lookup_fault_q_gives_one_bucket(tmp_path):
     out = tmp_path / "q"
     p = campaign(out, "short_hash_lookup", 8, "--seed", "1")
     assert p.returncode == 0, p.stderr[-3000:]
-    check_one_bucket(out)
+    check_one_bucket(out, "held-block-foreign")

@@ -6,7 +6,10 @@ A key holds only evidence that is stable across witnesses of one cause: the clas
 it disappear among kvfuzz's own switches (the explaining toggle, fix, arm or control:
 ``explained_by``; None = nothing does, a candidate vLLM bug), an engine crash's kind, and, per
 engine mechanism whose removal was actually tried, whether the divergence disappeared or
-persisted. A mechanism not tried is absent, never a difference. The minimized shape and the
+persisted. A mechanism not tried is absent, never a difference. Since rule 5, an unexplained
+key also names the first of vLLM's post-conditions broken on the victim's own state (``broke``:
+harness/postconditions.py records them, oracle/postconditions.py names them); where both keys
+name one, it decides. The minimized shape and the
 schedule ablations (concurrency, cancels: properties of the witness, not the cause) are kept in
 the bucket's description, outside the key.
 """
@@ -51,6 +54,9 @@ class BucketKey(_Data):
     crash_kind: str | None = None
     # Engine mechanism (KEY_MECHANISMS) -> what removing it did; tried removals only.
     verdicts: dict[str, Outcome] = Field(default_factory=dict)
+    # Rule 5: the first of vLLM's post-conditions broken on the victim's own state
+    # (oracle/postconditions.py); None: not observed (no break, or not an in-process run).
+    broke: str | None = None
 
     @property
     def base(self) -> tuple[str, str | None, str | None]:
@@ -67,13 +73,16 @@ class BucketKey(_Data):
 
     def label(self) -> str:
         what = f"explained by {self.explained_by}" if self.explained_by else "unexplained"
+        if self.broke and not self.explained_by:
+            what += f", broke {self.broke}"
         if self.crash_kind:
             what = f"{self.crash_kind}"
         return f"{self.cls}, {what}"
 
     def digest(self) -> str:
         body = "|".join([self.cls, self.explained_by or "-", self.crash_kind or "-",
-                         ",".join(f"{m}={o}" for m, o in sorted(self.verdicts.items()))])
+                         ",".join(f"{m}={o}" for m, o in sorted(self.verdicts.items())),
+                         *([self.broke] if self.broke else [])])
         return hashlib.sha256(body.encode()).hexdigest()[:10]
 
 
@@ -156,18 +165,30 @@ def conflicts(a: BucketKey, b: BucketKey) -> list[str]:
     return sorted(m for m in set(a.verdicts) & set(b.verdicts) if a.verdicts[m] != b.verdicts[m])
 
 
+def same_break(a: BucketKey, b: BucketKey) -> bool:
+    """No evidence of two causes in the post-conditions: equal, or one side not observed."""
+    return a.broke is None or b.broke is None or a.broke == b.broke
+
+
 def agrees(a: BucketKey, b: BucketKey) -> bool:
     if a.base != b.base:
         return False
     # An explained key is decided by its explanation (a deterministic A/B of one toggle).
-    return a.explained_by is not None or not conflicts(a, b)
+    if a.explained_by is not None:
+        return True
+    # Rule 5: where both witnesses broke a post-condition, that decides (what the cause did to
+    # the engine's state; the ablation verdicts measure how the witness's schedule reached it).
+    if a.broke is not None and b.broke is not None:
+        return a.broke == b.broke
+    return not conflicts(a, b)
 
 
 def union(a: BucketKey, b: BucketKey) -> BucketKey:
-    """``a`` with the verdicts only ``b`` tried (the evidence of an agreeing key joins)."""
+    """``a`` with the verdicts only ``b`` tried, and ``b``'s broken post-condition if ``a``
+    has none (the evidence of an agreeing key joins)."""
     if a.explained_by is not None:
         return a
-    return a.model_copy(update={"verdicts": {**b.verdicts, **a.verdicts}})
+    return a.model_copy(update={"verdicts": {**b.verdicts, **a.verdicts}, "broke": a.broke or b.broke})
 
 
 def with_evidence(key: BucketKey, verdicts: Mapping[str, Outcome]) -> BucketKey:
@@ -258,5 +279,5 @@ def bucket_from_state(bid: str, data: dict[str, Any]) -> Bucket:
 
 
 __all__ = ["KEY_MECHANISMS", "Bucket", "BucketDescription", "BucketKey", "BucketMembership", "Status", "Triaged", "agrees",
-           "bucket_from_state", "candidates", "conflicts", "live", "memberships_from_notes", "mergeable", "resolve", "union",
+           "bucket_from_state", "candidates", "conflicts", "live", "memberships_from_notes", "mergeable", "resolve", "same_break", "union",
            "with_evidence"]

@@ -84,6 +84,9 @@ class Divergence(_Data):
     # Toggle that explains it (issue #4 attribution); None = unexplained.
     explained_by: str | None = None
     detail: str | None = None
+    # The first of vLLM's post-conditions broken on this request's own state in a diverged run
+    # (oracle/postconditions.py; in-process runs only): evidence of the cause, in the bucket key.
+    broke: str | None = None
 
 
 class ControlResult(_Data):

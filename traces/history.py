@@ -105,6 +105,37 @@ class StepRecord(_Data):
     lora_reloads: int = 0
 
 
+# The post-conditions of vLLM's KV bookkeeping that the in-process harness checks after every
+# step (harness/postconditions.py; docs/oracle.md "Broken post-conditions"):
+# - map-entry-orphaned: the prefix-cache map finds a block under a hash the block does not
+#   carry, and no block carries it (the entry outlived the block's content);
+# - map-entry-stolen: the same, while another block carries that hash and the map no longer
+#   finds it (the entry was taken from its block);
+# - held-block-foreign: a request holds, at a full position, a block carrying another hash than
+#   the request's own at that position;
+# - held-block-repeated: a request holds one block at two positions;
+# - held-block-undercounted: a block's reference count is below the number of its holders;
+# - worker-row: the worker's block-table row of a request differs from the scheduler's blocks.
+BreakName = Literal["map-entry-orphaned", "map-entry-stolen", "held-block-foreign", "held-block-repeated",
+                    "held-block-undercounted", "worker-row"]
+# Broken on the allocator's own state (no request named); the others are a request's own state.
+MAP_BREAKS: tuple[str, ...] = ("map-entry-orphaned", "map-entry-stolen")
+
+
+class Break(_Data):
+    """One post-condition found broken after a step: the first time for its block (map breaks,
+    ``request`` None) or for its request and name (a request's own state)."""
+
+    step: int
+    name: BreakName
+    request: str | None = None
+    block: int | None = None
+    # A request's break on a block whose map entry broke earlier (or in the same step): that
+    # map break's name (the request read a block the allocator had already mis-recorded).
+    root: BreakName | None = None
+    detail: str = ""
+
+
 class Scoring(_Data):
     """Teacher forcing: one run's generated tokens scored by the request alone on a clean cache
     (prompt + those tokens as one prompt, prompt logprobs, no prefix-cache hits). ``logprobs[i]``
@@ -138,6 +169,8 @@ class History(_Data):
     # HTTP engines: the scheduling policy the replay client's send loop ran under ("fifo" or
     # "normal"; harness/priority.py). At "normal" on a busy machine sends can leave late.
     client_priority: str | None = None
+    # Post-conditions found broken (in-process harness; empty elsewhere, or when none broke).
+    breaks: list[Break] = Field(default_factory=list)
     # Set when the engine or server died or hung during the run.
     crashed: bool = False
     crash_kind: Literal["died", "hang"] | None = None

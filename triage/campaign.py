@@ -43,7 +43,8 @@ from kvfuzz.driver.settings import CampaignSettings, TriageSettings
 from kvfuzz.oracle import buckets as rule
 from kvfuzz.oracle.controls import escalate
 from kvfuzz.traces import Finding, Trace
-from kvfuzz.traces.buckets import KEY_MECHANISMS, Bucket, BucketKey, BucketMembership, Outcome, Triaged, with_evidence
+from kvfuzz.traces.buckets import (KEY_MECHANISMS, Bucket, BucketKey, BucketMembership, Outcome, Triaged, same_break,
+                                   with_evidence)
 from kvfuzz.traces.io import load_finding
 from kvfuzz.traces.result import Checked
 
@@ -157,8 +158,12 @@ class CampaignTriage:
     # -- matching ------------------------------------------------------------------------------------
     def _match(self, f: Finding, key: BucketKey, max_checks: int = rule.MAX_CHECKS) -> tuple[Bucket | None, BucketKey, str]:
         """The earliest bucket ``key`` agrees with, after up to ``max_checks`` replays of the
-        finding without one engine mechanism each (``rule.next_check``)."""
+        finding without one engine mechanism each (``rule.next_check``); none when it broke
+        the same post-condition as that bucket's witness (rule 5)."""
         cands = rule.candidates(key, self.alive)
+        if cands and key.broke is not None and cands[0].key.broke == key.broke:
+            # Rule 5: the same post-condition broke on both witnesses; nothing to replay.
+            return cands[0], key, f"post-condition: {key.broke}"
         if cands and key.explained_by is None and not cands[0].key.verdicts:
             # The bucket opened without key evidence (its box ran out, or past the share): its
             # own witness is measured once, so there is something to check against.
@@ -211,6 +216,10 @@ class CampaignTriage:
         f = checked.finding
         assert f is not None
         cands = rule.prekey_candidates(f, self.alive, self.clean)
+        if not cands and replays and any(k.broke for k in rule.keys_of(f)):
+            # Its own run broke a post-condition no bucket's witness broke (rule 5): another
+            # cause, triaged like any new one (the share caps time on known buckets only).
+            return None
         how = "pre-key"
         if len({b.key.base for b in cands}) != 1 and self.settings.attribute and replays:
             # Several explanations possible, or none known: one attribution replay.
@@ -218,7 +227,7 @@ class CampaignTriage:
             f = checked.finding or f
             how = "pre-key after attribution"
             keys = rule.keys_of(f)
-            cands = [b for b in self.alive if any(b.key.base == k.base for k in keys)]
+            cands = [b for b in self.alive if any(b.key.base == k.base and same_break(k, b.key) for k in keys)]
         if not cands:
             # No bucket of its kind yet: it opens one, untriaged (a later triaged finding whose
             # key agrees joins it and brings the evidence).
@@ -232,7 +241,9 @@ class CampaignTriage:
             how = how2 if how2 != "key" else how
         else:
             bucket = cands[0]
-            if key.explained_by is None and bucket.key.verdicts and replays:
+            if key.broke is not None and bucket.key.broke == key.broke:
+                how = f"pre-key, post-condition: {key.broke}"
+            elif key.explained_by is None and bucket.key.verdicts and replays:
                 n, self.assigned_n = self.assigned_n, self.assigned_n + 1
                 if n % ASSIGN_CHECK_EVERY == 0:
                     tried = sorted(bucket.key.verdicts)

@@ -21,6 +21,7 @@ from kvfuzz.driver.arms import replay_command, replay_engine_args
 from kvfuzz.oracle.check import ENGINE
 from kvfuzz.oracle.controls import primary_arm, reproducing_arms, signature_of
 from kvfuzz.oracle.noise import NoiseBounds, finding_bounds
+from kvfuzz.oracle.postconditions import witness
 from kvfuzz.present.buckets import membership_text
 from kvfuzz.present.style import CLASS_STYLE
 
@@ -198,6 +199,12 @@ def build(finding: Finding, *, source: str = "FINDING.json",
             f" diverged from its reference (the same request alone on a clean cache) in {d.runs_diverged} of "
             f"{d.runs} runs (Wilson 95% interval {_pct(d.rate_low)}–{_pct(d.rate_high)}), "
             f"{d.variants} distinct output{'s' if d.variants != 1 else ''}.")
+        w = next((x for h in finding.runs if h.arm == d.arm
+                  for x in [witness(h.breaks, d.request_id)] if x is not None), None)
+        if w is not None:
+            root = f" (its block's prefix-cache entry had broken first: {w.root})" if w.root else ""
+            r.p("vLLM's own state broke first at engine step ", (str(w.step), "code"), ": ", (w.name, "code"),
+                f" — {w.detail}{root}. docs/oracle.md, \"Broken post-conditions\", says what each name means.")
         if d.first_divergence is not None:
             decided = [EVIDENCE_WORDS.get(e, e.replace("control:", "the control arm ")) for e in d.evidence]
             if worst == "corruption" and decided:

@@ -1,0 +1,190 @@
+"""vLLM's KV bookkeeping, checked after every step (in-process harness): which post-condition
+broke, and on what (issue 30, bucket rule 5; docs/oracle.md "Broken post-conditions").
+
+An ablation says which engine mechanism a witness needs; that depends on the witness's schedule
+(removing chunked prefill can make two requests finish in the same step, and then nothing is
+moved at all). What a cause does to the engine's state does not: an allocator that forgets to
+drop a map entry leaves an orphaned entry in every witness. So after each step the harness
+compares vLLM's own records with each other, the way vLLM's invariants say they must agree:
+
+- the prefix-cache map (``BlockPool.cached_block_hash_to_block``) finds a block under a hash
+  only if the block carries that hash (its ``block_hash``, or one of the extra hashes of
+  ``cached_block_hashes_by_block``); an entry that breaks this is *stolen* when another block
+  carries the hash and the map no longer finds it there, else *orphaned*;
+- a request's block at a full position carries the request's own hash for that position
+  (``Request.block_hashes``) when it carries one at all; it holds no block twice; a block's
+  ``ref_cnt`` is at least the number of requests holding it;
+- the worker's persistent-batch row of a request (``InputBatch.block_table``) lists the
+  scheduler's blocks for it (``req_to_blocks``), in order.
+
+Each break is recorded once (per block for the map; per request and name otherwise) into the
+history; the oracle (oracle/postconditions.py) names the first one on a diverging request's own
+path. Read-only and duck-typed: a vLLM release whose layout differs records nothing (the key
+then falls back to the ablation verdicts), never a false break.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from kvfuzz.traces.history import Break, BreakName
+
+log = logging.getLogger(__name__)
+
+# Breaks kept per run: the first ones carry the evidence; the rest are their consequences. A
+# request's own breaks and the allocator's are capped apart (one faulty eviction orphans every
+# block of a request; those must not crowd out the victim's break that points back to them).
+MAX_BREAKS = 64
+MAX_MAP_BREAKS = 8
+
+
+def _map_blocks(value: Any) -> Iterable[Any]:
+    """A map value: one block, or {block_id: block} (vLLM's BlockHashToBlockMap)."""
+    return value.values() if isinstance(value, dict) else (value,)
+
+
+def _hex(h: Any) -> str:
+    return h[:4].hex() if isinstance(h, bytes) else str(h)[:8]
+
+
+class Monitor:
+    """One run's post-condition checks. ``check`` after every engine step."""
+
+    def __init__(self) -> None:
+        self.breaks: list[Break] = []
+        self.disabled = False
+        self._map_broken: dict[int, BreakName] = {}  # block -> its first map break
+        self._map_recorded = 0
+        self._seen: set[tuple[str, str]] = set()
+
+    def check(self, step: int, scheduler: Any, batch: Any | None, ext: Callable[[str], str]) -> None:
+        if self.disabled or len(self.breaks) - self._map_recorded >= MAX_BREAKS:
+            return
+        try:
+            mgr = scheduler.kv_cache_manager
+            pool, managers = mgr.block_pool, mgr.coordinator.single_type_managers
+            if pool.enable_caching:
+                self._check_map(step, pool)
+            self._check_requests(step, scheduler, pool, managers, ext)
+            if batch is not None:
+                self._check_rows(step, batch, managers, ext)
+        except (AttributeError, TypeError, IndexError, KeyError, ValueError):
+            # Another vLLM layout: no evidence rather than a wrong one.
+            log.debug("post-conditions not checked on this vLLM layout", exc_info=True)
+            self.disabled = True
+
+    def _add(self, step: int, name: BreakName, *, request: str | None = None, block: int | None = None,
+             detail: str = "") -> None:
+        if request is None:
+            if self._map_recorded >= MAX_MAP_BREAKS:
+                return
+            self._map_recorded += 1
+        elif len(self.breaks) - self._map_recorded >= MAX_BREAKS:
+            return
+        root = self._map_broken.get(block) if request is not None and block is not None else None
+        self.breaks.append(Break(step=step, name=name, request=request, block=block, root=root, detail=detail))
+
+    # -- the prefix-cache map ------------------------------------------------------------------
+    def _check_map(self, step: int, pool: Any) -> None:
+        extra: dict[int, set[Any]] = getattr(pool, "cached_block_hashes_by_block", None) or {}
+        table = pool.cached_block_hash_to_block
+        entries: dict[Any, Any] = table._cache if hasattr(table, "_cache") else table
+        orphans = [(key, b) for key, value in entries.items() for b in _map_blocks(value)
+                   if b.block_id not in self._map_broken and b.block_hash != key
+                   and key not in extra.get(b.block_id, ())]
+        if not orphans:
+            return
+        carriers: dict[Any, set[int]] = {}
+        for b in pool.blocks:
+            if b.block_hash is not None:
+                carriers.setdefault(b.block_hash, set()).add(b.block_id)
+        for bid, hashes in extra.items():
+            for h in hashes:
+                carriers.setdefault(h, set()).add(bid)
+        for key, b in orphans:
+            mapped = {x.block_id for x in _map_blocks(entries.get(key, ()))}
+            robbed = sorted(carriers.get(key, set()) - mapped - {b.block_id})
+            self._map_broken[b.block_id] = "map-entry-stolen" if robbed else "map-entry-orphaned"
+            if robbed:
+                self._add(step, "map-entry-stolen", block=b.block_id,
+                          detail=f"hash {_hex(key)} finds block {b.block_id}; block {robbed[0]} carries it")
+            else:
+                self._add(step, "map-entry-orphaned", block=b.block_id,
+                          detail=f"hash {_hex(key)} finds block {b.block_id}, which carries "
+                                 f"{_hex(b.block_hash) if b.block_hash is not None else 'no hash'}")
+
+    # -- each request's own blocks -------------------------------------------------------------
+    def _once(self, step: int, name: BreakName, rid: str, block: int, detail: str) -> None:
+        if (name, rid) not in self._seen:
+            self._seen.add((name, rid))
+            self._add(step, name, request=rid, block=block, detail=detail)
+
+    def _check_requests(self, step: int, scheduler: Any, pool: Any, managers: Any, ext: Callable[[str], str]) -> None:
+        extra: dict[int, set[Any]] = getattr(pool, "cached_block_hashes_by_block", None) or {}
+        holders: Counter[int] = Counter()
+        held: dict[int, Any] = {}
+        hash_size = getattr(pool, "hash_block_size", None)
+        for g, m in enumerate(managers):
+            for rid, blocks in m.req_to_blocks.items():
+                seen: set[int] = set()
+                for b in blocks:
+                    if b.is_null:
+                        continue
+                    holders[b.block_id] += 1
+                    held[b.block_id] = b
+                    if b.block_id in seen:
+                        self._once(step, "held-block-repeated", ext(rid), b.block_id,
+                                   f"group {g}: block {b.block_id} held twice")
+                    seen.add(b.block_id)
+                req = scheduler.requests.get(rid)
+                if not pool.enable_caching or req is None or m.block_size != hash_size:
+                    continue
+                for i, (b, h) in enumerate(zip(blocks, req.block_hashes)):
+                    if b.is_null or b.block_hash is None:
+                        continue
+                    want = h + g.to_bytes(4, "big", signed=False)  # vLLM's BlockHashWithGroupId
+                    if b.block_hash != want and want not in extra.get(b.block_id, ()):
+                        self._once(step, "held-block-foreign", ext(rid), b.block_id,
+                                   f"group {g} position {i}: block {b.block_id} carries {_hex(b.block_hash)}, "
+                                   f"the request's hash is {_hex(want)}")
+        under = {bid: n for bid, n in holders.items() if held[bid].ref_cnt < n}
+        for bid, n in sorted(under.items()):
+            for m in managers:
+                for rid, blocks in m.req_to_blocks.items():
+                    if any(b.block_id == bid for b in blocks):
+                        self._once(step, "held-block-undercounted", ext(rid), bid,
+                                   f"block {bid}: ref_cnt {held[bid].ref_cnt}, {n} holders")
+
+    # -- the worker's persistent batch -----------------------------------------------------------
+    def _check_rows(self, step: int, batch: Any, managers: Any, ext: Callable[[str], str]) -> None:
+        tables = batch.block_table.block_tables
+        for rid, row in batch.req_id_to_index.items():
+            for g, m in enumerate(managers):
+                blocks = m.req_to_blocks.get(rid)
+                if blocks is None or g >= len(tables):
+                    continue
+                t = tables[g]
+                n = int(t.num_blocks_per_row[row])
+                got = [int(x) for x in t.block_table.np[row, :n]]
+                want = [b.block_id for b in blocks]
+                if got != want:
+                    at = next((i for i, (x, y) in enumerate(zip(got, want)) if x != y), min(len(got), len(want)))
+                    self._once(step, "worker-row", ext(rid), want[at] if at < len(want) else -1,
+                               f"group {g} row {row}: position {at} is block "
+                               f"{got[at] if at < len(got) else 'missing'}, the scheduler's is "
+                               f"{want[at] if at < len(want) else 'none'} ({len(got)} vs {len(want)} blocks)")
+
+
+def worker_batch(core: Any) -> Any | None:
+    """The in-process worker's persistent batch (``InputBatch``), or None on another layout."""
+    try:
+        worker = core.model_executor.driver_worker.worker
+        return worker.model_runner.input_batch
+    except AttributeError:
+        return None
+
+
+__all__ = ["MAX_BREAKS", "Monitor", "worker_batch"]

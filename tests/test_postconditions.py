@@ -1,0 +1,222 @@
+"""Rule 5 (issue 30): the post-conditions of vLLM's KV bookkeeping, checked after every step
+(harness/postconditions.py), the name the oracle gives a victim (oracle/postconditions.py), and
+the bucket key that holds it. Fakes with vLLM's attribute names: the engine tier checks the real
+thing (test_engine.py: none break on clean runs; test_postconditions_engine.py: faults break
+theirs)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+from test_buckets import Table, bucket, checked_of, triage, unexplained
+
+from kvfuzz.harness.postconditions import MAX_MAP_BREAKS, Monitor
+from kvfuzz.oracle import buckets as rule
+from kvfuzz.oracle.postconditions import origin
+from kvfuzz.traces.buckets import BucketKey, agrees, union
+from kvfuzz.traces.history import Break
+
+
+def H(n: int) -> bytes:  # a block hash, and the same with vLLM's group-id suffix
+    return bytes([n]) * 8
+
+
+def G(n: int, g: int = 0) -> bytes:
+    return H(n) + g.to_bytes(4, "big")
+
+
+@dataclass(eq=False)
+class Block:
+    block_id: int
+    block_hash: bytes | None = None
+    ref_cnt: int = 1
+    is_null: bool = False
+
+
+class Map:
+    def __init__(self, entries):
+        self._cache = entries
+
+
+@dataclass
+class Pool:
+    blocks: list
+    entries: dict
+    enable_caching: bool = True
+    hash_block_size: int = 16
+    cached_block_hashes_by_block: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.cached_block_hash_to_block = Map(self.entries)
+
+
+@dataclass
+class Req:
+    block_hashes: list
+
+
+class Scheduler:
+    def __init__(self, pool, held: dict, hashes: dict):
+        mgr = type("M", (), {"req_to_blocks": held, "block_size": 16})()
+        coord = type("C", (), {"single_type_managers": [mgr]})()
+        self.kv_cache_manager = type("K", (), {"block_pool": pool, "coordinator": coord})()
+        self.requests = {r: Req(h) for r, h in hashes.items()}
+
+
+def batch(rows: dict[str, list[int]]):
+    table = np.zeros((4, 8), dtype=np.int32)
+    counts = np.zeros(4, dtype=np.int32)
+    for i, ids in enumerate(rows.values()):
+        table[i, :len(ids)] = ids
+        counts[i] = len(ids)
+    bt = type("BT", (), {"block_table": type("B", (), {"np": table})(), "num_blocks_per_row": counts})()
+    return type("IB", (), {"req_id_to_index": {r: i for i, r in enumerate(rows)},
+                           "block_table": type("MG", (), {"block_tables": [bt]})()})()
+
+
+def monitor(pool, held, hashes, rows=None, step=0, m=None):
+    m = m or Monitor()
+    m.check(step, Scheduler(pool, held, hashes), batch(rows) if rows is not None else None, lambda r: r)
+    return m
+
+
+def test_a_consistent_state_breaks_nothing():
+    a, b = Block(1, G(1)), Block(2, G(2))
+    pool = Pool([a, b], {G(1): a, G(2): {2: b}})
+    m = monitor(pool, {"r": [a, b]}, {"r": [H(1), H(2)]}, rows={"r": [1, 2]})
+    assert m.breaks == [] and not m.disabled
+
+
+def test_an_entry_left_on_a_reused_block_is_orphaned_and_its_reader_points_back_to_it():
+    """Fault P's shape: eviction reset the block and refilled it, the map still finds it under
+    the old hash. The request that hits the old hash holds a block carrying another hash."""
+    b = Block(2, G(9), ref_cnt=2)  # refilled by its new owner with hash 9; the victim holds it too
+    pool = Pool([b], {G(1): b, G(9): b})
+    m = monitor(pool, {"owner": [b]}, {"owner": [H(9)]})
+    assert [(x.name, x.block) for x in m.breaks] == [("map-entry-orphaned", 2)]
+    m = monitor(pool, {"owner": [b], "victim": [b]}, {"owner": [H(9)], "victim": [H(1)]}, step=1, m=m)
+    victim = [x for x in m.breaks if x.request == "victim"]
+    assert [(x.name, x.root) for x in victim] == [("held-block-foreign", "map-entry-orphaned")]
+    assert origin(m.breaks, "victim") == "map-entry-orphaned" and origin(m.breaks, "owner") is None
+
+
+def test_an_entry_taken_from_a_block_that_still_carries_its_hash_is_stolen():
+    """Fault S's shape (the same broken map entry as P, told apart by the robbed block)."""
+    a, b = Block(1, G(1)), Block(2, G(2))
+    pool = Pool([a, b], {G(1): b, G(2): b})
+    m = monitor(pool, {"v": [b]}, {"v": [H(1)]})
+    assert [x.name for x in m.breaks if x.request is None] == ["map-entry-stolen"]
+    assert origin(m.breaks, "v") == "map-entry-stolen"
+
+
+def test_extra_hashes_of_a_block_are_its_own():
+    b = Block(2, G(2))
+    pool = Pool([b], {G(1): b, G(2): b}, cached_block_hashes_by_block={2: {G(1)}})
+    assert monitor(pool, {"r": [b]}, {"r": [H(2)]}).breaks == []
+
+
+def test_a_request_holding_one_block_twice_or_undercounted_or_a_wrong_worker_row():
+    a, b = Block(1, G(1), ref_cnt=2), Block(2, G(2), ref_cnt=1)  # a: held twice, counted twice
+    pool = Pool([a, b], {G(1): a, G(2): b})
+    m = monitor(pool, {"r": [a, a], "s": [b], "t": [b]}, {"r": [H(1), H(2)], "s": [H(2)], "t": [H(2)]},
+                rows={"r": [1, 1], "s": [2], "t": [0]})
+    got = {(x.request, x.name) for x in m.breaks}
+    assert {("r", "held-block-repeated"), ("r", "held-block-foreign"), ("s", "held-block-undercounted"),
+            ("t", "held-block-undercounted"), ("t", "worker-row")} == got
+    # One name per victim, by precedence: the worker's row before the count, foreign before repeated.
+    assert origin(m.breaks, "t") == "worker-row" and origin(m.breaks, "r") == "held-block-foreign"
+
+
+def test_each_break_is_recorded_once_and_map_breaks_cannot_crowd_out_a_victims():
+    blocks = [Block(i, G(100 + i)) for i in range(1, 40)]
+    pool = Pool(blocks, {G(i): b for i, b in enumerate(blocks, 1)})  # every entry orphaned
+    m = monitor(pool, {"v": [blocks[-1]]}, {"v": [H(39)]})
+    for s in range(1, 4):
+        monitor(pool, {"v": [blocks[-1]]}, {"v": [H(39)]}, step=s, m=m)
+    assert sum(x.request is None for x in m.breaks) == MAX_MAP_BREAKS
+    assert [(x.step, x.root) for x in m.breaks if x.request == "v"] == [(0, "map-entry-orphaned")]
+
+
+def test_another_layout_records_nothing_rather_than_a_wrong_break():
+    m = Monitor()
+    m.check(0, object(), None, lambda r: r)
+    assert m.disabled and m.breaks == []
+
+
+def test_no_break_on_the_victim_means_no_origin_even_if_the_run_broke_elsewhere():
+    breaks = [Break(step=3, name="worker-row", request="other", block=5)]
+    assert origin(breaks, "victim") is None and origin([], "victim") is None
+
+
+# -- the key ----------------------------------------------------------------------------------------
+def k(v=None, broke=None, explained_by=None):
+    return BucketKey(cls="corruption", verdicts=v or {}, broke=broke, explained_by=explained_by)
+
+
+def test_one_post_condition_keeps_a_cause_whole_whatever_its_witness_needed():
+    """Fault T's split: one witness needed chunked prefill (its removal changed the schedule so
+    no row moved), the other not. Both broke the worker's row: one bucket."""
+    a, b = k({"chunked-prefill": "disappears"}, "worker-row"), k({"chunked-prefill": "persists"}, "worker-row")
+    assert agrees(a, b) and agrees(b, a)
+    # Two causes with the same verdicts but different post-conditions: two buckets (P and S).
+    assert not agrees(k({"prefix-caching": "disappears"}, "map-entry-orphaned"),
+                      k({"prefix-caching": "disappears"}, "map-entry-stolen"))
+    # Where one side was not observed (a server run, or nothing broke), the verdicts decide.
+    assert agrees(k({"prefix-caching": "disappears"}), k({"prefix-caching": "disappears"}, "worker-row"))
+    assert not agrees(k({"prefix-caching": "persists"}), k({"prefix-caching": "disappears"}, "worker-row"))
+    assert union(k(), k(broke="worker-row")).broke == "worker-row"
+    assert k(broke="worker-row").digest() != k().digest() and "broke worker-row" in k(broke="worker-row").label()
+
+
+def test_a_finding_has_one_key_per_post_condition_its_victims_broke():
+    f = unexplained()
+    d = f.divergences[0]
+    second = d.model_copy(update={"request_id": "other", "broke": "map-entry-stolen"})
+    third = d.model_copy(update={"request_id": "third", "broke": None})
+    f.divergences = [d.model_copy(update={"broke": "worker-row"}), second, third]
+    assert [x.broke for x in rule.keys_of(f)] == ["map-entry-stolen", "worker-row"]
+    f.divergences = [third]
+    assert [x.broke for x in rule.keys_of(f)] == [None]
+
+
+def with_broke(f, name):
+    f.divergences = [d.model_copy(update={"broke": name}) for d in f.divergences]
+    return f
+
+
+def test_a_witness_that_broke_the_buckets_post_condition_joins_without_a_replay(tmp_path):
+    bs = {"T": bucket("T", {"chunked-prefill": "disappears"}, 1).model_copy(
+        update={"key": k({"chunked-prefill": "disappears"}, "worker-row")})}
+    r = Table(needs=[])
+    f = with_broke(unexplained(), "worker-row")
+    b, key, how = triage(r, bs, tmp_path)._match(f, rule.keys_of(f)[0])
+    assert b is not None and b.id == "T" and r.replays == 0 and how == "post-condition: worker-row"
+
+
+def test_past_the_share_the_post_condition_assigns_and_a_new_one_is_triaged(tmp_path):
+    bs = {"S": bucket("S", {"prefix-caching": "disappears"}, 1).model_copy(
+        update={"key": k({"prefix-caching": "disappears"}, "map-entry-stolen")})}
+    r = Table(needs=["prefix-caching"])
+    t = triage(r, bs, tmp_path)
+    out = t._assign(checked_of(with_broke(unexplained(), "map-entry-stolen")))
+    assert out is not None and out.buckets[0].bucket == "S" and r.replays == 0
+    assert out.buckets[0].how == "pre-key, post-condition: map-entry-stolen"
+    # Its own run broke another post-condition: not a candidate, and triaged as a new cause.
+    f = with_broke(unexplained(), "map-entry-orphaned")
+    assert rule.prekey_candidates(f, t.alive) == []
+    assert t._assign(checked_of(f)) is None and r.replays == 0
+
+
+def test_the_report_says_which_post_condition_broke_on_the_victim():
+    from test_report import finding
+
+    from kvfuzz.present.report import markdown
+
+    f = finding()
+    d = f.divergences[0]
+    br = Break(step=7, name="worker-row", request=d.request_id, block=69,
+               detail="group 0 row 2: position 18 is block 0, the scheduler's is 69 (19 vs 19 blocks)")
+    f.runs = [h.model_copy(update={"breaks": [br]}) if h.arm == d.arm else h for h in f.runs]
+    md = markdown(f, source="f.json")
+    assert "engine step `7`: `worker-row` — group 0 row 2: position 18 is block 0" in md
