@@ -23,7 +23,7 @@ And after bucket rule 4 (fc92d46; docs/oracle.md "The rule's versions"):
 - ``row_move_drops_last_block`` (T, the worker's persistent-batch block table): a row moved by
   ``InputBatch.condense`` keeps its length but loses its last block id.
 And after bucket rule 5 (000a882, the post-conditions of harness/postconditions.py):
-- ``abort_frees_shared_twice`` (U, freeing on abort): an aborted request's block shared with one
-  other request loses both references, returns to the free queue and is handed to the next
-  allocation while the sharer still reads it.
+- ``hit_takes_no_reference`` (U, a prefix hit's reference count): a request whose hit ends on a
+  block another running request holds takes no reference on it; the block is freed under it
+  and handed to another request while it still reads it.
 """
