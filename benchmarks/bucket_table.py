@@ -1,7 +1,9 @@
 """Benchmark table: one markdown row per campaign directory, as docs/benchmarks.md "Buckets on
 faults kvfuzz has never seen" records them (issue 30's acceptance): traces, traces/min,
-findings, bug buckets (per bucket: findings, how many assigned, explanation, its key's
-verdicts), near-tie buckets, findings whose file names no bucket, merges.
+findings, bug buckets (per bucket: findings, how many assigned, explanation, the post-condition
+its key names, its key's verdicts), near-tie buckets, findings whose file names no bucket,
+merges, and the post-conditions broken in the campaign's runs (its coverage's ``broke:`` features:
+how many traces broke each).
 
     python benchmarks/bucket_table.py OUT [OUT ...] [--label NAME=TEXT ...]
 
@@ -49,11 +51,15 @@ def row(out: Path, label: str) -> str:
         for b in bs:
             what = b.key.explained_by and f"explained by `{b.key.explained_by}`" or "unexplained"
             key = verdicts(b.key.verdicts) if b.key.explained_by is None else needs_text(b)
+            if b.key.broke:
+                key = f"broke `{b.key.broke}`, {key}"
             parts.append(f"{b.count} ({b.assigned} assigned) {what}, {key}")
         return f"**{len(bs)}**: " + "; ".join(parts)
 
+    cov = d.get("coverage") or {}
+    broke = ", ".join(f"{k[6:]} {n}" for k, n in sorted(cov.items()) if k.startswith("broke:")) or "none"
     return (f"| {label} | {traces} | {secs:.0f} | {rate} | {d.get('findings', 0)} ({by_class}) | {cell(bugs)} | "
-            f"{cell(ties)} | {unbucketed} | {len(merges)} |")
+            f"{cell(ties)} | {unbucketed} | {len(merges)} | {broke} |")
 
 
 def main() -> None:
@@ -62,8 +68,9 @@ def main() -> None:
     ap.add_argument("--label", action="append", default=[], help="OUT=TEXT: the row's first cell")
     a = ap.parse_args()
     labels = dict(x.split("=", 1) for x in a.label)
-    print("| run | traces | s | traces/min | findings | bug buckets | near-tie buckets | no bucket | merges |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| run | traces | s | traces/min | findings | bug buckets | near-tie buckets | no bucket | merges | "
+          "post-conditions broken (traces) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for out in a.outs:
         if not (out / "campaign.json").is_file():
             raise SystemExit(f"{out}: no campaign.json (not a campaign directory)")

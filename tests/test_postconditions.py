@@ -220,3 +220,16 @@ def test_the_report_says_which_post_condition_broke_on_the_victim():
     f.runs = [h.model_copy(update={"breaks": [br]}) if h.arm == d.arm else h for h in f.runs]
     md = markdown(f, source="f.json")
     assert "engine step `7`: `worker-row` — group 0 row 2: position 18 is block 0" in md
+
+
+def test_the_campaign_summary_names_the_post_conditions_broken_and_each_buckets():
+    from kvfuzz.present.buckets import broken_line, rows
+    from kvfuzz.traces.buckets import Bucket
+
+    assert broken_line({"prefix-hit": 9, "broke:held-block-undercounted": 55, "broke:worker-row": 2}) == (
+        "vLLM post-conditions broken in fuzzed runs (its KV bookkeeping disagreed with itself, even where no output "
+        "differed; docs/oracle.md \"Broken post-conditions\"): held-block-undercounted in 55 trace(s), worker-row in 2 "
+        "trace(s)")
+    assert broken_line({"prefix-hit": 9}) is None
+    (r,) = rows({"b1": Bucket(id="b1", key=k(broke="worker-row"), count=3, first_index=0)}, {})
+    assert r.explanation == "unexplained: candidate vLLM bug; broke worker-row"

@@ -1,8 +1,9 @@
 """Rule 5 on the real CPU engine (issue 30): faults kvfuzz has never seen break the
-post-condition of the operation they corrupt (harness/postconditions.py). Two faults installed
-in one child process (an unseen fault is always on once installed, so never in the test run's
-shared engines): P (an eviction that leaves the prefix-cache entry) and T (a persistent-batch
-row move that drops a block id), each named on its own victims. The clean side (no break on
+post-condition of the operation they corrupt (harness/postconditions.py). Three faults
+installed in one child process (an unseen fault is always on once installed, so never in the
+test run's shared engines): P (an eviction that leaves the prefix-cache entry), T (a
+persistent-batch row move that drops a block id) and U (a prefix hit that takes no reference on
+a block in use; written after the rule), each named on its own victims. The clean side (no break on
 unmodified vLLM) is tests/test_engine.py."""
 
 from __future__ import annotations
@@ -33,19 +34,22 @@ print("BREAKS " + json.dumps(out))
 """
 
 
-def test_two_unseen_faults_each_break_their_own_post_condition():
+def test_three_unseen_faults_each_break_their_own_post_condition():
     env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "KVFUZZ_PLUGIN_MODULES": "unseen_faults.evict_keeps_hash,unseen_faults.row_move_drops_last_block",
+           "KVFUZZ_PLUGIN_MODULES": ("unseen_faults.evict_keeps_hash,unseen_faults.row_move_drops_last_block,"
+                                      "unseen_faults.hit_takes_no_reference"),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))}
     p = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     runs = json.loads(next(ln for ln in p.stdout.splitlines() if ln.startswith("BREAKS "))[7:])
     names = {b["name"] for run in runs for b in run}
     roots = {b["root"] for run in runs for b in run if b["request"]}
-    # T: a moved row is not the scheduler's; P: the allocator's map keeps an entry of a reused block.
-    assert "worker-row" in names and "map-entry-orphaned" in names, names
-    # Nothing else is broken by these two faults: no stolen entries, no undercounted blocks.
-    assert names <= {"worker-row", "map-entry-orphaned", "held-block-foreign", "held-block-repeated"}, names
+    # T: a moved row is not the scheduler's; P: the allocator's map keeps an entry of a reused
+    # block; U: a block is held by more requests than reference it.
+    assert {"worker-row", "map-entry-orphaned", "held-block-undercounted"} <= names, names
+    # Nothing else is broken by these faults: no stolen entries.
+    assert names <= {"worker-row", "map-entry-orphaned", "held-block-undercounted", "held-block-foreign",
+                     "held-block-repeated"}, names
     # A victim that read a reused block is traced back to the orphaned entry, never to T.
     foreign = [b for run in runs for b in run if b["name"] == "held-block-foreign"]
     assert all(b["root"] == "map-entry-orphaned" for b in foreign), foreign

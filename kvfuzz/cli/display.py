@@ -125,7 +125,7 @@ class CampaignDisplay:
         table.add_row("findings", str(state.findings))
         for cls, n in sorted(state.by_class.items()):
             table.add_row(f"  {cls}", Text(str(n), style=CLASS_STYLE.get(cls, "")))
-        from kvfuzz.present.buckets import rich_tables, rows, sections, summary_line
+        from kvfuzz.present.buckets import broken_line, rich_tables, rows, sections, summary_line
 
         brows = rows(state.bug_buckets, state.merges)
         bugs, ties = sections(brows)
@@ -139,6 +139,9 @@ class CampaignDisplay:
             self.console.print(t)
         if state.findings:
             self.console.print(summary_line(brows, state.findings), markup=False, highlight=False, soft_wrap=True)
+        broken = broken_line(getattr(state, "coverage", {}) or {})
+        if broken:
+            self.console.print(broken, markup=False, highlight=False, soft_wrap=True)
         where = out / "findings"
         self.console.print(f"findings written to: {where.resolve()}" + ("" if state.findings else " (none)"))
         self.console.print(f"campaign state: {(out / 'campaign.json').resolve()}")

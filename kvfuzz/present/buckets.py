@@ -47,7 +47,7 @@ def rows(buckets: Mapping[str, Bucket], merges: Mapping[str, str]) -> list[Bucke
         elif k.crash_kind:
             why = k.crash_kind
         else:
-            why = "unexplained: candidate vLLM bug"
+            why = "unexplained: candidate vLLM bug" + (f"; broke {k.broke}" if k.broke else "")
         out.append(BucketRow(b.id, k.cls, b.count, b.assigned, b.first_index, b.representative, why, needs_text(b),
                              f"kvfuzz report {b.representative}" if b.representative else "", b.listing,
                              len(b.merged_from)))
@@ -70,6 +70,17 @@ def summary_line(rs: list[BucketRow], findings: int) -> str:
         line += (f". {unexplained} bucket(s) UNEXPLAINED by any toggle — candidate vLLM bug(s): report them "
                  "(docs/findings.md)")
     return line
+
+
+def broken_line(coverage: Mapping[str, int]) -> str | None:
+    """The campaign's post-condition breaks (its coverage's ``broke:`` features), or None: a
+    break is a bookkeeping bug in vLLM even on traces whose outputs all matched."""
+    broke = sorted((k.removeprefix("broke:"), n) for k, n in coverage.items() if k.startswith("broke:"))
+    if not broke:
+        return None
+    return ("vLLM post-conditions broken in fuzzed runs (its KV bookkeeping disagreed with itself, even where "
+            "no output differed; docs/oracle.md \"Broken post-conditions\"): "
+            + ", ".join(f"{name} in {n} trace(s)" for name, n in broke))
 
 
 def rich_tables(rs: list[BucketRow]) -> list[Any]:
