@@ -268,6 +268,7 @@ class InProcessEngine:
             capture["partial"] = partial
             capture["preempted"] = list(so.preempted_req_ids or ())
             capture["blocks"] = _holders(scheduler)
+            self._monitor.after_schedule(scheduler)
             return so
 
         client.get_output = get_output
@@ -438,8 +439,8 @@ class InProcessEngine:
         recs: dict[str, RequestRecord] = {}
         book = self._adapters.book(trace) if trace.engine.lora.enabled else None
         self._edges = BlockEdges()
-        self._monitor = Monitor()
         internal: dict[str, str] = {}  # vLLM internal id -> our request id
+        self._monitor = Monitor(ext=lambda rid: internal.get(rid, rid))
         live: set[str] = set()
         scheduled_once: set[str] = set()
         t0 = time.perf_counter()
@@ -537,6 +538,7 @@ class InProcessEngine:
                 break
 
             # 3) one engine step
+            self._monitor.step = step
             try:
                 outputs = llm.step()
             except Exception as e:
@@ -641,7 +643,7 @@ class InProcessEngine:
                 recs[r].num_preemptions += 1
         hist.steps.append(rec)
         core = self._core()
-        self._monitor.check(step, core.scheduler, worker_batch(core), ext)
+        self._monitor.after_step(core.scheduler, worker_batch(core))
 
     # -- references ----------------------------------------------------------------------------
     @property

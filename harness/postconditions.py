@@ -51,30 +51,61 @@ def _hex(h: Any) -> str:
 
 
 class Monitor:
-    """One run's post-condition checks. ``check`` after every engine step."""
+    """One run's post-condition checks: ``after_schedule`` right after the scheduler's
+    ``schedule()`` (a request that finishes in this step is freed before the step ends, and its
+    state must be seen while it is alive), ``after_step`` once the step is done (the frees, and
+    the worker's rows against the blocks that step was scheduled with). ``step`` is the engine
+    step being run; ``ext`` maps vLLM's request ids to the trace's."""
 
-    def __init__(self) -> None:
+    def __init__(self, ext: Callable[[str], str] = str) -> None:
         self.breaks: list[Break] = []
         self.disabled = False
+        self.step = 0
+        self.ext = ext
         self._map_broken: dict[int, BreakName] = {}  # block -> its first map break
         self._map_recorded = 0
         self._seen: set[tuple[str, str]] = set()
+        self._rows: dict[str, list[list[int]]] = {}  # request -> its block ids per group, at schedule
 
-    def check(self, step: int, scheduler: Any, batch: Any | None, ext: Callable[[str], str]) -> None:
+    def after_schedule(self, scheduler: Any) -> None:
+        self._guarded(lambda: self._scheduler(scheduler, snapshot=True))
+
+    def after_step(self, scheduler: Any, batch: Any | None) -> None:
+        def run() -> None:
+            managers = self._scheduler(scheduler, snapshot=False)
+            if batch is not None:
+                self._check_rows(self.step, batch, managers, self.ext)
+        self._guarded(run)
+
+    def check(self, step: int, scheduler: Any, batch: Any | None) -> None:
+        """Both checks at once, on a state that did not change in between (unit tests)."""
+        self.step = step
+        self.after_schedule(scheduler)
+        self.after_step(scheduler, batch)
+
+    def _guarded(self, fn: Callable[[], None]) -> None:
         if self.disabled or len(self.breaks) - self._map_recorded >= MAX_BREAKS:
             return
         try:
-            mgr = scheduler.kv_cache_manager
-            pool, managers = mgr.block_pool, mgr.coordinator.single_type_managers
-            if pool.enable_caching:
-                self._check_map(step, pool)
-            self._check_requests(step, scheduler, pool, managers, ext)
-            if batch is not None:
-                self._check_rows(step, batch, managers, ext)
+            fn()
         except (AttributeError, TypeError, IndexError, KeyError, ValueError):
             # Another vLLM layout: no evidence rather than a wrong one.
             log.debug("post-conditions not checked on this vLLM layout", exc_info=True)
             self.disabled = True
+
+    def _scheduler(self, scheduler: Any, *, snapshot: bool) -> Any:
+        mgr = scheduler.kv_cache_manager
+        pool, managers = mgr.block_pool, mgr.coordinator.single_type_managers
+        if pool.enable_caching:
+            self._check_map(self.step, pool)
+        self._check_requests(self.step, scheduler, pool, managers, self.ext)
+        if snapshot:
+            rows: dict[str, list[list[int]]] = {}
+            for m in managers:
+                for rid, blocks in m.req_to_blocks.items():
+                    rows.setdefault(rid, []).append([b.block_id for b in blocks])
+            self._rows = rows
+        return managers
 
     def _add(self, step: int, name: BreakName, *, request: str | None = None, block: int | None = None,
              detail: str = "") -> None:
@@ -160,16 +191,16 @@ class Monitor:
 
     # -- the worker's persistent batch -----------------------------------------------------------
     def _check_rows(self, step: int, batch: Any, managers: Any, ext: Callable[[str], str]) -> None:
+        """Each request's row against the blocks it was scheduled with this step (a request
+        that finished in this step is still in the batch, and its row was read)."""
         tables = batch.block_table.block_tables
         for rid, row in batch.req_id_to_index.items():
-            for g, m in enumerate(managers):
-                blocks = m.req_to_blocks.get(rid)
-                if blocks is None or g >= len(tables):
+            for g, want in enumerate(self._rows.get(rid, ())):
+                if g >= len(tables):
                     continue
                 t = tables[g]
                 n = int(t.num_blocks_per_row[row])
                 got = [int(x) for x in t.block_table.np[row, :n]]
-                want = [b.block_id for b in blocks]
                 if got != want:
                     at = next((i for i, (x, y) in enumerate(zip(got, want)) if x != y), min(len(got), len(want)))
                     self._once(step, "worker-row", ext(rid), want[at] if at < len(want) else -1,

@@ -77,7 +77,7 @@ def batch(rows: dict[str, list[int]]):
 
 def monitor(pool, held, hashes, rows=None, step=0, m=None):
     m = m or Monitor()
-    m.check(step, Scheduler(pool, held, hashes), batch(rows) if rows is not None else None, lambda r: r)
+    m.check(step, Scheduler(pool, held, hashes), batch(rows) if rows is not None else None)
     return m
 
 
@@ -140,7 +140,7 @@ def test_each_break_is_recorded_once_and_map_breaks_cannot_crowd_out_a_victims()
 
 def test_another_layout_records_nothing_rather_than_a_wrong_break():
     m = Monitor()
-    m.check(0, object(), None, lambda r: r)
+    m.check(0, object(), None)
     assert m.disabled and m.breaks == []
 
 
@@ -233,3 +233,16 @@ def test_the_campaign_summary_names_the_post_conditions_broken_and_each_buckets(
     assert broken_line({"prefix-hit": 9}) is None
     (r,) = rows({"b1": Bucket(id="b1", key=k(broke="worker-row"), count=3, first_index=0)}, {})
     assert r.explanation == "unexplained: candidate vLLM bug; broke worker-row"
+
+
+def test_a_row_is_checked_against_the_blocks_its_step_was_scheduled_with():
+    """Fault T's 10-minute split: the victim's row was moved in the step it finished in; by the
+    step's end the scheduler had freed it, and a check against the live blocks saw nothing."""
+    a, b = Block(1, G(1)), Block(2, G(2))
+    pool = Pool([a, b], {G(1): a, G(2): b})
+    live = Scheduler(pool, {"v": [a, b]}, {"v": [H(1), H(2)]})
+    m = Monitor()
+    m.after_schedule(live)
+    live.kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks = {}  # finished and freed
+    m.after_step(live, batch({"v": [1, 0]}))  # its row, moved one block short, was read this step
+    assert [(x.name, x.request) for x in m.breaks] == [("worker-row", "v")]
