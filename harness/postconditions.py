@@ -26,7 +26,6 @@ then falls back to the ablation verdicts), never a false break.
 from __future__ import annotations
 
 import logging
-from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -39,6 +38,9 @@ log = logging.getLogger(__name__)
 # block of a request; those must not crowd out the victim's break that points back to them).
 MAX_BREAKS = 64
 MAX_MAP_BREAKS = 8
+# A request's breaks that say its KV read is wrong (a block of other content, one block twice)
+# and so carry the latent break of their block as their root.
+ROOTED: tuple[BreakName, ...] = ("held-block-foreign", "held-block-repeated")
 
 
 def _map_blocks(value: Any) -> Iterable[Any]:
@@ -62,7 +64,10 @@ class Monitor:
         self.disabled = False
         self.step = 0
         self.ext = ext
-        self._map_broken: dict[int, BreakName] = {}  # block -> its first map break
+        self._map_broken: set[int] = set()  # blocks whose map entry broke (checked once)
+        # Block -> its first latent break (a map entry, a short count): the root of a later
+        # request break on that block.
+        self._roots: dict[int, BreakName] = {}
         self._map_recorded = 0
         self._seen: set[tuple[str, str]] = set()
         self._rows: dict[str, list[list[int]]] = {}  # request -> its block ids per group, at schedule
@@ -115,7 +120,7 @@ class Monitor:
             self._map_recorded += 1
         elif len(self.breaks) - self._map_recorded >= MAX_BREAKS:
             return
-        root = self._map_broken.get(block) if request is not None and block is not None else None
+        root = self._roots.get(block) if name in ROOTED and block is not None else None
         self.breaks.append(Break(step=step, name=name, request=request, block=block, root=root, detail=detail))
 
     # -- the prefix-cache map ------------------------------------------------------------------
@@ -138,7 +143,8 @@ class Monitor:
         for key, b in orphans:
             mapped = {x.block_id for x in _map_blocks(entries.get(key, ()))}
             robbed = sorted(carriers.get(key, set()) - mapped - {b.block_id})
-            self._map_broken[b.block_id] = "map-entry-stolen" if robbed else "map-entry-orphaned"
+            self._map_broken.add(b.block_id)
+            self._roots.setdefault(b.block_id, "map-entry-stolen" if robbed else "map-entry-orphaned")
             if robbed:
                 self._add(step, "map-entry-stolen", block=b.block_id,
                           detail=f"hash {_hex(key)} finds block {b.block_id}; block {robbed[0]} carries it")
@@ -155,8 +161,21 @@ class Monitor:
 
     def _check_requests(self, step: int, scheduler: Any, pool: Any, managers: Any, ext: Callable[[str], str]) -> None:
         extra: dict[int, set[Any]] = getattr(pool, "cached_block_hashes_by_block", None) or {}
-        holders: Counter[int] = Counter()
+        holders: dict[int, list[str]] = {}
         held: dict[int, Any] = {}
+        for m in managers:
+            for rid, blocks in m.req_to_blocks.items():
+                for b in blocks:
+                    if not b.is_null:
+                        holders.setdefault(b.block_id, []).append(rid)
+                        held[b.block_id] = b
+        # Latent first: a short count is harmless until the block is handed out again, and then
+        # it is the root of the reader's foreign block (below).
+        for bid in sorted(bid for bid, rids in holders.items() if held[bid].ref_cnt < len(rids)):
+            self._roots.setdefault(bid, "held-block-undercounted")
+            for rid in dict.fromkeys(holders[bid]):
+                self._once(step, "held-block-undercounted", ext(rid), bid,
+                           f"block {bid}: ref_cnt {held[bid].ref_cnt}, {len(holders[bid])} holders")
         hash_size = getattr(pool, "hash_block_size", None)
         for g, m in enumerate(managers):
             for rid, blocks in m.req_to_blocks.items():
@@ -164,8 +183,6 @@ class Monitor:
                 for b in blocks:
                     if b.is_null:
                         continue
-                    holders[b.block_id] += 1
-                    held[b.block_id] = b
                     if b.block_id in seen:
                         self._once(step, "held-block-repeated", ext(rid), b.block_id,
                                    f"group {g}: block {b.block_id} held twice")
@@ -174,20 +191,21 @@ class Monitor:
                 if not pool.enable_caching or req is None or m.block_size != hash_size:
                     continue
                 for i, (b, h) in enumerate(zip(blocks, req.block_hashes)):
-                    if b.is_null or b.block_hash is None:
+                    if b.is_null:
                         continue
                     want = h + g.to_bytes(4, "big", signed=False)  # vLLM's BlockHashWithGroupId
-                    if b.block_hash != want and want not in extra.get(b.block_id, ()):
+                    if b.block_hash is None:
+                        # A full block is shared only through a prefix hit, i.e. cached: one that
+                        # carries no hash and another holder is being written by that holder.
+                        others = [x for x in holders.get(b.block_id, ()) if x != rid]
+                        if others:
+                            self._once(step, "held-block-foreign", ext(rid), b.block_id,
+                                       f"group {g} position {i}: block {b.block_id} carries no hash and is also "
+                                       f"held by {ext(others[0])}")
+                    elif b.block_hash != want and want not in extra.get(b.block_id, ()):
                         self._once(step, "held-block-foreign", ext(rid), b.block_id,
                                    f"group {g} position {i}: block {b.block_id} carries {_hex(b.block_hash)}, "
                                    f"the request's hash is {_hex(want)}")
-        under = {bid: n for bid, n in holders.items() if held[bid].ref_cnt < n}
-        for bid, n in sorted(under.items()):
-            for m in managers:
-                for rid, blocks in m.req_to_blocks.items():
-                    if any(b.block_id == bid for b in blocks):
-                        self._once(step, "held-block-undercounted", ext(rid), bid,
-                                   f"block {bid}: ref_cnt {held[bid].ref_cnt}, {n} holders")
 
     # -- the worker's persistent batch -----------------------------------------------------------
     def _check_rows(self, step: int, batch: Any, managers: Any, ext: Callable[[str], str]) -> None:

@@ -1,14 +1,16 @@
 """Which of vLLM's post-conditions broke first on a diverging request's own path (issue 30,
 bucket rule 5; the checks are harness/postconditions.py, the names traces/history.py).
 
-A request reads wrong KV through its own state: a block at a full position that carries another
-prefix's hash, one block at two positions, a block whose reference count is short, a worker
-block-table row that is not the scheduler's. Where that block's prefix-cache entry had broken
-before (the allocator mis-recorded it and the request was handed it by a hit), the map break is
-the origin: it names the operation that went wrong, not the place it showed. One name per
-request, by a fixed precedence, so that one cause gives one name across witnesses: the map
-break first (its cause precedes the request's), then the worker's row, the reference count, a
-foreign block, a repeated one (a repeated block is usually foreign too: the foreign name wins)."""
+A request reads wrong KV through its own state: a worker block-table row that is not the
+scheduler's, a block at a full position that holds another prefix's content (it carries
+another hash, or none while another request holds it), one block at two positions. Those are
+the *harmful* breaks. Others are *latent*: a prefix-cache entry that finds the wrong block, a
+reference count short of the block's holders — nothing reads wrong KV until a request is
+handed that block. A latent break is the root of a later harmful break on its block, and then
+it is the name (it says which operation went wrong, not where it showed); alone it names
+nothing: a fault that breaks a count in every trace but corrupts an output in few must not
+claim the victims of another cause in the same run (rule 5.2: faults T and U on at once).
+One name per request: its first harmful break by step, then by a fixed precedence."""
 
 from __future__ import annotations
 
@@ -16,24 +18,23 @@ from collections.abc import Iterable
 
 from kvfuzz.traces.history import Break
 
-PRECEDENCE: tuple[str, ...] = ("map-entry-stolen", "map-entry-orphaned", "worker-row", "held-block-undercounted",
-                               "held-block-foreign", "held-block-repeated")
+HARMFUL: tuple[str, ...] = ("worker-row", "held-block-foreign", "held-block-repeated")
 
 
 def witness(breaks: Iterable[Break], request: str) -> Break | None:
-    """The break that names ``request``'s origin: its first own break, by precedence."""
-    own = [b for b in breaks if b.request == request]
+    """The break that names ``request``'s origin: its first harmful break, by precedence."""
+    own = [b for b in breaks if b.request == request and b.name in HARMFUL]
     if not own:
         return None
     first = min(b.step for b in own)
-    return min((b for b in own if b.step == first), key=lambda b: PRECEDENCE.index(b.root or b.name))
+    return min((b for b in own if b.step == first), key=lambda b: HARMFUL.index(b.name))
 
 
 def origin(breaks: Iterable[Break], request: str) -> str | None:
-    """The name of the first post-condition broken on ``request``'s own state (its root where
-    the block's map entry broke first), or None when none did (or the run was not monitored)."""
+    """The name of the first harmful break on ``request``'s own state (its block's latent
+    break where there was one), or None when none broke (or the run was not monitored)."""
     w = witness(breaks, request)
     return None if w is None else w.root or w.name
 
 
-__all__ = ["PRECEDENCE", "origin", "witness"]
+__all__ = ["HARMFUL", "origin", "witness"]

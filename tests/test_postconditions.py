@@ -246,3 +246,27 @@ def test_a_row_is_checked_against_the_blocks_its_step_was_scheduled_with():
     live.kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks = {}  # finished and freed
     m.after_step(live, batch({"v": [1, 0]}))  # its row, moved one block short, was read this step
     assert [(x.name, x.request) for x in m.breaks] == [("worker-row", "v")]
+
+
+def test_a_short_count_is_latent_until_its_block_is_handed_out_again():
+    """Fault U's shape (rule 5.2): a hit takes no reference on a block in use. The short count
+    names nothing alone; once the block is reallocated under the reader, the reader holds a
+    block another request writes, and the count is the root of that."""
+    b = Block(2, G(2), ref_cnt=1)
+    pool = Pool([b], {G(2): b})
+    m = monitor(pool, {"a": [b], "v": [b]}, {"a": [H(2)], "v": [H(2)]})
+    assert {x.name for x in m.breaks} == {"held-block-undercounted"} and origin(m.breaks, "v") is None
+    b.block_hash = None  # a finished, its last reference went; c was handed the block (evicted)
+    pool.entries.clear()
+    monitor(pool, {"v": [b], "c": [b]}, {"v": [H(2)], "c": [H(7)]}, step=5, m=m)
+    (w,) = [x for x in m.breaks if x.request == "v" and x.name == "held-block-foreign"]
+    assert w.step == 5 and w.root == "held-block-undercounted" and "also held by c" in w.detail
+    assert origin(m.breaks, "v") == "held-block-undercounted"
+
+
+def test_a_latent_break_of_one_cause_never_claims_the_victim_of_another():
+    """T and U on at once: a victim whose count U broke first and whose row T broke later is
+    T's (54 of 56 such victims in a 3-minute campaign had been named after U's count)."""
+    breaks = [Break(step=2, name="held-block-undercounted", request="v", block=3),
+              Break(step=9, name="worker-row", request="v", block=8)]
+    assert origin(breaks, "v") == "worker-row"

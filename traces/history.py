@@ -112,10 +112,12 @@ class StepRecord(_Data):
 # - map-entry-stolen: the same, while another block carries that hash and the map no longer
 #   finds it (the entry was taken from its block);
 # - held-block-foreign: a request holds, at a full position, a block carrying another hash than
-#   the request's own at that position;
+#   the request's own at that position, or none while another request holds it too;
 # - held-block-repeated: a request holds one block at two positions;
 # - held-block-undercounted: a block's reference count is below the number of its holders;
 # - worker-row: the worker's block-table row of a request differs from the scheduler's blocks.
+# The map entries and the count are latent (no request reads wrong KV yet); the other three are
+# harmful, and carry their block's latent break as ``root`` (oracle/postconditions.py).
 BreakName = Literal["map-entry-orphaned", "map-entry-stolen", "held-block-foreign", "held-block-repeated",
                     "held-block-undercounted", "worker-row"]
 # Broken on the allocator's own state (no request named); the others are a request's own state.
@@ -130,8 +132,8 @@ class Break(_Data):
     name: BreakName
     request: str | None = None
     block: int | None = None
-    # A request's break on a block whose map entry broke earlier (or in the same step): that
-    # map break's name (the request read a block the allocator had already mis-recorded).
+    # A harmful break (held-block-foreign / -repeated) on a block whose latent break (a map
+    # entry, a short count) came earlier or in the same step: that latent break's name.
     root: BreakName | None = None
     detail: str = ""
 
