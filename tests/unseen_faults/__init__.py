@@ -26,4 +26,7 @@ And after bucket rule 5 (000a882, the post-conditions of harness/postconditions.
 - ``hit_takes_no_reference`` (U, a prefix hit's reference count): a request whose hit ends on a
   block another running request holds takes no reference on it; the block is freed under it
   and handed to another request while it still reads it.
+And after rule 5.2 (653a980; U had shown that a latent break must not name a victim):
+- ``append_repeats_first_block`` (V, the persistent batch's block table on append): two or more
+  block ids appended to a non-empty row are written with the first one twice.
 """
