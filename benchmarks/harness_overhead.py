@@ -23,6 +23,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from kvfuzz.fuzzer import default_engine
+    from kvfuzz.harness.embedded import resolve_model
     from kvfuzz.harness.inprocess import InProcessEngine
     from kvfuzz.harness.vllm_args import engine_args
     from kvfuzz.traces import At, GenPrompt, SendEvent, Trace, expand
@@ -43,7 +44,19 @@ def main() -> None:
         h = eng.replay(trace)
         harness.append(time.perf_counter() - t0)
     tokens_h = {r: v.token_ids for r, v in h.requests.items()}
-    model_path = eng._model_path
+    # The post-condition monitor's own share (harness/postconditions.py): the same replays
+    # with its checks switched off.
+    from kvfuzz.harness.postconditions import Monitor
+
+    checks = Monitor._guarded
+    Monitor._guarded = lambda self, fn: None  # type: ignore[method-assign]
+    unmonitored = []
+    for _ in range(args.repeats):
+        t0 = time.perf_counter()
+        eng.replay(trace)
+        unmonitored.append(time.perf_counter() - t0)
+    Monitor._guarded = checks  # type: ignore[method-assign]
+    model_path = resolve_model(cfg).model_path
     eng.close()
 
     from vllm import LLM, SamplingParams
@@ -65,6 +78,8 @@ def main() -> None:
         "requests": args.requests, "max_tokens": args.max_tokens, "repeats": args.repeats,
         "engine_start_s": round(start_s, 2), "llm_start_s": round(llm_start_s, 2),
         "harness_replay_s_median": round(statistics.median(harness), 3),
+        "harness_replay_unmonitored_s_median": round(statistics.median(unmonitored), 3),
+        "monitor_ratio": round(statistics.median(harness) / statistics.median(unmonitored), 3),
         "llm_generate_s_median": round(statistics.median(generate), 3),
         "overhead_ratio": round(statistics.median(harness) / statistics.median(generate), 3),
         "same_tokens": same,

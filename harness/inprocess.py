@@ -643,7 +643,7 @@ class InProcessEngine:
                 recs[r].num_preemptions += 1
         hist.steps.append(rec)
         core = self._core()
-        self._monitor.after_step(core.scheduler, worker_batch(core))
+        self._monitor.after_step(worker_batch(core))
 
     # -- references ----------------------------------------------------------------------------
     @property

@@ -26,6 +26,7 @@ then falls back to the ablation verdicts), never a false break.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -55,8 +56,8 @@ def _hex(h: Any) -> str:
 class Monitor:
     """One run's post-condition checks: ``after_schedule`` right after the scheduler's
     ``schedule()`` (a request that finishes in this step is freed before the step ends, and its
-    state must be seen while it is alive), ``after_step`` once the step is done (the frees, and
-    the worker's rows against the blocks that step was scheduled with). ``step`` is the engine
+    state must be seen while it is alive), ``after_step`` once the step is done (the worker's
+    rows against the blocks that step was scheduled with). ``step`` is the engine
     step being run; ``ext`` maps vLLM's request ids to the trace's."""
 
     def __init__(self, ext: Callable[[str], str] = str) -> None:
@@ -73,20 +74,20 @@ class Monitor:
         self._rows: dict[str, list[list[int]]] = {}  # request -> its block ids per group, at schedule
 
     def after_schedule(self, scheduler: Any) -> None:
-        self._guarded(lambda: self._scheduler(scheduler, snapshot=True))
+        self._guarded(lambda: self._scheduler(scheduler))
 
-    def after_step(self, scheduler: Any, batch: Any | None) -> None:
-        def run() -> None:
-            managers = self._scheduler(scheduler, snapshot=False)
-            if batch is not None:
-                self._check_rows(self.step, batch, managers, self.ext)
-        self._guarded(run)
+    def after_step(self, batch: Any | None) -> None:
+        """The worker's rows only: the scheduler's state was checked after ``schedule()``, where
+        blocks are allocated, hit, evicted and registered; the rest of a step only frees
+        (a break it leaves is still there at the next ``schedule()``)."""
+        if batch is not None:
+            self._guarded(lambda: self._check_rows(self.step, batch, self.ext))
 
     def check(self, step: int, scheduler: Any, batch: Any | None) -> None:
         """Both checks at once, on a state that did not change in between (unit tests)."""
         self.step = step
         self.after_schedule(scheduler)
-        self.after_step(scheduler, batch)
+        self.after_step(batch)
 
     def _guarded(self, fn: Callable[[], None]) -> None:
         if self.disabled or len(self.breaks) - self._map_recorded >= MAX_BREAKS:
@@ -98,19 +99,12 @@ class Monitor:
             log.debug("post-conditions not checked on this vLLM layout", exc_info=True)
             self.disabled = True
 
-    def _scheduler(self, scheduler: Any, *, snapshot: bool) -> Any:
+    def _scheduler(self, scheduler: Any) -> None:
         mgr = scheduler.kv_cache_manager
         pool, managers = mgr.block_pool, mgr.coordinator.single_type_managers
         if pool.enable_caching:
             self._check_map(self.step, pool)
         self._check_requests(self.step, scheduler, pool, managers, self.ext)
-        if snapshot:
-            rows: dict[str, list[list[int]]] = {}
-            for m in managers:
-                for rid, blocks in m.req_to_blocks.items():
-                    rows.setdefault(rid, []).append([b.block_id for b in blocks])
-            self._rows = rows
-        return managers
 
     def _add(self, step: int, name: BreakName, *, request: str | None = None, block: int | None = None,
              detail: str = "") -> None:
@@ -128,7 +122,10 @@ class Monitor:
         extra: dict[int, set[Any]] = getattr(pool, "cached_block_hashes_by_block", None) or {}
         table = pool.cached_block_hash_to_block
         entries: dict[Any, Any] = table._cache if hasattr(table, "_cache") else table
-        orphans = [(key, b) for key, value in entries.items() for b in _map_blocks(value)
+        # Fast path first (a lone block carrying its own key, the common case), every step.
+        suspects = [(key, value) for key, value in entries.items()
+                    if isinstance(value, dict) or value.block_hash != key]
+        orphans = [(key, b) for key, value in suspects for b in _map_blocks(value)
                    if b.block_id not in self._map_broken and b.block_hash != key
                    and key not in extra.get(b.block_id, ())]
         if not orphans:
@@ -160,55 +157,64 @@ class Monitor:
             self._add(step, name, request=rid, block=block, detail=detail)
 
     def _check_requests(self, step: int, scheduler: Any, pool: Any, managers: Any, ext: Callable[[str], str]) -> None:
+        """Each request's blocks; also snapshots them (``_rows``) for the worker-row check. One
+        pass with list-level fast paths: this runs every step over every held block."""
         extra: dict[int, set[Any]] = getattr(pool, "cached_block_hashes_by_block", None) or {}
-        holders: dict[int, list[str]] = {}
-        held: dict[int, Any] = {}
-        for m in managers:
-            for rid, blocks in m.req_to_blocks.items():
-                for b in blocks:
-                    if not b.is_null:
-                        holders.setdefault(b.block_id, []).append(rid)
-                        held[b.block_id] = b
-        # Latent first: a short count is harmless until the block is handed out again, and then
-        # it is the root of the reader's foreign block (below).
-        for bid in sorted(bid for bid, rids in holders.items() if held[bid].ref_cnt < len(rids)):
-            self._roots.setdefault(bid, "held-block-undercounted")
-            for rid in dict.fromkeys(holders[bid]):
-                self._once(step, "held-block-undercounted", ext(rid), bid,
-                           f"block {bid}: ref_cnt {held[bid].ref_cnt}, {len(holders[bid])} holders")
-        hash_size = getattr(pool, "hash_block_size", None)
+        null = pool.null_block.block_id
+        blocks_of = pool.blocks
+        holders: Counter[int] = Counter()
+        rows: dict[str, list[list[int]]] = {}
+        held: list[tuple[int, str, Any, list[int]]] = []
         for g, m in enumerate(managers):
             for rid, blocks in m.req_to_blocks.items():
-                seen: set[int] = set()
-                for b in blocks:
-                    if b.is_null:
-                        continue
-                    if b.block_id in seen:
-                        self._once(step, "held-block-repeated", ext(rid), b.block_id,
-                                   f"group {g}: block {b.block_id} held twice")
-                    seen.add(b.block_id)
-                req = scheduler.requests.get(rid)
-                if not pool.enable_caching or req is None or m.block_size != hash_size:
+                ids = [b.block_id for b in blocks]
+                rows.setdefault(rid, []).append(ids)
+                real = [i for i in ids if i != null]
+                holders.update(real)
+                held.append((g, rid, blocks, ids))
+                if len(set(real)) != len(real):
+                    twice = next(i for n, i in enumerate(real) if i in real[:n])
+                    self._once(step, "held-block-repeated", ext(rid), twice, f"group {g}: block {twice} held twice")
+        self._rows = rows
+        # Latent first: a short count is harmless until the block is handed out again, and then
+        # it is the root of the reader's foreign block (below).
+        for bid, n in sorted(holders.items()):
+            if blocks_of[bid].ref_cnt < n:
+                self._roots.setdefault(bid, "held-block-undercounted")
+                for m in managers:
+                    for rid, blocks in m.req_to_blocks.items():
+                        if any(b.block_id == bid for b in blocks):
+                            self._once(step, "held-block-undercounted", ext(rid), bid,
+                                       f"block {bid}: ref_cnt {blocks_of[bid].ref_cnt}, {n} holders")
+        if not pool.enable_caching:
+            return
+        hash_size = getattr(pool, "hash_block_size", None)
+        for g, rid, blocks, ids in held:
+            req = scheduler.requests.get(rid)
+            if req is None or managers[g].block_size != hash_size:
+                continue
+            suffix = g.to_bytes(4, "big", signed=False)  # vLLM's BlockHashWithGroupId
+            wants = [h + suffix for h in req.block_hashes[:len(blocks)]]
+            if [b.block_hash for b in blocks[:len(wants)]] == wants:
+                continue  # the common case: every full block carries the request's own hash
+            for i, (b, want) in enumerate(zip(blocks, wants)):
+                if b.is_null or b.block_hash == want:
                     continue
-                for i, (b, h) in enumerate(zip(blocks, req.block_hashes)):
-                    if b.is_null:
-                        continue
-                    want = h + g.to_bytes(4, "big", signed=False)  # vLLM's BlockHashWithGroupId
-                    if b.block_hash is None:
-                        # A full block is shared only through a prefix hit, i.e. cached: one that
-                        # carries no hash and another holder is being written by that holder.
-                        others = [x for x in holders.get(b.block_id, ()) if x != rid]
-                        if others:
-                            self._once(step, "held-block-foreign", ext(rid), b.block_id,
-                                       f"group {g} position {i}: block {b.block_id} carries no hash and is also "
-                                       f"held by {ext(others[0])}")
-                    elif b.block_hash != want and want not in extra.get(b.block_id, ()):
+                if b.block_hash is None:
+                    # A full block is shared only through a prefix hit, i.e. cached: one that
+                    # carries no hash and another holder is being written by that holder.
+                    if holders[b.block_id] > 1:
+                        other = next((r for gg, r, _, xs in held if r != rid and b.block_id in xs), "?")
                         self._once(step, "held-block-foreign", ext(rid), b.block_id,
-                                   f"group {g} position {i}: block {b.block_id} carries {_hex(b.block_hash)}, "
-                                   f"the request's hash is {_hex(want)}")
+                                   f"group {g} position {i}: block {b.block_id} carries no hash and is also "
+                                   f"held by {ext(other)}")
+                elif want not in extra.get(b.block_id, ()):
+                    self._once(step, "held-block-foreign", ext(rid), b.block_id,
+                               f"group {g} position {i}: block {b.block_id} carries {_hex(b.block_hash)}, "
+                               f"the request's hash is {_hex(want)}")
 
     # -- the worker's persistent batch -----------------------------------------------------------
-    def _check_rows(self, step: int, batch: Any, managers: Any, ext: Callable[[str], str]) -> None:
+    def _check_rows(self, step: int, batch: Any, ext: Callable[[str], str]) -> None:
         """Each request's row against the blocks it was scheduled with this step (a request
         that finished in this step is still in the batch, and its row was read)."""
         tables = batch.block_table.block_tables

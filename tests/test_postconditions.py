@@ -49,6 +49,10 @@ class Pool:
 
     def __post_init__(self):
         self.cached_block_hash_to_block = Map(self.entries)
+        # As in vLLM: ``blocks[i].block_id == i``, block 0 the null block.
+        self.null_block = Block(0, is_null=True, ref_cnt=0)
+        by_id = {b.block_id: b for b in self.blocks}
+        self.blocks = [self.null_block] + [by_id.get(i) or Block(i, ref_cnt=0) for i in range(1, max(by_id, default=0) + 1)]
 
 
 @dataclass
@@ -244,7 +248,7 @@ def test_a_row_is_checked_against_the_blocks_its_step_was_scheduled_with():
     m = Monitor()
     m.after_schedule(live)
     live.kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks = {}  # finished and freed
-    m.after_step(live, batch({"v": [1, 0]}))  # its row, moved one block short, was read this step
+    m.after_step(batch({"v": [1, 0]}))  # its row, moved one block short, was read this step
     assert [(x.name, x.request) for x in m.breaks] == [("worker-row", "v")]
 
 
