@@ -1,10 +1,11 @@
-"""vLLM's KV bookkeeping, checked after every step (in-process harness): which post-condition
+"""vLLM's KV bookkeeping, checked every engine step (in-process harness): which post-condition
 broke, and on what (issue 30, bucket rule 5; docs/oracle.md "Broken post-conditions").
 
 An ablation says which engine mechanism a witness needs; that depends on the witness's schedule
 (removing chunked prefill can make two requests finish in the same step, and then nothing is
 moved at all). What a cause does to the engine's state does not: an allocator that forgets to
-drop a map entry leaves an orphaned entry in every witness. So after each step the harness
+drop a map entry leaves an orphaned entry in every witness. So each step, right after the
+scheduler's ``schedule()`` (and, for the worker's rows, once the step has run), the harness
 compares vLLM's own records with each other, the way vLLM's invariants say they must agree:
 
 - the prefix-cache map (``BlockPool.cached_block_hash_to_block``) finds a block under a hash
@@ -12,14 +13,14 @@ compares vLLM's own records with each other, the way vLLM's invariants say they 
   ``cached_block_hashes_by_block``); an entry that breaks this is *stolen* when another block
   carries the hash and the map no longer finds it there, else *orphaned*;
 - a request's block at a full position carries the request's own hash for that position
-  (``Request.block_hashes``) when it carries one at all; it holds no block twice; a block's
-  ``ref_cnt`` is at least the number of requests holding it;
+  (``Request.block_hashes``), or none only while no other request holds it; it holds no block
+  twice; a block's ``ref_cnt`` is at least the number of requests holding it;
 - the worker's persistent-batch row of a request (``InputBatch.block_table``) lists the
   scheduler's blocks for it (``req_to_blocks``), in order.
 
 Each break is recorded once (per block for the map; per request and name otherwise) into the
-history; the oracle (oracle/postconditions.py) names the first one on a diverging request's own
-path. Read-only and duck-typed: a vLLM release whose layout differs records nothing (the key
+history; the oracle (oracle/postconditions.py) names the first harmful one on a diverging
+request's own path, by its block's latent root where it has one. Read-only and duck-typed: a vLLM release whose layout differs records nothing (the key
 then falls back to the ablation verdicts), never a false break.
 """
 
