@@ -201,11 +201,19 @@ def _aggregate(rid: str, arm: str, acc: _Acc, ref: RequestRecord | None) -> Dive
     teachers = [v.teacher for v in diverged if v.teacher is not None]
     overs = [v.teacher_over for v in diverged if v.teacher_over is not None]
     lo, hi = wilson(len(diverged), len(vs))
+    cls, evidence, detail = worst.cls, list(worst.evidence), worst.detail
+    if cls == "numeric-near-tie" and acc.broke is not None:
+        # A harmful post-condition broke on this request's own state (oracle/postconditions.py):
+        # it read KV that is not its own, however small the flipped margin. Clean vLLM breaks
+        # none, so 16-bit noise is never escalated by this.
+        cls, evidence = "corruption", [*evidence, f"postcondition:{acc.broke}"]
+        detail = (f"{detail}; but vLLM's KV bookkeeping broke on this request's own state ({acc.broke}): "
+                  f"it read KV that is not its own")
     return Divergence(
-        request_id=rid, class_=worst.cls, arm=arm, first_divergence=first, runs_diverged=len(diverged),
+        request_id=rid, class_=cls, arm=arm, first_divergence=first, runs_diverged=len(diverged),
         runs=len(vs), margin=margin, drift=drift, run_margin=run_margin, teacher_drift=max(teachers, default=None),
-        teacher_over=max(overs, default=None), evidence=list(worst.evidence),
-        variants=max(1, len(set(acc.sequences))), rate_low=lo, rate_high=hi, detail=worst.detail,
+        teacher_over=max(overs, default=None), evidence=evidence,
+        variants=max(1, len(set(acc.sequences))), rate_low=lo, rate_high=hi, detail=detail,
         broke=acc.broke,
     )
 

@@ -274,3 +274,19 @@ def test_a_latent_break_of_one_cause_never_claims_the_victim_of_another():
     breaks = [Break(step=2, name="held-block-undercounted", request="v", block=3),
               Break(step=9, name="worker-row", request="v", block=8)]
     assert origin(breaks, "v") == "worker-row"
+
+
+def test_a_flipped_near_tie_on_a_request_whose_own_state_broke_is_corruption():
+    """16-bit noise flips near ties; a request that holds a block of other content read wrong
+    KV however small its margin (U in bfloat16 had filed such a victim as a near tie)."""
+    from test_oracle import FP32, REF, hist, rec, verdict
+
+    near = rec("r0", [1, 7, 3, 4], margins=[1, 0.0003, 1, 1])
+    assert verdict([hist([near])]).class_ == "numeric-near-tie"
+    broke = Break(step=1, name="held-block-foreign", request="r0", block=3, root="held-block-undercounted")
+    v = verdict([hist([near], breaks=[broke])], REF, FP32)
+    assert v.class_ == "corruption" and v.evidence == ["postcondition:held-block-undercounted"]
+    assert v.broke == "held-block-undercounted" and "read KV that is not its own" in v.detail
+    # A latent break alone (a short count, nothing read yet) escalates nothing.
+    latent = Break(step=1, name="held-block-undercounted", request="r0", block=3)
+    assert verdict([hist([near], breaks=[latent])]).class_ == "numeric-near-tie"

@@ -206,7 +206,9 @@ def build(finding: Finding, *, source: str = "FINDING.json",
             r.p("vLLM's own state broke first at engine step ", (str(w.step), "code"), ": ", (w.name, "code"),
                 f" — {w.detail}{root}. docs/oracle.md, \"Broken post-conditions\", says what each name means.")
         if d.first_divergence is not None:
-            decided = [EVIDENCE_WORDS.get(e, e.replace("control:", "the control arm ")) for e in d.evidence]
+            decided = [EVIDENCE_WORDS.get(e, e.replace("control:", "the control arm ")
+                                          .replace("postcondition:", "vLLM's broken post-condition "))
+                       for e in d.evidence]
             if worst == "corruption" and decided:
                 verdict = "Not floating-point noise, by " + ", ".join(decided)
             elif worst == "corruption":
