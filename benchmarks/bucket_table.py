@@ -18,6 +18,7 @@ import json
 from pathlib import Path
 
 from kvfuzz.oracle.buckets import needs_text, severity_order
+from kvfuzz.present.buckets import broken_counts
 from kvfuzz.traces import load_finding
 from kvfuzz.traces.buckets import bucket_from_state, live
 
@@ -56,8 +57,7 @@ def row(out: Path, label: str) -> str:
             parts.append(f"{b.count} ({b.assigned} assigned) {what}, {key}")
         return f"**{len(bs)}**: " + "; ".join(parts)
 
-    cov = d.get("coverage") or {}
-    broke = ", ".join(f"{k[6:]} {n}" for k, n in sorted(cov.items()) if k.startswith("broke:")) or "none"
+    broke = ", ".join(f"{name} {n}" for name, n in broken_counts(d.get("coverage") or {})) or "none"
     return (f"| {label} | {traces} | {secs:.0f} | {rate} | {d.get('findings', 0)} ({by_class}) | {cell(bugs)} | "
             f"{cell(ties)} | {unbucketed} | {len(merges)} | {broke} |")
 

@@ -83,7 +83,7 @@ def signature(history: History, trace: Trace | None = None) -> Signature:
     # A broken post-condition of vLLM's KV bookkeeping (harness/postconditions.py) is the
     # sanitizer's report: a trace that breaks one is kept even when no output differs yet.
     for b in history.breaks:
-        f.add(f"broke:{b.root or b.name}" if b.request else f"broke:{b.name}")
+        f.add(f"broke:{b.root or b.name}")  # a harmful break by its block's latent root
     return frozenset(f)
 
 

@@ -133,7 +133,9 @@ class InProcessEngine:
         self._adapters = AdapterWorkdir()
         self._step_capture: dict[str, Any] = {}
         self._edges = BlockEdges()
-        self._monitor = Monitor()
+        # Checks only inside a replay (the schedule hook also fires on clean-slate aborts and
+        # teacher-forced scoring, whose steps no history records).
+        self._monitor = Monitor(enabled=False)
         self._reference_toggles: list[str] | None = None
         self.start_seconds: float | None = None
 
@@ -570,6 +572,7 @@ class InProcessEngine:
 
         hist.requests = recs
         hist.breaks = list(self._monitor.breaks)
+        self._monitor.disabled = True
         hist.wall_seconds = time.perf_counter() - t0
         return hist
 

@@ -61,9 +61,9 @@ class Monitor:
     rows against the blocks that step was scheduled with). ``step`` is the engine
     step being run; ``ext`` maps vLLM's request ids to the trace's."""
 
-    def __init__(self, ext: Callable[[str], str] = str) -> None:
+    def __init__(self, ext: Callable[[str], str] = str, *, enabled: bool = True) -> None:
         self.breaks: list[Break] = []
-        self.disabled = False
+        self.disabled = not enabled
         self.step = 0
         self.ext = ext
         self._map_broken: set[int] = set()  # blocks whose map entry broke (checked once)
@@ -90,8 +90,13 @@ class Monitor:
         self.after_schedule(scheduler)
         self.after_step(batch)
 
+    @property
+    def _full(self) -> bool:
+        """The requests' breaks are capped (the map's apart, ``MAX_MAP_BREAKS``)."""
+        return len(self.breaks) - self._map_recorded >= MAX_BREAKS
+
     def _guarded(self, fn: Callable[[], None]) -> None:
-        if self.disabled or len(self.breaks) - self._map_recorded >= MAX_BREAKS:
+        if self.disabled or self._full:
             return
         try:
             fn()
@@ -113,7 +118,7 @@ class Monitor:
             if self._map_recorded >= MAX_MAP_BREAKS:
                 return
             self._map_recorded += 1
-        elif len(self.breaks) - self._map_recorded >= MAX_BREAKS:
+        elif self._full:
             return
         root = self._roots.get(block) if name in ROOTED and block is not None else None
         self.breaks.append(Break(step=step, name=name, request=request, block=block, root=root, detail=detail))
@@ -182,11 +187,10 @@ class Monitor:
         for bid, n in sorted(holders.items()):
             if blocks_of[bid].ref_cnt < n:
                 self._roots.setdefault(bid, "held-block-undercounted")
-                for m in managers:
-                    for rid, blocks in m.req_to_blocks.items():
-                        if any(b.block_id == bid for b in blocks):
-                            self._once(step, "held-block-undercounted", ext(rid), bid,
-                                       f"block {bid}: ref_cnt {blocks_of[bid].ref_cnt}, {n} holders")
+                for _, rid, _, ids in held:
+                    if bid in ids:
+                        self._once(step, "held-block-undercounted", ext(rid), bid,
+                                   f"block {bid}: ref_cnt {blocks_of[bid].ref_cnt}, {n} holders")
         if not pool.enable_caching:
             return
         hash_size = getattr(pool, "hash_block_size", None)
@@ -205,7 +209,7 @@ class Monitor:
                     # A full block is shared only through a prefix hit, i.e. cached: one that
                     # carries no hash and another holder is being written by that holder.
                     if holders[b.block_id] > 1:
-                        other = next((r for gg, r, _, xs in held if r != rid and b.block_id in xs), "?")
+                        other = next((r for _, r, _, xs in held if r != rid and b.block_id in xs), "?")
                         self._once(step, "held-block-foreign", ext(rid), b.block_id,
                                    f"group {g} position {i}: block {b.block_id} carries no hash and is also "
                                    f"held by {ext(other)}")

@@ -290,3 +290,19 @@ def test_a_flipped_near_tie_on_a_request_whose_own_state_broke_is_corruption():
     # A latent break alone (a short count, nothing read yet) escalates nothing.
     latent = Break(step=1, name="held-block-undercounted", request="r0", block=3)
     assert verdict([hist([near], breaks=[latent])]).class_ == "numeric-near-tie"
+
+
+def test_a_break_is_a_coverage_feature_named_by_its_root_and_a_disabled_monitor_checks_nothing():
+    from kvfuzz.fuzzer.feedback import signature
+    from kvfuzz.traces import History
+
+    h = History(trace_id="t", engine="inprocess", breaks=[
+        Break(step=1, name="map-entry-orphaned", block=3),
+        Break(step=2, name="held-block-foreign", request="v", block=3, root="map-entry-orphaned"),
+        Break(step=2, name="worker-row", request="w", block=4)])
+    assert {x for x in signature(h) if x.startswith("broke:")} == {"broke:map-entry-orphaned", "broke:worker-row"}
+    b = Block(2, G(9))
+    pool = Pool([b], {G(1): b})
+    m = Monitor(enabled=False)
+    m.check(0, Scheduler(pool, {"v": [b]}, {"v": [H(1)]}), None)
+    assert m.breaks == [] and monitor(pool, {"v": [b]}, {"v": [H(1)]}).breaks != []

@@ -72,10 +72,15 @@ def summary_line(rs: list[BucketRow], findings: int) -> str:
     return line
 
 
+def broken_counts(coverage: Mapping[str, int]) -> list[tuple[str, int]]:
+    """(post-condition, traces that broke it), from a campaign's coverage's ``broke:`` features."""
+    return sorted((k.removeprefix("broke:"), n) for k, n in coverage.items() if k.startswith("broke:"))
+
+
 def broken_line(coverage: Mapping[str, int]) -> str | None:
-    """The campaign's post-condition breaks (its coverage's ``broke:`` features), or None: a
-    break is a bookkeeping bug in vLLM even on traces whose outputs all matched."""
-    broke = sorted((k.removeprefix("broke:"), n) for k, n in coverage.items() if k.startswith("broke:"))
+    """The campaign's post-condition breaks, or None: a break is a bookkeeping bug in vLLM even
+    on traces whose outputs all matched."""
+    broke = broken_counts(coverage)
     if not broke:
         return None
     return ("vLLM post-conditions broken in fuzzed runs (its KV bookkeeping disagreed with itself, even where "
@@ -148,4 +153,4 @@ def load_campaign(path: Path) -> tuple[list[BucketRow], int]:
     return rows(buckets, data.get("merges") or {}), int(data.get("findings", 0))
 
 
-__all__ = ["BucketRow", "finding_lines", "membership_text", "load_campaign", "markdown", "rich_tables", "rows", "sections", "summary_line"]
+__all__ = ["BucketRow", "broken_counts", "broken_line", "finding_lines", "membership_text", "load_campaign", "markdown", "rich_tables", "rows", "sections", "summary_line"]
