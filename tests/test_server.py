@@ -438,7 +438,9 @@ def test_managed_server_replay_then_server_dies_mid_trace(tmp_path, kvfuzz_cli):
     killed: list[int] = []
 
     def running() -> bool:
-        """The server has requests in flight (its /metrics): the second file's run is on."""
+        """The second file's three requests are in the server (its /metrics). Any request in
+        flight was not enough: the first file's cancelled r2 can linger a moment while the
+        second replay waits for an idle server, and a kill then landed between runs."""
         import re
 
         import httpx
@@ -448,8 +450,9 @@ def test_managed_server_replay_then_server_dies_mid_trace(tmp_path, kvfuzz_cli):
             text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=2.0).text
         except httpx.HTTPError:
             return False
-        return any(line.startswith("vllm:num_requests_running") and float(line.split()[-1]) > 0
-                   for line in text.splitlines())
+        held = sum(float(line.split()[-1]) for line in text.splitlines()
+                   if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting")))
+        return held >= 3
 
     def killer() -> None:
         deadline = time.monotonic() + 600
