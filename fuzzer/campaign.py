@@ -146,10 +146,12 @@ class CampaignState:
     # finding is left without one now (triage/campaign.py assigns it), so it only ever shrinks.
     untriaged: list[str] = field(default_factory=list)
     # Campaigns on many workers (fuzzer/distributed.py): the window of the determinism rule,
-    # traces committed per worker, traces re-queued after their worker died, and those deaths.
+    # traces committed per worker, traces re-queued after their worker died, and those deaths;
+    # findings run again at the commit point before they could open a bucket (``deferred``).
     window: int | None = None
     by_worker: dict[str, int] = field(default_factory=dict)
     requeued: int = 0
+    deferred: int = 0
     worker_deaths: list[dict] = field(default_factory=list)
     # Adapter-lifecycle generation (``kvfuzz run --lifecycle``; GenOptions.lifecycle).
     lifecycle: bool = False

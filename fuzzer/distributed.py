@@ -14,6 +14,13 @@ is the serial campaign (trace ``i`` sees ``0 .. i-1``). A window larger than the
 keeps workers busy while a slow trace holds the commit point; it is recorded in
 ``campaign.json`` and kept by ``--resume``.
 
+A finding that would open a bucket is triaged in full (a time box of replays) only when every
+lower index is committed (``Task.settled``): before that, a lower trace still running may open
+the same bucket, and two workers would each spend a box on one cause, then merge. An unsettled
+worker returns such a finding *deferred* (placed by its pre-key, untriaged); the driver, when it
+reaches the commit point, runs the trace again, now settled, so its triage sees every bucket of
+indices below it. A deferred finding at the campaign's end is committed as placed: none is lost.
+
 Traces generated but not yet committed are appended to ``OUT/pending.jsonl`` before they are
 handed out, so a resumed campaign re-runs exactly them (a result that finished after the commit
 point but before the driver died is simply run again).
@@ -56,6 +63,9 @@ class Task:
     # only a finding whose key agrees with none. Every committed index is lower than this one.
     known: dict[str, Bucket]
     merges: dict[str, str] = field(default_factory=dict)
+    # Every lower index is committed: ``known`` is final for this trace, and a finding that
+    # agrees with no bucket may open one (triaged in full). See the module docstring.
+    settled: bool = True
 
 
 @dataclass
@@ -72,6 +82,9 @@ class Result:
     files: dict[str, str] = field(default_factory=dict)
     # Where the worker's time went on this trace (traces/timing.py); summed into state.time.
     time: TimeBreakdown | None = None
+    # An unsettled task's finding that agrees with no known bucket: placed by its pre-key only,
+    # to be run again at the commit point (see the module docstring).
+    deferred: bool = False
 
 
 @dataclass
@@ -150,6 +163,9 @@ class Driver:
         self.generated: dict[int, tuple[Trace, str]] = {}
         self.queue: deque[int] = deque()
         self.done: dict[int, Result] = {}
+        # Deferred results, run again at the commit point; committed as placed if the campaign
+        # ends before the re-run answers.
+        self.held: dict[int, Result] = {}
         self.running: dict[int, str] = {}
         self.deaths: dict[int, list[dict]] = {}
         self.arms = arms
@@ -231,6 +247,8 @@ class Driver:
             if not self.queue and not self.running:
                 break
             if stopping and not self.running:
+                if self._commit_ready(stopping, base_seconds, start):
+                    self._sync()
                 break
             if not stopping:
                 for w in self.ex.idle():
@@ -238,7 +256,7 @@ class Driver:
                         break
                     i = self.queue.popleft()
                     self.running[i] = w
-                    self.ex.submit(w, Task(i, self.generated[i][0], *self._known()))
+                    self.ex.submit(w, Task(i, self.generated[i][0], *self._known(), settled=i == st.next_index))
             if not self.running:
                 if not self.ex.alive():
                     raise InfraError("no Ray worker is left alive (every worker died and none could be replaced)")
@@ -252,10 +270,7 @@ class Driver:
                     self._lost(ev)
                 else:
                     self.done[ev.index] = ev
-            committed = False
-            while st.next_index in self.done:
-                self._commit(self.done.pop(st.next_index), base_seconds, start)
-                committed = True
+            committed = self._commit_ready(stopping, base_seconds, start)
             if committed or events:
                 self._sync()
             c1 = resource.getrusage(resource.RUSAGE_SELF)
@@ -269,6 +284,36 @@ class Driver:
         # The pending log keeps only the drawn, unrun window: what a later --resume continues with.
         self._compact_log()
         return st
+
+    def _commit_ready(self, stopping: bool, base_seconds: float, start: float) -> bool:
+        """Commit what is next in index order; a deferred result at the commit point is run
+        again instead, unless the campaign is stopping (then the first pass, as placed)."""
+        st = self.state
+        committed = False
+        while True:
+            i = st.next_index
+            if i in self.done:
+                res = self.done.pop(i)
+                if res.deferred and not stopping:
+                    self._defer(res)
+                    return committed
+            elif stopping and i in self.held and i not in self.running:
+                res = self.held[i]
+            else:
+                return committed
+            self.held.pop(i, None)
+            self._commit(res, base_seconds, start)
+            committed = True
+
+    def _defer(self, res: Result) -> None:
+        """``res`` holds the commit point and its finding agreed with no bucket known when it
+        ran: run it again first, settled (its time so far is counted, its trace is not)."""
+        st = self.state
+        st.deferred += 1
+        if res.time is not None:
+            st.set_time(st.time_breakdown.plus(res.time))
+        self.held[res.index] = res
+        self.queue.appendleft(res.index)
 
     def _known(self) -> tuple[dict[str, Bucket], dict[str, str]]:
         return dict(self.state.bug_buckets), dict(self.state.merges)

@@ -5,6 +5,7 @@ The real cluster runs in tests/test_ray_engine.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import subprocess
@@ -272,3 +273,71 @@ def test_buckets_two_workers_opened_at_once_merge_and_every_finding_has_one(tmp_
 
     again = CampaignState(**json.loads((out / "campaign.json").read_text()))
     assert again.bug_buckets == st.bug_buckets and again.merges == st.merges
+
+
+class DeferringCluster(FakeCluster):
+    """Every task finds the same bug, as a worker's triage (triage/campaign.py) would file it:
+    joined to a known bucket; else, on a settled task, opened after a full triage (counted);
+    else deferred, placed by its pre-key. ``lowest_first`` answers the lowest running index
+    first, and ``clock`` (a list) is advanced ``tick`` seconds by every answer."""
+
+    def __init__(self, *a, lowest_first=False, clock=None, tick=0.0, **kw):
+        super().__init__(*a, **kw)
+        self.lowest_first, self.clock, self.tick = lowest_first, clock, tick
+        self.opened_by: list[tuple[int, bool]] = []
+
+    def wait(self, timeout_s):
+        from test_report import finding
+
+        from kvfuzz.traces.buckets import BucketKey, BucketMembership
+
+        if self.lowest_first:
+            w = min(self.running, key=lambda k: self.running[k].index)
+        else:
+            w = self.rng.choice(sorted(self.running))
+        task = self.running.pop(w)
+        if self.clock is not None:
+            self.clock[0] += self.tick
+        f = finding()
+        f.divergences[0].explained_by = None
+        key = BucketKey(cls="corruption", verdicts={"prefix-caching": "disappears"})
+        known = [b for b in task.known.values() if b.id not in task.merges]
+        deferred = False
+        if known:
+            m = BucketMembership(bucket=known[0].id, key=key, status="triaged", how="key")
+        elif task.settled:
+            self.opened_by.append((task.index, task.settled))
+            m = BucketMembership(bucket=key.digest(), key=key, status="opened", how="new key")
+        else:
+            deferred = True
+            m = BucketMembership(bucket=key.digest(), key=key, status="assigned", how="not triaged")
+        f.buckets = [m]
+        return [Result(task.index, w, finding=f, buckets=fake_buckets(task.trace), memberships=[m], deferred=deferred)]
+
+
+def test_a_finding_is_triaged_in_full_only_once_every_lower_trace_is_committed(tmp_path):
+    """Two workers that both find one bug at once spend one triage box, not two: the task whose
+    lower traces still run defers its finding, and the driver runs it again, settled, at the
+    commit point, where it joins the bucket the lower trace opened (no merge needed)."""
+    for order in range(4):
+        cluster = DeferringCluster(2, order)
+        st = Driver(opts(tmp_path / f"o{order}", 10), cluster, window=4, arms={}).run()
+        live = st.live_buckets()
+        assert len(live) == 1 and live[0].count == st.findings == 10 and not st.untriaged
+        assert cluster.opened_by == [(0, True)] and not st.merges
+        assert st.deferred >= 1 and st.traces == 10
+
+
+def test_a_deferred_finding_is_committed_as_placed_when_the_campaign_ends_first(tmp_path, monkeypatch):
+    """The budget runs out after index 1 was deferred at the commit point and before its re-run
+    started: it is committed with its first pass's placement, never dropped."""
+    from kvfuzz.fuzzer import distributed
+
+    clock = [0.0]
+    monkeypatch.setattr(distributed, "time", type("T", (), {"monotonic": staticmethod(lambda: clock[0])}))
+    cluster = DeferringCluster(2, 0, lowest_first=True, clock=clock, tick=1.0)
+    o = dataclasses.replace(opts(tmp_path / "out", None), budget_s=1.5)
+    st = Driver(o, cluster, window=2, arms={}).run()
+    # 0 opens (settled); 1 was unsettled, deferred, and held when the budget ended; 2 joined.
+    assert cluster.opened_by == [(0, True)] and st.deferred == 1
+    assert st.traces == st.findings == 3 and sum(b.count for b in st.live_buckets()) == 3

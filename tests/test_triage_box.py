@@ -5,6 +5,8 @@ engine: the replayer below records what it was asked to replay."""
 import contextlib
 import time
 
+import pytest
+
 from test_report import finding
 
 from kvfuzz.triage.campaign import MIN_NEW_BUCKET_BOX_S, NEW_BUCKET_SHARE, CampaignTriage
@@ -244,3 +246,44 @@ def test_nothing_runs_past_the_campaigns_budget(tmp_path):
     t2._calls, t2.started = 1, time.monotonic() - 11
     out = t2(f.trace)
     assert out.status == "assigned" and out.buckets[0].bucket == "A" and out.buckets[0].how == "pre-key"
+
+
+def test_an_unsettled_task_defers_a_finding_no_bucket_knows_and_replays_nothing_for_it(tmp_path):
+    """On Ray a lower trace may be opening this finding's bucket right now: the worker files it
+    by its pre-key (a bucket of its own, untriaged) and says so, with no triage replay; settled,
+    the same finding is triaged in full (the box starts: here, its confirmation)."""
+    from kvfuzz.driver.settings import TriageSettings
+    from kvfuzz.traces.result import Checked
+
+    f = finding()
+    f.divergences[0].explained_by = None
+    f.verdicts = [v.model_copy(update={"explained_by": None}) for v in f.verdicts]
+    f.attribution = None
+    rec = None
+
+    class Guard:
+        def check(self, trace, *, runs=None, arms=None):
+            return Checked(rec, list(f.verdicts), f.model_copy(deep=True))  # type: ignore[arg-type]
+
+    class NoReplays:
+        step_exact = True
+
+        @contextlib.contextmanager
+        def scoring(self, which):
+            yield
+
+        def confirm(self, *a, **k):
+            raise RuntimeError("the box started")
+
+        def judge(self, *a, **k):
+            raise AssertionError("no replay for a deferred finding")
+
+    t = CampaignTriage(session=NoReplays(), guard=Guard(), arms={}, out=tmp_path,  # type: ignore[arg-type]
+                       settings=TriageSettings(attribute=False), clean_arm=[])
+    t.settled = False
+    out = t(f.trace)
+    assert out.status == "deferred" and len(out.buckets) == 1
+    assert out.buckets[0].status == "assigned" and out.buckets[0].how.startswith("not triaged")
+    t.settled = True
+    with pytest.raises(RuntimeError, match="the box started"):
+        t(f.trace)

@@ -144,7 +144,9 @@ class Bucket(_Data):
 @dataclass
 class Triaged:
     """What a campaign's triage returns for one trace (triage/campaign.py): the check, the
-    finding's bucket memberships, and what happened (clean / joined / assigned / opened / triaged)."""
+    finding's bucket memberships, and what happened (clean / joined / assigned / opened / triaged /
+    deferred: a Ray task's finding that agreed with no bucket before the traces below it were
+    committed, placed by its pre-key and run again at the commit point)."""
 
     checked: "Checked"
     buckets: list[BucketMembership] = field(default_factory=list)

@@ -90,6 +90,10 @@ class CampaignTriage:
     # Where buckets' regression cases are read from (``Bucket.case`` is relative to it): the
     # campaign's OUT; a Ray worker's is the driver's (``WorkerSpec.cases_dir``), when readable.
     cases: Path | None = None
+    # Whether ``known`` is final for the trace being triaged. A Ray worker's task is unsettled
+    # while a lower index is uncommitted (fuzzer/distributed.py): a finding that agrees with no
+    # bucket is then deferred, not triaged (that lower trace may be opening its bucket now).
+    settled: bool = True
     known_seconds: float = 0.0
     started: float = field(default_factory=time.monotonic)
     assigned_n: int = 0
@@ -148,6 +152,11 @@ class CampaignTriage:
                 new.append(key)
             else:
                 joined.append(BucketMembership(bucket=bucket.id, key=key, status="triaged", how=how))
+        if new and not self.settled:
+            self.status(f"finding {f.id}: deferred until the traces below it are committed")
+            placed = self._place(checked, f, rule.keys_of(f), status="assigned",
+                                 how="not triaged: the campaign ended before the traces below it")
+            return dataclasses.replace(placed, status="deferred")
         if not new:
             if not self.session.step_exact and not self.settings.runs_fixed and self.confirm_runs > 1:
                 checked = self._confirm(checked)

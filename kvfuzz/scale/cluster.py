@@ -340,6 +340,7 @@ class WorkerCore:
         # Exactly the buckets committed below this index (not what this worker saw before):
         # whether a finding opens a bucket never depends on which worker ran what.
         self.triage.restore(dict(task.known), dict(task.merges))
+        self.triage.settled = task.settled
         ledger = self.session.ledger
         before = ledger.breakdown()
         ledger.fresh = True  # the trace's first replay is its fuzzed run (traces/timing.py)
@@ -354,7 +355,7 @@ class WorkerCore:
                 files[str(p.relative_to(self.scratch))] = p.read_text()
                 p.unlink()
         return Result(task.index, self.name, finding=checked.finding, buckets=buckets, memberships=triaged.buckets,
-                      seconds=time.monotonic() - t0, files=files, time=spent)
+                      seconds=time.monotonic() - t0, files=files, time=spent, deferred=triaged.status == "deferred")
 
     def gate(self, planned, runs: int, strict: bool, engine_args: list[str]) -> tuple:
         from kvfuzz.gate.gate import GateRunner
