@@ -76,12 +76,27 @@ def singles_needed(verdicts: Iterable[Divergence], arms: Mapping[str, list[str]]
     whatever the single arms show). Running clean first and the single arms only when this
     holds gives the same attributions for fewer runs (issue 30: a new unexplained bucket's
     re-attribution ran three LoRA-fix arms on a trace without adapters, 139 s of a 3-minute
-    campaign)."""
+    campaign).
+    A divergence that a single-toggle arm already run reproduces needs no more of them: it is
+    explained by that toggle (a campaign runs the single arms of its buckets' explanations
+    first; triage/attribution.py)."""
     vs = list(verdicts)
     clean_arm = find_arm(arms, clean)
     clean_div = _divergent_requests(vs, clean_arm) if clean_arm else set()
-    return any(v.class_ in DIVERGENT_CLASSES and len(candidates(arms.get(v.arm, []), clean)) > 1
-               and v.request_id not in clean_div for v in vs)
+
+    def reproduced(v: Divergence, cands: list[str]) -> bool:
+        for t in cands:
+            a = find_arm(arms, single_arm(t, clean)[1])
+            if a is not None and v.request_id in _divergent_requests(vs, a):
+                return True
+        return False
+
+    for v in vs:
+        cands = candidates(arms.get(v.arm, []), clean)
+        if (v.class_ in DIVERGENT_CLASSES and len(cands) > 1 and v.request_id not in clean_div
+                and not reproduced(v, cands)):
+            return True
+    return False
 
 
 def _divergent_requests(verdicts: Iterable[Divergence], arm: str) -> set[str]:

@@ -188,3 +188,48 @@ def test_attribution_runs_clean_first_and_stops_when_it_already_decides(tmp_path
     out = explain_toggles(Session(), Checked(rec, vs, None))  # type: ignore[arg-type]
     assert asked == [["clean"]]  # no single-toggle arm: the clean arm already answered
     assert all(v.explained_by is None for v in out.verdicts if v.class_ != "ok")
+
+
+def test_a_known_explanations_single_arm_runs_first_and_the_others_only_if_it_reproduces_nothing(monkeypatch):
+    """Issue 30: every LoRA-bug finding below the triage share ran all three LoRA-fix arms
+    (20-30 s each on 2-worker Ray). With the campaign's bucket explained by one fix, its single
+    arm runs first; when it reproduces the divergence, no other single arm runs. When it does
+    not, the others run and decide as before."""
+    from kvfuzz.triage.attribution import explain_toggles
+    from kvfuzz.traces.result import Checked, Recording
+    from test_report import finding
+
+    import kvfuzz.triage.attribution as attribution
+
+    monkeypatch.setattr(attribution, "clean_set", lambda device: list(CLEAN))
+    f = finding()
+
+    def run(reproducing):
+        asked = []
+
+        class Session:
+            device = "cpu"
+
+            def record(self, trace, *, runs=None, arms=None):
+                asked.append(sorted(arms))
+                hs = [h.model_copy(update={"arm": a}) for a in arms for h in f.runs[:1]]
+                return Recording(trace=trace, histories=hs, references=f.references, environment=f.environment,
+                                 arms=arms)
+
+            def verdicts_of(self, rec, *, carry=None):
+                # r1 diverges in vanilla and in the single arm without `reproducing`; fine in clean.
+                bad = {"vanilla"} | {a for a, ts in rec.arms.items() if set(CLEAN) - set(ts) == {reproducing}}
+                return Checked(rec, [dv(a, "r1") if a in bad else dv(a, "r1", "ok") for a in rec.arms], None)
+
+            def finding_of(self, rec, verdicts, *, carry=None, attribution=None):
+                return None
+
+        rec = Recording(trace=f.trace, histories=[h.model_copy(update={"arm": "vanilla"}) for h in f.runs],
+                        references=f.references, environment=f.environment, arms={"vanilla": []})
+        out = explain_toggles(Session(), Checked(rec, [dv("vanilla", "r1")], None), first=[FIX2])  # type: ignore[arg-type]
+        return asked, next(v.explained_by for v in out.verdicts if v.arm == "vanilla")
+
+    asked, why = run(FIX2)
+    assert asked == [["clean"], [f"without:{FIX2}"]] and why == FIX2
+    asked, why = run(FIX)
+    assert asked == [["clean"], [f"without:{FIX2}"], [f"without:{FIX}"]] and why == FIX

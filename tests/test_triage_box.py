@@ -278,12 +278,35 @@ def test_an_unsettled_task_defers_a_finding_no_bucket_knows_and_replays_nothing_
         def judge(self, *a, **k):
             raise AssertionError("no replay for a deferred finding")
 
+    # Attribution on, but no bucket could take it: deferred before any re-run (the Guard here
+    # has no ``rerun``: an attribution would fail).
     t = CampaignTriage(session=NoReplays(), guard=Guard(), arms={}, out=tmp_path,  # type: ignore[arg-type]
-                       settings=TriageSettings(attribute=False), clean_arm=[])
+                       clean_arm=[])
     t.settled = False
     out = t(f.trace)
     assert out.status == "deferred" and len(out.buckets) == 1
     assert out.buckets[0].status == "assigned" and out.buckets[0].how.startswith("not triaged")
     t.settled = True
+    t.settings = TriageSettings(attribute=False)
     with pytest.raises(RuntimeError, match="the box started"):
         t(f.trace)
+
+
+def test_a_known_buckets_attribution_that_would_end_past_the_budget_is_not_started(tmp_path):
+    """Issue 30: two 30 s LoRA-bug attributions started 16 s before the end of a 3-minute
+    campaign. The re-runs are estimated from the trace's own run (one per arm attribution may
+    add): one that would end past the budget is not started, the finding is filed by pre-key."""
+    from kvfuzz.driver.settings import TriageSettings
+    from kvfuzz.traces.result import Checked, Recording
+
+    f = finding()
+    rec = Recording(trace=f.trace, histories=list(f.runs), references=dict(f.references), environment=f.environment,
+                    arms=dict(f.arms))
+    t = CampaignTriage(session=None, guard=None, arms={}, out=tmp_path,  # type: ignore[arg-type]
+                       settings=TriageSettings(budget_s=100.0), clean_arm=[])
+    t.started = time.monotonic() - 95  # 5 s left; attribution adds one arm (clean) here
+    c = Checked(rec, list(f.verdicts), f)
+    assert not t._outlasts_budget(c, 3.0)
+    assert t._outlasts_budget(c, 6.0)
+    t.settings = TriageSettings(budget_s=None)
+    assert not t._outlasts_budget(c, 600.0)

@@ -4,6 +4,8 @@ toggle explains it, or that none does. The reasoning is pure (oracle/attribution
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from kvfuzz.harness.toggles import clean_set
 from kvfuzz.oracle import divergent
 from kvfuzz.oracle.attribution import CLEAN, attribute, plan, singles_needed
@@ -13,25 +15,34 @@ from kvfuzz.traces import Attribution, Finding, Trace
 from kvfuzz.traces.result import Checked, Recording
 
 
-def explain_toggles(session: Session, checked: Checked, *, runs: int | None = None) -> Checked:
-    """``checked`` with every divergence's ``explained_by`` filled in (re-running arms as needed)."""
+def explain_toggles(session: Session, checked: Checked, *, runs: int | None = None,
+                    first: Iterable[str] = ()) -> Checked:
+    """``checked`` with every divergence's ``explained_by`` filled in (re-running arms as needed).
+    ``first``: toggles whose single arms run before the others (a campaign's known
+    explanations); the rest run only for divergences none of those reproduces. A divergence
+    one of them reproduces is explained by it without asking whether another toggle alone
+    would reproduce it too (issue 30: the three LoRA-fix arms on every LoRA-bug finding below
+    the triage share, 20-30 s each on 2-worker Ray)."""
     if not divergent(checked.verdicts):
         return checked
     rec = checked.recording
     clean = clean_set(session.device)
     extra = plan({v.arm for v in divergent(checked.verdicts)}, rec.arms, clean)
     # The clean arm first; the single-toggle arms only when they can still change an answer.
-    first = {k: v for k, v in extra.items() if k == CLEAN}
-    singles = {k: v for k, v in extra.items() if k not in first}
+    wanted = set(first)
+    clean_arm = {k: v for k, v in extra.items() if k == CLEAN}
+    singles = {k: v for k, v in extra.items() if k not in clean_arm}
     added: list[str] = []
-    if first:
-        checked = _recorded(session, rec, first, runs)
+    if clean_arm:
+        checked = _recorded(session, rec, clean_arm, runs)
         rec = checked.recording  # with the teacher-forced scorings of the new runs
-        added += first
-    if singles and singles_needed(checked.verdicts, rec.arms, clean):
-        checked = _recorded(session, rec, singles, runs)
-        rec = checked.recording
-        added += singles
+        added += clean_arm
+    early = {k: v for k, v in singles.items() if k.split(":", 1)[-1] in wanted}
+    for batch in (early, {k: v for k, v in singles.items() if k not in early}):
+        if batch and singles_needed(checked.verdicts, rec.arms, clean):
+            checked = _recorded(session, rec, batch, runs)
+            rec = checked.recording
+            added += batch
     verdicts = attribute(checked.verdicts, rec.arms, clean)
     return Checked(rec, verdicts, session.finding_of(
         rec, verdicts, attribution=Attribution(clean=list(clean), added_arms=sorted(added))))
@@ -47,10 +58,11 @@ def _recorded(session: Session, rec: Recording, arms: dict[str, list[str]], runs
         arms=every, scores=[*rec.scores, *more.scores]))
 
 
-def explain_guarded(guard: Recovering, checked: Checked, *, runs: int | None = None) -> Checked:
+def explain_guarded(guard: Recovering, checked: Checked, *, runs: int | None = None,
+                    first: Iterable[str] = ()) -> Checked:
     """``explain_toggles`` inside the campaign's crash guard: an engine that dies or hangs in
     an attribution re-run makes the trace an engine-crash finding, as in its first run."""
-    return guard.rerun(checked, lambda: explain_toggles(guard.session, checked, runs=runs))
+    return guard.rerun(checked, lambda: explain_toggles(guard.session, checked, runs=runs, first=first))
 
 
 def check_attributed(session: Session, trace: Trace, *, runs: int | None = None,

@@ -41,8 +41,10 @@ from kvfuzz.harness.toggles import clean_set
 from kvfuzz.driver.session import Session
 from kvfuzz.driver.settings import CampaignSettings, TriageSettings
 from kvfuzz.oracle import buckets as rule
+from kvfuzz.oracle.attribution import plan
 from kvfuzz.oracle.controls import escalate
 from kvfuzz.traces import Finding, Trace
+from kvfuzz.traces.finding import DIVERGENT_CLASSES
 from kvfuzz.traces.buckets import (KEY_MECHANISMS, Bucket, BucketKey, BucketMembership, Outcome, Triaged, same_break,
                                    with_evidence)
 from kvfuzz.traces.io import load_finding
@@ -112,6 +114,12 @@ class CampaignTriage:
     def alive(self) -> list[Bucket]:
         return rule.live(self.known, self.merges)
 
+    @property
+    def explanations(self) -> list[str]:
+        """The toggles the campaign's buckets are explained by: attribution tries their
+        single-toggle arms first (a finding of a known bucket needs no other)."""
+        return sorted({t for b in self.alive if b.key.explained_by for t in b.key.explained_by.split("+")})
+
     def __call__(self, trace: Trace) -> Triaged:
         if self._calls == 0:
             # The campaign's clock starts with its first trace, not when this was built (before
@@ -124,7 +132,9 @@ class CampaignTriage:
 
     def _call(self, trace: Trace) -> Triaged:
         runs = self.confirm_runs if self.settings.runs_fixed else 1
+        t_run = time.monotonic()
         checked = self.guard.check(trace, runs=runs, arms=self.arms)
+        t_run = time.monotonic() - t_run
         f = checked.finding
         if f is None:
             return Triaged(checked)
@@ -134,15 +144,18 @@ class CampaignTriage:
             return self._place(checked, f, rule.keys_of(f), status="triaged", how="class")
         t0 = time.monotonic()
         self._evidence = {}
-        if self.alive and (self.over_share or self.over_budget):
+        if not self.settled and not self._could_join(f):
+            return self._defer(checked, f)  # before attribution: no known bucket can take it
+        ending = self.over_budget or self._outlasts_budget(checked, t_run)
+        if self.alive and (self.over_share or ending):
             # Past the campaign's budget (its last trace), no replay at all: it must end on time.
-            out = self._assign(checked, replays=not self.over_budget)
+            out = self._assign(checked, replays=not ending)
             self.known_seconds += time.monotonic() - t0
             if out is not None:
                 return out
             t0 = time.monotonic()  # another cause: triaged like any finding from here
         if self.settings.attribute:
-            checked = explain_guarded(self.guard, checked, runs=runs)
+            checked = explain_guarded(self.guard, checked, runs=runs, first=self.explanations)
             f = checked.finding or f
         joined: list[BucketMembership] = []
         new: list[BucketKey] = []
@@ -153,10 +166,7 @@ class CampaignTriage:
             else:
                 joined.append(BucketMembership(bucket=bucket.id, key=key, status="triaged", how=how))
         if new and not self.settled:
-            self.status(f"finding {f.id}: deferred until the traces below it are committed")
-            placed = self._place(checked, f, rule.keys_of(f), status="assigned",
-                                 how="not triaged: the campaign ended before the traces below it")
-            return dataclasses.replace(placed, status="deferred")
+            return self._defer(checked, f)
         if not new:
             if not self.session.step_exact and not self.settings.runs_fixed and self.confirm_runs > 1:
                 checked = self._confirm(checked)
@@ -232,7 +242,7 @@ class CampaignTriage:
         how = "pre-key"
         if len({b.key.base for b in cands}) != 1 and self.settings.attribute and replays:
             # Several explanations possible, or none known: one attribution replay.
-            checked = explain_guarded(self.guard, checked)
+            checked = explain_guarded(self.guard, checked, first=self.explanations)
             f = checked.finding or f
             how = "pre-key after attribution"
             keys = rule.keys_of(f)
@@ -264,6 +274,21 @@ class CampaignTriage:
                         how = f"pre-key, replay: {mech} {key.verdicts[mech]}"
         m = BucketMembership(bucket=bucket.id, key=key, status="assigned", how=how)
         return self._done(checked, f, [m], "assigned")
+
+    def _could_join(self, f: Finding) -> bool:
+        """Whether any live bucket might take ``f`` (its pre-key for the worst class; any
+        bucket of another class it diverged in)."""
+        worst = f.worst_class()
+        others = {d.class_ for d in f.divergences if d.class_ in DIVERGENT_CLASSES} - {worst}
+        return bool(rule.prekey_candidates(f, self.alive, self.clean)) or any(b.key.cls in others for b in self.alive)
+
+    def _defer(self, checked: Checked, f: Finding) -> Triaged:
+        """An unsettled task's finding that no known bucket takes: placed by its pre-key, for
+        the driver to run again at the commit point (fuzzer/distributed.py)."""
+        self.status(f"finding {f.id}: deferred until the traces below it are committed")
+        placed = self._place(checked, f, rule.keys_of(f), status="assigned",
+                             how="not triaged: the campaign ended before the traces below it")
+        return dataclasses.replace(placed, status="deferred")
 
     # -- a new bucket: everything ------------------------------------------------------------------
     @property
@@ -337,7 +362,7 @@ class CampaignTriage:
         again = self.session.verdicts_of(rec, carry=checked.finding)
         if self.settings.attribute and checked.finding is not None and checked.finding.attribution is not None:
             late = deadline is not None and time.monotonic() >= deadline
-            again = explain_guarded(self.guard, again, runs=1 if late else self.confirm_runs)
+            again = explain_guarded(self.guard, again, runs=1 if late else self.confirm_runs, first=self.explanations)
         return again
 
     # -- filing --------------------------------------------------------------------------------------
@@ -378,6 +403,19 @@ class CampaignTriage:
     def over_budget(self) -> bool:
         end = self.campaign_end
         return end is not None and time.monotonic() >= end
+
+    def _outlasts_budget(self, checked: Checked, t_run: float) -> bool:
+        """Whether the attribution re-runs (one per arm it may add, each about as long as the
+        trace's own run) would end past the campaign's budget: a finding of a known bucket is
+        then filed by its pre-key (issue 30: two 30 s LoRA-bug attributions started 16 s before
+        the end of a 3-minute campaign)."""
+        end = self.campaign_end
+        if end is None or not self.settings.attribute or checked.finding is None:
+            return False
+        f = checked.finding
+        extra = plan({d.arm for d in f.divergences if d.class_ in DIVERGENT_CLASSES}, checked.recording.arms,
+                     self.clean)
+        return time.monotonic() + t_run * len(extra) > end
 
     @property
     def over_share(self) -> bool:
