@@ -155,38 +155,48 @@ def test_single_toggle_arms_only_when_the_clean_arm_leaves_a_question():
     assert not singles_needed([dv("vanilla", "r1")], {"vanilla": ["fix-a"], "clean": clean}, clean)
 
 
+class ArmRecorder:
+    """A session for ``explain_toggles``: records which arms it was asked to run (``asked``)
+    and judges every recording with ``judge(rec) -> verdicts``."""
+
+    device = "cpu"
+
+    def __init__(self, f, judge):
+        self.f, self.judge, self.asked = f, judge, []
+
+    def record(self, trace, *, runs=None, arms=None):
+        from kvfuzz.traces.result import Recording
+
+        self.asked.append(sorted(arms))
+        hs = [h.model_copy(update={"arm": a}) for a in arms for h in self.f.runs[:1]]
+        return Recording(trace=trace, histories=hs, references=self.f.references, environment=self.f.environment,
+                         arms=arms)
+
+    def verdicts_of(self, rec, *, carry=None):
+        from kvfuzz.traces.result import Checked
+
+        return Checked(rec, self.judge(rec), None)
+
+    def finding_of(self, rec, verdicts, *, carry=None, attribution=None):
+        return None
+
+
 def test_attribution_runs_clean_first_and_stops_when_it_already_decides(tmp_path, monkeypatch):
     from kvfuzz.triage.attribution import explain_toggles
     from kvfuzz.traces.result import Checked, Recording
     from test_report import finding
 
     f = finding()
-    asked = []
-
-    class Session:
-        device = "cpu"
-
-        def record(self, trace, *, runs=None, arms=None):
-            asked.append(sorted(arms))
-            hs = [h.model_copy(update={"arm": a}) for a in arms for h in f.runs[:1]]
-            return Recording(trace=trace, histories=hs, references=f.references, environment=f.environment, arms=arms)
-
-        def verdicts_of(self, rec, *, carry=None):
-            # Every request diverges in every arm: unexplained, the clean arm decides it.
-            vs = [d.model_copy(update={"arm": a}) for a in rec.arms for d in f.divergences]
-            return Checked(rec, vs, None)
-
-        def finding_of(self, rec, verdicts, *, carry=None, attribution=None):
-            return None
-
+    # Every request diverges in every arm: unexplained, the clean arm decides it.
+    session = ArmRecorder(f, lambda rec: [d.model_copy(update={"arm": a}) for a in rec.arms for d in f.divergences])
     rec = Recording(trace=f.trace, histories=[h.model_copy(update={"arm": "vanilla"}) for h in f.runs],
                     references=f.references, environment=f.environment, arms={"vanilla": []})
     vs = [d.model_copy(update={"arm": "vanilla"}) for d in f.divergences]
     import kvfuzz.triage.attribution as attribution
 
     monkeypatch.setattr(attribution, "clean_set", lambda device: list(CLEAN))  # two fixes, no vLLM import
-    out = explain_toggles(Session(), Checked(rec, vs, None))  # type: ignore[arg-type]
-    assert asked == [["clean"]]  # no single-toggle arm: the clean arm already answered
+    out = explain_toggles(session, Checked(rec, vs, None))  # type: ignore[arg-type]
+    assert session.asked == [["clean"]]  # no single-toggle arm: the clean arm already answered
     assert all(v.explained_by is None for v in out.verdicts if v.class_ != "ok")
 
 
@@ -205,29 +215,16 @@ def test_a_known_explanations_single_arm_runs_first_and_the_others_only_if_it_re
     f = finding()
 
     def run(reproducing):
-        asked = []
+        def judge(rec):
+            # r1 diverges in vanilla and in the single arm without `reproducing`; fine in clean.
+            bad = {"vanilla"} | {a for a, ts in rec.arms.items() if set(CLEAN) - set(ts) == {reproducing}}
+            return [dv(a, "r1") if a in bad else dv(a, "r1", "ok") for a in rec.arms]
 
-        class Session:
-            device = "cpu"
-
-            def record(self, trace, *, runs=None, arms=None):
-                asked.append(sorted(arms))
-                hs = [h.model_copy(update={"arm": a}) for a in arms for h in f.runs[:1]]
-                return Recording(trace=trace, histories=hs, references=f.references, environment=f.environment,
-                                 arms=arms)
-
-            def verdicts_of(self, rec, *, carry=None):
-                # r1 diverges in vanilla and in the single arm without `reproducing`; fine in clean.
-                bad = {"vanilla"} | {a for a, ts in rec.arms.items() if set(CLEAN) - set(ts) == {reproducing}}
-                return Checked(rec, [dv(a, "r1") if a in bad else dv(a, "r1", "ok") for a in rec.arms], None)
-
-            def finding_of(self, rec, verdicts, *, carry=None, attribution=None):
-                return None
-
+        session = ArmRecorder(f, judge)
         rec = Recording(trace=f.trace, histories=[h.model_copy(update={"arm": "vanilla"}) for h in f.runs],
                         references=f.references, environment=f.environment, arms={"vanilla": []})
-        out = explain_toggles(Session(), Checked(rec, [dv("vanilla", "r1")], None), first=[FIX2])  # type: ignore[arg-type]
-        return asked, next(v.explained_by for v in out.verdicts if v.arm == "vanilla")
+        out = explain_toggles(session, Checked(rec, [dv("vanilla", "r1")], None), first=[FIX2])  # type: ignore[arg-type]
+        return session.asked, next(v.explained_by for v in out.verdicts if v.arm == "vanilla")
 
     asked, why = run(FIX2)
     assert asked == [["clean"], [f"without:{FIX2}"]] and why == FIX2

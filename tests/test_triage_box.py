@@ -208,6 +208,19 @@ def test_control_arms_past_the_box_are_recorded_as_not_run():
     assert all(not c.available and c.detail == SPENT for c in out)
 
 
+class NoJudge:
+    """A step-exact session that must not be asked to judge a replay."""
+
+    step_exact = True
+
+    @contextlib.contextmanager
+    def scoring(self, which):
+        yield
+
+    def judge(self, *a, **k):
+        raise AssertionError("no replay expected")
+
+
 def test_nothing_runs_past_the_campaigns_budget(tmp_path):
     """Issue 30: 3-minute campaigns ran 255-265 s (a last finding's triage after the budget).
     A new bucket's box ends with the budget (a quarter box at least, for its key); past it, a
@@ -229,17 +242,7 @@ def test_nothing_runs_past_the_campaigns_budget(tmp_path):
         def check(self, trace, *, runs=None, arms=None):
             return Checked(rec, list(f.verdicts), f.model_copy(deep=True))
 
-    class NoReplays:
-        step_exact = True
-
-        @contextlib.contextmanager
-        def scoring(self, which):
-            yield
-
-        def judge(self, *a, **k):
-            raise AssertionError("no replay past the budget")
-
-    t2 = CampaignTriage(session=NoReplays(), guard=Guard(), arms={}, out=tmp_path,  # type: ignore[arg-type]
+    t2 = CampaignTriage(session=NoJudge(), guard=Guard(), arms={}, out=tmp_path,  # type: ignore[arg-type]
                         settings=TriageSettings(budget_s=10.0), clean_arm=[])
     t2.restore({"A": Bucket(id="A", key=BucketKey(cls="corruption", verdicts={"prefix-caching": "disappears"}),
                             first_index=0, count=1)})
@@ -265,18 +268,9 @@ def test_an_unsettled_task_defers_a_finding_no_bucket_knows_and_replays_nothing_
         def check(self, trace, *, runs=None, arms=None):
             return Checked(rec, list(f.verdicts), f.model_copy(deep=True))  # type: ignore[arg-type]
 
-    class NoReplays:
-        step_exact = True
-
-        @contextlib.contextmanager
-        def scoring(self, which):
-            yield
-
+    class NoReplays(NoJudge):
         def confirm(self, *a, **k):
             raise RuntimeError("the box started")
-
-        def judge(self, *a, **k):
-            raise AssertionError("no replay for a deferred finding")
 
     # Attribution on, but no bucket could take it: deferred before any re-run (the Guard here
     # has no ``rerun``: an attribution would fail).
