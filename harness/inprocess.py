@@ -669,7 +669,9 @@ class InProcessEngine:
         h = self.replay(one, arm="reference", toggles=self.reference_toggles)
         if h.crashed:
             raise InfraError(f"reference run for {send.request_id!r} failed: {h.crash_detail}")
-        return h.requests[send.request_id]
+        rec = h.requests[send.request_id]
+        rec.breaks = [b for b in h.breaks if b.request == send.request_id]
+        return rec
 
     def score(self, send: SendEvent, tokens: Sequence[int], *, binding: Binding | None = None) -> list[TopLogprobs]:
         """Teacher forcing: ``send``'s prompt followed by ``tokens`` as one prompt, alone on a

@@ -170,7 +170,10 @@ def check(trace: Trace, histories: list[History], references: dict[str, RequestR
                 touched |= v.cls == "engine-crash"
                 acc.verdicts.append(v)
                 if acc.broke is None and v.cls in DIVERGENT_CLASSES:
-                    acc.broke = origin(h.breaks, rid)
+                    ref = references.get(rid)
+                    # The run's own state first; else the reference's (rule 5.3: a fault that
+                    # fires when the request runs alone corrupts the reference instead).
+                    acc.broke = origin(h.breaks, rid) or (origin(ref.breaks, rid) if ref is not None else None)
                 if rec is not None and not rec.cancelled and v.cls != "engine-crash":
                     acc.sequences.append(tuple(rec.token_ids))
             if h.crashed and not touched:

@@ -292,6 +292,31 @@ def test_a_flipped_near_tie_on_a_request_whose_own_state_broke_is_corruption():
     assert verdict([hist([near], breaks=[latent])]).class_ == "numeric-near-tie"
 
 
+def test_a_break_in_the_reference_run_names_the_divergence_and_the_report_says_so():
+    """Rule 5.3: fault V fires when a long prompt is chunked, i.e. when the request runs alone
+    (its reference), not in the trace where a prefix hit spared the chunk: the run is right
+    and the reference is wrong. The reference's own break names the divergence; a run's own
+    break still comes first."""
+    from test_oracle import hist, rec, verdict
+    from test_report import finding
+
+    from kvfuzz.present.report import markdown
+
+    row = Break(step=1, name="worker-row", request="r0", block=65, detail="group 0 row 0: position 65 is block 65")
+    ref = rec("r0", [1, 2, 3, 4]).model_copy(update={"breaks": [row]})
+    v = verdict([hist([rec("r0", [1, 9, 9, 9])])], ref)
+    assert v.class_ == "corruption" and v.broke == "worker-row"
+    assert verdict([hist([rec("r0", [1, 9, 9, 9])])]).broke is None  # the same run, a clean reference
+    own = Break(step=3, name="held-block-foreign", request="r0", block=2)
+    assert verdict([hist([rec("r0", [1, 9, 9, 9])], breaks=[own])], ref).broke == "held-block-foreign"
+    f = finding()
+    d = f.divergences[0]
+    f.references = {**f.references, d.request_id: f.references[d.request_id].model_copy(
+        update={"breaks": [row.model_copy(update={"request": d.request_id})]})}
+    md = markdown(f, source="f.json")
+    assert "engine step `1` of its reference run (the request alone): the reference is the corrupted side" in md
+
+
 def test_a_break_is_a_coverage_feature_named_by_its_root_and_a_disabled_monitor_checks_nothing():
     from kvfuzz.fuzzer.feedback import signature
     from kvfuzz.traces import History

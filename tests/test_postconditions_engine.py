@@ -1,9 +1,10 @@
 """Rule 5 on the real CPU engine (issue 30): faults kvfuzz has never seen break the
-post-condition of the operation they corrupt (harness/postconditions.py). Three faults
+post-condition of the operation they corrupt (harness/postconditions.py). Four faults
 installed in one child process (an unseen fault is always on once installed, so never in the
 test run's shared engines): P (an eviction that leaves the prefix-cache entry), T (a
 persistent-batch row move that drops a block id) and U (a prefix hit that takes no reference on
-a block in use; written after the rule), each named on its own victims. The clean side (no break on
+a block in use; written after the rule), each named on its own victims, and V (an append to a
+non-empty row that repeats its first id; written after rule 5.2), in a reference run (rule 5.3). The clean side (no break on
 unmodified vLLM) is tests/test_engine.py."""
 
 from __future__ import annotations
@@ -31,13 +32,19 @@ for seed in (1, 4):
     h = eng.replay(generate(seed, cfg))
     out.append([b.model_dump(mode="json") for b in h.breaks])
 print("BREAKS " + json.dumps(out))
+# V: a prompt one token budget plus two blocks long is prefilled in two chunks when it runs
+# alone, and the second chunk appends two blocks to a non-empty row: the reference breaks.
+from kvfuzz.traces import At, GenPrompt, SendEvent
+n = eng.config.max_num_batched_tokens + 2 * eng.config.block_size
+ref = eng.run_alone(SendEvent(request_id="long", at=At(step=0), max_tokens=2, prompt=GenPrompt(length=n, seed=3)))
+print("REF " + json.dumps([b.model_dump(mode="json") for b in ref.breaks]))
 """
 
 
-def test_three_unseen_faults_each_break_their_own_post_condition():
+def test_four_unseen_faults_each_break_their_own_post_condition():
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "KVFUZZ_PLUGIN_MODULES": ("unseen_faults.evict_keeps_hash,unseen_faults.row_move_drops_last_block,"
-                                      "unseen_faults.hit_takes_no_reference"),
+                                      "unseen_faults.hit_takes_no_reference,unseen_faults.append_repeats_first_block"),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))}
     p = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -55,3 +62,6 @@ def test_three_unseen_faults_each_break_their_own_post_condition():
     foreign = [b for run in runs for b in run if b["name"] == "held-block-foreign"]
     assert all(b["root"] in ("map-entry-orphaned", "held-block-undercounted") for b in foreign), foreign
     assert roots <= {None, "map-entry-orphaned", "held-block-undercounted"}
+    # V (rule 5.3): a reference run records the breaks on its own request.
+    ref = json.loads(next(ln for ln in p.stdout.splitlines() if ln.startswith("REF "))[4:])
+    assert [(b["name"], b["request"]) for b in ref] == [("worker-row", "long")], ref

@@ -18,6 +18,26 @@ class _Data(BaseModel):
     model_config = ConfigDict(extra="forbid", ser_json_inf_nan="constants")
 
 
+BreakName = Literal["map-entry-orphaned", "map-entry-stolen", "held-block-foreign", "held-block-repeated",
+                    "held-block-undercounted", "worker-row"]
+# Broken on the allocator's own state (no request named); the others are a request's own state.
+MAP_BREAKS: tuple[str, ...] = ("map-entry-orphaned", "map-entry-stolen")
+
+
+class Break(_Data):
+    """One post-condition found broken after a step: the first time for its block (map breaks,
+    ``request`` None) or for its request and name (a request's own state)."""
+
+    step: int
+    name: BreakName
+    request: str | None = None
+    block: int | None = None
+    # A harmful break (held-block-foreign / -repeated) on a block whose latent break (a map
+    # entry, a short count) came earlier or in the same step: that latent break's name.
+    root: BreakName | None = None
+    detail: str = ""
+
+
 class RequestRecord(_Data):
     """One request's outcome in one run."""
 
@@ -50,6 +70,11 @@ class RequestRecord(_Data):
     finished_ms: float | None = None
     num_cached_tokens: int | None = None
     num_preemptions: int = 0
+    # A reference run (the request alone, ``run_alone``): the post-condition breaks on its own
+    # state. A fault that fires when the request runs alone corrupts the reference, not the
+    # run under test, and the divergence is still that break's (rule 5.3, docs/oracle.md).
+    # Runs of a trace keep theirs in ``History.breaks``.
+    breaks: list[Break] = Field(default_factory=list)
 
 
 class EventRecord(_Data):
@@ -118,26 +143,6 @@ class StepRecord(_Data):
 # - worker-row: the worker's block-table row of a request differs from the scheduler's blocks.
 # The map entries and the count are latent (no request reads wrong KV yet); the other three are
 # harmful, and carry their block's latent break as ``root`` (oracle/postconditions.py).
-BreakName = Literal["map-entry-orphaned", "map-entry-stolen", "held-block-foreign", "held-block-repeated",
-                    "held-block-undercounted", "worker-row"]
-# Broken on the allocator's own state (no request named); the others are a request's own state.
-MAP_BREAKS: tuple[str, ...] = ("map-entry-orphaned", "map-entry-stolen")
-
-
-class Break(_Data):
-    """One post-condition found broken after a step: the first time for its block (map breaks,
-    ``request`` None) or for its request and name (a request's own state)."""
-
-    step: int
-    name: BreakName
-    request: str | None = None
-    block: int | None = None
-    # A harmful break (held-block-foreign / -repeated) on a block whose latent break (a map
-    # entry, a short count) came earlier or in the same step: that latent break's name.
-    root: BreakName | None = None
-    detail: str = ""
-
-
 class Scoring(_Data):
     """Teacher forcing: one run's generated tokens scored by the request alone on a clean cache
     (prompt + those tokens as one prompt, prompt logprobs, no prefix-cache hits). ``logprobs[i]``

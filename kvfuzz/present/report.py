@@ -201,9 +201,12 @@ def build(finding: Finding, *, source: str = "FINDING.json",
             f"{d.variants} distinct output{'s' if d.variants != 1 else ''}.")
         w = next((x for h in finding.runs if h.arm == d.arm
                   for x in [witness(h.breaks, d.request_id)] if x is not None), None)
+        ref = finding.references.get(d.request_id)
+        in_ref = w is None and ref is not None and (w := witness(ref.breaks, d.request_id)) is not None
         if w is not None:
             root = f" (its block's prefix-cache entry had broken first: {w.root})" if w.root else ""
-            r.p("vLLM's own state broke first at engine step ", (str(w.step), "code"), ": ", (w.name, "code"),
+            where = " of its reference run (the request alone): the reference is the corrupted side" if in_ref else ""
+            r.p("vLLM's own state broke first at engine step ", (str(w.step), "code"), where, ": ", (w.name, "code"),
                 f" — {w.detail}{root}. docs/oracle.md, \"Broken post-conditions\", says what each name means.")
         if d.first_divergence is not None:
             decided = [EVIDENCE_WORDS.get(e, e.replace("control:", "the control arm ")
