@@ -82,38 +82,46 @@ def singles_needed(verdicts: Iterable[Divergence], arms: Mapping[str, list[str]]
     first; triage/attribution.py)."""
     vs = list(verdicts)
     clean_arm = find_arm(arms, clean)
-    clean_div = _divergent_requests(vs, clean_arm) if clean_arm else set()
+
+    def diverging(arm: str | None, v: Divergence) -> set[str]:
+        return _divergent_requests(vs, arm, noise=v.class_ == "numeric-near-tie") if arm else set()
 
     def reproduced(v: Divergence, cands: list[str]) -> bool:
-        for t in cands:
-            a = find_arm(arms, single_arm(t, clean)[1])
-            if a is not None and v.request_id in _divergent_requests(vs, a):
-                return True
-        return False
+        return any(v.request_id in diverging(find_arm(arms, single_arm(t, clean)[1]), v) for t in cands)
 
     for v in vs:
         cands = candidates(arms.get(v.arm, []), clean)
-        if (v.class_ in DIVERGENT_CLASSES and len(cands) > 1 and v.request_id not in clean_div
+        if (v.class_ in DIVERGENT_CLASSES and len(cands) > 1 and v.request_id not in diverging(clean_arm, v)
                 and not reproduced(v, cands)):
             return True
     return False
 
 
-def _divergent_requests(verdicts: Iterable[Divergence], arm: str) -> set[str]:
-    return {v.request_id for v in verdicts if v.arm == arm and v.class_ in DIVERGENT_CLASSES}
+def _divergent_requests(verdicts: Iterable[Divergence], arm: str, *, noise: bool = True) -> set[str]:
+    """Requests that diverge in ``arm``; without ``noise``, a numeric near tie does not count:
+    a corruption that became a flipped near tie in another arm disappeared there (16-bit noise
+    remains in every arm). A bfloat16 LoRA-bug corruption was filed unexplained because its
+    request flipped a near tie 83 tokens later in the clean arm."""
+    return {v.request_id for v in verdicts if v.arm == arm and v.class_ in DIVERGENT_CLASSES
+            and (noise or v.class_ != "numeric-near-tie")}
 
 
 def attribute(verdicts: list[Divergence], arms: Mapping[str, list[str]], clean: list[str]) -> list[Divergence]:
     """Fill ``explained_by`` (and a short ``detail`` suffix) on every divergent verdict."""
     clean_arm = find_arm(arms, clean)
-    clean_div = _divergent_requests(verdicts, clean_arm) if clean_arm else set()
     single = {t: find_arm(arms, single_arm(t, clean)[1]) for name in arms for t in candidates(arms[name], clean)}
-    single_div = {t: _divergent_requests(verdicts, a) for t, a in single.items() if a is not None}
+    # A near tie is matched by any divergence elsewhere; anything worse only by worse than a
+    # near tie (a corruption that is a near tie in clean disappeared there).
+    by_noise = {}
+    for noise in (True, False):
+        by_noise[noise] = (_divergent_requests(verdicts, clean_arm, noise=noise) if clean_arm else set(),
+                           {t: _divergent_requests(verdicts, a, noise=noise) for t, a in single.items() if a is not None})
     out = []
     for v in verdicts:
         if v.class_ not in DIVERGENT_CLASSES:
             out.append(v)
             continue
+        clean_div, single_div = by_noise[v.class_ == "numeric-near-tie"]
         cands = candidates(arms.get(v.arm, []), clean)
         why: str | None = None
         note: str
