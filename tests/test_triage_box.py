@@ -304,3 +304,23 @@ def test_a_known_buckets_attribution_that_would_end_past_the_budget_is_not_start
     assert t._outlasts_budget(c, 6.0)
     t.settings = TriageSettings(budget_s=None)
     assert not t._outlasts_budget(c, 600.0)
+
+
+def test_a_minimization_whose_share_of_the_box_is_spent_is_not_started(tmp_path, monkeypatch):
+    """A clean bfloat16 LoRA campaign on Ray: confirming a 9-request near tie (12 s a run) took
+    the whole minimization share of a 20 s box, and the minimization still replayed the original
+    to accept it and twice more to verify it (36 s). It is not started then; the finding says so."""
+    import kvfuzz.triage.campaign as campaign
+    from kvfuzz.driver.settings import TriageSettings
+    from kvfuzz.traces.buckets import BucketKey
+    from kvfuzz.traces.result import Checked
+
+    f, rec, s, t = confirming_triage(tmp_path)
+    t.settings = TriageSettings(minimize_seconds=20.0, minimize=True, controls=False, ablate=False, attribute=False)
+    called = []
+    monkeypatch.setattr(campaign, "finish_finding", lambda *a, **k: called.append(k) or a[1])
+    checked = Checked(rec, list(f.verdicts), f)
+    out = t._open(checked, f, [], [BucketKey(cls="corruption")], start=time.monotonic() - 13, box=20.0)
+    assert not called and "not minimized: the triage time box was spent" in out.finding.notes["minimize"]
+    t._open(checked, f, [], [BucketKey(cls="corruption")], start=time.monotonic(), box=20.0)
+    assert len(called) == 1 and 11 < called[0]["max_seconds"] <= 12
