@@ -307,9 +307,10 @@ def test_a_known_buckets_attribution_that_would_end_past_the_budget_is_not_start
 
 
 def test_a_minimization_whose_share_of_the_box_is_spent_is_not_started(tmp_path, monkeypatch):
-    """A clean bfloat16 LoRA campaign on Ray: confirming a 9-request near tie (12 s a run) took
-    the whole minimization share of a 20 s box, and the minimization still replayed the original
-    to accept it and twice more to verify it (36 s). It is not started then; the finding says so."""
+    """A clean bfloat16 LoRA campaign on Ray: confirming a 9-request near tie (12 s a run) left
+    0.3 s of the minimization share of a 20 s box, and the minimization still replayed the
+    original to accept it and three times to verify it (36 s). It is not started when its share
+    cannot pay for two replays of the trace; the finding says so."""
     import kvfuzz.triage.campaign as campaign
     from kvfuzz.driver.settings import TriageSettings
     from kvfuzz.traces.buckets import BucketKey
@@ -320,7 +321,17 @@ def test_a_minimization_whose_share_of_the_box_is_spent_is_not_started(tmp_path,
     called = []
     monkeypatch.setattr(campaign, "finish_finding", lambda *a, **k: called.append(k) or a[1])
     checked = Checked(rec, list(f.verdicts), f)
+    t._run_seconds = 0.5  # the trace's own run
     out = t._open(checked, f, [], [BucketKey(cls="corruption")], start=time.monotonic() - 13, box=20.0)
     assert not called and "not minimized: the triage time box was spent" in out.finding.notes["minimize"]
     t._open(checked, f, [], [BucketKey(cls="corruption")], start=time.monotonic(), box=20.0)
     assert len(called) == 1 and 11 < called[0]["max_seconds"] <= 12
+    # 0.3 s of the share left, a 12 s trace: two replays do not fit, it is not started either.
+    t._run_seconds = 12.0
+    t._open(checked, f, [], [BucketKey(cls="corruption")], start=time.monotonic() - 11.7, box=20.0)
+    assert len(called) == 1
+    t._open(checked, f, [], [BucketKey(cls="corruption")], start=time.monotonic(), box=20.0)
+    assert len(called) == 1  # 12 s left is less than two 12 s replays
+    t._run_seconds = 5.0
+    t._open(checked, f, [], [BucketKey(cls="corruption")], start=time.monotonic(), box=20.0)
+    assert len(called) == 2

@@ -102,6 +102,8 @@ class CampaignTriage:
     _calls: int = 0
     # The device's clean arm; None: read from the toggles registry when first needed.
     clean_arm: list[str] | None = None
+    # How long the current trace's own run took (its replays in triage cost about as much).
+    _run_seconds: float = 0.0
     # Verdicts measured on existing buckets' own witnesses while triaging the current trace.
     _evidence: dict[str, dict[str, Outcome]] = field(default_factory=dict)
 
@@ -134,7 +136,7 @@ class CampaignTriage:
         runs = self.confirm_runs if self.settings.runs_fixed else 1
         t_run = time.monotonic()
         checked = self.guard.check(trace, runs=runs, arms=self.arms)
-        t_run = time.monotonic() - t_run
+        t_run = self._run_seconds = time.monotonic() - t_run
         f = checked.finding
         if f is None:
             return Triaged(checked)
@@ -320,10 +322,11 @@ class CampaignTriage:
         deadline = start + box
         small = finding
         left = start + MINIMIZE_BOX * box - time.monotonic()
-        if self.settings.minimize and left <= 0:
-            # Its share of the box already spent (confirming a long trace): not started. Even a
-            # minimization that shrinks nothing replays the original to accept it and again to
-            # verify (a clean bfloat16 LoRA campaign's 9-request near tie: 36 s past a 20 s box).
+        if self.settings.minimize and left < 2 * self._run_seconds:
+            # Its share of the box cannot pay for two replays of the trace (confirming a long trace
+            # spent it): not started. Even a minimization that shrinks nothing replays the original
+            # to accept it and again to verify it (a clean bfloat16 LoRA campaign's 9-request near
+            # tie, 12 s a replay: 36 s past a 20 s box with 0.3 s of its share left).
             small = finding.model_copy(deep=True)
             small.notes["minimize"] = ("not minimized: the triage time box was spent before minimization "
                                        "started (`kvfuzz minimize` finishes it)")
