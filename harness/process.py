@@ -24,6 +24,9 @@ from .vllm_args import HOST
 log = logging.getLogger("kvfuzz.server")
 
 STOP_GRACE_S = 15.0
+# How long stop() waits for the kernel to reap the group leader after its last signal.
+REAP_WAIT_S = 30.0
+PF_EXITING = 0x4  # include/linux/sched.h: the task is in do_exit()
 
 
 def free_port(host: str = HOST) -> int:
@@ -42,6 +45,43 @@ def port_free(port: int, host: str = HOST) -> bool:
         except OSError:
             return False
     return True
+
+
+def dying(pid: int) -> str | None:
+    """Why the kernel is tearing ``pid`` down, or None: SIGKILL pending, or the leader already in
+    do_exit() or a zombie. waitpid() reports such a process only once its last thread has
+    exited, which under load took over 10 s after a SIGKILL (CI at c636103): it is dead to us
+    from the kill on, not hung. Linux /proc; elsewhere (no /proc) None."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return parse_dying(status, stat)
+
+
+def parse_dying(status: str, stat: str) -> str | None:
+    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+    pending = 0
+    for key in ("SigPnd", "ShdPnd"):
+        try:
+            pending |= int(fields.get(key, "0").strip(), 16)
+        except ValueError:
+            pass
+    if pending & (1 << (signal.SIGKILL - 1)):
+        return "killed by SIGKILL"
+    # After the command name (which may hold spaces and parentheses): state is field 3, flags
+    # field 9, exit_code field 52 (proc(5)).
+    rest = stat.rsplit(")", 1)[-1].split()
+    if len(rest) < 7:
+        return None
+    state, flags = rest[0], int(rest[6])
+    if state not in ("Z", "X") and not flags & PF_EXITING:
+        return None
+    code = int(rest[49]) if len(rest) > 49 else 0
+    if code & 0x7F:
+        return describe_exit(-(code & 0x7F))
+    return describe_exit(code >> 8) if code else "exiting"
 
 
 def describe_exit(code: int | None) -> str:
@@ -76,7 +116,8 @@ class ManagedServer:
         return self.proc.pid if self.proc else None
 
     def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
+        """Running and not being torn down (see dying())."""
+        return self.proc is not None and self.proc.poll() is None and dying(self.proc.pid) is None
 
     def start(self, timeout_s: float) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -97,8 +138,7 @@ class ManagedServer:
         deadline = time.monotonic() + timeout_s
         while True:
             if not self.alive():
-                code = self.proc.poll()
-                raise InfraError(f"vLLM server would not start ({describe_exit(code)}): "
+                raise InfraError(f"vLLM server would not start ({self.died()}): "
                                  f"{self.last_error() or 'no error in its log'} (log: {self.log_path})")
             if health(self.base_url, timeout=2.0):
                 break
@@ -130,7 +170,10 @@ class ManagedServer:
             if not _group_alive(pgid):
                 break
         if self.proc.poll() is None:
-            self.proc.wait(timeout=5.0)
+            try:
+                self.proc.wait(timeout=REAP_WAIT_S)
+            except subprocess.TimeoutExpired:  # the kernel finishes it; nothing more we can send
+                log.warning("vLLM server (pid %d) not reaped %.0f s after SIGKILL", self.proc.pid, REAP_WAIT_S)
         self.proc = None
 
     def kill(self) -> None:
@@ -154,6 +197,8 @@ class ManagedServer:
         if self.alive():
             return None
         code = self.proc.poll() if self.proc else None
+        if code is None and self.proc is not None:
+            return dying(self.proc.pid) or describe_exit(None)
         return describe_exit(code)
 
 

@@ -436,6 +436,7 @@ def test_managed_server_replay_then_server_dies_mid_trace(tmp_path, kvfuzz_cli):
         for i in range(3)]), second)
     out = tmp_path / "out"
     killed: list[int] = []
+    stamps: list[float] = []
 
     def running() -> bool:
         """The second file's three requests are in the server (its /metrics). Any request in
@@ -467,17 +468,20 @@ def test_managed_server_replay_then_server_dies_mid_trace(tmp_path, kvfuzz_cli):
         pid = int((out / "server.pid").read_text())
         os.kill(pid, signal.SIGKILL)  # the API server process dies
         killed.append(pid)
+        stamps.append(time.monotonic())
 
     thread = threading.Thread(target=killer, daemon=True)
     thread.start()
     p = kvfuzz_cli("replay", first, second, "--engine", "server", "--runs", "1", "--out", out)
+    ended = time.monotonic()
     thread.join(timeout=60)
     assert killed, "the replay of the second file never started"
     pid = killed[0]
     assert p.returncode == 3, p.stdout[-3000:] + p.stderr[-3000:]
     msg = p.stderr.strip().splitlines()
     assert len(msg) == 1 and "Traceback" not in p.stderr, p.stderr
-    assert f"vLLM server (pid {pid}) died during run 1" in msg[0] and "killed by SIGKILL" in msg[0]
+    assert f"vLLM server (pid {pid}) died during run 1" in msg[0] and "killed by SIGKILL" in msg[0], (
+        f"{msg[0]} (the CLI ended {ended - stamps[0]:.1f} s after the kill)")
     assert str(out / "server-1.log") in msg[0]
     # The first file was replayed and reported before the server died.
     s1 = json.loads((out / "replays" / "first.replay.json").read_text())

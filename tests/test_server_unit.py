@@ -144,6 +144,62 @@ def test_managed_server_start_health_and_group_kill(tmp_path):
     assert not _group_alive(pgid), "a process of the server's group survived stop()"
 
 
+def test_dying_reads_the_kernels_view_of_a_process():
+    """A SIGKILLed process is dead from the kill on, though waitpid() reports it only once its
+    last thread exited (over 10 s under CI load): a real zombie reads as killed, a live one as
+    not dying, and a pending SIGKILL or a leader in do_exit() (no way to hold a real process
+    there) as killed or exiting."""
+    from kvfuzz.harness.process import dying, parse_dying
+
+    live = subprocess.Popen(["sleep", "30"])
+    zombie = subprocess.Popen(["sh", "-c", "kill -9 $$"])
+    try:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and open(f"/proc/{zombie.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+            time.sleep(0.05)  # not zombie.poll(): that would reap it
+        assert dying(zombie.pid) == "killed by SIGKILL"
+        assert dying(live.pid) is None
+    finally:
+        live.kill()
+        live.wait()
+        zombie.wait()
+    assert dying(zombie.pid) is None  # reaped: no /proc entry, nothing to say
+    status = "Name:\tpython3\nState:\tS (sleeping)\nSigPnd:\t0000000000000000\nShdPnd:\t0000000000000100\n"
+    stat = "77 (vllm (api)) S " + " ".join(["0"] * 49)
+    assert parse_dying(status, stat) == "killed by SIGKILL"
+    quiet = status.replace("0000000000000100", "0000000000000000")
+    assert parse_dying(quiet, stat) is None
+    exiting = stat.split(") S ")[0] + ") D 1 1 1 0 -1 4194308 " + " ".join(["0"] * 43)  # PF_EXITING, no code yet
+    assert parse_dying(quiet, exiting) == "exiting"
+
+
+def test_a_sigkilled_server_not_yet_reaped_is_reported_dead_not_hung(tmp_path, monkeypatch):
+    """CI at c636103: the API server was SIGKILLed mid-run, waitpid() had not reported it 10 s
+    later, and the run was reported as a hang. The harness asks the kernel whether it is
+    dying, and says died, with the signal."""
+    from kvfuzz.harness import process
+    from kvfuzz.harness.server import ServerEngine
+    from kvfuzz.traces.errors import EngineDied
+    from kvfuzz.traces.history import History
+
+    port = free_port()  # nothing listens: /health fails, as after the kill
+    srv = ManagedServer(["sleep", "60"], dict(os.environ), tmp_path / "server-1.log", port)
+    srv.proc = subprocess.Popen(["sleep", "60"])
+    killed = {srv.proc.pid}
+    monkeypatch.setattr(process, "dying", lambda pid: "killed by SIGKILL" if pid in killed else None)
+    eng = ServerEngine(EngineConfig())
+    eng.server, eng.target = srv, wire.HttpTarget(f"http://127.0.0.1:{port}", "m")
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(EngineDied, match=r"died during run 1: killed by SIGKILL"):
+            eng._check_alive(History(trace_id="t", engine="server"), ["r0: connection reset"], "during run 1")
+        assert time.monotonic() - t0 < 5  # at once, not after the 10 s health grace
+        assert not srv.alive() and srv.died() == "killed by SIGKILL"
+    finally:
+        srv.proc.kill()
+        srv.proc.wait()
+
+
 def test_server_that_exits_at_start_is_infra_error(tmp_path):
     port = free_port()
     script = "import sys; print('ValueError: bad flag --nope', flush=True); sys.exit(2)"
