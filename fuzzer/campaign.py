@@ -147,11 +147,14 @@ class CampaignState:
     untriaged: list[str] = field(default_factory=list)
     # Campaigns on many workers (fuzzer/distributed.py): the window of the determinism rule,
     # traces committed per worker, traces re-queued after their worker died, and those deaths;
-    # findings run again at the commit point before they could open a bucket (``deferred``).
+    # findings run again at the commit point before they could open a bucket (``deferred``);
+    # worker-seconds a worker sat idle because the window was full (a slow trace held the
+    # commit point): the cost of the window rule.
     window: int | None = None
     by_worker: dict[str, int] = field(default_factory=dict)
     requeued: int = 0
     deferred: int = 0
+    window_wait_s: float = 0.0
     worker_deaths: list[dict] = field(default_factory=list)
     # Adapter-lifecycle generation (``kvfuzz run --lifecycle``; GenOptions.lifecycle).
     lifecycle: bool = False

@@ -262,7 +262,10 @@ class Driver:
                     raise InfraError("no Ray worker is left alive (every worker died and none could be replaced)")
                 # Nothing running but work queued: workers are being (re)started.
             left = None if self.opts.budget_s is None else max(0.05, self.opts.budget_s - elapsed)
+            starved = self._starved(stopping)
+            t_wait = time.monotonic()
             events = self.ex.wait(left if left is not None else 5.0)
+            st.window_wait_s = round(st.window_wait_s + starved * (time.monotonic() - t_wait), 3)
             c0 = resource.getrusage(resource.RUSAGE_SELF)
             for ev in events:
                 self.running.pop(ev.index, None)
@@ -284,6 +287,16 @@ class Driver:
         # The pending log keeps only the drawn, unrun window: what a later --resume continues with.
         self._compact_log()
         return st
+
+    def _starved(self, stopping: bool) -> int:
+        """Workers idle only because the window is full: nothing queued, though the campaign
+        would go on (the next index to draw is within its trace budget)."""
+        if stopping or self.queue or not self.running:
+            return 0
+        end = self._last_index()
+        if end is not None and self.state.next_index + self.window >= end:
+            return 0
+        return len(self.ex.idle())
 
     def _commit_ready(self, stopping: bool, base_seconds: float, start: float) -> bool:
         """Commit what is next in index order; a deferred result at the commit point is run

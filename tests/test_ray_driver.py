@@ -341,3 +341,33 @@ def test_a_deferred_finding_is_committed_as_placed_when_the_campaign_ends_first(
     # 0 opens (settled); 1 was unsettled, deferred, and held when the budget ended; 2 joined.
     assert cluster.opened_by == [(0, True)] and st.deferred == 1
     assert st.traces == st.findings == 3 and sum(b.count for b in st.live_buckets()) == 3
+
+
+class TickingCluster(FakeCluster):
+    """A FakeCluster whose every answer takes ``tick`` seconds of the fake ``clock``, answering
+    the lowest running index first (the commit point never waits on a higher one)."""
+
+    def __init__(self, *a, clock, tick=1.0, **kw):
+        super().__init__(*a, **kw)
+        self.clock, self.tick = clock, tick
+
+    def wait(self, timeout_s):
+        w = min(self.running, key=lambda k: self.running[k].index)
+        task = self.running.pop(w)
+        self.clock[0] += self.tick
+        return [Result(task.index, w, buckets=fake_buckets(task.trace))]
+
+
+@pytest.mark.parametrize("window, idle_s", [(3, 0.0), (1, 10.0)])
+def test_workers_idle_on_a_full_window_are_counted(tmp_path, monkeypatch, window, idle_s):
+    """The window rule's cost, in campaign.json: worker-seconds a worker had nothing to run only
+    because the window was full. Three workers and a window of 3, answered in order: none. A
+    window of 1: two workers idle through each of the 1 s answers, until the last index is
+    drawn (five answers of six): 10 s. The drain at the campaign's end is not counted."""
+    from kvfuzz.fuzzer import distributed
+
+    clock = [0.0]
+    monkeypatch.setattr(distributed, "time", type("T", (), {"monotonic": staticmethod(lambda: clock[0])}))
+    st = Driver(opts(tmp_path / "out", 6), TickingCluster(3, 0, clock=clock), window=window).run()
+    assert st.traces == 6 and st.window_wait_s == idle_s
+    assert json.loads((tmp_path / "out" / "campaign.json").read_text())["window_wait_s"] == idle_s

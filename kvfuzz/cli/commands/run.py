@@ -269,7 +269,8 @@ def _run_on_ray(address: str, opts: Any, spec: WorkerSpec, *, arm_map: dict[str,
     console.print(f"ray: {workers} worker(s) on {len({i['host'] for i in infos})} host(s), window {state.window}; "
                   f"per worker {dict(sorted(state.by_worker.items()))}; re-queued {state.requeued} trace(s) after "
                   f"{len(state.worker_deaths)} worker death(s), {state.deferred} finding(s) run again at the commit point "
-                  f"before opening a bucket; driver CPU {per:.1f} ms per trace "
+                  f"before opening a bucket; workers idle {state.window_wait_s:.0f} s in all on a full window; "
+                  f"driver CPU {per:.1f} ms per trace "
                   f"({commit:.1f} ms committing)",
                   markup=False, highlight=False)
     console.print(infos[0]["bounds"], markup=False, highlight=False)
