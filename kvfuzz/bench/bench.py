@@ -191,10 +191,9 @@ def bench_engine(profile: str, kv_cache_mb: int | None, max_model_len: int | Non
 
         blocks = kv_cache_mb * 2**20 // BLOCK_BYTES["float32"] if kv_cache_mb else DEFAULT_BLOCKS
         return hybrid_engine(blocks=blocks, dtype=dtype, **({"max_model_len": max_model_len} if max_model_len else {}))
-    # The same number of KV tokens in every dtype (16-bit halves the bytes per token), so a
+    # The same number of KV tokens in every dtype (default_engine: the size is float32's), so a
     # fault that needs KV pressure meets the same pressure.
-    scale = 2 if dtype == "float32" else 1
-    return default_engine(lora=profile == "lora", kv_cache_bytes=(kv_cache_mb or 8) * 2**20 * scale // 2,
+    return default_engine(lora=profile == "lora", kv_cache_bytes=(kv_cache_mb or 8) * 2**20,
                           max_model_len=max_model_len or 8000, dtype=dtype)
 
 

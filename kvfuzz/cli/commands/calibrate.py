@@ -53,7 +53,8 @@ def calibrate_cmd(
     lora: Annotated[bool, typer.Option("--lora/--no-lora", help="The embedded model with its LoRA adapters (a "
                                                                 "campaign with --lora needs its own profile).")] = False,
     model: Annotated[Optional[Path], typer.Option(help="A model directory instead of the embedded default.")] = None,
-    kv_cache_mb: Annotated[int, typer.Option(min=1, help="KV cache size in MiB (as the campaign's).")] = 24,
+    kv_cache_mb: Annotated[int, typer.Option(min=1, help="KV cache size in MiB at float32, as the campaign's "
+                                                                    "(16-bit: the same tokens in half the bytes).")] = 24,
     max_model_len: Annotated[Optional[int], typer.Option(min=64, help="Engine context length.")] = None,
     requests: Annotated[int, typer.Option(min=4, max=512, help="Requests measured in each context.")] = 16,
     max_tokens: Annotated[int, typer.Option(min=2, max=4096, help="Tokens each request generates.")] = 24,

@@ -42,7 +42,8 @@ def run(
     operators: Annotated[Optional[str], typer.Option(help="Comma-separated mutation operators to use "
                                                           "(default: all; see docs/fuzzer.md).")] = None,
     device: options.DeviceOpt = "cpu",
-    kv_cache_mb: Annotated[Optional[int], typer.Option(min=1, help="KV cache size in MiB (default 24; "
+    kv_cache_mb: Annotated[Optional[int], typer.Option(min=1, help="KV cache size in MiB at float32 (default 24; "
+                                                                    "16-bit dtypes get the same tokens in half the bytes; "
                                                                     "embedded:tiny-hybrid: 2, i.e. 127 blocks).")] = None,
     dtype: options.DtypeOpt = None,
     near_tie: options.NearTieOpt = None,
