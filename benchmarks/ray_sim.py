@@ -35,7 +35,7 @@ def main() -> int:
     ap.add_argument("--hosts", type=int, default=16, help="async actors that host the simulated workers")
     ap.add_argument("--sleep", type=float, required=True, help="simulated seconds per trace")
     ap.add_argument("--seconds", type=float, default=120.0, help="campaign budget")
-    ap.add_argument("--window", type=int, default=None, help="default 2 x workers, as kvfuzz run")
+    ap.add_argument("--window", type=int, default=None, help="default 4 x workers, as kvfuzz run")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
 
@@ -43,7 +43,7 @@ def main() -> int:
 
     from kvfuzz.scale.cluster import RayExecutor, WorkerSpec, connect
     from kvfuzz.fuzzer import CampaignOptions, GenOptions, default_engine
-    from kvfuzz.fuzzer.distributed import Driver, Result
+    from kvfuzz.fuzzer.distributed import Driver, Result, default_window
 
     connect(None, num_cpus=2, env={"RAY_USAGE_STATS_ENABLED": "0"})
     sleep_s = args.sleep
@@ -80,7 +80,7 @@ def main() -> int:
                            engine=default_engine(lora=True), gen=GenOptions(min_requests=2, max_requests=3,
                                                                             adapters=["a", "b", "c"]))
     ru0 = resource.getrusage(resource.RUSAGE_SELF)
-    drv = Driver(opts, ex, window=args.window or 2 * args.workers)
+    drv = Driver(opts, ex, window=args.window or default_window(args.workers))
     t1 = time.monotonic()
     state = drv.run()
     wall = time.monotonic() - t1

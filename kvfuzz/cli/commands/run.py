@@ -77,7 +77,7 @@ def run(
     workers: Annotated[Optional[int], typer.Option(min=1, help="With --ray: how many workers (one engine each; "
                                                                "default 2).")] = None,
     window: Annotated[Optional[int], typer.Option(min=1, help="With --ray: trace i is drawn from the feedback of "
-                                                              "traces 0..i-WINDOW (default 2 x workers; the same "
+                                                              "traces 0..i-WINDOW (default 4 x workers; the same "
                                                               "seed and window give the same campaign whatever the "
                                                               "worker count; docs/scale.md).")] = None,
     vllm: options.VllmOpt = None,
@@ -235,7 +235,7 @@ def _run_on_ray(address: str, opts: Any, spec: WorkerSpec, *, arm_map: dict[str,
     an engine. Ray is imported only on this path."""
     from kvfuzz.cli.display import CampaignDisplay
     from kvfuzz.scale.cluster import RayExecutor, connect, local_cpus, worker_env
-    from kvfuzz.fuzzer.distributed import Driver
+    from kvfuzz.fuzzer.distributed import Driver, default_window
     from kvfuzz.traces import load_finding
 
     threads = spec.threads
@@ -252,7 +252,8 @@ def _run_on_ray(address: str, opts: Any, spec: WorkerSpec, *, arm_map: dict[str,
                 infos = ex.start(opts.engine, calibrate=calibrate,
                                  profile_file=str(calibration) if calibration else None)
                 display.status(f"fuzzing on {workers} Ray worker(s)")
-                driver = Driver(opts, ex, window=window or 2 * workers, arms=arm_map, on_outcome=display.update)
+                driver = Driver(opts, ex, window=window or default_window(workers), arms=arm_map,
+                                on_outcome=display.update)
                 state = driver.run()
             finally:
                 ex.shutdown()
