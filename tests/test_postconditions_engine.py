@@ -65,3 +65,34 @@ def test_four_unseen_faults_each_break_their_own_post_condition():
     # V (rule 5.3): a reference run records the breaks on its own request.
     ref = json.loads(next(ln for ln in p.stdout.splitlines() if ln.startswith("REF "))[4:])
     assert [(b["name"], b["request"]) for b in ref] == [("worker-row", "long")], ref
+
+
+W_SCRIPT = """
+import json
+from kvfuzz.fuzzer.generate import default_engine
+from kvfuzz.harness.inprocess import InProcessEngine
+from kvfuzz.traces import At, GenPrompt, SendEvent, Trace
+cfg = default_engine(kv_cache_bytes=8 * 2**20, max_model_len=8000)
+eng = InProcessEngine(cfg)
+eng.start()
+sends = [SendEvent(request_id=f"r{i}", at=At(step=0), max_tokens=40, prompt=GenPrompt(length=20 + 7 * i, seed=i))
+         for i in range(2)]
+h = eng.replay(Trace(engine=cfg, events=sends))
+alone = {s.request_id: eng.run_alone(s) for s in sends}
+print("W " + json.dumps({"breaks": [b.model_dump(mode="json") for b in h.breaks],
+                         "diverged": sorted(r for r in alone if alone[r].token_ids != h.requests[r].token_ids),
+                         "ref_breaks": sorted(b.name for r in alone.values() for b in r.breaks)}))
+"""
+
+
+def test_a_fault_that_breaks_no_post_condition_still_corrupts_and_names_nothing():
+    """Fault W (written after rule 5.3): two requests decoding together write the first token of
+    each new block into the block before it. Both outputs differ from their references (each
+    request alone: not hit), and no post-condition breaks on the run or the references — the
+    case where a bucket falls back to the ablation verdicts (docs/oracle.md, rule 5's limits)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "KVFUZZ_PLUGIN_MODULES": "unseen_faults.new_block_slot_in_previous",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))}
+    p = subprocess.run([sys.executable, "-c", W_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = json.loads(next(ln for ln in p.stdout.splitlines() if ln.startswith("W "))[2:])
+    assert got == {"breaks": [], "diverged": ["r0", "r1"], "ref_breaks": []}, got

@@ -29,4 +29,8 @@ And after bucket rule 5 (000a882, the post-conditions of harness/postconditions.
 And after rule 5.2 (653a980; U had shown that a latent break must not name a victim):
 - ``append_repeats_first_block`` (V, the persistent batch's block table on append): two or more
   block ids appended to a non-empty row are written with the first one twice.
+And after rule 5.3 (0da9af8; a reference run's breaks name the divergence):
+- ``new_block_slot_in_previous`` (W, the worker's slot mapping): in a batch of two requests or
+  more, a decode token that opens a new block is written to offset 0 of the request's previous
+  block. It breaks none of the post-conditions kvfuzz checks: its bucket rests on the verdicts.
 """
