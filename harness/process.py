@@ -194,12 +194,10 @@ class ManagedServer:
 
     def died(self) -> str | None:
         """None while alive; else why it stopped."""
-        if self.alive():
-            return None
-        code = self.proc.poll() if self.proc else None
-        if code is None and self.proc is not None:
-            return dying(self.proc.pid) or describe_exit(None)
-        return describe_exit(code)
+        if self.proc is None:
+            return describe_exit(None)
+        code = self.proc.poll()
+        return describe_exit(code) if code is not None else dying(self.proc.pid)
 
 
 def _group_alive(pgid: int) -> bool:
