@@ -14,6 +14,7 @@ from kvfuzz.fuzzer.campaign import Campaign, CampaignOptions, CampaignState
 from kvfuzz.oracle import buckets as rule
 from kvfuzz.traces import Finding, load_finding, save
 from kvfuzz.traces.buckets import KEY_MECHANISMS, Bucket, BucketKey, BucketMembership, agrees, conflicts, union
+from kvfuzz.traces.result import Judged
 from kvfuzz.triage.campaign import ASSIGN_CHECK_EVERY, CampaignTriage
 
 DATA = Path(__file__).parent / "data" / "present"
@@ -80,6 +81,9 @@ class Table:
         gone = {"prefix-caching": not e.enable_prefix_caching, "chunked-prefill": not e.enable_chunked_prefill,
                 "lora": not e.lora.enabled}
         return "ok" if any(gone.get(m) for m in self.needs) else "corruption"
+
+    def judge_victim(self, trace, *, victim, arm, toggles):
+        return Judged(self.judge(trace, victim=victim, arm=arm, toggles=toggles))
 
 
 def bucket(bid, v, first, cls="corruption"):
@@ -404,3 +408,48 @@ def test_the_pre_key_knows_a_bucket_explained_by_a_fix_the_arm_left_off():
     assert [b.id for b in rule.prekey_candidates(f, [lora, other], clean)] == ["L"]
     f.arms = {arm: ["fault-elsewhere", *clean]}  # an arm that turns a fault on, every fix on
     assert [b.id for b in rule.prekey_candidates(f, [lora, other], clean)] == ["O"]
+
+
+class Drifting(Table):
+    """Fault W's witness on Ray: with KV pressure removed its victim's tokens all match the
+    reference (the flip was at a 0.0047 margin), but its logprobs drift by 0.0039 against a
+    bound of 1.1e-5. Only that removal is asked of it here."""
+
+    def __init__(self, drift, bound=1.1e-5):
+        super().__init__([])
+        self.drift, self.bound = drift, bound
+
+    def judge_victim(self, trace, *, victim, arm, toggles):
+        return Judged("ok", drift=self.drift, bound=self.bound)
+
+
+def test_a_token_equal_victim_whose_logprobs_drifted_past_noise_still_persists():
+    """Issue 30, fault W on Ray (63 + 1 buckets): an ablation that only moved the victim off its
+    flip read as "needs KV pressure". A drift past the noise bound is wrong KV without a flip:
+    the corruption persists, and the record says why. Within the bound it disappears."""
+    from kvfuzz.triage.explain import explain
+
+    f = unexplained()
+    for drift, outcome in ((0.0039, "persists"), (1e-6, "disappears"), (None, "disappears")):
+        ex = explain(Drifting(drift), f, mechanisms=["preemption"])
+        (a,) = ex.ablations
+        assert (a.outcome, a.victim_class) == (outcome, "ok"), (drift, a)
+        assert ("drifted by 0.0039" in (a.detail or "")) == (outcome == "persists")
+        assert rule.verdicts_of(ex) == {"preemption": outcome}
+
+
+def test_drift_without_a_flip_is_no_evidence_for_a_near_tie():
+    """Only corruption is kept alive by drift: a near tie's victim (noise by every measure) that
+    stops flipping has disappeared, whatever its drift."""
+    from kvfuzz.triage.explain import explain
+
+    f = unexplained()
+    f.divergences[0].class_ = "numeric-near-tie"
+    (a,) = explain(Drifting(0.5), f, mechanisms=["preemption"]).ablations
+    assert a.outcome == "disappears" and a.detail is None
+
+
+def test_judged_drifted_only_for_a_token_equal_run_past_its_bound():
+    assert Judged("ok", drift=0.2, bound=0.1).drifted
+    assert not Judged("ok", drift=0.1, bound=0.1).drifted  # at the bound is noise
+    assert not Judged("ok").drifted and not Judged("corruption", drift=0.2, bound=0.1).drifted

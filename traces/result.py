@@ -23,6 +23,23 @@ class Recording:
     scores: list[Scoring] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class Judged:
+    """One replay judged on one victim (triage's probes and ablations): its verdict class and,
+    when its tokens all equal the reference's ("ok"), the largest drift of its tokens' logprobs
+    from the reference's (nats) against the noise bound for that drift. ``drifted``: no token
+    flipped, yet the logprobs moved further than batch-order noise ever moves them — the KV
+    the victim read was still wrong (issue 30: fault W on Ray)."""
+
+    cls: str
+    drift: float | None = None
+    bound: float | None = None
+
+    @property
+    def drifted(self) -> bool:
+        return self.cls == "ok" and self.drift is not None and self.bound is not None and self.drift > self.bound
+
+
 @dataclass
 class Checked:
     """A recording and its verdicts (one per request per arm); ``finding`` when any diverged."""

@@ -6,7 +6,8 @@ fake in tests. It declares what it can do instead of being probed for it:
 - ``step_exact``: events land at exact engine steps, so a replay is deterministic and one
   replay decides a candidate (the in-process engine). Wall-clock engines are not.
 - ``judge``: one replay of a trace, judged on one victim request only (only its reference is
-  needed, so shrinking the other requests' prompts costs no reference runs).
+  needed, so shrinking the other requests' prompts costs no reference runs); ``judge_victim``
+  the same, with the victim's logprob drift when no token flipped (the ablations read it).
 - ``check``: the full recording and verdicts (runs x arms), as a finding is made.
 """
 
@@ -16,7 +17,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from kvfuzz.traces import Trace
-from kvfuzz.traces.result import Checked
+from kvfuzz.traces.result import Checked, Judged
 
 
 class Replayer(Protocol):
@@ -30,6 +31,10 @@ class Replayer(Protocol):
 
     def judge(self, trace: Trace, *, victim: str, arm: str, toggles: Sequence[str]) -> str:
         """The verdict class of ``victim`` in one replay of ``trace`` in ``arm``."""
+        ...
+
+    def judge_victim(self, trace: Trace, *, victim: str, arm: str, toggles: Sequence[str]) -> Judged:
+        """``judge``, and when the victim's tokens equal the reference's, its logprob drift."""
         ...
 
     def check(self, trace: Trace, *, runs: int | None = None, arms: dict[str, list[str]] | None = None) -> Checked:

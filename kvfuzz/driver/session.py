@@ -20,10 +20,11 @@ from kvfuzz.harness.environment import stamp
 from kvfuzz.harness.runner import ReferenceStore, ScoreStore, record, score_diverged
 from kvfuzz.oracle import NoiseBounds, bounds_from, check, classify_run, default_bounds, divergent, make_finding
 from kvfuzz.oracle.check import ENGINE
+from kvfuzz.oracle.diff import logprob_drift
 from kvfuzz.traces import Attribution, Divergence, EngineConfig, Finding, Scoring, Trace
 from kvfuzz.traces.calibration import CalibrationProfile, find_profile
 from kvfuzz.traces.errors import BadInput
-from kvfuzz.traces.result import Checked, Recording
+from kvfuzz.traces.result import Checked, Judged, Recording
 from kvfuzz.driver.settings import SessionSettings
 from kvfuzz.traces.timing import CONFIRM, ENGINE_START, Ledger
 
@@ -254,13 +255,18 @@ class Session:
         return self.verdicts_of(self.record(trace, runs=runs, arms=arms))
 
     def judge(self, trace: Trace, *, victim: str, arm: str, toggles: Sequence[str]) -> str:
-        """The verdict class of ``victim`` in one replay of ``trace``: only the victim's reference
-        (and, if it diverged, its teacher-forced scoring) is needed, so shrinking other
-        requests' prompts costs no reference runs."""
+        """The verdict class of ``victim`` in one replay of ``trace`` (``judge_victim``)."""
+        return self.judge_victim(trace, victim=victim, arm=arm, toggles=toggles).cls
+
+    def judge_victim(self, trace: Trace, *, victim: str, arm: str, toggles: Sequence[str]) -> Judged:
+        """``victim`` in one replay of ``trace``: its verdict and, when its tokens equal the
+        reference's, its logprob drift against the bound. Only the victim's reference (and, if
+        it diverged, its teacher-forced scoring) is needed, so shrinking other requests'
+        prompts costs no reference runs."""
         engine = self.engine_for(trace.engine)
         h = engine.replay(trace, arm=arm, run_index=0, toggles=list(toggles))
         if victim == ENGINE:
-            return "engine-crash" if h.crashed else "ok"
+            return Judged("engine-crash" if h.crashed else "ok")
         send = trace.send(victim)
         binding = trace.bindings_at_admission().get(victim)
         ref = self.references.get(engine, send, binding)
@@ -272,7 +278,9 @@ class Session:
             toks = rec.token_ids[: send.max_tokens]
             scoring = Scoring(request_id=victim, arm=arm, token_ids=toks, logprobs=self.scores.get(engine, send, toks, binding))
             verdict = classify_run(send, ref, rec, h, bounds, scoring)
-        return verdict.cls
+        if verdict.cls == "ok" and ref is not None and rec is not None and verdict.comparison is not None:
+            return Judged("ok", drift=logprob_drift(ref, rec, verdict.comparison.compared), bound=bounds.drift)
+        return Judged(verdict.cls)
 
     def close(self) -> None:
         """Done with the engine: closed, or back to the process's engine pool if there is one."""
