@@ -40,35 +40,47 @@ def test_explain_names_what_the_toggle_needs(session, lora_engine_config, toggle
     assert ex.summary().startswith("needs: ")
 
 
-W_SCRIPT = """
-import json, sys, tempfile
+DRIFT_SCRIPT = """
+import importlib, json, sys, tempfile
 from pathlib import Path
 from kvfuzz.driver.session import build_session
 from kvfuzz.driver.settings import SessionSettings
 from kvfuzz.fuzzer.generate import default_engine
 from kvfuzz.traces import At, GenPrompt, SendEvent, Trace
+victim, max_tokens, owner, attr = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
 tmp = Path(tempfile.mkdtemp())
 cfg = default_engine(kv_cache_bytes=8 * 2**20, max_model_len=8000)
-# r1 (27 prompt tokens) opens its second block at its 6th token, while r0 decodes beside it:
-# fault W writes that token's KV into the block before. Over 14 tokens no token flips.
-trace = Trace(engine=cfg, events=[SendEvent(request_id=f"r{i}", at=At(step=0), max_tokens=14,
+trace = Trace(engine=cfg, events=[SendEvent(request_id=f"r{i}", at=At(step=0), max_tokens=max_tokens,
                                             prompt=GenPrompt(length=20 + 7 * i, seed=i)) for i in range(2)])
 s = build_session(SessionSettings(profiles_dir=tmp / "profiles"), tmp)
-out = {}
-out["fault"] = s.judge_victim(trace, victim="r1", arm="vanilla", toggles=[]).__dict__
-from vllm.v1.worker.block_table import BlockTable
-BlockTable.compute_slot_mapping = BlockTable.compute_slot_mapping.__wrapped__  # the fault off, same engine
-out["clean"] = s.judge_victim(trace, victim="r1", arm="vanilla", toggles=[]).__dict__
+out = {"fault": s.judge_victim(trace, victim=victim, arm="vanilla", toggles=[]).__dict__}
+h = s.engine_for(cfg).replay(trace, arm="vanilla", run_index=0, toggles=[])
+out["breaks"] = [b.name for b in h.breaks]  # none: the case where a bucket rests on the verdicts
+mod, cls = owner.rsplit(".", 1)
+klass = getattr(importlib.import_module(mod), cls)
+setattr(klass, attr, getattr(klass, attr).__wrapped__)  # the fault undone, same engine
+out["clean"] = s.judge_victim(trace, victim=victim, arm="vanilla", toggles=[]).__dict__
 s.close()
 print("J " + json.dumps(out))
 """
 
+# Two faults that break no post-condition, in two mechanisms: W writes a decode token's KV
+# into the previous block (r1, 27 prompt tokens, opens its second block at its 6th token);
+# X (written after the change) lets a decode read the block past its row's end.
+NO_BREAK_FAULTS = [
+    pytest.param("new_block_slot_in_previous", "r1", 14, "vllm.v1.worker.block_table.BlockTable",
+                 "compute_slot_mapping", id="W"),
+    pytest.param("decode_reads_past_row_end", "r1", 40,
+                 "vllm.v1.attention.backends.cpu_attn.CPUAttentionMetadataBuilder", "build", id="X"),
+]
+
 
 @pytest.mark.slow
-def test_wrong_kv_that_flips_no_token_is_measured_by_its_drift():
+@pytest.mark.parametrize("fault,victim,max_tokens,owner,attr", NO_BREAK_FAULTS)
+def test_wrong_kv_that_flips_no_token_is_measured_by_its_drift(fault, victim, max_tokens, owner, attr):
     """Issue 30 (fault W on Ray): a removal that only moved the victim off its flip read as
-    "disappears". On the real engine, W's victim matches every reference token yet its logprobs
-    drift far past the bound; with the fault undone in the same engine the drift is noise."""
+    "disappears". On the real engine, the victim matches every reference token yet its
+    logprobs drift far past the bound; with the fault undone in the same engine it is noise."""
     import json
     import os
     import subprocess
@@ -76,12 +88,14 @@ def test_wrong_kv_that_flips_no_token_is_measured_by_its_drift():
     from pathlib import Path
 
     tests = Path(__file__).parent
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "KVFUZZ_PLUGIN_MODULES": "unseen_faults.new_block_slot_in_previous",
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "KVFUZZ_PLUGIN_MODULES": f"unseen_faults.{fault}",
            "KVFUZZ_REFERENCE_CACHE": "off",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(tests), os.environ.get("PYTHONPATH")]))}
-    p = subprocess.run([sys.executable, "-c", W_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    p = subprocess.run([sys.executable, "-c", DRIFT_SCRIPT, victim, str(max_tokens), owner, attr], env=env,
+                       capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     got = json.loads(next(ln for ln in p.stdout.splitlines() if ln.startswith("J "))[2:])
-    fault, clean = got["fault"], got["clean"]
-    assert fault["cls"] == "ok" and fault["drift"] > 10 * fault["bound"], got
+    fault_, clean = got["fault"], got["clean"]
+    assert fault_["cls"] == "ok" and fault_["drift"] > 10 * fault_["bound"], got
     assert clean["cls"] == "ok" and clean["drift"] <= clean["bound"], got
+    assert got["breaks"] == [], got

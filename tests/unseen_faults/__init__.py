@@ -33,4 +33,8 @@ And after rule 5.3 (0da9af8; a reference run's breaks name the divergence):
 - ``new_block_slot_in_previous`` (W, the worker's slot mapping): in a batch of two requests or
   more, a decode token that opens a new block is written to offset 0 of the request's previous
   block. It breaks none of the post-conditions kvfuzz checks: its bucket rests on the verdicts.
+And after rule 5.4 (4ffa134; W had shown that a removal may leave wrong KV that flips no token):
+- ``decode_reads_past_row_end`` (X, the CPU attention metadata): in a batch of two requests or
+  more, a decode whose context fills its last block exactly attends one block past its row's
+  end (a stale block-table entry). It breaks no post-condition either.
 """

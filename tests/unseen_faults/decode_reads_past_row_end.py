@@ -1,0 +1,45 @@
+"""Fault X (the attention kernel's view of the KV cache): written after the ablation change
+that fault W showed (4ffa134, a corruption victim that flips no token but drifts past noise
+still persists), for the acceptance runs of issue 30; the bucket rule was not changed for it.
+
+Each step the CPU attention backend builds its metadata from the batch's sequence lengths
+(``CPUAttentionMetadataBuilder.build``). With this fault, in a batch of two requests or more,
+a decode whose context fills its last block exactly is given a sequence length one block
+longer: its query also attends to the block of the block-table entry *past its row's end*, a
+stale id left by an earlier occupant of that persistent-batch row (or the null block).
+The kind of upstream bug reported for FlashInfer (block-table entries past a row's end read
+as KV). No record of the scheduler, the allocator or the persistent batch changes, and no KV
+is written anywhere wrong, so no post-condition kvfuzz checks breaks. A request alone is never
+hit, so its reference is right.
+"""
+
+from __future__ import annotations
+
+_TAG = "unseen-fault-decode-reads-past-row-end"
+
+
+def install() -> None:
+    import dataclasses
+
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadataBuilder
+
+    original = CPUAttentionMetadataBuilder.build
+    if getattr(original, "__unseen_tag__", None) == _TAG:
+        return
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
+        m = common_attn_metadata
+        if m.num_reqs >= 2 and not self.is_encoder_only_attention and not self.is_cross_attention:
+            starts = m.query_start_loc_cpu[: m.num_reqs + 1]
+            decode = (starts[1:] - starts[:-1]) == 1
+            seq = m.seq_lens[: m.num_reqs]
+            hit = decode & (seq % self.block_size == 0) & (seq > 0)
+            if bool(hit.any()):
+                lens = m.seq_lens.clone()
+                lens[: m.num_reqs] += self.block_size * hit.to(lens.dtype)  # the bug: the block past the row's end
+                m = dataclasses.replace(m, seq_lens=lens, max_seq_len=max(m.max_seq_len, int(lens.max())))
+        return original(self, common_prefix_len, m, fast_build)
+
+    build.__unseen_tag__ = _TAG  # type: ignore[attr-defined]
+    build.__wrapped__ = original  # type: ignore[attr-defined]
+    CPUAttentionMetadataBuilder.build = build
