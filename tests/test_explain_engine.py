@@ -64,23 +64,27 @@ s.close()
 print("J " + json.dumps(out))
 """
 
-# Two faults that break no post-condition, in two mechanisms: W writes a decode token's KV
-# into the previous block (r1, 27 prompt tokens, opens its second block at its 6th token);
-# X (written after the change) lets a decode read the block past its row's end.
+# Faults that break no post-condition, in two mechanisms: W writes a decode token's KV into the
+# previous block (r1, 27 prompt tokens, opens its second block at its 6th token); X and Y
+# (written after the change) let a decode read the block past its row's end (X: no token
+# flips) or its neighbour's last block (Y: r1 reads r0's first block at its 6th token).
 NO_BREAK_FAULTS = [
     pytest.param("new_block_slot_in_previous", "r1", 14, "vllm.v1.worker.block_table.BlockTable",
-                 "compute_slot_mapping", id="W"),
+                 "compute_slot_mapping", "ok", id="W"),
     pytest.param("decode_reads_past_row_end", "r1", 40,
-                 "vllm.v1.attention.backends.cpu_attn.CPUAttentionMetadataBuilder", "build", id="X"),
+                 "vllm.v1.attention.backends.cpu_attn.CPUAttentionMetadataBuilder", "build", "ok", id="X"),
+    pytest.param("decode_reads_neighbours_last_block", "r1", 14,
+                 "vllm.v1.attention.backends.cpu_attn.CPUAttentionMetadataBuilder", "build", "corruption", id="Y"),
 ]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fault,victim,max_tokens,owner,attr", NO_BREAK_FAULTS)
-def test_wrong_kv_that_flips_no_token_is_measured_by_its_drift(fault, victim, max_tokens, owner, attr):
+@pytest.mark.parametrize("fault,victim,max_tokens,owner,attr,cls", NO_BREAK_FAULTS)
+def test_wrong_kv_that_flips_no_token_is_measured_by_its_drift(fault, victim, max_tokens, owner, attr, cls):
     """Issue 30 (fault W on Ray): a removal that only moved the victim off its flip read as
-    "disappears". On the real engine, the victim matches every reference token yet its
-    logprobs drift far past the bound; with the fault undone in the same engine it is noise."""
+    "disappears". On the real engine, W's and X's victims match every reference token yet their
+    logprobs drift far past the bound (Y's flips); with the fault undone in the same engine
+    each is noise. None of them breaks a post-condition: their buckets rest on the verdicts."""
     import json
     import os
     import subprocess
@@ -96,6 +100,8 @@ def test_wrong_kv_that_flips_no_token_is_measured_by_its_drift(fault, victim, ma
     assert p.returncode == 0, p.stderr[-3000:]
     got = json.loads(next(ln for ln in p.stdout.splitlines() if ln.startswith("J "))[2:])
     fault_, clean = got["fault"], got["clean"]
-    assert fault_["cls"] == "ok" and fault_["drift"] > 10 * fault_["bound"], got
+    assert fault_["cls"] == cls, got
+    if cls == "ok":
+        assert fault_["drift"] > 10 * fault_["bound"], got
     assert clean["cls"] == "ok" and clean["drift"] <= clean["bound"], got
     assert got["breaks"] == [], got

@@ -36,5 +36,9 @@ And after rule 5.3 (0da9af8; a reference run's breaks name the divergence):
 And after rule 5.4 (4ffa134; W had shown that a removal may leave wrong KV that flips no token):
 - ``decode_reads_past_row_end`` (X, the CPU attention metadata): in a batch of two requests or
   more, a decode whose context fills its last block exactly attends one block past its row's
-  end (a stale block-table entry). It breaks no post-condition either.
+  end (a stale block-table entry). It breaks no post-condition either, and its first campaigns
+  flipped no token (its drift is measured: tests/test_explain_engine.py).
+- ``decode_reads_neighbours_last_block`` (Y, the CPU attention metadata's block table; written
+  after X, the rule unchanged): in a batch of two or more, a decode whose last block is full
+  reads that block from the row above (another request's KV). No post-condition breaks.
 """
