@@ -169,3 +169,16 @@ def test_report_cli_bad_input(tmp_path, content, msg, kvfuzz_cli):
     p = kvfuzz_cli("report", path)
     assert p.returncode == 2 and "Traceback" not in p.stderr
     assert len(p.stderr.strip().splitlines()) == 1 and str(path) in p.stderr and msg in p.stderr
+
+
+def test_an_ablation_kept_alive_by_drift_says_so():
+    """Issue 30, rule 5.4: a removal under which no token flipped but the logprobs drifted past
+    noise persists; the report shows the victim's class and why, not a bare "ok"."""
+    from kvfuzz.traces import Ablation, Explanation
+
+    f = finding()
+    why = "no token flipped, but the logprobs drifted by 0.0039 (> 1.14e-05): still wrong KV"
+    f.explanation = Explanation(victim="r1", cls="corruption", arm="vanilla", ablations=[
+        Ablation(mechanism="preemption", change="KV cache 96 MiB", outcome="persists", victim_class="ok", detail=why)])
+    md = markdown(f)
+    assert f"ok — {why}" in md

@@ -389,7 +389,7 @@ def build(finding: Finding, *, source: str = "FINDING.json",
             f"{ex.victim} ({ex.cls}, arm {ex.arm}); \"disappears\" means the mechanism is needed. "
             f"{ex.replays} replays, {ex.seconds:g} s.")
         r.table(["mechanism", "taken away", "outcome", "victim"],
-                [[a.mechanism, a.change, a.outcome, a.victim_class or (a.detail or "")] for a in ex.ablations],
+                [[a.mechanism, a.change, a.outcome, " — ".join(filter(None, [a.victim_class, a.detail]))] for a in ex.ablations],
                 wrap=(1, 3))
         r.p(ex.summary() + ".")
 

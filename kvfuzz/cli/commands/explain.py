@@ -62,7 +62,7 @@ def explain_cmd(
         table.add_column(col, overflow="fold")
     for a in ex.ablations:
         table.add_row(a.mechanism, a.change, f"[{OUTCOME_STYLE[a.outcome]}]{a.outcome}[/]",
-                      a.victim_class or (a.detail or ""))
+                      " — ".join(filter(None, [a.victim_class, a.detail])))  # a drift that persists says why
     console.print(table)
     console.print(ex.summary(), markup=False, highlight=False)
     console.print(f"{ex.replays} replays, {ex.seconds:g} s; wrote {target}", markup=False)
