@@ -160,6 +160,26 @@ def test_past_the_share_a_sampled_replay_sends_a_second_cause_to_triage(tmp_path
     assert t._assign(checked_of(unexplained())) is None and r.replays == 1
 
 
+def test_past_the_share_a_finding_that_broke_what_the_bucket_never_did_is_checked_on_every_verdict(tmp_path):
+    """Issue 30, faults Y + P: Y's bucket (no post-condition broken, nothing needed) took P's
+    first finding past the share — its one sampled replay, chunked prefill, agreed — and with
+    it P's name, so every later P finding joined by name: two causes, one bucket. A finding
+    whose run broke a post-condition that the bucket's witnesses never broke is replayed on
+    each of the bucket's verdicts; P needs prefix caching, Y does not."""
+    bs = {"Y": bucket("Y", {"chunked-prefill": "persists", "preemption": "persists", "prefix-caching": "persists"}, 1)}
+    r = Table(needs=["prefix-caching"])  # a witness of P
+    f = unexplained()
+    f.divergences[0].broke = "map-entry-orphaned"
+    t = triage(r, bs, tmp_path)
+    assert t._assign(checked_of(f)) is None  # triaged as another cause
+    assert r.replays == 3  # chunked prefill and KV pressure agreed, prefix caching did not
+    # Y's own findings (nothing broken) are still assigned by the sampled rule.
+    r2 = Table(needs=[])
+    t2 = triage(r2, bs, tmp_path)
+    out = t2._assign(checked_of(unexplained()))
+    assert out is not None and out.buckets[0].bucket == "Y" and r2.replays == 1
+
+
 class ByTrace(Table):
     """A replayer for two causes: a trace whose first request asks for ``tokens`` tokens is
     the second cause's witness (it needs ``other``); any other trace needs ``needs``."""

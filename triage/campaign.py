@@ -265,15 +265,24 @@ class CampaignTriage:
             if key.broke is not None and bucket.key.broke == key.broke:
                 how = f"pre-key, post-condition: {key.broke}"
             elif key.explained_by is None and bucket.key.verdicts and replays:
-                n, self.assigned_n = self.assigned_n, self.assigned_n + 1
-                if n % ASSIGN_CHECK_EVERY == 0:
-                    tried = sorted(bucket.key.verdicts)
-                    mech = tried[(n // ASSIGN_CHECK_EVERY) % len(tried)]
+                tried = sorted(bucket.key.verdicts)
+                if key.broke is not None and bucket.key.broke is None:
+                    # Its run broke a post-condition no witness of the bucket did: a name the
+                    # bucket never showed is checked on every verdict, not sampled (rule 5.5,
+                    # issue 30: with faults Y and P on, P's first named finding was sampled on
+                    # chunked prefill, which neither needs, joined Y's bucket and lent it P's
+                    # name; every later P finding then joined by name).
+                    mechs = tried[:rule.MAX_CHECKS]
+                else:
+                    n, self.assigned_n = self.assigned_n, self.assigned_n + 1
+                    mechs = [tried[(n // ASSIGN_CHECK_EVERY) % len(tried)]] if n % ASSIGN_CHECK_EVERY == 0 else []
+                for mech in mechs:
                     key = key.model_copy(update={"verdicts": {**key.verdicts, **self._check(f, mech)}})
                     if not rule.agrees(key, bucket.key):
                         return None
-                    if mech in key.verdicts:
-                        how = f"pre-key, replay: {mech} {key.verdicts[mech]}"
+                seen = [f"{m} {key.verdicts[m]}" for m in mechs if m in key.verdicts]
+                if seen:
+                    how = "pre-key, replay: " + ", ".join(seen)
         m = BucketMembership(bucket=bucket.id, key=key, status="assigned", how=how)
         return self._done(checked, f, [m], "assigned")
 
