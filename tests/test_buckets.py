@@ -82,7 +82,7 @@ class Table:
                 "lora": not e.lora.enabled}
         return "ok" if any(gone.get(m) for m in self.needs) else "corruption"
 
-    def judge_victim(self, trace, *, victim, arm, toggles):
+    def judge_victim(self, trace, *, victim, arm, toggles, others=()):
         return Judged(self.judge(trace, victim=victim, arm=arm, toggles=toggles))
 
 
@@ -439,7 +439,7 @@ class Drifting(Table):
         super().__init__([])
         self.drift, self.bound = drift, bound
 
-    def judge_victim(self, trace, *, victim, arm, toggles):
+    def judge_victim(self, trace, *, victim, arm, toggles, others=()):
         return Judged("ok", drift=self.drift, bound=self.bound)
 
 
@@ -473,3 +473,53 @@ def test_judged_drifted_only_for_a_token_equal_run_past_its_bound():
     assert Judged("ok", drift=0.2, bound=0.1).drifted
     assert not Judged("ok", drift=0.1, bound=0.1).drifted  # at the bound is noise
     assert not Judged("ok").drifted and not Judged("corruption", drift=0.2, bound=0.1).drifted
+
+
+class Moving(Table):
+    """Fault Y's 19-request finding on Ray: without prefix caching its victim reads exactly right
+    KV, but another of its victims still corrupts (or, ``still=False``, is right too)."""
+
+    def __init__(self, still):
+        super().__init__([])
+        self.still, self.asked = still, []
+
+    def judge_victim(self, trace, *, victim, arm, toggles, others=()):
+        self.asked.append(tuple(others))
+        return Judged("ok", drift=0.0, bound=1e-5, others=tuple((r, Judged("corruption" if self.still else "ok"))
+                                                               for r in others))
+
+
+def _two_victims(broke=None):
+    f = unexplained()
+    d = f.divergences[0]
+    other = d.model_copy(update={"request_id": "A", "broke": broke})
+    f.divergences = [d, other]
+    return f, d.request_id
+
+
+def test_a_removal_that_moves_the_cause_to_another_victim_is_no_evidence():
+    """Issue 30, rule 5.6 (fault Y split 60 + 1 on Ray, "needs prefix caching"): a removal under
+    which the victim is right while another victim of the same finding still corrupts changed
+    which request the cause hit. It is "moved", and the key leaves it out, like a removal not
+    tried; with every victim right it disappears."""
+    from kvfuzz.triage.explain import explain
+
+    f, victim = _two_victims()
+    r = Moving(still=True)
+    ex = explain(r, f, victim=victim, mechanisms=["prefix-caching"])
+    (a,) = ex.ablations
+    assert a.outcome == "moved" and "A still corrupt" in a.detail and r.asked == [("A",)]
+    assert rule.verdicts_of(ex) == {} and ex.needs == [] and ex.not_needed == []
+    (a,) = explain(Moving(still=False), f, victim=victim, mechanisms=["prefix-caching"]).ablations
+    assert a.outcome == "disappears"
+
+
+def test_a_victim_of_another_post_condition_is_not_asked():
+    """With two faults on at once, a victim that broke another post-condition is the other
+    cause's: it must not hide what this one needs (faults Y + P)."""
+    from kvfuzz.triage.explain import explain
+
+    f, victim = _two_victims(broke="map-entry-orphaned")
+    r = Moving(still=True)
+    (a,) = explain(r, f, victim=victim, mechanisms=["prefix-caching"]).ablations
+    assert a.outcome == "disappears" and r.asked == [()]

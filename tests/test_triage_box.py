@@ -22,7 +22,7 @@ class Recorder:
         self.replays += 1
         return "ok"  # every mechanism "needed": the divergence disappears
 
-    def judge_victim(self, trace, **kw):
+    def judge_victim(self, trace, *, others=(), **kw):
         return Judged(self.judge(trace, **kw))
 
 

@@ -139,8 +139,10 @@ class Ablation(_Data):
     change: str  # what was changed, in words
     # disappears: the victim no longer diverges that way (the mechanism is needed);
     # persists: it still does; n/a: the trace does not use it; failed: the replay could not run;
-    # skipped: the triage time box ran out first (kvfuzz explain FINDING runs it in full).
-    outcome: Literal["disappears", "persists", "n/a", "failed", "skipped"]
+    # skipped: the triage time box ran out first (kvfuzz explain FINDING runs it in full);
+    # moved: the victim no longer corrupts, but another request that corrupted with it in the
+    # finding still does (the removal changed which request the cause hit: no evidence).
+    outcome: Literal["disappears", "persists", "n/a", "failed", "skipped", "moved"]
     victim_class: str | None = None
     detail: str | None = None
 

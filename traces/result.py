@@ -34,10 +34,18 @@ class Judged:
     cls: str
     drift: float | None = None
     bound: float | None = None
+    # The other requests asked about, judged in the same replay (only when this one no longer
+    # corrupts: whether the cause moved to another request; see triage/explain.py).
+    others: tuple[tuple[str, "Judged"], ...] = ()
 
     @property
     def drifted(self) -> bool:
         return self.cls == "ok" and self.drift is not None and self.bound is not None and self.drift > self.bound
+
+    @property
+    def corrupt(self) -> bool:
+        """Still corruption: a corrupted output, or wrong KV that flipped no token."""
+        return self.cls in ("engine-crash", "error", "corruption") or self.drifted
 
 
 @dataclass

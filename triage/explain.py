@@ -20,7 +20,8 @@ A mechanism the trace does not use (no cancels, prefix caching already off...) i
 Each ablation is one replay judged on the victim (``Session.judge_victim``): it disappears when
 the victim no longer diverges as badly, except that a corruption victim whose tokens all match
 but whose logprobs drifted past the noise bound still counts as persisting (no flip is needed
-to show wrong KV). The engine-level ones restart the engine (another configuration). Pure
+to show wrong KV), and one whose victim is right while another victim of the finding (same
+unexplained corruption, same post-condition) still corrupts is ``moved``: no evidence. The engine-level ones restart the engine (another configuration). Pure
 choices live in ``ablate``; the replays in ``explain``.
 """
 
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Literal
 
 from kvfuzz.fuzzer.shapes import embedded_bytes_per_token
 from kvfuzz.oracle.buckets import CHEAP_MECHANISMS
@@ -153,6 +155,13 @@ def explain(replayer: Replayer, finding: Finding, *, victim: str | None = None,
     # record keeps the canonical order either way.
     order = (sorted(names, key=lambda m: (m not in KEY_MECHANISMS, m not in CHEAP_MECHANISMS))
              if deadline is not None else names)
+    # Rule 5.6: the finding's other victims of the same unexplained corruption (the same
+    # post-condition broken, or none) are judged too when the victim no longer corrupts.
+    mine = [d for d in finding.divergences if d.request_id == target.victim and d.class_ == target.cls]
+    others = sorted({d.request_id for d in finding.divergences
+                     if target.cls == "corruption" and d.class_ == "corruption" and d.arm == arm
+                     and d.request_id != target.victim and d.explained_by is None
+                     and mine and mine[0].explained_by is None and d.broke == mine[0].broke})
     done: dict[str, Ablation] = {}
     for name in order:
         ablated, change = ABLATIONS[name](finding.trace)
@@ -163,7 +172,7 @@ def explain(replayer: Replayer, finding: Finding, *, victim: str | None = None,
             done[name] = Ablation(mechanism=name, change=change, outcome="skipped", detail="triage time box spent")
             continue
         try:
-            j = replayer.judge_victim(_valid(ablated), victim=target.victim, arm=arm, toggles=toggles)
+            j = replayer.judge_victim(_valid(ablated), victim=target.victim, arm=arm, toggles=toggles, others=others)
         except (BadInput, InfraError, ValueError) as e:  # e.g. vLLM rejects the changed engine
             done[name] = Ablation(mechanism=name, change=change, outcome="failed", detail=str(e).splitlines()[0][:300])
             continue
@@ -176,8 +185,16 @@ def explain(replayer: Replayer, finding: Finding, *, victim: str | None = None,
         persists = SEVERITY[j.cls] <= SEVERITY[target.cls] or (target.cls == "corruption" and j.drifted)
         detail = (f"no token flipped, but the logprobs drifted by {j.drift:.3g} (> {j.bound:.3g}): still wrong KV"
                   if persists and j.drifted else None)
-        done[name] = Ablation(mechanism=name, change=change, victim_class=j.cls, detail=detail,
-                              outcome="persists" if persists else "disappears")
+        outcome: Literal["disappears", "persists", "moved"] = "persists" if persists else "disappears"
+        still = [r for r, o in j.others if o.corrupt]
+        if not persists and still:
+            # The removal changed which request the cause hit, not whether it acts (issue 30,
+            # fault Y on Ray: without prefix caching a 19-request finding's victim read exactly
+            # right KV while another of its victims still corrupted; read as "needs prefix
+            # caching", it opened a second bucket). No evidence either way.
+            outcome = "moved"
+            detail = f"the victim is right without it, but {', '.join(still)} still corrupt(s): the cause moved"
+        done[name] = Ablation(mechanism=name, change=change, victim_class=j.cls, detail=detail, outcome=outcome)
     out.ablations = [done[n] for n in names]
     out.seconds = round(time.monotonic() - t0, 1)
     return out

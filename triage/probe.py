@@ -33,8 +33,10 @@ class Replayer(Protocol):
         """The verdict class of ``victim`` in one replay of ``trace`` in ``arm``."""
         ...
 
-    def judge_victim(self, trace: Trace, *, victim: str, arm: str, toggles: Sequence[str]) -> Judged:
-        """``judge``, and when the victim's tokens equal the reference's, its logprob drift."""
+    def judge_victim(self, trace: Trace, *, victim: str, arm: str, toggles: Sequence[str],
+                     others: Sequence[str] = ()) -> Judged:
+        """``judge``, and when the victim's tokens equal the reference's, its logprob drift;
+        when it no longer corrupts, ``others`` judged in the same replay."""
         ...
 
     def check(self, trace: Trace, *, runs: int | None = None, arms: dict[str, list[str]] | None = None) -> Checked:

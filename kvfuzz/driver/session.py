@@ -258,29 +258,39 @@ class Session:
         """The verdict class of ``victim`` in one replay of ``trace`` (``judge_victim``)."""
         return self.judge_victim(trace, victim=victim, arm=arm, toggles=toggles).cls
 
-    def judge_victim(self, trace: Trace, *, victim: str, arm: str, toggles: Sequence[str]) -> Judged:
+    def judge_victim(self, trace: Trace, *, victim: str, arm: str, toggles: Sequence[str],
+                     others: Sequence[str] = ()) -> Judged:
         """``victim`` in one replay of ``trace``: its verdict and, when its tokens equal the
-        reference's, its logprob drift against the bound. Only the victim's reference (and, if
-        it diverged, its teacher-forced scoring) is needed, so shrinking other requests'
-        prompts costs no reference runs."""
+        reference's, its logprob drift against the bound; when it no longer corrupts, the
+        requests in ``others`` judged alike in the same replay. Only the references of the
+        requests judged (and, for a near tie, the victim's teacher-forced scoring) are needed,
+        so shrinking other requests' prompts costs no reference runs."""
         engine = self.engine_for(trace.engine)
         h = engine.replay(trace, arm=arm, run_index=0, toggles=list(toggles))
         if victim == ENGINE:
             return Judged("engine-crash" if h.crashed else "ok")
-        send = trace.send(victim)
-        binding = trace.bindings_at_admission().get(victim)
-        ref = self.references.get(engine, send, binding)
-        rec = h.requests.get(victim)
         bounds = self.bounds_for(trace.engine)
-        verdict = classify_run(send, ref, rec, h, bounds)
-        if verdict.cls == "numeric-near-tie" and rec is not None:
-            # Only teacher forcing can still call it corruption (it never makes corruption noise).
-            toks = rec.token_ids[: send.max_tokens]
-            scoring = Scoring(request_id=victim, arm=arm, token_ids=toks, logprobs=self.scores.get(engine, send, toks, binding))
-            verdict = classify_run(send, ref, rec, h, bounds, scoring)
-        if verdict.cls == "ok" and ref is not None and rec is not None and verdict.comparison is not None:
-            return Judged("ok", drift=logprob_drift(ref, rec, verdict.comparison.compared), bound=bounds.drift)
-        return Judged(verdict.cls)
+
+        def one(rid: str, *, score: bool) -> Judged:
+            send = trace.send(rid)
+            binding = trace.bindings_at_admission().get(rid)
+            ref = self.references.get(engine, send, binding)
+            rec = h.requests.get(rid)
+            verdict = classify_run(send, ref, rec, h, bounds)
+            if score and verdict.cls == "numeric-near-tie" and rec is not None:
+                # Only teacher forcing can still call it corruption (it never makes corruption noise).
+                toks = rec.token_ids[: send.max_tokens]
+                scoring = Scoring(request_id=rid, arm=arm, token_ids=toks,
+                                  logprobs=self.scores.get(engine, send, toks, binding))
+                verdict = classify_run(send, ref, rec, h, bounds, scoring)
+            if verdict.cls == "ok" and ref is not None and rec is not None and verdict.comparison is not None:
+                return Judged("ok", drift=logprob_drift(ref, rec, verdict.comparison.compared), bound=bounds.drift)
+            return Judged(verdict.cls)
+
+        j = one(victim, score=True)
+        if others and not j.corrupt:
+            j = replace(j, others=tuple((r, one(r, score=False)) for r in others if r != victim))
+        return j
 
     def close(self) -> None:
         """Done with the engine: closed, or back to the process's engine pool if there is one."""

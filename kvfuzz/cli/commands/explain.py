@@ -15,7 +15,8 @@ from kvfuzz.cli.app import app, console
 from kvfuzz.traces import load_finding, save
 from kvfuzz.traces.errors import BadInput
 
-OUTCOME_STYLE = {"disappears": "bold green", "persists": "yellow", "n/a": "dim", "failed": "red"}
+OUTCOME_STYLE = {"disappears": "bold green", "persists": "yellow", "n/a": "dim", "failed": "red", "skipped": "dim",
+                 "moved": "magenta"}
 
 
 @app.command("explain")
