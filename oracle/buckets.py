@@ -77,6 +77,22 @@ def verdicts_of(explanation: Explanation | None) -> dict[str, Outcome]:
     return out
 
 
+def victim_of(finding: Finding, key: BucketKey) -> str | None:
+    """The request whose replays give ``key`` its verdicts: among the victims of its class and
+    explanation that broke its post-condition (or none, for a key with none), the one that
+    diverged most often, then the earliest sent. None: no such victim (the default target).
+    Rule 5.6: a finding that two causes hit (faults Y + P) was measured on Y's victim while its
+    key carried the name P broke on another, and joined Y's bucket with P's name."""
+    if key.explained_by is not None:
+        return None
+    order = {s.request_id: i for i, s in enumerate(finding.trace.sends)}
+    divs = [d for d in finding.divergences
+            if d.class_ == key.cls and d.explained_by is None and d.broke == key.broke]
+    if not divs:
+        return None
+    return min(divs, key=lambda d: (-(d.runs_diverged / max(1, d.runs)), order.get(d.request_id, -1))).request_id
+
+
 def prekey_candidates(finding: Finding, buckets: Iterable[Bucket], clean: Iterable[str] = ()) -> list[Bucket]:
     """Without attribution (past the triage share): the buckets of the finding's worst class
     that could explain it, i.e. unexplained ones (of the post-condition it broke, where both
@@ -167,4 +183,4 @@ def severity_order(buckets: Iterable[Bucket]) -> list[Bucket]:
 
 __all__ = ["CHEAP_MECHANISMS", "MAX_CHECKS", "agrees", "candidates", "conflicts", "describe", "keys_of", "live",
            "mergeable", "needs_text", "next_check", "prekey_candidates", "resolve", "severity_order", "shape",
-           "union", "verdicts_of"]
+           "union", "verdicts_of", "victim_of"]

@@ -523,3 +523,37 @@ def test_a_victim_of_another_post_condition_is_not_asked():
     r = Moving(still=True)
     (a,) = explain(r, f, victim=victim, mechanisms=["prefix-caching"]).ablations
     assert a.outcome == "disappears" and r.asked == [()]
+
+
+class ByVictim(Table):
+    """Two causes hit one finding: request A (Y's victim) needs nothing, B (P's victim, which
+    broke ``map-entry-orphaned``) needs prefix caching."""
+
+    def __init__(self):
+        super().__init__([])
+        self.victims = []
+
+    def judge_victim(self, trace, *, victim, arm, toggles, others=()):
+        self.victims.append(victim)
+        gone = not trace.engine.enable_prefix_caching and victim == "B"
+        return Judged("ok" if gone else "corruption")
+
+
+def test_a_named_key_is_measured_on_the_victim_that_broke_its_post_condition(tmp_path):
+    """Issue 30, faults Y + P (one bucket at d2840d2): a finding hit by both was keyed by the
+    name P broke on B, but its merge check replayed A (Y's victim, the default target), agreed
+    with Y's bucket, and lent it P's name; the two buckets then merged by name. The key's
+    replays now judge B."""
+    f, _ = _two_victims()
+    a, b = f.divergences
+    a.request_id, a.broke = "A", None
+    b.request_id, b.broke = "B", "map-entry-orphaned"
+    assert rule.victim_of(f, key()) == "A"
+    named = BucketKey(cls="corruption", broke="map-entry-orphaned")
+    assert rule.victim_of(f, named) == "B"
+    bs = {"Y": bucket("Y", {"prefix-caching": "persists"}, 1),
+          "P": Bucket(id="P", key=BucketKey(cls="corruption", broke="map-entry-orphaned",
+                                            verdicts={"prefix-caching": "disappears"}), first_index=2, count=1)}
+    r = ByVictim()
+    got, k, _ = triage(r, bs, tmp_path)._match(f, named)
+    assert got is not None and got.id == "P" and r.victims == ["B"] and k.verdicts["prefix-caching"] == "disappears"

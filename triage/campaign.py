@@ -195,7 +195,7 @@ class CampaignTriage:
             if m is None:
                 break
             tried.append(m)
-            key = key.model_copy(update={"verdicts": {**key.verdicts, **self._check(f, m)}})
+            key = key.model_copy(update={"verdicts": {**key.verdicts, **self._check(f, m, key)}})
             cands = rule.candidates(key, cands)
         if not cands:
             return None, key, ""
@@ -224,10 +224,11 @@ class CampaignTriage:
         self._evidence[b.id] = {**self._evidence.get(b.id, {}), **got}
         return b.model_copy(update={"key": with_evidence(b.key, got)})
 
-    def _check(self, f: Finding, mechanism: str) -> dict[str, Outcome]:
-        """One replay of ``f`` without ``mechanism``: its verdict, if it could be judged."""
+    def _check(self, f: Finding, mechanism: str, key: BucketKey) -> dict[str, Outcome]:
+        """One replay of ``f`` without ``mechanism``, judged on ``key``'s victim: its verdict,
+        if it could be judged."""
         self.status(f"finding {f.id}: checking against buckets (without {mechanism})")
-        ex = explain(self.session, f, mechanisms=[mechanism])
+        ex = explain(self.session, f, victim=rule.victim_of(f, key), mechanisms=[mechanism])
         return rule.verdicts_of(ex)
 
     def _assign(self, checked: Checked, *, replays: bool = True) -> Triaged | None:
@@ -277,7 +278,7 @@ class CampaignTriage:
                     n, self.assigned_n = self.assigned_n, self.assigned_n + 1
                     mechs = [tried[(n // ASSIGN_CHECK_EVERY) % len(tried)]] if n % ASSIGN_CHECK_EVERY == 0 else []
                 for mech in mechs:
-                    key = key.model_copy(update={"verdicts": {**key.verdicts, **self._check(f, mech)}})
+                    key = key.model_copy(update={"verdicts": {**key.verdicts, **self._check(f, mech, key)}})
                     if not rule.agrees(key, bucket.key):
                         return None
                 seen = [f"{m} {key.verdicts[m]}" for m in mechs if m in key.verdicts]
@@ -330,6 +331,9 @@ class CampaignTriage:
               start: float, box: float) -> Triaged:
         deadline = start + box
         small = finding
+        # The witness of the new key's own victim (rule 5.6: in a finding two causes hit, the
+        # victim that broke the key's post-condition, not the other cause's).
+        victim = rule.victim_of(finding, new[0]) if new else None
         left = start + MINIMIZE_BOX * box - time.monotonic()
         if self.settings.minimize and left < 2 * self._run_seconds:
             # Its share of the box cannot pay for two replays of the trace (confirming a long trace
@@ -344,10 +348,11 @@ class CampaignTriage:
             # Minimization until MINIMIZE_BOX of the box; the ablation of the (small) result, then
             # its control arms, the rest: the key's evidence before what is only described.
             small = finish_finding(self.session, finding, out=self.out, do_minimize=True, controls=False,
-                                   max_seconds=max(1.0, left))
+                                   max_seconds=max(1.0, left), victim=victim)
         if self.settings.ablate:
             self.status(f"finding {small.id}: causal ablation")
-            small.explanation = explain(self.session, small, deadline=deadline)
+            kept = victim if victim in {d.request_id for d in small.divergences} else None
+            small.explanation = explain(self.session, small, victim=kept, deadline=deadline)
         if self.settings.controls:
             # Inside the box too (issue 30: a clean bfloat16 campaign's one near-tie finding spent
             # 120 s on its serialized and float32 controls past a 30 s box).

@@ -62,7 +62,7 @@ def minimize(session: Session, finding: Finding, *, victim: str | None = None, a
 
 
 def finish_finding(session: Session, finding: Finding, *, out: Path, do_minimize: bool = True,
-                   controls: bool = True, max_seconds: float | None = 120.0) -> Finding:
+                   controls: bool = True, max_seconds: float | None = 120.0, victim: str | None = None) -> Finding:
     """The minimized finding (unless disabled), attributed to toggles like its original was,
     with its control arms. The original is written to ``out/originals/`` and linked both ways;
     the returned finding is the one the campaign records.
@@ -70,12 +70,13 @@ def finish_finding(session: Session, finding: Finding, *, out: Path, do_minimize
     Controls run on the minimized finding, not on the original: on a two- or three-request
     witness they cost a fraction of what they cost on the trace as found (each arm replays it,
     serialized runs request by request), and they are what a maintainer reads. The original
-    gets them only when there is nothing smaller (minimization off or not reproduced)."""
+    gets them only when there is nothing smaller (minimization off or not reproduced).
+    ``victim``: the request minimization keeps (default: ``choose_target``'s)."""
     if not do_minimize:
         return escalate(add_controls(session, finding) if controls else finding)
     rel = finding_path(Path("originals"), finding)
     try:
-        small = minimize(session, finding, max_seconds=max_seconds, original_path=str(rel))
+        small = minimize(session, finding, victim=victim, max_seconds=max_seconds, original_path=str(rel))
     except NotReproduced as e:
         shown = escalate(add_controls(session, finding) if controls else finding)
         shown.notes["minimize"] = f"not minimized: {e}"
