@@ -41,4 +41,8 @@ And after rule 5.4 (4ffa134; W had shown that a removal may leave wrong KV that 
 - ``decode_reads_neighbours_last_block`` (Y, the CPU attention metadata's block table; written
   after X, the rule unchanged): in a batch of two or more, a decode whose last block is full
   reads that block from the row above (another request's KV). No post-condition breaks.
+And after rules 5.5, 5.6 and the per-key victim (f2bfa8c; Y and Y + P had shown them):
+- ``chunk_start_slot_before`` (Z, the worker's slot mapping for prefills): in a batch of two or
+  more, a prefill that starts past position 0 (a continuing chunk, or after a prefix-cache hit)
+  writes its first token's KV into the slot before it. No post-condition breaks.
 """
