@@ -46,3 +46,19 @@ And after rules 5.5, 5.6 and the per-key victim (f2bfa8c; Y and Y + P had shown 
   more, a prefill that starts past position 0 (a continuing chunk, or after a prefix-cache hit)
   writes its first token's KV into the slot before it. No post-condition breaks.
 """
+
+from collections.abc import Callable
+from typing import Any
+
+
+def wrap(owner: Any, attr: str, tag: str, make: Callable[[Any], Callable[..., Any]]) -> None:
+    """Replace ``owner.attr`` by ``make(original)`` once per process (``install`` runs in every
+    vLLM process and may run twice); the original stays reachable as ``__wrapped__`` (the engine
+    tests undo a fault in the same engine)."""
+    original = getattr(owner, attr)
+    if getattr(original, "__unseen_tag__", None) == tag:
+        return
+    patched = make(original)
+    patched.__unseen_tag__ = tag  # type: ignore[attr-defined]
+    patched.__wrapped__ = original  # type: ignore[attr-defined]
+    setattr(owner, attr, patched)

@@ -15,6 +15,8 @@ hit, so its reference is right.
 
 from __future__ import annotations
 
+from . import wrap
+
 _TAG = "unseen-fault-decode-reads-past-row-end"
 
 
@@ -23,23 +25,20 @@ def install() -> None:
 
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadataBuilder
 
-    original = CPUAttentionMetadataBuilder.build
-    if getattr(original, "__unseen_tag__", None) == _TAG:
-        return
+    def make(original):
+        def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
+            m = common_attn_metadata
+            if m.num_reqs >= 2 and not self.is_encoder_only_attention and not self.is_cross_attention:
+                starts = m.query_start_loc_cpu[: m.num_reqs + 1]
+                decode = (starts[1:] - starts[:-1]) == 1
+                seq = m.seq_lens[: m.num_reqs]
+                hit = decode & (seq % self.block_size == 0) & (seq > 0)
+                if bool(hit.any()):
+                    lens = m.seq_lens.clone()
+                    lens[: m.num_reqs] += self.block_size * hit.to(lens.dtype)  # the bug: the block past the row's end
+                    m = dataclasses.replace(m, seq_lens=lens, max_seq_len=max(m.max_seq_len, int(lens.max())))
+            return original(self, common_prefix_len, m, fast_build)
 
-    def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
-        m = common_attn_metadata
-        if m.num_reqs >= 2 and not self.is_encoder_only_attention and not self.is_cross_attention:
-            starts = m.query_start_loc_cpu[: m.num_reqs + 1]
-            decode = (starts[1:] - starts[:-1]) == 1
-            seq = m.seq_lens[: m.num_reqs]
-            hit = decode & (seq % self.block_size == 0) & (seq > 0)
-            if bool(hit.any()):
-                lens = m.seq_lens.clone()
-                lens[: m.num_reqs] += self.block_size * hit.to(lens.dtype)  # the bug: the block past the row's end
-                m = dataclasses.replace(m, seq_lens=lens, max_seq_len=max(m.max_seq_len, int(lens.max())))
-        return original(self, common_prefix_len, m, fast_build)
+        return build
 
-    build.__unseen_tag__ = _TAG  # type: ignore[attr-defined]
-    build.__wrapped__ = original  # type: ignore[attr-defined]
-    CPUAttentionMetadataBuilder.build = build
+    wrap(CPUAttentionMetadataBuilder, "build", _TAG, make)
