@@ -62,3 +62,24 @@ def wrap(owner: Any, attr: str, tag: str, make: Callable[[Any], Callable[..., An
     patched.__unseen_tag__ = tag  # type: ignore[attr-defined]
     patched.__wrapped__ = original  # type: ignore[attr-defined]
     setattr(owner, attr, patched)
+
+
+def wrap_slot_mapping(tag: str, edit: Callable[[Any, int, int, int, Any], None]) -> None:
+    """A fault in the worker's slot mapping (``BlockTable.compute_slot_mapping``, where each
+    scheduled token's KV is written): after vLLM computes it, in a batch of two requests or
+    more, ``edit(table, row, start, end, positions)`` may rewrite the slots of each request's
+    tokens ``start:end``. A request alone is never hit, so its reference stays right."""
+    from vllm.v1.worker.block_table import BlockTable, SlotMappingMode
+
+    def make(original: Callable[..., None]) -> Callable[..., None]:
+        def compute_slot_mapping(self: Any, num_reqs: int, query_start_loc: Any, positions: Any) -> None:
+            original(self, num_reqs, query_start_loc, positions)
+            if num_reqs < 2 or self.slot_mapping_mode != SlotMappingMode.TOKEN_TO_KV_SLOT:
+                return
+            starts = query_start_loc[: num_reqs + 1].tolist()
+            for r in range(num_reqs):
+                edit(self, r, starts[r], starts[r + 1], positions)
+
+        return compute_slot_mapping
+
+    wrap(BlockTable, "compute_slot_mapping", tag, make)

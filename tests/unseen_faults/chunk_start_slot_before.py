@@ -13,26 +13,16 @@ post-condition kvfuzz checks breaks. A request alone is never hit, so its refere
 
 from __future__ import annotations
 
-from . import wrap
+from . import wrap_slot_mapping
 
 _TAG = "unseen-fault-chunk-start-slot-before"
 
 
+def _edit(table, r, s, e, positions):
+    if e - s < 2 or int(positions[s]) == 0:
+        return  # prefills that start past position 0 only
+    table.slot_mapping.gpu[s] = table.slot_mapping.gpu[s] - 1  # the bug: the slot before
+
+
 def install() -> None:
-    from vllm.v1.worker.block_table import BlockTable, SlotMappingMode
-
-    def make(original):
-        def compute_slot_mapping(self, num_reqs, query_start_loc, positions):
-            original(self, num_reqs, query_start_loc, positions)
-            if num_reqs < 2 or self.slot_mapping_mode != SlotMappingMode.TOKEN_TO_KV_SLOT:
-                return
-            starts = query_start_loc[: num_reqs + 1].tolist()
-            for r in range(num_reqs):
-                s, e = starts[r], starts[r + 1]
-                if e - s < 2 or int(positions[s]) == 0:
-                    continue  # prefills that start past position 0 only
-                self.slot_mapping.gpu[s] = self.slot_mapping.gpu[s] - 1  # the bug: the slot before
-
-        return compute_slot_mapping
-
-    wrap(BlockTable, "compute_slot_mapping", _TAG, make)
+    wrap_slot_mapping(_TAG, _edit)

@@ -15,31 +15,21 @@ never hit, so its reference is right.
 
 from __future__ import annotations
 
-from . import wrap
+from . import wrap_slot_mapping
 
 _TAG = "unseen-fault-new-block-slot-in-previous"
 
 
+def _edit(table, r, s, e, positions):
+    if e - s != 1:
+        return  # decode tokens only
+    bs = table.block_size
+    p = int(positions[s])
+    if p < bs or p % bs:
+        return
+    prev = int(table.block_table.np[r, p // bs - 1])
+    table.slot_mapping.gpu[s] = prev * bs  # the bug: the new block's first slot is the previous block's
+
+
 def install() -> None:
-    from vllm.v1.worker.block_table import BlockTable, SlotMappingMode
-
-    def make(original):
-        def compute_slot_mapping(self, num_reqs, query_start_loc, positions):
-            original(self, num_reqs, query_start_loc, positions)
-            if num_reqs < 2 or self.slot_mapping_mode != SlotMappingMode.TOKEN_TO_KV_SLOT:
-                return
-            starts = query_start_loc[: num_reqs + 1].tolist()
-            bs = self.block_size
-            for r in range(num_reqs):
-                s, e = starts[r], starts[r + 1]
-                if e - s != 1:
-                    continue  # decode tokens only
-                p = int(positions[s])
-                if p < bs or p % bs:
-                    continue
-                prev = int(self.block_table.np[r, p // bs - 1])
-                self.slot_mapping.gpu[s] = prev * bs  # the bug: the new block's first slot is the previous block's
-
-        return compute_slot_mapping
-
-    wrap(BlockTable, "compute_slot_mapping", _TAG, make)
+    wrap_slot_mapping(_TAG, _edit)
