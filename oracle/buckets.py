@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 from kvfuzz.oracle.attribution import candidates as attribution_candidates
-from kvfuzz.traces import Finding
+from kvfuzz.traces import Divergence, Finding
 from kvfuzz.traces.buckets import (KEY_MECHANISMS, Bucket, BucketDescription, BucketKey, Outcome, agrees, candidates,
                                    conflicts, live, mergeable, resolve, union)
 from kvfuzz.traces.finding import DIVERGENT_CLASSES, MECHANISM_WORDS, SEVERITY, Explanation
@@ -77,20 +77,21 @@ def verdicts_of(explanation: Explanation | None) -> dict[str, Outcome]:
     return out
 
 
+def same_key_victims(finding: Finding, cls: str, broke: str | None) -> list[Divergence]:
+    """The finding's unexplained divergences of class ``cls`` whose victims broke ``broke``
+    (None: broke nothing): the victims one unexplained key speaks for (rule 5.6)."""
+    return [d for d in finding.divergences if d.class_ == cls and d.explained_by is None and d.broke == broke]
+
+
 def victim_of(finding: Finding, key: BucketKey) -> str | None:
-    """The request whose replays give ``key`` its verdicts: among the victims of its class and
-    explanation that broke its post-condition (or none, for a key with none), the one that
-    diverged most often, then the earliest sent. None: no such victim (the default target).
-    Rule 5.6: a finding that two causes hit (faults Y + P) was measured on Y's victim while its
-    key carried the name P broke on another, and joined Y's bucket with P's name."""
+    """The request whose replays give ``key`` its verdicts: the leading victim among those it
+    speaks for (``same_key_victims``). None: an explained key, or no such victim (the default
+    target). Rule 5.6: a finding that two causes hit (faults Y + P) was measured on Y's victim
+    while its key carried the name P broke on another, and joined Y's bucket with P's name."""
     if key.explained_by is not None:
         return None
-    order = {s.request_id: i for i, s in enumerate(finding.trace.sends)}
-    divs = [d for d in finding.divergences
-            if d.class_ == key.cls and d.explained_by is None and d.broke == key.broke]
-    if not divs:
-        return None
-    return min(divs, key=lambda d: (-(d.runs_diverged / max(1, d.runs)), order.get(d.request_id, -1))).request_id
+    lead = finding.leading(same_key_victims(finding, key.cls, key.broke))
+    return lead.request_id if lead is not None else None
 
 
 def prekey_candidates(finding: Finding, buckets: Iterable[Bucket], clean: Iterable[str] = ()) -> list[Bucket]:
@@ -182,5 +183,5 @@ def severity_order(buckets: Iterable[Bucket]) -> list[Bucket]:
 
 
 __all__ = ["CHEAP_MECHANISMS", "MAX_CHECKS", "agrees", "candidates", "conflicts", "describe", "keys_of", "live",
-           "mergeable", "needs_text", "next_check", "prekey_candidates", "resolve", "severity_order", "shape",
-           "union", "verdicts_of", "victim_of"]
+           "mergeable", "needs_text", "next_check", "prekey_candidates", "resolve", "same_key_victims", "severity_order",
+           "shape", "union", "verdicts_of", "victim_of"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterable
 from typing import Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -313,3 +314,11 @@ class Finding(_Data):
 
     def worst_class(self) -> str:
         return min((d.class_ for d in self.divergences), key=SEVERITY.__getitem__, default="ok")
+
+    def leading(self, divs: Iterable[Divergence]) -> Divergence | None:
+        """Among ``divs`` (this finding's), the divergence a maintainer looks at first: the most
+        severe, then the most often diverged, then the earliest sent (minimization's target, a
+        bucket key's victim)."""
+        order = {s.request_id: i for i, s in enumerate(self.trace.sends)}
+        return min(divs, key=lambda d: (SEVERITY[d.class_], -(d.runs_diverged / max(1, d.runs)),
+                                        order.get(d.request_id, -1)), default=None)

@@ -21,8 +21,9 @@ Each ablation is one replay judged on the victim (``Session.judge_victim``): it 
 the victim no longer diverges as badly, except that a corruption victim whose tokens all match
 but whose logprobs drifted past the noise bound still counts as persisting (no flip is needed
 to show wrong KV), and one whose victim is right while another victim of the finding (same
-unexplained corruption, same post-condition) still corrupts is ``moved``: no evidence. The engine-level ones restart the engine (another configuration). Pure
-choices live in ``ablate``; the replays in ``explain``.
+unexplained corruption, same post-condition) still corrupts is ``moved``: no evidence. The
+engine-level ones restart the engine (another configuration). Pure choices live in
+``ablate``; the replays in ``explain``.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from collections.abc import Callable
 from typing import Literal
 
 from kvfuzz.fuzzer.shapes import embedded_bytes_per_token
-from kvfuzz.oracle.buckets import CHEAP_MECHANISMS
+from kvfuzz.oracle.buckets import CHEAP_MECHANISMS, same_key_victims
 from kvfuzz.oracle.controls import primary_arm
 from kvfuzz.traces import EMBEDDED_MODEL, Ablation, CancelEvent, Explanation, Finding, SendEvent, Trace
 from kvfuzz.traces.buckets import KEY_MECHANISMS
@@ -157,11 +158,11 @@ def explain(replayer: Replayer, finding: Finding, *, victim: str | None = None,
              if deadline is not None else names)
     # Rule 5.6: the finding's other victims of the same unexplained corruption (the same
     # post-condition broken, or none) are judged too when the victim no longer corrupts.
-    mine = [d for d in finding.divergences if d.request_id == target.victim and d.class_ == target.cls]
-    others = sorted({d.request_id for d in finding.divergences
-                     if target.cls == "corruption" and d.class_ == "corruption" and d.arm == arm
-                     and d.request_id != target.victim and d.explained_by is None
-                     and mine and mine[0].explained_by is None and d.broke == mine[0].broke})
+    me = next((d for d in finding.divergences if d.request_id == target.victim and d.class_ == target.cls), None)
+    others: list[str] = []
+    if target.cls == "corruption" and me is not None and me.explained_by is None:
+        others = sorted({d.request_id for d in same_key_victims(finding, "corruption", me.broke)
+                         if d.arm == arm and d.request_id != target.victim})
     done: dict[str, Ablation] = {}
     for name in order:
         ablated, change = ABLATIONS[name](finding.trace)

@@ -33,7 +33,7 @@ from pydantic import ValidationError
 from kvfuzz.oracle.check import ENGINE
 from kvfuzz.traces import (CancelEvent, EngineConfig, Finding, GenPrompt, MinimizedFrom, Minimization, SendEvent, TokenPrompt,
                            Trace)
-from kvfuzz.traces.finding import DIVERGENT_CLASSES, SEVERITY
+from kvfuzz.traces.finding import DIVERGENT_CLASSES
 from kvfuzz.traces.trace import ADAPTER_EVENT_TYPES, Event
 
 from .probe import Probe, Replayer
@@ -66,11 +66,9 @@ def choose_target(finding: Finding, victim: str | None = None) -> Target:
         if not divs:
             known = sorted({d.request_id for d in finding.divergences})
             raise ValueError(f"request {victim!r} did not diverge in this finding (victims: {', '.join(known)})")
-    if not divs:
+    best = finding.leading(divs)
+    if best is None:
         raise ValueError("the finding has no divergence to minimize")
-    order = {s.request_id: i for i, s in enumerate(finding.trace.sends)}
-    best = min(divs, key=lambda d: (SEVERITY[d.class_], -(d.runs_diverged / max(1, d.runs)),
-                                    order.get(d.request_id, -1)))
     toggles = finding.arms.get(best.arm)
     if toggles is None:
         toggles = next((h.toggles for h in finding.runs if h.arm == best.arm), list(finding.trace.engine.toggles))

@@ -270,10 +270,11 @@ class Session:
         if victim == ENGINE:
             return Judged("engine-crash" if h.crashed else "ok")
         bounds = self.bounds_for(trace.engine)
+        bindings = trace.bindings_at_admission()
 
         def one(rid: str, *, score: bool) -> Judged:
             send = trace.send(rid)
-            binding = trace.bindings_at_admission().get(rid)
+            binding = bindings.get(rid)
             ref = self.references.get(engine, send, binding)
             rec = h.requests.get(rid)
             verdict = classify_run(send, ref, rec, h, bounds)
