@@ -83,3 +83,22 @@ def wrap_slot_mapping(tag: str, edit: Callable[[Any, int, int, int, Any], None])
         return compute_slot_mapping
 
     wrap(BlockTable, "compute_slot_mapping", tag, make)
+
+
+def wrap_attention_metadata(tag: str, edit: Callable[[Any, Any], Any]) -> None:
+    """A fault in what the CPU attention kernel is told (``CPUAttentionMetadataBuilder.build``):
+    in a decoder batch of two requests or more, ``edit(builder, common_attn_metadata)`` returns
+    the metadata the builder is given instead. A request alone is never hit, so its reference
+    stays right."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadataBuilder
+
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        def build(self: Any, common_prefix_len: int, common_attn_metadata: Any, fast_build: bool = False) -> Any:
+            m = common_attn_metadata
+            if m.num_reqs >= 2 and not self.is_encoder_only_attention and not self.is_cross_attention:
+                m = edit(self, m)
+            return original(self, common_prefix_len, m, fast_build)
+
+        return build
+
+    wrap(CPUAttentionMetadataBuilder, "build", tag, make)

@@ -15,37 +15,29 @@ reference is right.
 
 from __future__ import annotations
 
-from . import wrap
+import dataclasses
+
+from . import wrap_attention_metadata
 
 _TAG = "unseen-fault-decode-reads-neighbours-last-block"
 
 
+def _edit(builder, m):
+    starts = m.query_start_loc_cpu[: m.num_reqs + 1].tolist()
+    seq = m.seq_lens[: m.num_reqs].tolist()
+    bs = builder.block_size
+    table = None
+    for r in range(1, m.num_reqs):
+        n = seq[r]
+        if starts[r + 1] - starts[r] != 1 or n <= 0 or n % bs:
+            continue  # decodes whose last block is full only
+        last = n // bs - 1
+        if seq[r - 1] > last * bs:  # the row above has a block at that index
+            if table is None:
+                table = m.block_table_tensor.clone()
+            table[r, last] = m.block_table_tensor[r - 1, last]  # the bug: the neighbour's block
+    return m if table is None else dataclasses.replace(m, block_table_tensor=table)
+
+
 def install() -> None:
-    import dataclasses
-
-    from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadataBuilder
-
-    def make(original):
-        def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
-            m = common_attn_metadata
-            if m.num_reqs >= 2 and not self.is_encoder_only_attention and not self.is_cross_attention:
-                starts = m.query_start_loc_cpu[: m.num_reqs + 1].tolist()
-                seq = m.seq_lens[: m.num_reqs].tolist()
-                bs = self.block_size
-                table = None
-                for r in range(1, m.num_reqs):
-                    n = seq[r]
-                    if starts[r + 1] - starts[r] != 1 or n <= 0 or n % bs:
-                        continue  # decodes whose last block is full only
-                    last = n // bs - 1
-                    if seq[r - 1] > last * bs:  # the row above has a block at that index
-                        if table is None:
-                            table = m.block_table_tensor.clone()
-                        table[r, last] = m.block_table_tensor[r - 1, last]  # the bug: the neighbour's block
-                if table is not None:
-                    m = dataclasses.replace(m, block_table_tensor=table)
-            return original(self, common_prefix_len, m, fast_build)
-
-        return build
-
-    wrap(CPUAttentionMetadataBuilder, "build", _TAG, make)
+    wrap_attention_metadata(_TAG, _edit)

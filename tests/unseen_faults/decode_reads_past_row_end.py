@@ -15,30 +15,24 @@ hit, so its reference is right.
 
 from __future__ import annotations
 
-from . import wrap
+import dataclasses
+
+from . import wrap_attention_metadata
 
 _TAG = "unseen-fault-decode-reads-past-row-end"
 
 
+def _edit(builder, m):
+    starts = m.query_start_loc_cpu[: m.num_reqs + 1]
+    decode = (starts[1:] - starts[:-1]) == 1
+    seq = m.seq_lens[: m.num_reqs]
+    hit = decode & (seq % builder.block_size == 0) & (seq > 0)
+    if not bool(hit.any()):
+        return m
+    lens = m.seq_lens.clone()
+    lens[: m.num_reqs] += builder.block_size * hit.to(lens.dtype)  # the bug: the block past the row's end
+    return dataclasses.replace(m, seq_lens=lens, max_seq_len=max(m.max_seq_len, int(lens.max())))
+
+
 def install() -> None:
-    import dataclasses
-
-    from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadataBuilder
-
-    def make(original):
-        def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
-            m = common_attn_metadata
-            if m.num_reqs >= 2 and not self.is_encoder_only_attention and not self.is_cross_attention:
-                starts = m.query_start_loc_cpu[: m.num_reqs + 1]
-                decode = (starts[1:] - starts[:-1]) == 1
-                seq = m.seq_lens[: m.num_reqs]
-                hit = decode & (seq % self.block_size == 0) & (seq > 0)
-                if bool(hit.any()):
-                    lens = m.seq_lens.clone()
-                    lens[: m.num_reqs] += self.block_size * hit.to(lens.dtype)  # the bug: the block past the row's end
-                    m = dataclasses.replace(m, seq_lens=lens, max_seq_len=max(m.max_seq_len, int(lens.max())))
-            return original(self, common_prefix_len, m, fast_build)
-
-        return build
-
-    wrap(CPUAttentionMetadataBuilder, "build", _TAG, make)
+    wrap_attention_metadata(_TAG, _edit)
