@@ -270,7 +270,7 @@ class InProcessEngine:
             capture["partial"] = partial
             capture["preempted"] = list(so.preempted_req_ids or ())
             capture["blocks"] = _holders(scheduler)
-            self._monitor.after_schedule(scheduler)
+            self._monitor.after_schedule(scheduler, so.num_scheduled_tokens)
             return so
 
         client.get_output = get_output

@@ -16,7 +16,13 @@ compares vLLM's own records with each other, the way vLLM's invariants say they 
   (``Request.block_hashes``), or none only while no other request holds it; it holds no block
   twice; a block's ``ref_cnt`` is at least the number of requests holding it;
 - the worker's persistent-batch row of a request (``InputBatch.block_table``) lists the
-  scheduler's blocks for it (``req_to_blocks``), in order.
+  scheduler's blocks for it (``req_to_blocks``), in order;
+- each token the step computed had its KV written where its row says (the slot mapping,
+  ``BlockTable.slot_mapping``): block ``row[position // block_size]``, offset
+  ``position % block_size``. A token written elsewhere breaks ``worker-slot`` on its request,
+  and both blocks (the one written, the one left stale) are *tainted* until their content is
+  replaced: every other request that holds one (shares it, or hits it in the prefix cache
+  later) breaks ``worker-slot`` too, since it reads that wrong KV.
 
 Each break is recorded once (per block for the map; per request and name otherwise) into the
 history; the oracle (oracle/postconditions.py) names the first harmful one on a diverging
@@ -28,8 +34,11 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from kvfuzz.traces.history import Break, BreakName
 
@@ -54,6 +63,18 @@ def _hex(h: Any) -> str:
     return h[:4].hex() if isinstance(h, bytes) else str(h)[:8]
 
 
+@dataclass
+class _Taint:
+    """A block one of whose slots holds the wrong token's KV (or a stale one): written wrongly by
+    ``writer`` at ``step``. ``hash`` is the block's prefix-cache hash once it has one; the taint
+    lasts while the block keeps it (or, hashless, while only the writer holds it)."""
+
+    writer: str
+    step: int
+    detail: str
+    hash: Any = None
+
+
 class Monitor:
     """One run's post-condition checks: ``after_schedule`` right after the scheduler's
     ``schedule()`` (a request that finishes in this step is freed before the step ends, and its
@@ -73,21 +94,35 @@ class Monitor:
         self._map_recorded = 0
         self._seen: set[tuple[str, str]] = set()
         self._rows: dict[str, list[list[int]]] = {}  # request -> its block ids per group, at schedule
+        # Request -> (first position, tokens) scheduled this step; the slot check's positions.
+        self._spans: dict[str, tuple[int, int]] = {}
+        self._taints: dict[int, _Taint] = {}
+        self._slots_off = False  # the slot check alone found another layout
+        self._blocks_of: Any = ()  # the pool's blocks (by id), for a tainted block's hash
 
-    def after_schedule(self, scheduler: Any) -> None:
-        self._guarded(lambda: self._scheduler(scheduler))
+    def after_schedule(self, scheduler: Any, scheduled: Mapping[str, int] | None = None) -> None:
+        """``scheduled``: the step's tokens per request (``SchedulerOutput.num_scheduled_tokens``),
+        whose positions the slot check needs; without it slots are not checked."""
+        self._guarded(lambda: self._scheduler(scheduler, scheduled or {}))
 
     def after_step(self, batch: Any | None) -> None:
-        """The worker's rows only: the scheduler's state was checked after ``schedule()``, where
-        blocks are allocated, hit, evicted and registered; the rest of a step only frees
-        (a break it leaves is still there at the next ``schedule()``)."""
+        """The worker's rows and slots only: the scheduler's state was checked after
+        ``schedule()``, where blocks are allocated, hit, evicted and registered; the rest of a
+        step only frees (a break it leaves is still there at the next ``schedule()``)."""
         if batch is not None:
             self._guarded(lambda: self._check_rows(self.step, batch, self.ext))
+            if not self._slots_off and not self.disabled and not self._full:
+                try:
+                    self._check_slots(self.step, batch, self.ext)
+                except (AttributeError, TypeError, IndexError, KeyError, ValueError):
+                    log.debug("slots not checked on this vLLM layout", exc_info=True)
+                    self._slots_off = True
 
-    def check(self, step: int, scheduler: Any, batch: Any | None) -> None:
+    def check(self, step: int, scheduler: Any, batch: Any | None,
+              scheduled: Mapping[str, int] | None = None) -> None:
         """Both checks at once, on a state that did not change in between (unit tests)."""
         self.step = step
-        self.after_schedule(scheduler)
+        self.after_schedule(scheduler, scheduled)
         self.after_step(batch)
 
     @property
@@ -105,9 +140,13 @@ class Monitor:
             log.debug("post-conditions not checked on this vLLM layout", exc_info=True)
             self.disabled = True
 
-    def _scheduler(self, scheduler: Any) -> None:
+    def _scheduler(self, scheduler: Any, scheduled: Mapping[str, int]) -> None:
+        # After ``schedule()`` a request's computed tokens already count this step's.
+        self._spans = {rid: (scheduler.requests[rid].num_computed_tokens - n, n)
+                       for rid, n in scheduled.items() if rid in scheduler.requests}
         mgr = scheduler.kv_cache_manager
         pool, managers = mgr.block_pool, mgr.coordinator.single_type_managers
+        self._blocks_of = pool.blocks
         if pool.enable_caching:
             self._check_map(self.step, pool)
         self._check_requests(self.step, scheduler, pool, managers, self.ext)
@@ -182,6 +221,8 @@ class Monitor:
                     twice = next(i for n, i in enumerate(real) if i in real[:n])
                     self._once(step, "held-block-repeated", ext(rid), twice, f"group {g}: block {twice} held twice")
         self._rows = rows
+        if self._taints:
+            self._check_taints(step, blocks_of, held, ext)
         # Latent first: a short count is harmless until the block is handed out again, and then
         # it is the root of the reader's foreign block (below).
         for bid, n in sorted(holders.items()):
@@ -218,6 +259,28 @@ class Monitor:
                                f"group {g} position {i}: block {b.block_id} carries {_hex(b.block_hash)}, "
                                f"the request's hash is {_hex(want)}")
 
+    def _check_taints(self, step: int, blocks_of: Any, held: list[tuple[int, str, Any, list[int]]],
+                      ext: Callable[[str], str]) -> None:
+        """Each tainted block: kept while its content is the one written wrongly (it keeps the
+        hash it had, or got while its writer held it; hashless, only its writer holds it);
+        dropped once replaced or uncertain (no false break). Each other holder reads it."""
+        for bid, t in list(self._taints.items()):
+            h = blocks_of[bid].block_hash
+            holders = {ext(rid) for _, rid, _, ids in held if bid in ids}
+            if t.hash is None:
+                if h is None and holders == {t.writer}:
+                    continue  # still being written by its writer alone
+                if h is None or t.writer not in holders:
+                    del self._taints[bid]  # freed hashless (handed out afresh), or uncertain
+                    continue
+                t.hash = h  # its writer filled and registered it
+            if h != t.hash:
+                del self._taints[bid]  # evicted: its next content is written afresh
+                continue
+            for r in sorted(holders - {t.writer}):
+                self._once(step, "worker-slot", r, bid,
+                           f"block {bid} holds KV {t.writer} wrote to the wrong slot at step {t.step} ({t.detail})")
+
     # -- the worker's persistent batch -----------------------------------------------------------
     def _check_rows(self, step: int, batch: Any, ext: Callable[[str], str]) -> None:
         """Each request's row against the blocks it was scheduled with this step (a request
@@ -236,6 +299,57 @@ class Monitor:
                                f"group {g} row {row}: position {at} is block "
                                f"{got[at] if at < len(got) else 'missing'}, the scheduler's is "
                                f"{want[at] if at < len(want) else 'none'} ({len(got)} vs {len(want)} blocks)")
+
+    def _check_slots(self, step: int, batch: Any, ext: Callable[[str], str]) -> None:
+        """Each token computed this step against its row's slot for its position (rows are laid
+        out in the batch's order, each with its scheduled tokens)."""
+        if not self._spans:
+            return
+        ids = list(batch.req_ids[: batch.num_reqs])
+        if any(r not in self._spans for r in ids):
+            return  # the batch is not this step's (another layout): no evidence
+        counts = [self._spans[r][1] for r in ids]
+        total = sum(counts)
+        for g, t in enumerate(batch.block_table.block_tables):
+            if getattr(getattr(t, "slot_mapping_mode", None), "name", "TOKEN_TO_KV_SLOT") != "TOKEN_TO_KV_SLOT" \
+                    or getattr(t, "dcp_world_size", 1) != 1:
+                continue
+            bs = int(t.block_size)
+            got_all = t.slot_mapping.gpu[:total].cpu().numpy()
+            off = 0
+            for row, rid in enumerate(ids):
+                start, n = self._spans[rid]
+                pos = np.arange(start, start + n)
+                width = int(t.num_blocks_per_row[row])
+                blocks = t.block_table.np[row, :width].astype(np.int64)
+                got = got_all[off:off + n]
+                off += n
+                inside = pos // bs < width  # a missing block is the row check's (worker-row)
+                want: np.ndarray = np.full(n, -1, dtype=np.int64)
+                want[inside] = blocks[pos[inside] // bs] * bs + pos[inside] % bs
+                bad = np.nonzero(inside & (got != want))[0]
+                if not len(bad):
+                    continue
+                i = int(bad[0])
+                p, w, x = int(pos[i]), int(want[i]), int(got[i])
+                detail = (f"group {g} row {row}: position {p} written to slot {x} (block {x // bs} offset "
+                          f"{x % bs}); its row's slot is {w} (block {w // bs} offset {w % bs})")
+                writer = ext(rid)
+                self._once(step, "worker-slot", writer, w // bs, detail)
+                for j in bad:
+                    for blk in (int(want[j]) // bs, int(got[j]) // bs):
+                        if 0 < blk < len(self._blocks_of) and blk not in self._taints:
+                            self._taints[blk] = _Taint(writer=writer, step=step, detail=detail,
+                                                       hash=self._blocks_of[blk].block_hash)
+            # Another holder scheduled this step read the wrong KV already (writes come first).
+            for blk, taint in self._taints.items():
+                if taint.step != step:
+                    continue
+                for rid, groups in self._rows.items():
+                    if ext(rid) != taint.writer and any(blk in ids_ for ids_ in groups) and rid in self._spans:
+                        self._once(step, "worker-slot", ext(rid), blk,
+                                   f"block {blk} holds KV {taint.writer} wrote to the wrong slot at step "
+                                   f"{step} ({taint.detail})")
 
 
 def worker_batch(core: Any) -> Any | None:

@@ -2,7 +2,8 @@
 bucket rule 5; the checks are harness/postconditions.py, the names traces/history.py).
 
 A request reads wrong KV through its own state: a worker block-table row that is not the
-scheduler's, a block at a full position that holds another prefix's content (it carries
+scheduler's, a token's KV written to another slot than its row's (its own, or one in a block it
+holds), a block at a full position that holds another prefix's content (it carries
 another hash, or none while another request holds it), one block at two positions. Those are
 the *harmful* breaks. Others are *latent*: a prefix-cache entry that finds the wrong block, a
 reference count short of the block's holders — nothing reads wrong KV until a request is
@@ -18,7 +19,7 @@ from collections.abc import Iterable
 
 from kvfuzz.traces.history import Break
 
-HARMFUL: tuple[str, ...] = ("worker-row", "held-block-foreign", "held-block-repeated")
+HARMFUL: tuple[str, ...] = ("worker-row", "worker-slot", "held-block-foreign", "held-block-repeated")
 
 
 def witness(breaks: Iterable[Break], request: str) -> Break | None:

@@ -64,7 +64,8 @@ s.close()
 print("J " + json.dumps(out))
 """
 
-# Faults that break no post-condition, in two mechanisms: W writes a decode token's KV into the
+# Faults whose wrong KV shows in no record of the scheduler's (W breaks only ``worker-slot``,
+# checked since; X and Y none), in two mechanisms: W writes a decode token's KV into the
 # previous block (r1, 27 prompt tokens, opens its second block at its 6th token); X and Y
 # (written after the change) let a decode read the block past its row's end (X: no token
 # flips) or its neighbour's last block (Y: r1 reads r0's first block at its 6th token).
@@ -84,7 +85,7 @@ def test_wrong_kv_that_flips_no_token_is_measured_by_its_drift(fault, victim, ma
     """Issue 30 (fault W on Ray): a removal that only moved the victim off its flip read as
     "disappears". On the real engine, W's and X's victims match every reference token yet their
     logprobs drift far past the bound (Y's flips); with the fault undone in the same engine
-    each is noise. None of them breaks a post-condition: their buckets rest on the verdicts."""
+    each is noise."""
     import json
     import os
     import subprocess

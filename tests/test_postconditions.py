@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 from test_buckets import Table, bucket, checked_of, triage, unexplained
 
 from kvfuzz.harness.postconditions import MAX_MAP_BREAKS, Monitor
@@ -58,6 +59,7 @@ class Pool:
 @dataclass
 class Req:
     block_hashes: list
+    num_computed_tokens: int = 0
 
 
 class Scheduler:
@@ -77,6 +79,26 @@ def batch(rows: dict[str, list[int]]):
     bt = type("BT", (), {"block_table": type("B", (), {"np": table})(), "num_blocks_per_row": counts})()
     return type("IB", (), {"req_id_to_index": {r: i for i, r in enumerate(rows)},
                            "block_table": type("MG", (), {"block_tables": [bt]})()})()
+
+
+def slot_batch(rows: dict[str, list[int]], slots: list[int], bs: int = 4):
+    """A batch as the worker ran it: rows in order, the step's slot mapping (vLLM's names)."""
+    ib = batch(rows)
+    (bt,) = ib.block_table.block_tables
+    bt.block_size = bs
+    bt.slot_mapping = type("S", (), {"gpu": torch.tensor(slots + [-1] * 4, dtype=torch.int64)})()
+    ib.req_ids, ib.num_reqs = list(rows), len(rows)
+    return ib
+
+
+def stepped(pool, held, hashes, spans, rows, slots, step=0, m=None):
+    """One step: ``spans`` = request -> (first position, tokens) scheduled."""
+    m = m or Monitor()
+    sched = Scheduler(pool, held, hashes)
+    for r, (start, n) in spans.items():
+        sched.requests[r].num_computed_tokens = start + n  # after schedule(), as in vLLM
+    m.check(step, sched, slot_batch(rows, slots), {r: n for r, (_, n) in spans.items()})
+    return m
 
 
 def monitor(pool, held, hashes, rows=None, step=0, m=None):
@@ -331,3 +353,53 @@ def test_a_break_is_a_coverage_feature_named_by_its_root_and_a_disabled_monitor_
     m = Monitor(enabled=False)
     m.check(0, Scheduler(pool, {"v": [b]}, {"v": [H(1)]}), None)
     assert m.breaks == [] and monitor(pool, {"v": [b]}, {"v": [H(1)]}).breaks != []
+
+
+# -- the slot mapping (worker-slot) ---------------------------------------------------------------
+def test_each_token_is_written_where_its_row_says_or_its_request_and_blocks_readers_break():
+    """Faults W and Z's shape: vLLM's records all agree, but a token's KV went to another slot.
+    Block size 4: r (blocks 1, 2) computes positions 4..5, s (block 3) decodes position 2."""
+    a, b, c = Block(1, G(1)), Block(2), Block(3)
+    pool = Pool([a, b, c], {G(1): a})
+    held, hashes, rows = {"r": [a, b], "s": [c]}, {"r": [H(1)], "s": []}, {"r": [1, 2], "s": [3]}
+    spans = {"r": (4, 2), "s": (2, 1)}
+    assert stepped(pool, held, hashes, spans, rows, [8, 9, 14]).breaks == []  # right: no break
+    # r's first token (position 4, slot 8) written to slot 7: block 1's last slot, cached.
+    m = stepped(pool, held, hashes, spans, rows, [7, 9, 14])
+    (w,) = m.breaks
+    assert (w.name, w.request, w.block) == ("worker-slot", "r", 2) and origin(m.breaks, "r") == "worker-slot"
+    assert "position 4 written to slot 7 (block 1 offset 3); its row's slot is 8 (block 2 offset 0)" in w.detail
+    # Later v hits block 1 in the prefix cache: it reads the KV r wrote there.
+    a.ref_cnt, d = 2, Block(4)
+    pool.blocks.append(d)
+    stepped(pool, {"r": [a, b], "v": [a, d]}, {"r": [H(1)], "v": [H(1)]}, {"r": (6, 1), "v": (4, 1)},
+            {"r": [1, 2], "v": [1, 4]}, [10, 16], step=1, m=m)
+    v = [x for x in m.breaks if x.request == "v"]
+    assert [(x.name, x.block) for x in v] == [("worker-slot", 1)] and "r wrote to the wrong slot at step 0" in v[0].detail
+    assert origin(m.breaks, "v") == "worker-slot" and origin(m.breaks, "s") is None
+
+
+def test_a_tainted_block_whose_content_was_replaced_names_no_later_holder():
+    """Evicted (its hash changed) or handed out afresh (hashless, to another): its next holder
+    writes it itself and reads nothing wrong."""
+    a, b = Block(1, G(1)), Block(2)
+    pool = Pool([a, b], {G(1): a})
+    rows = {"r": [1, 2]}
+    m = stepped(pool, {"r": [a, b]}, {"r": [H(1)]}, {"r": (4, 2)}, rows, [7, 9])  # taints blocks 1 and 2
+    assert [x.request for x in m.breaks] == ["r"]
+    a.block_hash, b.block_hash = G(5), None  # r finished; a evicted and refilled, b handed out afresh
+    pool.entries.clear()
+    pool.entries[G(5)] = a
+    stepped(pool, {"x": [a], "y": [b]}, {"x": [H(5)], "y": []}, {"x": (0, 1), "y": (0, 1)},
+            {"x": [1], "y": [2]}, [4, 8], step=3, m=m)
+    assert [x.request for x in m.breaks] == ["r"]
+
+
+def test_a_batch_without_a_slot_mapping_still_checks_rows_and_breaks_no_slot():
+    a = Block(1, G(1))
+    pool = Pool([a], {G(1): a})
+    m = Monitor()
+    sched = Scheduler(pool, {"t": [a]}, {"t": [H(1)]})
+    sched.requests["t"].num_computed_tokens = 1
+    m.check(0, sched, batch({"t": [0]}), {"t": 1})  # no slot_mapping, no req_ids: another layout
+    assert [(x.name, x.request) for x in m.breaks] == [("worker-row", "t")] and not m.disabled

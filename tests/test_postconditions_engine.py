@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -67,7 +68,7 @@ def test_four_unseen_faults_each_break_their_own_post_condition():
     assert [(b["name"], b["request"]) for b in ref] == [("worker-row", "long")], ref
 
 
-W_SCRIPT = """
+WZ_SCRIPT = """
 import json
 from kvfuzz.fuzzer.generate import default_engine
 from kvfuzz.harness.inprocess import InProcessEngine
@@ -75,24 +76,41 @@ from kvfuzz.traces import At, GenPrompt, SendEvent, Trace
 cfg = default_engine(kv_cache_bytes=8 * 2**20, max_model_len=8000)
 eng = InProcessEngine(cfg)
 eng.start()
-sends = [SendEvent(request_id=f"r{i}", at=At(step=0), max_tokens=40, prompt=GenPrompt(length=20 + 7 * i, seed=i))
-         for i in range(2)]
-h = eng.replay(Trace(engine=cfg, events=sends))
-alone = {s.request_id: eng.run_alone(s) for s in sends}
-print("W " + json.dumps({"breaks": [b.model_dump(mode="json") for b in h.breaks],
-                         "diverged": sorted(r for r in alone if alone[r].token_ids != h.requests[r].token_ids),
-                         "ref_breaks": sorted(b.name for r in alone.values() for b in r.breaks)}))
+out = {}
+for name, sends in {
+    # W: two short prompts decode together and open new blocks at position 32.
+    "decode": [SendEvent(request_id=f"r{i}", at=At(step=0), max_tokens=40, prompt=GenPrompt(length=20 + 7 * i, seed=i))
+               for i in range(2)],
+    # Z: a long prompt prefilled in chunks beside a decode; its second chunk starts past 0.
+    "chunk": [SendEvent(request_id="r0", at=At(step=0), max_tokens=40, prompt=GenPrompt(length=30, seed=0)),
+              SendEvent(request_id="r1", at=At(step=2), max_tokens=20, prompt=GenPrompt(length=3000, seed=1))]}.items():
+    h = eng.replay(Trace(engine=cfg, events=sends))
+    alone = {s.request_id: eng.run_alone(s) for s in sends}
+    out[name] = {"breaks": [[b.name, b.request, b.detail] for b in h.breaks],
+                 "diverged": sorted(r for r in alone if alone[r].token_ids != h.requests[r].token_ids),
+                 "ref_breaks": sorted(b.name for r in alone.values() for b in r.breaks)}
+print("WZ " + json.dumps(out))
 """
 
 
-def test_a_fault_that_breaks_no_post_condition_still_corrupts_and_names_nothing():
-    """Fault W (written after rule 5.3): two requests decoding together write the first token of
-    each new block into the block before it. Both outputs differ from their references (each
-    request alone: not hit), and no post-condition breaks on the run or the references — the
-    case where a bucket falls back to the ablation verdicts (docs/oracle.md, rule 5's limits)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "KVFUZZ_PLUGIN_MODULES": "unseen_faults.new_block_slot_in_previous",
+def test_a_token_written_to_another_slot_breaks_worker_slot_on_its_request():
+    """Faults W and Z (the worker's slot mapping; written after rules 5.3 and 5.6, before this
+    check) leave every record of vLLM's in agreement; only where a token's KV was written is
+    wrong. W: a decode token that opens a new block goes to offset 0 of the block before; Z: a
+    continuing chunk's first token goes to the slot before it. Both victims of each trace break
+    ``worker-slot`` at that token, and the references (each request alone: not hit) break
+    nothing. The clean side (no break on unmodified vLLM) is tests/test_engine.py."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "KVFUZZ_PLUGIN_MODULES": "unseen_faults.new_block_slot_in_previous,unseen_faults.chunk_start_slot_before",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))}
-    p = subprocess.run([sys.executable, "-c", W_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    p = subprocess.run([sys.executable, "-c", WZ_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
-    got = json.loads(next(ln for ln in p.stdout.splitlines() if ln.startswith("W "))[2:])
-    assert got == {"breaks": [], "diverged": ["r0", "r1"], "ref_breaks": []}, got
+    got = json.loads(next(ln for ln in p.stdout.splitlines() if ln.startswith("WZ "))[3:])
+    for trace in got.values():
+        assert trace["diverged"] == ["r0", "r1"] and trace["ref_breaks"] == [], got
+        assert sorted((name, r) for name, r, _ in trace["breaks"]) == [("worker-slot", "r0"), ("worker-slot", "r1")], got
+    decode = dict((r, d) for _, r, d in got["decode"]["breaks"])
+    assert all("position 32 written to slot" in d and "offset 0); its row's slot" in d for d in decode.values()), decode
+    chunk = next(d for _, r, d in got["chunk"]["breaks"] if r == "r1")  # Z: the slot just before
+    m = re.search(r"written to slot (\d+) .*its row's slot is (\d+)", chunk)
+    assert m and int(m[1]) == int(m[2]) - 1, chunk

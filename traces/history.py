@@ -19,7 +19,7 @@ class _Data(BaseModel):
 
 
 BreakName = Literal["map-entry-orphaned", "map-entry-stolen", "held-block-foreign", "held-block-repeated",
-                    "held-block-undercounted", "worker-row"]
+                    "held-block-undercounted", "worker-row", "worker-slot"]
 # Broken on the allocator's own state (no request named); the others are a request's own state.
 MAP_BREAKS: tuple[str, ...] = ("map-entry-orphaned", "map-entry-stolen")
 
@@ -140,8 +140,10 @@ class StepRecord(_Data):
 #   the request's own at that position, or none while another request holds it too;
 # - held-block-repeated: a request holds one block at two positions;
 # - held-block-undercounted: a block's reference count is below the number of its holders;
-# - worker-row: the worker's block-table row of a request differs from the scheduler's blocks.
-# The map entries and the count are latent (no request reads wrong KV yet); the other three are
+# - worker-row: the worker's block-table row of a request differs from the scheduler's blocks;
+# - worker-slot: a token's KV was written to another slot than its row's at its position, on
+#   the writer and on every other request holding a block so left wrong (harness/postconditions.py).
+# The map entries and the count are latent (no request reads wrong KV yet); the other four are
 # harmful, and carry their block's latent break as ``root`` (oracle/postconditions.py).
 class Scoring(_Data):
     """Teacher forcing: one run's generated tokens scored by the request alone on a clean cache

@@ -32,7 +32,8 @@ And after rule 5.2 (653a980; U had shown that a latent break must not name a vic
 And after rule 5.3 (0da9af8; a reference run's breaks name the divergence):
 - ``new_block_slot_in_previous`` (W, the worker's slot mapping): in a batch of two requests or
   more, a decode token that opens a new block is written to offset 0 of the request's previous
-  block. It breaks none of the post-conditions kvfuzz checks: its bucket rests on the verdicts.
+  block. It broke none of the post-conditions kvfuzz checked then (it breaks ``worker-slot``, the
+  slot-mapping check written after Z).
 And after rule 5.4 (4ffa134; W had shown that a removal may leave wrong KV that flips no token):
 - ``decode_reads_past_row_end`` (X, the CPU attention metadata): in a batch of two requests or
   more, a decode whose context fills its last block exactly attends one block past its row's
@@ -44,7 +45,8 @@ And after rule 5.4 (4ffa134; W had shown that a removal may leave wrong KV that 
 And after rules 5.5, 5.6 and the per-key victim (f2bfa8c; Y and Y + P had shown them):
 - ``chunk_start_slot_before`` (Z, the worker's slot mapping for prefills): in a batch of two or
   more, a prefill that starts past position 0 (a continuing chunk, or after a prefix-cache hit)
-  writes its first token's KV into the slot before it. No post-condition breaks.
+  writes its first token's KV into the slot before it. No post-condition broke (it breaks
+  ``worker-slot``, written after it).
 """
 
 from collections.abc import Callable
