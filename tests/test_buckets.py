@@ -13,7 +13,8 @@ from test_report import finding
 from kvfuzz.fuzzer.campaign import Campaign, CampaignOptions, CampaignState
 from kvfuzz.oracle import buckets as rule
 from kvfuzz.traces import Finding, load_finding, save
-from kvfuzz.traces.buckets import KEY_MECHANISMS, Bucket, BucketKey, BucketMembership, agrees, conflicts, union
+from kvfuzz.traces.buckets import (KEY_MECHANISMS, Bucket, BucketKey, BucketMembership, MechanismCheck, agrees, conflicts,
+                                   union)
 from kvfuzz.traces.result import Judged
 from kvfuzz.triage.campaign import ASSIGN_CHECK_EVERY, CampaignTriage
 
@@ -384,6 +385,10 @@ def test_a_findings_report_names_its_bucket_and_how_it_got_there():
     f.buckets = [member("Q", {"prefix-caching": "disappears"}, "assigned")]
     (line,) = finding_lines(f)
     assert line.startswith("Bucket Q — corruption, unexplained") and "assigned, not triaged" in line
+    # The check replays are shown with their outcome, also those that gave no verdict.
+    f.buckets[0].checks = [MechanismCheck(mechanism="preemption", victim="B", outcome="moved", detail="A still corrupt")]
+    (line,) = finding_lines(f)
+    assert line.endswith("checks: without preemption: moved (A still corrupt).")
 
 
 def test_a_removal_that_leaves_a_milder_divergence_is_not_evidence():
@@ -557,3 +562,40 @@ def test_a_named_key_is_measured_on_the_victim_that_broke_its_post_condition(tmp
     r = ByVictim()
     got, k, _ = triage(r, bs, tmp_path)._match(f, named)
     assert got is not None and got.id == "P" and r.victims == ["B"] and k.verdicts["prefix-caching"] == "disappears"
+
+
+class MovedBut(Table):
+    """Removing ``persists_without`` leaves the victim corrupt; any other removal moves the
+    cause to the finding's other victim (no verdict)."""
+
+    def __init__(self, persists_without):
+        super().__init__([])
+        self.persists_without = persists_without
+
+    def judge_victim(self, trace, *, victim, arm, toggles, others=()):
+        self.replays += 1
+        if not trace.engine.enable_chunked_prefill and self.persists_without == "chunked-prefill":
+            return Judged("corruption")
+        return Judged("ok", drift=0.0, bound=1e-5, others=tuple((r, Judged("corruption")) for r in others))
+
+
+def test_a_name_is_lent_to_a_bucket_only_on_a_verdict_for_every_check(tmp_path):
+    """Issue 30, rule 5.7 (faults Y + P on Ray, one bucket at the final rule 5.6): P's first
+    named finding was checked on Y's three verdicts; chunked prefill agreed (persists), the two
+    that tell P from Y gave no verdict, and the finding joined Y's bucket with P's name. Now a
+    check without a verdict sends such a finding to triage, and every check replay is kept on
+    the finding with its outcome and why (merge-check explanations were not kept)."""
+    bs = {"Y": bucket("Y", {"chunked-prefill": "persists", "preemption": "persists", "prefix-caching": "persists"}, 1)}
+    f, _ = _two_victims(broke="map-entry-orphaned")
+    f.divergences[0].broke = "map-entry-orphaned"
+    t = triage(MovedBut("chunked-prefill"), bs, tmp_path)
+    assert t._assign(checked_of(f)) is None
+    assert [(c.mechanism, c.outcome) for c in t._checks] == [("chunked-prefill", "persists"), ("preemption", "moved")]
+    assert "still corrupt" in (t._checks[1].detail or "") and t._checks[1].victim in ("A", "B")
+    # Kept on the finding's membership wherever it is placed after.
+    placed = t._done(checked_of(f), f, [BucketMembership(bucket="P", key=key({}), status="opened")], "opened")
+    assert [c.outcome for c in placed.finding.buckets[0].checks] == ["persists", "moved"]
+    # A finding of the bucket's own kind (nothing broken) is still assigned on its sampled check.
+    t2 = triage(MovedBut("chunked-prefill"), bs, tmp_path)
+    out = t2._assign(checked_of(unexplained()))
+    assert out is not None and out.buckets[0].bucket == "Y" and [c.outcome for c in out.finding.buckets[0].checks] == ["persists"]

@@ -37,6 +37,8 @@ if TYPE_CHECKING:
 # described, never keyed; 16-bit noise is told apart by its class (numeric-near-tie).
 KEY_MECHANISMS: tuple[str, ...] = ("prefix-caching", "chunked-prefill", "preemption", "lora", "lora-swaps")
 Outcome = Literal["disappears", "persists"]
+# What one ablation replay found (traces.finding.Ablation.outcome; docs/oracle.md).
+AblationOutcome = Literal["disappears", "persists", "n/a", "failed", "skipped", "moved"]
 # opened: this finding opened the bucket (fully triaged: minimized, controls, ablation);
 # triaged: attributed and checked against the bucket's key, then joined it;
 # assigned: assigned, not triaged (past the campaign's triage share): by its cheap pre-key or by
@@ -98,6 +100,15 @@ class BucketDescription(_Data):
     text: str = ""
 
 
+class MechanismCheck(_Data):
+    """One check replay: the finding without ``mechanism``, judged on ``victim``."""
+
+    mechanism: str
+    victim: str | None = None
+    outcome: AblationOutcome
+    detail: str | None = None
+
+
 class BucketMembership(_Data):
     """A finding's place in a campaign's bucket (``Finding.buckets``)."""
 
@@ -112,6 +123,10 @@ class BucketMembership(_Data):
     # mechanism -> outcome): the merge check's other direction (the existing witness replayed
     # under the new one's verdicts). The campaign adds them to those buckets' keys.
     evidence: dict[str, dict[str, Outcome]] = Field(default_factory=dict)
+    # The replays that checked this finding against buckets (merge check, assignment), each
+    # with its outcome and why, kept even when they gave no verdict (moved, failed): the
+    # reason a finding joined or did not is readable after the campaign.
+    checks: list[MechanismCheck] = Field(default_factory=list)
 
 
 class Bucket(_Data):
@@ -280,6 +295,6 @@ def bucket_from_state(bid: str, data: dict[str, Any]) -> Bucket:
                   findings=list(data.get("findings") or []), prekey=prekey)
 
 
-__all__ = ["KEY_MECHANISMS", "Bucket", "BucketDescription", "BucketKey", "BucketMembership", "Status", "Triaged", "agrees",
+__all__ = ["KEY_MECHANISMS", "Bucket", "BucketDescription", "BucketKey", "BucketMembership", "MechanismCheck", "Status", "Triaged", "agrees",
            "bucket_from_state", "candidates", "conflicts", "live", "memberships_from_notes", "mergeable", "resolve", "same_break", "union",
            "with_evidence"]

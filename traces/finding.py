@@ -13,7 +13,7 @@ from typing import Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from .buckets import BucketMembership, memberships_from_notes
+from .buckets import AblationOutcome, BucketMembership, memberships_from_notes
 
 from .history import History, RequestRecord, Scoring
 from .provenance import Attribution, BoundsUsed, CrashInfo, Provenance, migrate_notes
@@ -143,7 +143,7 @@ class Ablation(_Data):
     # skipped: the triage time box ran out first (kvfuzz explain FINDING runs it in full);
     # moved: the victim no longer corrupts, but another request that corrupted with it in the
     # finding still does (the removal changed which request the cause hit: no evidence).
-    outcome: Literal["disappears", "persists", "n/a", "failed", "skipped", "moved"]
+    outcome: AblationOutcome
     victim_class: str | None = None
     detail: str | None = None
 

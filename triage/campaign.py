@@ -45,8 +45,8 @@ from kvfuzz.oracle.attribution import plan
 from kvfuzz.oracle.controls import escalate
 from kvfuzz.traces import Finding, Trace
 from kvfuzz.traces.finding import DIVERGENT_CLASSES
-from kvfuzz.traces.buckets import (KEY_MECHANISMS, Bucket, BucketKey, BucketMembership, Outcome, Triaged, same_break,
-                                   with_evidence)
+from kvfuzz.traces.buckets import (KEY_MECHANISMS, Bucket, BucketKey, BucketMembership, MechanismCheck, Outcome,
+                                   Triaged, same_break, with_evidence)
 from kvfuzz.traces.io import load_finding
 from kvfuzz.traces.result import Checked
 
@@ -106,6 +106,7 @@ class CampaignTriage:
     _run_seconds: float = 0.0
     # Verdicts measured on existing buckets' own witnesses while triaging the current trace.
     _evidence: dict[str, dict[str, Outcome]] = field(default_factory=dict)
+    _checks: list[MechanismCheck] = field(default_factory=list)  # this finding's check replays
 
     def restore(self, buckets: dict[str, Bucket], merges: dict[str, str] | None = None) -> None:
         """Share the campaign's buckets (the campaign adds to them as findings are recorded)."""
@@ -145,7 +146,7 @@ class CampaignTriage:
             # costs the trace deadline each time).
             return self._place(checked, f, rule.keys_of(f), status="triaged", how="class")
         t0 = time.monotonic()
-        self._evidence = {}
+        self._evidence, self._checks = {}, []
         if not self.settled and not self._could_join(f):
             return self._defer(checked, f)  # before attribution: no known bucket can take it
         ending = self.over_budget or self._outlasts_budget(checked, t_run)
@@ -228,7 +229,12 @@ class CampaignTriage:
         """One replay of ``f`` without ``mechanism``, judged on ``key``'s victim: its verdict,
         if it could be judged."""
         self.status(f"finding {f.id}: checking against buckets (without {mechanism})")
-        ex = explain(self.session, f, victim=rule.victim_of(f, key), mechanisms=[mechanism])
+        victim = rule.victim_of(f, key)
+        ex = explain(self.session, f, victim=victim, mechanisms=[mechanism])
+        # Kept with the finding whatever it gave (a moved or failed replay is no verdict, and
+        # the only trace of why it joined where it did).
+        self._checks += [MechanismCheck(mechanism=a.mechanism, victim=ex.victim, outcome=a.outcome, detail=a.detail)
+                         for a in ex.ablations if a.mechanism == mechanism]
         return rule.verdicts_of(ex)
 
     def _assign(self, checked: Checked, *, replays: bool = True) -> Triaged | None:
@@ -267,7 +273,8 @@ class CampaignTriage:
                 how = f"pre-key, post-condition: {key.broke}"
             elif key.explained_by is None and bucket.key.verdicts and replays:
                 tried = sorted(bucket.key.verdicts)
-                if key.broke is not None and bucket.key.broke is None:
+                lends_name = key.broke is not None and bucket.key.broke is None
+                if lends_name:
                     # Its run broke a post-condition no witness of the bucket did: a name the
                     # bucket never showed is checked on every verdict, not sampled (rule 5.5,
                     # issue 30: with faults Y and P on, P's first named finding was sampled on
@@ -278,8 +285,14 @@ class CampaignTriage:
                     n, self.assigned_n = self.assigned_n, self.assigned_n + 1
                     mechs = [tried[(n // ASSIGN_CHECK_EVERY) % len(tried)]] if n % ASSIGN_CHECK_EVERY == 0 else []
                 for mech in mechs:
-                    key = key.model_copy(update={"verdicts": {**key.verdicts, **self._check(f, mech, key)}})
+                    got = self._check(f, mech, key)
+                    key = key.model_copy(update={"verdicts": {**key.verdicts, **got}})
                     if not rule.agrees(key, bucket.key):
+                        return None
+                    if lends_name and mech not in got:
+                        # Rule 5.7 (Y + P on Ray: the two checks that could tell P from Y gave
+                        # no verdict, and P's name went to Y's bucket): a name is lent only on a
+                        # verdict for every check; else it is another cause, triaged.
                         return None
                 seen = [f"{m} {key.verdicts[m]}" for m in mechs if m in key.verdicts]
                 if seen:
@@ -405,8 +418,9 @@ class CampaignTriage:
         return self._done(checked, f, out, status)
 
     def _done(self, checked: Checked, f: Finding, memberships: list[BucketMembership], status: str) -> Triaged:
-        if memberships and self._evidence:
-            memberships[0] = memberships[0].model_copy(update={"evidence": dict(self._evidence)})
+        if memberships and (self._evidence or self._checks):
+            memberships[0] = memberships[0].model_copy(update={"evidence": dict(self._evidence),
+                                                               "checks": list(self._checks)})
         f.buckets = memberships
         f.bucket = memberships[0].bucket if memberships else None
         return Triaged(dataclasses.replace(checked, finding=f), memberships, status)
