@@ -47,6 +47,12 @@ And after rules 5.5, 5.6 and the per-key victim (f2bfa8c; Y and Y + P had shown 
   more, a prefill that starts past position 0 (a continuing chunk, or after a prefix-cache hit)
   writes its first token's KV into the slot before it. No post-condition broke (it breaks
   ``worker-slot``, written after it).
+And after the ``worker-slot`` post-condition (d2313a7) and rule 5.7 (fee862f; Z and Y + P had
+shown them):
+- ``moved_row_keeps_stale_last_token`` (AA, the persistent batch's token ids): a row moved by
+  ``InputBatch.condense`` is copied one token short, so its next decode feeds the model the
+  departed request's token. Wrong KV content in correctly recorded blocks: no post-condition
+  breaks.
 """
 
 from collections.abc import Callable
