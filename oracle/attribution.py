@@ -22,10 +22,12 @@ from kvfuzz.traces.finding import DIVERGENT_CLASSES
 CLEAN = "clean"
 
 
-def candidates(arm_toggles: Iterable[str], clean: Iterable[str]) -> list[str]:
-    """Toggles by which an arm differs from the clean arm, in a stable order."""
-    a, c = set(arm_toggles), set(clean)
-    return sorted(a - c) + sorted(c - a)
+def candidates(arm_toggles: Iterable[str], clean: Iterable[str], inert: Iterable[str] = ()) -> list[str]:
+    """Toggles by which an arm differs from the clean arm, in a stable order; ``inert`` ones
+    (whose code path the trace's engine never reaches: ``harness.toggles.unreachable``) are no
+    difference — they can explain nothing."""
+    a, c, i = set(arm_toggles), set(clean), set(inert)
+    return sorted(a - c - i) + sorted(c - a - i)
 
 
 def single_arm(toggle: str, clean: Iterable[str]) -> tuple[str, list[str]]:
@@ -47,7 +49,8 @@ def find_arm(arms: Mapping[str, list[str]], toggles: Iterable[str]) -> str | Non
     return None
 
 
-def plan(diverged_arms: Iterable[str], arms: Mapping[str, list[str]], clean: list[str]) -> dict[str, list[str]]:
+def plan(diverged_arms: Iterable[str], arms: Mapping[str, list[str]], clean: list[str],
+         inert: Iterable[str] = ()) -> dict[str, list[str]]:
     """Arms to run in addition to ``arms`` so every divergence in ``diverged_arms`` can be
     attributed: the clean arm, and a single-toggle arm per candidate when an arm has several."""
     extra: dict[str, list[str]] = {}
@@ -59,9 +62,9 @@ def plan(diverged_arms: Iterable[str], arms: Mapping[str, list[str]], clean: lis
             have[name] = toggles
 
     for arm in diverged_arms:
-        cands = candidates(arms[arm], clean)
+        cands = candidates(arms[arm], clean, inert)
         if not cands:
-            continue
+            continue  # the arm is the clean arm on this trace: nothing to compare with
         need(CLEAN, sorted(clean))
         if len(cands) > 1:
             for t in cands:
@@ -69,7 +72,8 @@ def plan(diverged_arms: Iterable[str], arms: Mapping[str, list[str]], clean: lis
     return extra
 
 
-def singles_needed(verdicts: Iterable[Divergence], arms: Mapping[str, list[str]], clean: list[str]) -> bool:
+def singles_needed(verdicts: Iterable[Divergence], arms: Mapping[str, list[str]], clean: list[str],
+                   inert: Iterable[str] = ()) -> bool:
     """Whether the single-toggle arms ``plan`` adds can change any attribution, given the
     clean arm's verdicts: only for a divergence, in an arm with several candidates, of a
     request that is fine in the clean arm (one that also diverges there is unexplained
@@ -90,7 +94,7 @@ def singles_needed(verdicts: Iterable[Divergence], arms: Mapping[str, list[str]]
         return any(v.request_id in diverging(find_arm(arms, single_arm(t, clean)[1]), v) for t in cands)
 
     for v in vs:
-        cands = candidates(arms.get(v.arm, []), clean)
+        cands = candidates(arms.get(v.arm, []), clean, inert)
         if (v.class_ in DIVERGENT_CLASSES and len(cands) > 1 and v.request_id not in diverging(clean_arm, v)
                 and not reproduced(v, cands)):
             return True
@@ -106,10 +110,12 @@ def _divergent_requests(verdicts: Iterable[Divergence], arm: str, *, noise: bool
             and (noise or v.class_ != "numeric-near-tie")}
 
 
-def attribute(verdicts: list[Divergence], arms: Mapping[str, list[str]], clean: list[str]) -> list[Divergence]:
+def attribute(verdicts: list[Divergence], arms: Mapping[str, list[str]], clean: list[str],
+              inert: Iterable[str] = ()) -> list[Divergence]:
     """Fill ``explained_by`` (and a short ``detail`` suffix) on every divergent verdict."""
+    inert = sorted(set(inert))
     clean_arm = find_arm(arms, clean)
-    single = {t: find_arm(arms, single_arm(t, clean)[1]) for name in arms for t in candidates(arms[name], clean)}
+    single = {t: find_arm(arms, single_arm(t, clean)[1]) for name in arms for t in candidates(arms[name], clean, inert)}
     # A near tie is matched by any divergence elsewhere; anything worse only by worse than a
     # near tie (a corruption that is a near tie in clean disappeared there).
     by_noise = {}
@@ -122,10 +128,13 @@ def attribute(verdicts: list[Divergence], arms: Mapping[str, list[str]], clean: 
             out.append(v)
             continue
         clean_div, single_div = by_noise[v.class_ == "numeric-near-tie"]
-        cands = candidates(arms.get(v.arm, []), clean)
+        cands = candidates(arms.get(v.arm, []), clean, inert)
         why: str | None = None
         note: str
-        if not cands:
+        if not cands and candidates(arms.get(v.arm, []), clean):
+            note = ("unexplained: its arm differs from clean only by toggles this trace's engine never reaches "
+                    f"({', '.join(candidates(arms.get(v.arm, []), clean))})")
+        elif not cands:
             note = "unexplained: diverges with every applicable fix on and no fault"
         elif clean_arm is None:
             note = "not attributed: the clean arm was not run"

@@ -94,17 +94,19 @@ def victim_of(finding: Finding, key: BucketKey) -> str | None:
     return lead.request_id if lead is not None else None
 
 
-def prekey_candidates(finding: Finding, buckets: Iterable[Bucket], clean: Iterable[str] = ()) -> list[Bucket]:
+def prekey_candidates(finding: Finding, buckets: Iterable[Bucket], clean: Iterable[str] = (),
+                      inert: Iterable[str] = ()) -> list[Bucket]:
     """Without attribution (past the triage share): the buckets of the finding's worst class
     that could explain it, i.e. unexplained ones (of the post-condition it broke, where both
     broke one) and those explained by a toggle by which an
     arm it diverged in differs from ``clean`` (the device's clean arm): a fault it turned on,
     or a fix it left off — the CPU LoRA bug's bucket is explained by a fix that the vanilla arm
-    leaves off (issue 30: a finding of it past the budget opened a second bucket)."""
+    leaves off (issue 30: a finding of it past the budget opened a second bucket). ``inert``:
+    toggles the finding's engine never reaches, which explain nothing."""
     worst = finding.worst_class()
     clean = list(clean)
     differs = {t for d in finding.divergences if d.class_ == worst
-               for t in attribution_candidates(finding.arms.get(d.arm, []), clean)}
+               for t in attribution_candidates(finding.arms.get(d.arm, []), clean, inert)}
     # Rule 5: an unexplained bucket whose witness broke another post-condition than every one
     # this finding broke is another cause (the finding's own run recorded them: no replay).
     broke = {d.broke for d in finding.divergences if d.class_ == worst and d.broke}

@@ -248,3 +248,46 @@ def test_a_known_explanations_single_arm_runs_first_and_the_others_only_if_it_re
     assert asked == [["clean"], [f"without:{FIX2}"]] and why == FIX2
     asked, why = run(FIX)
     assert asked == [["clean"], [f"without:{FIX2}"], [f"without:{FIX}"]] and why == FIX
+
+
+LORA_FIXES = ["fix-lora-batch-keeps-every-adapter-id", "fix-lora-cpu-no-lora-tokens", "fix-lora-reload-prefix-identity"]
+
+
+def test_toggles_whose_code_the_engine_never_reaches_explain_nothing():
+    """Issue 30, fault AA (written after the rule): a witness whose trigger depends on state left
+    by earlier runs diverged in 1 of 3 vanilla runs and in none of the clean arm's, and was
+    "explained by" the CPU LoRA fixes — on an engine with LoRA off, where vanilla and clean run
+    the same code. Toggles the engine never reaches are no difference: no clean arm is run
+    for them, and the divergence is unexplained."""
+    from kvfuzz.fuzzer.generate import default_engine
+    from kvfuzz.harness.toggles import unreachable
+
+    off = default_engine()
+    on = off.model_copy(update={"lora": off.lora.model_copy(update={"enabled": True})})
+    assert not off.lora.enabled and unreachable([*LORA_FIXES, "no-such-toggle"], off) == set(LORA_FIXES)
+    assert unreachable(LORA_FIXES, on) == set()
+    arms = {"vanilla": [], "clean": LORA_FIXES}
+    assert plan(["vanilla"], {"vanilla": []}, LORA_FIXES, inert=LORA_FIXES) == {}
+    (b, _) = attribute([dv("vanilla", "B"), dv("clean", "B", "ok")], arms, LORA_FIXES, inert=LORA_FIXES)
+    assert b.explained_by is None and "never reaches" in b.detail
+    # Reachable, the same verdicts are explained as before.
+    (b, _) = attribute([dv("vanilla", "B"), dv("clean", "B", "ok")], arms, LORA_FIXES)
+    assert b.explained_by == "+".join(LORA_FIXES)
+
+
+def test_attribution_runs_no_arm_for_toggles_the_trace_never_reaches(monkeypatch):
+    from kvfuzz.triage.attribution import explain_toggles
+    from kvfuzz.traces.result import Checked, Recording
+    from test_report import finding
+
+    import kvfuzz.triage.attribution as attribution
+
+    monkeypatch.setattr(attribution, "clean_set", lambda device: list(LORA_FIXES))
+    f = finding()
+    f.trace = f.trace.model_copy(update={"engine": f.trace.engine.model_copy(
+        update={"lora": f.trace.engine.lora.model_copy(update={"enabled": False})})})
+    session = ArmRecorder(f, lambda rec: [dv(a, "r1", "ok") for a in rec.arms])
+    rec = Recording(trace=f.trace, histories=[h.model_copy(update={"arm": "vanilla"}) for h in f.runs],
+                    references=f.references, environment=f.environment, arms={"vanilla": []})
+    out = explain_toggles(session, Checked(rec, [dv("vanilla", "r1")], None))  # type: ignore[arg-type]
+    assert session.asked == [] and [v.explained_by for v in out.verdicts] == [None]

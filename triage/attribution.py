@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from kvfuzz.harness.toggles import clean_set
+from kvfuzz.harness.toggles import clean_set, unreachable
 from kvfuzz.oracle import divergent
 from kvfuzz.oracle.attribution import CLEAN, attribute, plan, singles_needed
 from kvfuzz.driver.recovery import Recovering
@@ -27,7 +27,8 @@ def explain_toggles(session: Session, checked: Checked, *, runs: int | None = No
         return checked
     rec = checked.recording
     clean = clean_set(session.device)
-    extra = plan({v.arm for v in divergent(checked.verdicts)}, rec.arms, clean)
+    inert = unreachable({*clean, *(t for ts in rec.arms.values() for t in ts)}, rec.trace.engine)
+    extra = plan({v.arm for v in divergent(checked.verdicts)}, rec.arms, clean, inert)
     # The clean arm first; the single-toggle arms only when they can still change an answer.
     wanted = set(first)
     clean_arm = {k: v for k, v in extra.items() if k == CLEAN}
@@ -39,11 +40,11 @@ def explain_toggles(session: Session, checked: Checked, *, runs: int | None = No
         added += clean_arm
     early = {k: v for k, v in singles.items() if k.split(":", 1)[-1] in wanted}
     for batch in (early, {k: v for k, v in singles.items() if k not in early}):
-        if batch and singles_needed(checked.verdicts, rec.arms, clean):
+        if batch and singles_needed(checked.verdicts, rec.arms, clean, inert):
             checked = _recorded(session, rec, batch, runs)
             rec = checked.recording
             added += batch
-    verdicts = attribute(checked.verdicts, rec.arms, clean)
+    verdicts = attribute(checked.verdicts, rec.arms, clean, inert)
     return Checked(rec, verdicts, session.finding_of(
         rec, verdicts, attribution=Attribution(clean=list(clean), added_arms=sorted(added))))
 

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvfuzz.driver.recovery import Recovering
-from kvfuzz.harness.toggles import clean_set
+from kvfuzz.harness.toggles import clean_set, unreachable
 from kvfuzz.driver.session import Session
 from kvfuzz.driver.settings import CampaignSettings, TriageSettings
 from kvfuzz.oracle import buckets as rule
@@ -243,7 +243,7 @@ class CampaignTriage:
         ``replays`` (past the campaign's budget): the pre-key alone, the earliest candidate."""
         f = checked.finding
         assert f is not None
-        cands = rule.prekey_candidates(f, self.alive, self.clean)
+        cands = rule.prekey_candidates(f, self.alive, self.clean, self._inert(f))
         if not cands and replays and any(k.broke for k in rule.keys_of(f)):
             # Its own run broke a post-condition no bucket's witness broke (rule 5): another
             # cause, triaged like any new one (the share caps time on known buckets only).
@@ -305,7 +305,7 @@ class CampaignTriage:
         bucket of another class it diverged in)."""
         worst = f.worst_class()
         others = {d.class_ for d in f.divergences if d.class_ in DIVERGENT_CLASSES} - {worst}
-        return bool(rule.prekey_candidates(f, self.alive, self.clean)) or any(b.key.cls in others for b in self.alive)
+        return bool(rule.prekey_candidates(f, self.alive, self.clean, self._inert(f))) or any(b.key.cls in others for b in self.alive)
 
     def _defer(self, checked: Checked, f: Finding) -> Triaged:
         """An unsettled task's finding that no known bucket takes: placed by its pre-key, for
@@ -437,6 +437,10 @@ class CampaignTriage:
         """When the campaign's budget ends (time.monotonic()), if it has one."""
         return None if self.settings.budget_s is None else self.started + self.settings.budget_s
 
+    def _inert(self, f: Finding) -> set[str]:
+        """Toggles of the clean arm and ``f``'s arms that its engine never reaches."""
+        return unreachable({*self.clean, *(t for ts in f.arms.values() for t in ts)}, f.trace.engine)
+
     @property
     def over_budget(self) -> bool:
         end = self.campaign_end
@@ -452,7 +456,7 @@ class CampaignTriage:
             return False
         f = checked.finding
         extra = plan({d.arm for d in f.divergences if d.class_ in DIVERGENT_CLASSES}, checked.recording.arms,
-                     self.clean)
+                     self.clean, self._inert(f))
         return time.monotonic() + t_run * len(extra) > end
 
     @property

@@ -20,7 +20,8 @@ from .registry import (
     output_changing,
     self_check,
     status,
+    unreachable,
 )
 
 __all__ = ["ENV_VAR", "REGISTRY", "Toggle", "ToggleError", "activate", "active", "catalog", "clean_set", "get", "install",
-           "is_active", "kinds", "names", "output_changing", "self_check", "status"]
+           "is_active", "kinds", "names", "output_changing", "self_check", "status", "unreachable"]

@@ -11,10 +11,14 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
 
 from kvfuzz.traces.errors import BadInput
 
 from .base import _ACTIVE, REGISTRY, Kind, Toggle
+
+if TYPE_CHECKING:
+    from kvfuzz.traces.trace import EngineConfig
 
 
 class ToggleError(BadInput):
@@ -133,6 +137,19 @@ def clean_set(device: str) -> list[str]:
     _load_builtin()
     return sorted(t.name for t in REGISTRY.values()
                   if t.kind == "fix" and t.changes_outputs_on(device) and self_check(t) is None)
+
+
+def unreachable(names: Iterable[str], engine: EngineConfig) -> set[str]:
+    """Toggles among ``names`` whose code path ``engine`` never reaches: their ``needs`` names
+    an engine feature it has off (LoRA, prefix caching, chunked prefill). An arm that differs
+    from another only by such toggles runs the same code, so nothing can be attributed to them
+    (issue 30, fault AA: a stale-state witness that diverged in 1 of 3 runs was "explained" by
+    the three LoRA fixes of the clean arm, on an engine without LoRA)."""
+    _load_builtin()
+    off = {feature for feature, on in (("lora", engine.lora.enabled),
+                                       ("prefix-caching", engine.enable_prefix_caching),
+                                       ("chunked-prefill", engine.enable_chunked_prefill)) if not on}
+    return {n for n in names if n in REGISTRY and off & set(REGISTRY[n].needs)}
 
 
 def output_changing(device: str) -> list[str]:
