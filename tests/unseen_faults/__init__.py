@@ -53,6 +53,11 @@ shown them):
   ``InputBatch.condense`` is copied one token short, so its next decode feeds the model the
   departed request's token. Wrong KV content in correctly recorded blocks: no post-condition
   breaks.
+And after the attribution change AA showed (2ec6e6c: toggles the engine never reaches explain
+nothing):
+- ``hash_covers_half_block`` (AB, the prefix cache's block hash): a full block's hash covers only
+  the first half of its tokens, so prompts that agree up to a block's middle share the block.
+  Requests' and blocks' hashes agree (both wrong alike): no post-condition breaks.
 """
 
 from collections.abc import Callable
