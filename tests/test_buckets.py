@@ -72,6 +72,8 @@ def test_the_shape_and_schedule_ablations_are_not_in_the_key():
 class Table:
     """A replayer whose victim diverges unless a mechanism in ``needs`` is removed."""
 
+    step_exact = False  # rule 5.8 (a flaky witness) is tested apart
+
     def __init__(self, needs):
         self.needs = set(needs)
         self.replays = 0
@@ -599,3 +601,46 @@ def test_a_name_is_lent_to_a_bucket_only_on_a_verdict_for_every_check(tmp_path):
     t2 = triage(MovedBut("chunked-prefill"), bs, tmp_path)
     out = t2._assign(checked_of(unexplained()))
     assert out is not None and out.buckets[0].bucket == "Y" and [c.outcome for c in out.finding.buckets[0].checks] == ["persists"]
+
+
+class StateDependent(Table):
+    """Fault AA's shape on a step-exact engine: the victim corrupted only in the finding's own
+    first run, on state an earlier trace left; every replay after it is right, whatever is
+    removed."""
+
+    step_exact = True
+
+    def __init__(self):
+        super().__init__([])
+
+    def judge_victim(self, trace, *, victim, arm, toggles, others=()):
+        self.replays += 1
+        return Judged("ok")
+
+
+def test_a_removal_is_no_evidence_when_the_witness_does_not_reproduce_with_nothing_removed():
+    """Issue 30, rule 5.8 (fault AA, written after rule 5.7: a stale-state bug split 41 + 5 in
+    both dtypes, the odd witness "needs KV pressure, cancels"): its victim diverged in 1 of 3
+    runs, and every replay after the first one came out right. A "disappears" is flaky — no
+    evidence — when the victim's own runs were not all divergent, or, after one run, when a
+    control replay of the finding as is is right too; a "persists" stands."""
+    from kvfuzz.triage.explain import explain
+
+    f = unexplained()
+    d = f.divergences[0]
+    f.divergences = [d.model_copy(update={"runs": 3, "runs_diverged": 1})]
+    ex = explain(StateDependent(), f, mechanisms=["prefix-caching", "chunked-prefill"])
+    assert [a.outcome for a in ex.ablations] == ["flaky", "flaky"] and rule.verdicts_of(ex) == {}
+    assert "1 of its 3 runs" in ex.ablations[0].detail
+    # One run only (a check past the share): a control replay decides, and is counted.
+    f.divergences = [d.model_copy(update={"runs": 1, "runs_diverged": 1})]
+    ex = explain(StateDependent(), f, mechanisms=["prefix-caching"])
+    assert [a.outcome for a in ex.ablations] == ["flaky"] and ex.replays == 2 and "nothing removed" in ex.ablations[0].detail
+    # A reproducible witness keeps its verdicts: all runs diverged, or the control diverges.
+    f.divergences = [d.model_copy(update={"runs": 3, "runs_diverged": 3})]
+    t = Table(needs=["prefix-caching"])
+    t.step_exact = True
+    assert rule.verdicts_of(explain(t, f, mechanisms=["prefix-caching"])) == {"prefix-caching": "disappears"}
+    f.divergences = [d.model_copy(update={"runs": 1, "runs_diverged": 1})]
+    ex = explain(t, f, mechanisms=["prefix-caching", "chunked-prefill"])
+    assert rule.verdicts_of(ex) == {"prefix-caching": "disappears", "chunked-prefill": "persists"} and ex.replays == 3

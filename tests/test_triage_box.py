@@ -15,6 +15,8 @@ from kvfuzz.triage.explain import explain
 
 
 class Recorder:
+    step_exact = False
+
     def __init__(self):
         self.replays = 0
 

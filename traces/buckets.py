@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 KEY_MECHANISMS: tuple[str, ...] = ("prefix-caching", "chunked-prefill", "preemption", "lora", "lora-swaps")
 Outcome = Literal["disappears", "persists"]
 # What one ablation replay found (traces.finding.Ablation.outcome; docs/oracle.md).
-AblationOutcome = Literal["disappears", "persists", "n/a", "failed", "skipped", "moved"]
+AblationOutcome = Literal["disappears", "persists", "n/a", "failed", "skipped", "moved", "flaky"]
 # opened: this finding opened the bucket (fully triaged: minimized, controls, ablation);
 # triaged: attributed and checked against the bucket's key, then joined it;
 # assigned: assigned, not triaged (past the campaign's triage share): by its cheap pre-key or by

@@ -142,7 +142,9 @@ class Ablation(_Data):
     # persists: it still does; n/a: the trace does not use it; failed: the replay could not run;
     # skipped: the triage time box ran out first (kvfuzz explain FINDING runs it in full);
     # moved: the victim no longer corrupts, but another request that corrupted with it in the
-    # finding still does (the removal changed which request the cause hit: no evidence).
+    # finding still does (the removal changed which request the cause hit: no evidence);
+    # flaky: it disappeared, but the victim does not reliably diverge with nothing removed
+    # either (fewer than all of its runs, or a control replay): no evidence.
     outcome: AblationOutcome
     victim_class: str | None = None
     detail: str | None = None

@@ -35,13 +35,13 @@ from typing import Literal
 from kvfuzz.fuzzer.shapes import embedded_bytes_per_token
 from kvfuzz.oracle.buckets import CHEAP_MECHANISMS, same_key_victims
 from kvfuzz.oracle.controls import primary_arm
-from kvfuzz.traces import EMBEDDED_MODEL, Ablation, CancelEvent, Explanation, Finding, SendEvent, Trace
+from kvfuzz.traces import EMBEDDED_MODEL, Ablation, CancelEvent, Divergence, Explanation, Finding, SendEvent, Trace
 from kvfuzz.traces.buckets import KEY_MECHANISMS
 from kvfuzz.traces.errors import BadInput, InfraError
 from kvfuzz.traces.finding import SEVERITY
 
 from .controls import steps_alone
-from .minimize import choose_target
+from .minimize import Target, choose_target
 from .probe import Replayer
 
 Ablate = Callable[[Trace], tuple[Trace | None, str]]
@@ -196,6 +196,36 @@ def explain(replayer: Replayer, finding: Finding, *, victim: str | None = None,
             outcome = "moved"
             detail = f"the victim is right without it, but {', '.join(still)} still corrupt(s): the cause moved"
         done[name] = Ablation(mechanism=name, change=change, victim_class=j.cls, detail=detail, outcome=outcome)
+    _unless_reproducible(replayer, finding, target, me, arm, toggles, done, out)
     out.ablations = [done[n] for n in names]
     out.seconds = round(time.monotonic() - t0, 1)
     return out
+
+
+def _unless_reproducible(replayer: Replayer, finding: Finding, target: Target, me: Divergence | None, arm: str,
+                         toggles: list[str], done: dict[str, Ablation], out: Explanation) -> None:
+    """Rule 5.8: a removal under which the victim stopped diverging is evidence only if the
+    victim diverges in every replay with nothing removed, on a step-exact engine (where a run
+    that does not is state outside the trace, not timing). Its own runs say so when there were
+    several; after one run, one control replay of the finding as is does. Otherwise each
+    "disappears" is *flaky* (issue 30, fault AA, written after the rule: a bug whose trigger
+    depends on state earlier runs left in the engine diverged in 1 of 3 runs of its witness,
+    and "needs KV pressure, cancels" opened a second bucket)."""
+    gone = [n for n, a in done.items() if a.outcome == "disappears"]
+    if not gone or not replayer.step_exact:
+        return  # a wall-clock engine's runs differ anyway (its rates are Wilson intervals)
+    if me is not None and me.runs >= 2:
+        if me.runs_diverged >= me.runs:
+            return
+        why = f"the victim diverged in only {me.runs_diverged} of its {me.runs} runs with nothing removed"
+    else:
+        try:
+            j = replayer.judge_victim(_valid(finding.trace), victim=target.victim, arm=arm, toggles=toggles)
+        except (BadInput, InfraError, ValueError):
+            return  # no control: the removals stand as measured
+        out.replays += 1
+        if SEVERITY[j.cls] <= SEVERITY[target.cls] or (target.cls == "corruption" and j.drifted):
+            return
+        why = f"replayed with nothing removed, the victim is {j.cls} too"
+    for n in gone:
+        done[n] = done[n].model_copy(update={"outcome": "flaky", "detail": f"{why}: no evidence"})

@@ -482,7 +482,8 @@ def _verdict_cell(v: Divergence | None) -> Cell:
 
 
 ABLATION_STATE: dict[str, CellState] = {"disappears": "clean", "persists": "diverged", "n/a": "na",
-                                        "failed": "failed", "skipped": "skipped", "moved": "skipped"}
+                                        "failed": "failed", "skipped": "skipped", "moved": "skipped",
+                                        "flaky": "skipped"}
 
 
 def grid_data(finding: Finding) -> Grid:

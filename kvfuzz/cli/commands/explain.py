@@ -16,7 +16,7 @@ from kvfuzz.traces import load_finding, save
 from kvfuzz.traces.errors import BadInput
 
 OUTCOME_STYLE = {"disappears": "bold green", "persists": "yellow", "n/a": "dim", "failed": "red", "skipped": "dim",
-                 "moved": "magenta"}
+                 "moved": "magenta", "flaky": "magenta"}
 
 
 @app.command("explain")
