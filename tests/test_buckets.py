@@ -644,3 +644,20 @@ def test_a_removal_is_no_evidence_when_the_witness_does_not_reproduce_with_nothi
     f.divergences = [d.model_copy(update={"runs": 1, "runs_diverged": 1})]
     ex = explain(t, f, mechanisms=["prefix-caching", "chunked-prefill"])
     assert rule.verdicts_of(ex) == {"prefix-caching": "disappears", "chunked-prefill": "persists"} and ex.replays == 3
+
+
+def test_the_merge_check_too_lends_a_name_only_on_a_verdict_for_every_check(tmp_path):
+    """Rule 5.7 in ``_match`` (Y + P on Ray at fee862f, one bucket of 85): P's first named
+    finding was triaged, not assigned; its merge check against Y's bucket got chunked prefill
+    persists and "moved" on preemption and prefix caching, and it joined with P's name. It
+    opens its own bucket now; a finding of Y's kind still joins."""
+    bs = {"Y": bucket("Y", {"chunked-prefill": "persists", "preemption": "persists", "prefix-caching": "persists"}, 1)}
+    f, _ = _two_victims(broke="map-entry-orphaned")
+    f.divergences[0].broke = "map-entry-orphaned"
+    t = triage(MovedBut("chunked-prefill"), bs, tmp_path)
+    (k,) = rule.keys_of(f)
+    b, k2, _ = t._match(f, k)
+    assert b is None and k2.verdicts == {"chunked-prefill": "persists"}
+    assert [c.outcome for c in t._checks] == ["persists", "moved", "moved"]
+    b, _, how = triage(Table(needs=[]), bs, tmp_path)._match(unexplained(), key())
+    assert b is not None and b.id == "Y" and "prefix-caching persists" in how

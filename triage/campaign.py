@@ -200,6 +200,12 @@ class CampaignTriage:
             cands = rule.candidates(key, cands)
         if not cands:
             return None, key, ""
+        if key.broke is not None and cands[0].key.broke is None and (not key.verdicts or
+                                                                      any(m not in key.verdicts for m in tried)):
+            # Rule 5.7 in the merge check too (Y + P on Ray at fee862f: P's first named finding,
+            # triaged, got "persists" on chunked prefill and "moved" on the two checks that
+            # tell P from Y, and lent Y's bucket its name): a new name needs every verdict.
+            return None, key, ""
         checked = ", ".join(f"{m} {key.verdicts[m]}" for m in tried if m in key.verdicts)
         return cands[0], key, ("replay: " + checked) if checked else "key"
 
