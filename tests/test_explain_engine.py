@@ -105,4 +105,6 @@ def test_wrong_kv_that_flips_no_token_is_measured_by_its_drift(fault, victim, ma
     if cls == "ok":
         assert fault_["drift"] > 10 * fault_["bound"], got
     assert clean["cls"] == "ok" and clean["drift"] <= clean["bound"], got
-    assert got["breaks"] == [], got
+    # W's wrong slots break ``worker-slot`` (on r0 and r1), X and Y read wrong blocks that no
+    # record of vLLM's shows.
+    assert got["breaks"] == (["worker-slot", "worker-slot"] if fault == "new_block_slot_in_previous" else []), got
