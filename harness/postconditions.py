@@ -264,9 +264,14 @@ class Monitor:
         """Each tainted block: kept while its content is the one written wrongly (it keeps the
         hash it had, or got while its writer held it; hashless, only its writer holds it);
         dropped once replaced or uncertain (no false break). Each other holder reads it."""
+        owners: dict[int, set[str]] = {}
+        for _, rid, _, ids in held:
+            for i in ids:
+                if i in self._taints:
+                    owners.setdefault(i, set()).add(ext(rid))
         for bid, t in list(self._taints.items()):
             h = blocks_of[bid].block_hash
-            holders = {ext(rid) for _, rid, _, ids in held if bid in ids}
+            holders = owners.get(bid, set())
             if t.hash is None:
                 if h is None and holders == {t.writer}:
                     continue  # still being written by its writer alone
