@@ -115,6 +115,16 @@ def prekey_candidates(finding: Finding, buckets: Iterable[Bucket], clean: Iterab
                  else not broke or b.key.broke is None or b.key.broke in broke)]
 
 
+def name_unearned(key: BucketKey, bucket: BucketKey, checked: Iterable[str]) -> bool:
+    """Rule 5.7: ``key`` names a post-condition that ``bucket`` (unnamed) never showed, and a
+    check among ``checked`` gave it no verdict (moved, flaky, failed), or it has none at all —
+    so joining would lend the bucket a name on no evidence (faults Y + P on Ray: P's witnesses
+    read persists, moved, moved against Y's bucket, and every later P finding joined by name)."""
+    if key.broke is None or bucket.broke is not None:
+        return False
+    return not key.verdicts or any(m not in key.verdicts for m in checked)
+
+
 def next_check(key: BucketKey, cands: list[Bucket], tried: Iterable[str] = ()) -> str | None:
     """The next engine mechanism to replay ``key``'s witness without: one on which the
     candidates differ (it tells them apart), else one the first candidate needs, else one it

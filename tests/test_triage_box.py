@@ -341,3 +341,20 @@ def test_a_minimization_whose_share_of_the_box_is_spent_is_not_started(tmp_path,
     t._run_seconds = 5.0
     t._open(checked, f, [], [BucketKey(cls="corruption")], start=time.monotonic(), box=20.0)
     assert len(called) == 2
+
+
+def test_after_full_triage_a_new_name_joins_an_unnamed_bucket_only_on_every_verdict(tmp_path):
+    """Rule 5.7 at the last merge check (Y + P on Ray at b5bf538: P's witness, triaged in full,
+    had only "chunked prefill persists" — its other removals moved — agreed with Y's bucket and
+    gave it P's name, one bucket of 57). It opens its own bucket; with a verdict for each of the
+    bucket's checks it still merges."""
+    from kvfuzz.traces.buckets import Bucket, BucketKey
+    from kvfuzz.traces.result import Checked
+
+    y = {"chunked-prefill": "persists", "preemption": "persists", "prefix-caching": "persists"}
+    for verdicts, status in (({"chunked-prefill": "persists"}, "opened"), (y, "joined")):
+        f, rec, s, t = confirming_triage(tmp_path)
+        t.restore({"Y": Bucket(id="Y", key=BucketKey(cls="corruption", verdicts=y), first_index=0, count=1)}, {})
+        key = BucketKey(cls="corruption", broke="map-entry-orphaned", verdicts=verdicts)
+        out = t._triage(Checked(rec, list(f.verdicts), f), [], [key])
+        assert out.status == status, out.buckets

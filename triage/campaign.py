@@ -200,12 +200,8 @@ class CampaignTriage:
             cands = rule.candidates(key, cands)
         if not cands:
             return None, key, ""
-        if key.broke is not None and cands[0].key.broke is None and (not key.verdicts or
-                                                                      any(m not in key.verdicts for m in tried)):
-            # Rule 5.7 in the merge check too (Y + P on Ray at fee862f: P's first named finding,
-            # triaged, got "persists" on chunked prefill and "moved" on the two checks that
-            # tell P from Y, and lent Y's bucket its name): a new name needs every verdict.
-            return None, key, ""
+        if rule.name_unearned(key, cands[0].key, tried):
+            return None, key, ""  # rule 5.7, in the merge check too
         checked = ", ".join(f"{m} {key.verdicts[m]}" for m in tried if m in key.verdicts)
         return cands[0], key, ("replay: " + checked) if checked else "key"
 
@@ -295,11 +291,8 @@ class CampaignTriage:
                     key = key.model_copy(update={"verdicts": {**key.verdicts, **got}})
                     if not rule.agrees(key, bucket.key):
                         return None
-                    if lends_name and mech not in got:
-                        # Rule 5.7 (Y + P on Ray: the two checks that could tell P from Y gave
-                        # no verdict, and P's name went to Y's bucket): a name is lent only on a
-                        # verdict for every check; else it is another cause, triaged.
-                        return None
+                    if lends_name and rule.name_unearned(key, bucket.key, [mech]):
+                        return None  # rule 5.7: another cause, triaged
                 seen = [f"{m} {key.verdicts[m]}" for m in mechs if m in key.verdicts]
                 if seen:
                     how = "pre-key, replay: " + ", ".join(seen)
@@ -387,7 +380,8 @@ class CampaignTriage:
             # The merge check: the full key against the buckets once more, each candidate's own
             # witness measured on what the new key tried and its key lacks (both directions).
             measured_cands = (self._measured(b, list(key.verdicts)) for b in rule.candidates(key, self.alive))
-            cands = [b for b in measured_cands if rule.agrees(key, b.key)]
+            cands = [b for b in measured_cands if rule.agrees(key, b.key)
+                     and not rule.name_unearned(key, b.key, b.key.verdicts)]  # rule 5.7 here too
             if cands:
                 out.append(BucketMembership(bucket=cands[0].id, key=key, status="triaged",
                                             how="merge check: agrees after full triage"))
