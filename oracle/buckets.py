@@ -26,7 +26,7 @@ from collections.abc import Iterable, Mapping
 from kvfuzz.oracle.attribution import candidates as attribution_candidates
 from kvfuzz.traces import Divergence, Finding
 from kvfuzz.traces.buckets import (KEY_MECHANISMS, Bucket, BucketDescription, BucketKey, Outcome, agrees, candidates,
-                                   conflicts, live, mergeable, resolve, union)
+                                   conflicts, live, mergeable, name_unearned, resolve, union)
 from kvfuzz.traces.finding import DIVERGENT_CLASSES, MECHANISM_WORDS, SEVERITY, Explanation
 
 # The ablations cheap enough for every unexplained finding (no engine restart).
@@ -115,16 +115,6 @@ def prekey_candidates(finding: Finding, buckets: Iterable[Bucket], clean: Iterab
                  else not broke or b.key.broke is None or b.key.broke in broke)]
 
 
-def name_unearned(key: BucketKey, bucket: BucketKey, checked: Iterable[str]) -> bool:
-    """Rule 5.7: ``key`` names a post-condition that ``bucket`` (unnamed) never showed, and a
-    check among ``checked`` gave it no verdict (moved, flaky, failed), or it has none at all —
-    so joining would lend the bucket a name on no evidence (faults Y + P on Ray: P's witnesses
-    read persists, moved, moved against Y's bucket, and every later P finding joined by name)."""
-    if key.broke is None or bucket.broke is not None:
-        return False
-    return not key.verdicts or any(m not in key.verdicts for m in checked)
-
-
 def next_check(key: BucketKey, cands: list[Bucket], tried: Iterable[str] = ()) -> str | None:
     """The next engine mechanism to replay ``key``'s witness without: one on which the
     candidates differ (it tells them apart), else one the first candidate needs, else one it
@@ -194,6 +184,6 @@ def severity_order(buckets: Iterable[Bucket]) -> list[Bucket]:
     return sorted(buckets, key=lambda b: (SEVERITY.get(b.key.cls, 99), -b.count, b.id))
 
 
-__all__ = ["CHEAP_MECHANISMS", "MAX_CHECKS", "agrees", "candidates", "conflicts", "describe", "keys_of", "live",
+__all__ = ["CHEAP_MECHANISMS", "MAX_CHECKS", "agrees", "candidates", "conflicts", "describe", "keys_of", "live", "name_unearned",
            "mergeable", "needs_text", "next_check", "prekey_candidates", "resolve", "same_key_victims", "severity_order",
            "shape", "union", "verdicts_of", "victim_of"]

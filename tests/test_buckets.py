@@ -570,15 +570,16 @@ class MovedBut(Table):
     """Removing ``persists_without`` leaves the victim corrupt; any other removal moves the
     cause to the finding's other victim (no verdict)."""
 
-    def __init__(self, persists_without):
+    def __init__(self, persists_without, others_broke="map-entry-orphaned"):
         super().__init__([])
-        self.persists_without = persists_without
+        self.persists_without, self.others_broke = persists_without, others_broke
 
     def judge_victim(self, trace, *, victim, arm, toggles, others=()):
         self.replays += 1
         if not trace.engine.enable_chunked_prefill and self.persists_without == "chunked-prefill":
             return Judged("corruption")
-        return Judged("ok", drift=0.0, bound=1e-5, others=tuple((r, Judged("corruption")) for r in others))
+        return Judged("ok", drift=0.0, bound=1e-5,
+                      others=tuple((r, Judged("corruption", broke=self.others_broke)) for r in others))
 
 
 def test_a_name_is_lent_to_a_bucket_only_on_a_verdict_for_every_check(tmp_path):
@@ -661,3 +662,26 @@ def test_the_merge_check_too_lends_a_name_only_on_a_verdict_for_every_check(tmp_
     assert [c.outcome for c in t._checks] == ["persists", "moved", "moved"]
     b, _, how = triage(Table(needs=[]), bs, tmp_path)._match(unexplained(), key())
     assert b is not None and b.id == "Y" and "prefix-caching persists" in how
+
+
+def test_another_victim_still_corrupt_but_without_the_keys_post_condition_is_not_the_cause_moving(tmp_path):
+    """Issue 30, Y + P on Ray at dc0082e (44 + 1 buckets, P's name on Y's): without prefix
+    caching P's named victim was right, and P's other named victims were still corrupt — by Y,
+    breaking nothing. "Moved" needs the other victim to break the key's post-condition again in
+    that replay; here P's removal disappears, and its bucket is told from Y's by the verdicts."""
+    from kvfuzz.triage.explain import explain
+
+    f, victim = _two_victims(broke="map-entry-orphaned")
+    f.divergences[0].broke = "map-entry-orphaned"
+    (a,) = explain(MovedBut("chunked-prefill", others_broke=None), f, victim=victim,
+                   mechanisms=["prefix-caching"]).ablations
+    assert a.outcome == "disappears"
+    (a,) = explain(MovedBut("chunked-prefill"), f, victim=victim, mechanisms=["prefix-caching"]).ablations
+    assert a.outcome == "moved"
+    # And two buckets whose keys agree merge only when a name is earned (rule 5.7).
+    y = bucket("Y", {"chunked-prefill": "persists", "preemption": "persists", "prefix-caching": "persists"}, 1)
+    p = Bucket(id="P", key=BucketKey(cls="corruption", broke="map-entry-orphaned",
+                                     verdicts={"chunked-prefill": "persists"}), first_index=2, count=1)
+    assert rule.mergeable({"Y": y, "P": p}, {}) is None
+    p2 = p.model_copy(update={"key": p.key.model_copy(update={"verdicts": dict(y.key.verdicts)})})
+    assert rule.mergeable({"Y": y, "P": p2}, {}) == ("Y", "P")

@@ -235,12 +235,23 @@ def candidates(key: BucketKey, buckets: Iterable[Bucket]) -> list[Bucket]:
     return [b for b in buckets if agrees(key, b.key)]
 
 
+def name_unearned(key: BucketKey, bucket: BucketKey, checked: Iterable[str]) -> bool:
+    """Rule 5.7: ``key`` names a post-condition that ``bucket`` (unnamed) never showed, and a
+    check among ``checked`` gave it no verdict (moved, flaky, failed), or it has none at all —
+    so joining would lend the bucket a name on no evidence (faults Y + P on Ray: P's witnesses
+    read persists, moved, moved against Y's bucket, and every later P finding joined by name)."""
+    if key.broke is None or bucket.broke is not None:
+        return False
+    return not key.verdicts or any(m not in key.verdicts for m in checked)
+
+
 def mergeable(buckets: Mapping[str, Bucket], merges: Mapping[str, str]) -> tuple[str, str] | None:
     """(keep, gone): the first pair of live buckets whose keys agree; the later one goes."""
     alive = live(buckets, merges)
     for i, a in enumerate(alive):
         for b in alive[i + 1:]:
-            if agrees(a.key, b.key):
+            if agrees(a.key, b.key) and not name_unearned(a.key, b.key, b.key.verdicts) \
+                    and not name_unearned(b.key, a.key, a.key.verdicts):  # rule 5.7
                 return a.id, b.id
     return None
 
@@ -295,6 +306,6 @@ def bucket_from_state(bid: str, data: dict[str, Any]) -> Bucket:
                   findings=list(data.get("findings") or []), prekey=prekey)
 
 
-__all__ = ["KEY_MECHANISMS", "Bucket", "BucketDescription", "BucketKey", "BucketMembership", "MechanismCheck", "Status", "Triaged", "agrees",
+__all__ = ["KEY_MECHANISMS", "Bucket", "BucketDescription", "BucketKey", "BucketMembership", "MechanismCheck", "name_unearned", "Status", "Triaged", "agrees",
            "bucket_from_state", "candidates", "conflicts", "live", "memberships_from_notes", "mergeable", "resolve", "same_break", "union",
            "with_evidence"]

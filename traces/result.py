@@ -34,6 +34,8 @@ class Judged:
     cls: str
     drift: float | None = None
     bound: float | None = None
+    # The post-condition named on this request in this replay (oracle/postconditions.py), if any.
+    broke: str | None = None
     # The other requests asked about, judged in the same replay (only when this one no longer
     # corrupts: whether the cause moved to another request; see triage/explain.py).
     others: tuple[tuple[str, "Judged"], ...] = ()

@@ -187,7 +187,11 @@ def explain(replayer: Replayer, finding: Finding, *, victim: str | None = None,
         detail = (f"no token flipped, but the logprobs drifted by {j.drift:.3g} (> {j.bound:.3g}): still wrong KV"
                   if persists and j.drifted else None)
         outcome: Literal["disappears", "persists", "moved"] = "persists" if persists else "disappears"
-        still = [r for r, o in j.others if o.corrupt]
+        # Only another victim the same cause still hits counts: it broke the same post-condition
+        # again in this replay, or (an unnamed key) none (issue 30, Y + P on Ray: without
+        # prefix caching, P's named victim was right while Y still corrupted P's other victims,
+        # which broke nothing then; read as "moved", P's witness kept no verdict).
+        still = [r for r, o in j.others if o.corrupt and o.broke == (me.broke if me is not None else None)]
         if not persists and still:
             # The removal changed which request the cause hit, not whether it acts (issue 30,
             # fault Y on Ray: without prefix caching a 19-request finding's victim read exactly

@@ -21,6 +21,7 @@ from kvfuzz.harness.runner import ReferenceStore, ScoreStore, record, score_dive
 from kvfuzz.oracle import NoiseBounds, bounds_from, check, classify_run, default_bounds, divergent, make_finding
 from kvfuzz.oracle.check import ENGINE
 from kvfuzz.oracle.diff import logprob_drift
+from kvfuzz.oracle.postconditions import origin
 from kvfuzz.traces import Attribution, Divergence, EngineConfig, Finding, Scoring, Trace
 from kvfuzz.traces.calibration import CalibrationProfile, find_profile
 from kvfuzz.traces.errors import BadInput
@@ -284,9 +285,11 @@ class Session:
                 scoring = Scoring(request_id=rid, arm=arm, token_ids=toks,
                                   logprobs=self.scores.get(engine, send, toks, binding))
                 verdict = classify_run(send, ref, rec, h, bounds, scoring)
+            broke = origin(h.breaks, rid)
             if verdict.cls == "ok" and ref is not None and rec is not None and verdict.comparison is not None:
-                return Judged("ok", drift=logprob_drift(ref, rec, verdict.comparison.compared), bound=bounds.drift)
-            return Judged(verdict.cls)
+                return Judged("ok", drift=logprob_drift(ref, rec, verdict.comparison.compared), bound=bounds.drift,
+                              broke=broke)
+            return Judged(verdict.cls, broke=broke)
 
         j = one(victim, score=True)
         if others and not j.corrupt:
