@@ -559,8 +559,10 @@ def test_a_named_key_is_measured_on_the_victim_that_broke_its_post_condition(tmp
     named = BucketKey(cls="corruption", broke="map-entry-orphaned")
     assert rule.victim_of(f, named) == "B"
     bs = {"Y": bucket("Y", {"prefix-caching": "persists"}, 1),
-          "P": Bucket(id="P", key=BucketKey(cls="corruption", broke="map-entry-orphaned",
-                                            verdicts={"prefix-caching": "disappears"}), first_index=2, count=1)}
+          # P's bucket opened on a witness that broke nothing (a bucket of that name is taken by
+          # name, no replay: the test after the next).
+          "P": Bucket(id="P", key=BucketKey(cls="corruption", verdicts={"prefix-caching": "disappears"}),
+                      first_index=2, count=1)}
     r = ByVictim()
     got, k, _ = triage(r, bs, tmp_path)._match(f, named)
     assert got is not None and got.id == "P" and r.victims == ["B"] and k.verdicts["prefix-caching"] == "disappears"
@@ -685,3 +687,27 @@ def test_another_victim_still_corrupt_but_without_the_keys_post_condition_is_not
     assert rule.mergeable({"Y": y, "P": p}, {}) is None
     p2 = p.model_copy(update={"key": p.key.model_copy(update={"verdicts": dict(y.key.verdicts)})})
     assert rule.mergeable({"Y": y, "P": p2}, {}) == ("Y", "P")
+
+
+def test_past_the_share_a_named_finding_goes_to_its_names_bucket_never_lends_it_to_an_earlier_one(tmp_path):
+    """Y + P on Ray at 845bf8f (one bucket after a merge): a P finding past the share had two
+    candidates, Y's unnamed bucket (earlier) and P's named one. The merge check looked only at
+    the first for a name, its one check gave no verdict, and the fallback filed it under Y's
+    bucket, which took P's name and then merged with P's. The bucket of its name takes it; with
+    none and no verdict it is triaged."""
+    from kvfuzz.traces.buckets import Bucket, BucketKey
+
+    y = bucket("Y", {"chunked-prefill": "persists", "preemption": "persists", "prefix-caching": "persists"}, 1)
+    p = Bucket(id="P", key=BucketKey(cls="corruption", broke="map-entry-orphaned",
+                                     verdicts={"chunked-prefill": "persists", "preemption": "disappears"}),
+               first_index=2, count=1)
+    f, _ = _two_victims(broke="map-entry-orphaned")
+    f.divergences[0].broke = "map-entry-orphaned"
+    r = MovedBut("chunked-prefill")
+    out = triage(r, {"Y": y, "P": p}, tmp_path)._assign(checked_of(f))
+    assert out is not None and out.buckets[0].bucket == "P" and r.replays == 0
+    # A second name with no bucket of its own: no verdict on the distinguishing check, triaged.
+    f.divergences = [d.model_copy(update={"broke": "map-entry-stolen"}) for d in f.divergences]
+    q = Bucket(id="Q", key=BucketKey(cls="corruption", verdicts={"preemption": "disappears"}), first_index=3, count=1)
+    assert triage(MovedBut("chunked-prefill", others_broke="map-entry-stolen"), {"Y": y, "Q": q},
+                  tmp_path)._assign(checked_of(f)) is None

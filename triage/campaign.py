@@ -183,9 +183,11 @@ class CampaignTriage:
         finding without one engine mechanism each (``rule.next_check``); none when it broke
         the same post-condition as that bucket's witness (rule 5)."""
         cands = rule.candidates(key, self.alive)
-        if cands and key.broke is not None and cands[0].key.broke == key.broke:
-            # Rule 5: the same post-condition broke on both witnesses; nothing to replay.
-            return cands[0], key, f"post-condition: {key.broke}"
+        named = [b for b in cands if key.broke is not None and b.key.broke == key.broke]
+        if named:
+            # Rule 5: the same post-condition broke on both witnesses; nothing to replay (the
+            # bucket of that name, not an earlier unnamed one it also agrees with).
+            return named[0], key, f"post-condition: {key.broke}"
         if cands and key.explained_by is None and not cands[0].key.verdicts:
             # The bucket opened without key evidence (its box ran out, or past the share): its
             # own witness is measured once, so there is something to check against.
@@ -267,6 +269,8 @@ class CampaignTriage:
             key = cands[0].key.model_copy(update={"verdicts": {}})
         if len(cands) > 1 and key.explained_by is None and replays:
             bucket, key, how2 = self._match(f, key, max_checks=1)
+            if bucket is None and key.broke is not None and all(b.key.broke != key.broke for b in cands):
+                return None  # rule 5.7: no candidate earned its name (Y + P on Ray): triaged
             bucket = bucket or cands[0]
             how = how2 if how2 != "key" else how
         else:
