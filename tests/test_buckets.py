@@ -711,3 +711,20 @@ def test_past_the_share_a_named_finding_goes_to_its_names_bucket_never_lends_it_
     q = Bucket(id="Q", key=BucketKey(cls="corruption", verdicts={"preemption": "disappears"}), first_index=3, count=1)
     assert triage(MovedBut("chunked-prefill", others_broke="map-entry-stolen"), {"Y": y, "Q": q},
                   tmp_path)._assign(checked_of(f)) is None
+
+
+def test_with_no_replay_left_a_named_finding_takes_its_names_bucket_or_its_own(tmp_path):
+    """Y + P on Ray at 1ad31a0: the campaign's last P finding, past its budget (no replay),
+    was filed by pre-key under the earliest candidate, Y's unnamed bucket, which took P's name
+    and merged with P's bucket. It goes to the bucket of its name; with none, to its own."""
+    from kvfuzz.traces.buckets import Bucket, BucketKey
+
+    y = bucket("Y", {"chunked-prefill": "persists", "preemption": "persists", "prefix-caching": "persists"}, 1)
+    p = Bucket(id="P", key=BucketKey(cls="corruption", broke="map-entry-orphaned",
+                                     verdicts={"preemption": "disappears"}), first_index=2, count=1)
+    f, _ = _two_victims(broke="map-entry-orphaned")
+    f.divergences[0].broke = "map-entry-orphaned"
+    out = triage(Table([]), {"Y": y, "P": p}, tmp_path)._assign(checked_of(f), replays=False)
+    assert out is not None and [m.bucket for m in out.buckets] == ["P"]
+    out = triage(Table([]), {"Y": y}, tmp_path)._assign(checked_of(f), replays=False)
+    assert out is not None and out.buckets[0].bucket not in ("Y", "P") and out.buckets[0].key.broke == "map-entry-orphaned"

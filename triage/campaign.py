@@ -274,7 +274,16 @@ class CampaignTriage:
             bucket = bucket or cands[0]
             how = how2 if how2 != "key" else how
         else:
-            bucket = cands[0]
+            same = [b for b in cands if key.broke is not None and b.key.broke == key.broke]
+            bucket = same[0] if same else cands[0]
+            if not same and key.broke is not None and bucket.key.broke is None and not replays:
+                # Rule 5.7 with no replay left (the campaign's last trace): a name is not lent on
+                # no evidence (Y + P on Ray at 1ad31a0: the last P finding went to Y's bucket by
+                # pre-key, which took P's name and merged with P's). Its own bucket, assigned.
+                m = BucketMembership(bucket=key.digest(), key=key, status="assigned",
+                                     description=rule.describe(key, f, triaged=False),
+                                     how="opened past the campaign's budget: a name no candidate has, no replay left")
+                return self._done(checked, f, [m], "assigned")
             if key.broke is not None and bucket.key.broke == key.broke:
                 how = f"pre-key, post-condition: {key.broke}"
             elif key.explained_by is None and bucket.key.verdicts and replays:
