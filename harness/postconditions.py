@@ -283,8 +283,12 @@ class Monitor:
                 del self._taints[bid]  # evicted: its next content is written afresh
                 continue
             for r in sorted(holders - {t.writer}):
-                self._once(step, "worker-slot", r, bid,
-                           f"block {bid} holds KV {t.writer} wrote to the wrong slot at step {t.step} ({t.detail})")
+                self._tainted_read(step, r, bid, t)
+
+    def _tainted_read(self, step: int, reader: str, block: int, t: _Taint) -> None:
+        """``reader`` (a trace request id) holds ``block`` while it is tainted: it reads that KV."""
+        self._once(step, "worker-slot", reader, block,
+                   f"block {block} holds KV {t.writer} wrote to the wrong slot at step {t.step} ({t.detail})")
 
     # -- the worker's persistent batch -----------------------------------------------------------
     def _check_rows(self, step: int, batch: Any, ext: Callable[[str], str]) -> None:
@@ -346,15 +350,13 @@ class Monitor:
                         if 0 < blk < len(self._blocks_of) and blk not in self._taints:
                             self._taints[blk] = _Taint(writer=writer, step=step, detail=detail,
                                                        hash=self._blocks_of[blk].block_hash)
-            # Another holder scheduled this step read the wrong KV already (writes come first).
-            for blk, taint in self._taints.items():
-                if taint.step != step:
-                    continue
-                for rid, groups in self._rows.items():
-                    if ext(rid) != taint.writer and any(blk in ids_ for ids_ in groups) and rid in self._spans:
-                        self._once(step, "worker-slot", ext(rid), blk,
-                                   f"block {blk} holds KV {taint.writer} wrote to the wrong slot at step "
-                                   f"{step} ({taint.detail})")
+        # Another holder scheduled this step read the wrong KV already (writes come first).
+        for blk, taint in self._taints.items():
+            if taint.step != step:
+                continue
+            for rid, groups in self._rows.items():
+                if ext(rid) != taint.writer and any(blk in ids_ for ids_ in groups) and rid in self._spans:
+                    self._tainted_read(step, ext(rid), blk, taint)
 
 
 def worker_batch(core: Any) -> Any | None:

@@ -128,12 +128,13 @@ def attribute(verdicts: list[Divergence], arms: Mapping[str, list[str]], clean: 
             out.append(v)
             continue
         clean_div, single_div = by_noise[v.class_ == "numeric-near-tie"]
-        cands = candidates(arms.get(v.arm, []), clean, inert)
+        every = candidates(arms.get(v.arm, []), clean)
+        cands = [t for t in every if t not in inert]
         why: str | None = None
         note: str
-        if not cands and candidates(arms.get(v.arm, []), clean):
+        if not cands and every:
             note = ("unexplained: its arm differs from clean only by toggles this trace's engine never reaches "
-                    f"({', '.join(candidates(arms.get(v.arm, []), clean))})")
+                    f"({', '.join(every)})")
         elif not cands:
             note = "unexplained: diverges with every applicable fix on and no fault"
         elif clean_arm is None:

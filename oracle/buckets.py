@@ -94,6 +94,12 @@ def victim_of(finding: Finding, key: BucketKey) -> str | None:
     return lead.request_id if lead is not None else None
 
 
+def same_name(key: BucketKey, buckets: Iterable[Bucket]) -> list[Bucket]:
+    """The buckets named by the post-condition ``key`` names (none for an unnamed key): rule 5
+    takes them first, before an earlier unnamed bucket the key also agrees with."""
+    return [b for b in buckets if key.broke is not None and b.key.broke == key.broke]
+
+
 def prekey_candidates(finding: Finding, buckets: Iterable[Bucket], clean: Iterable[str] = (),
                       inert: Iterable[str] = ()) -> list[Bucket]:
     """Without attribution (past the triage share): the buckets of the finding's worst class
@@ -185,5 +191,5 @@ def severity_order(buckets: Iterable[Bucket]) -> list[Bucket]:
 
 
 __all__ = ["CHEAP_MECHANISMS", "MAX_CHECKS", "agrees", "candidates", "conflicts", "describe", "keys_of", "live", "name_unearned",
-           "mergeable", "needs_text", "next_check", "prekey_candidates", "resolve", "same_key_victims", "severity_order",
+           "mergeable", "needs_text", "next_check", "prekey_candidates", "resolve", "same_key_victims", "same_name", "severity_order",
            "shape", "union", "verdicts_of", "victim_of"]

@@ -183,7 +183,7 @@ class CampaignTriage:
         finding without one engine mechanism each (``rule.next_check``); none when it broke
         the same post-condition as that bucket's witness (rule 5)."""
         cands = rule.candidates(key, self.alive)
-        named = [b for b in cands if key.broke is not None and b.key.broke == key.broke]
+        named = rule.same_name(key, cands)
         if named:
             # Rule 5: the same post-condition broke on both witnesses; nothing to replay (the
             # bucket of that name, not an earlier unnamed one it also agrees with).
@@ -269,12 +269,12 @@ class CampaignTriage:
             key = cands[0].key.model_copy(update={"verdicts": {}})
         if len(cands) > 1 and key.explained_by is None and replays:
             bucket, key, how2 = self._match(f, key, max_checks=1)
-            if bucket is None and key.broke is not None and all(b.key.broke != key.broke for b in cands):
+            if bucket is None and key.broke is not None and not rule.same_name(key, cands):
                 return None  # rule 5.7: no candidate earned its name (Y + P on Ray): triaged
             bucket = bucket or cands[0]
             how = how2 if how2 != "key" else how
         else:
-            same = [b for b in cands if key.broke is not None and b.key.broke == key.broke]
+            same = rule.same_name(key, cands)
             bucket = same[0] if same else cands[0]
             if not same and key.broke is not None and bucket.key.broke is None and not replays:
                 # Rule 5.7 with no replay left (the campaign's last trace): a name is not lent on

@@ -39,6 +39,7 @@ from kvfuzz.traces import EMBEDDED_MODEL, Ablation, CancelEvent, Divergence, Exp
 from kvfuzz.traces.buckets import KEY_MECHANISMS
 from kvfuzz.traces.errors import BadInput, InfraError
 from kvfuzz.traces.finding import SEVERITY
+from kvfuzz.traces.result import Judged
 
 from .controls import steps_alone
 from .minimize import Target, choose_target
@@ -183,7 +184,7 @@ def explain(replayer: Replayer, finding: Finding, *, victim: str | None = None,
         # removal only moved the run off the near tie it flipped at (issue 30: fault W's
         # witness, its flip at a 0.0047 margin, ran token-equal without KV pressure with a
         # drift of 0.0039 against a bound of 1.1e-5, and opened a second bucket).
-        persists = SEVERITY[j.cls] <= SEVERITY[target.cls] or (target.cls == "corruption" and j.drifted)
+        persists = _still_diverges(j, target)
         detail = (f"no token flipped, but the logprobs drifted by {j.drift:.3g} (> {j.bound:.3g}): still wrong KV"
                   if persists and j.drifted else None)
         outcome: Literal["disappears", "persists", "moved"] = "persists" if persists else "disappears"
@@ -204,6 +205,12 @@ def explain(replayer: Replayer, finding: Finding, *, victim: str | None = None,
     out.ablations = [done[n] for n in names]
     out.seconds = round(time.monotonic() - t0, 1)
     return out
+
+
+def _still_diverges(j: Judged, target: Target) -> bool:
+    """The victim diverges at least as badly as in the finding, or, for corruption, flipped no
+    token but drifted past noise (its KV is still wrong)."""
+    return SEVERITY[j.cls] <= SEVERITY[target.cls] or (target.cls == "corruption" and j.drifted)
 
 
 def _unless_reproducible(replayer: Replayer, finding: Finding, target: Target, me: Divergence | None, arm: str,
@@ -228,7 +235,7 @@ def _unless_reproducible(replayer: Replayer, finding: Finding, target: Target, m
         except (BadInput, InfraError, ValueError):
             return  # no control: the removals stand as measured
         out.replays += 1
-        if SEVERITY[j.cls] <= SEVERITY[target.cls] or (target.cls == "corruption" and j.drifted):
+        if _still_diverges(j, target):
             return
         why = f"replayed with nothing removed, the victim is {j.cls} too"
     for n in gone:
