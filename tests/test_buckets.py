@@ -728,3 +728,24 @@ def test_with_no_replay_left_a_named_finding_takes_its_names_bucket_or_its_own(t
     assert out is not None and [m.bucket for m in out.buckets] == ["P"]
     out = triage(Table([]), {"Y": y}, tmp_path)._assign(checked_of(f), replays=False)
     assert out is not None and out.buckets[0].bucket not in ("Y", "P") and out.buckets[0].key.broke == "map-entry-orphaned"
+
+
+def test_the_kv_pressure_removal_gives_few_engine_configurations():
+    """Its cache size is a power of two at least twice the trace's demand, so the replays of many
+    traces share a few engines (the pool), not one start each."""
+    from kvfuzz.fuzzer.shapes import embedded_bytes_per_token
+    from kvfuzz.triage.explain import no_kv_pressure
+
+    base = finding().trace
+    base = base.model_copy(update={"engine": base.engine.model_copy(update={"kv_cache_bytes": 3 * 2**20})})
+    sizes = set()
+    for n in (400, 410, 570, 900, 1000, 1200):
+        sends = [s.model_copy(update={"max_tokens": n}) if hasattr(s, "max_tokens") else s for s in base.events]
+        t = base.model_copy(update={"events": sends})
+        ablated, _ = no_kv_pressure(t)
+        size = ablated.engine.kv_cache_bytes
+        demand = sum(s.prompt.length + s.max_tokens for s in t.sends) * embedded_bytes_per_token(t.engine)
+        assert size >= 2 * demand and size >= t.engine.kv_cache_bytes
+        assert size & (size - 1) == 0
+        sizes.add(size)
+    assert len(sizes) <= 2

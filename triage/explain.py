@@ -73,8 +73,11 @@ def no_kv_pressure(trace: Trace) -> tuple[Trace | None, str]:
         return None, "the KV cache is sized by vLLM (gpu_memory_utilization), not by the trace"
     demand = sum(s.prompt.length + s.max_tokens for s in trace.sends) + e.block_size * (len(trace.sends) + 2)
     per_token = embedded_bytes_per_token(e) if e.model == EMBEDDED_MODEL else None
-    size = 2 * demand * per_token if per_token else 8 * e.kv_cache_bytes
-    size = max(size, e.kv_cache_bytes)
+    size = max(2 * demand * per_token if per_token else 8 * e.kv_cache_bytes, e.kv_cache_bytes)
+    # Rounded up to a power of two: an engine configuration differs by its cache size, so a size
+    # per trace started a new engine for every replay of this removal (issue 30: two faults' Ray
+    # campaign spent 12% of its time starting engines); a few sizes stay in the engine pool.
+    size = 1 << (size - 1).bit_length()
     return _engine(trace, kv_cache_bytes=size), f"KV cache {size / 2**20:.0f} MiB (every request fits at once)"
 
 
