@@ -58,6 +58,10 @@ nothing):
 - ``hash_covers_half_block`` (AB, the prefix cache's block hash): a full block's hash covers only
   the first half of its tokens, so prompts that agree up to a block's middle share the block.
   Requests' and blocks' hashes agree (both wrong alike): no post-condition breaks.
+And after rule 5.8 (59564ec) and the review of it (dba6060), the last change to the rule:
+- ``hit_counts_one_block_more`` (AC, the prefix-cache hit's token count): a hit of two blocks or
+  more reports one block more computed tokens than its blocks hold; that block's KV is never
+  computed, and it is registered in the prefix cache for later hits.
 """
 
 from collections.abc import Callable
