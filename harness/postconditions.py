@@ -94,6 +94,7 @@ class Monitor:
         self._map_recorded = 0
         self._seen: set[tuple[str, str]] = set()
         self._rows: dict[str, list[list[int]]] = {}  # request -> its block ids per group, at schedule
+        self._null = 0  # the pool's null block id (vLLM's is 0), read with the rows
         # Request -> (first position, tokens) scheduled this step; the slot check's positions.
         self._spans: dict[str, tuple[int, int]] = {}
         self._taints: dict[int, _Taint] = {}
@@ -205,7 +206,7 @@ class Monitor:
         """Each request's blocks; also snapshots them (``_rows``) for the worker-row check. One
         pass with list-level fast paths: this runs every step over every held block."""
         extra: dict[int, set[Any]] = getattr(pool, "cached_block_hashes_by_block", None) or {}
-        null = pool.null_block.block_id
+        null = self._null = pool.null_block.block_id
         blocks_of = pool.blocks
         holders: Counter[int] = Counter()
         rows: dict[str, list[list[int]]] = {}
@@ -302,8 +303,12 @@ class Monitor:
                 t = tables[g]
                 n = int(t.num_blocks_per_row[row])
                 got = [int(x) for x in t.block_table.np[row, :n]]
-                if got != want:
-                    at = next((i for i, (x, y) in enumerate(zip(got, want)) if x != y), min(len(got), len(want)))
+                # A null block in the scheduler's row is one it dropped (a sliding-window group
+                # drops blocks that left the window, ``SlidingWindowManager.remove_skipped_blocks``;
+                # the worker's row keeps the old id, which no kernel reads): any id matches it.
+                wrong = [i for i, (x, y) in enumerate(zip(got, want)) if x != y and y != self._null]
+                if wrong or len(got) != len(want):
+                    at = wrong[0] if wrong else min(len(got), len(want))
                     self._once(step, "worker-row", ext(rid), want[at] if at < len(want) else -1,
                                f"group {g} row {row}: position {at} is block "
                                f"{got[at] if at < len(got) else 'missing'}, the scheduler's is "

@@ -61,6 +61,9 @@ def test_clean_runs_with_the_connector_equal_the_references(session, trace):
     assert c.finding is None, [v for v in c.verdicts if v.class_ != "ok"]
     assert all(v.class_ == "ok" for v in c.verdicts)
     h1, h2 = c.histories
+    # No post-condition breaks on unmodified vLLM: the sliding-window group's rows hold the null
+    # block where the window left (every clean hybrid campaign broke worker-row before).
+    assert [b for h in c.histories for b in h.breaks] == []
     # External KV really served (R: 64 tokens behind its 128-token local hit) ...
     assert sum(s.external_tokens for s in h1.steps) >= 64
     assert any(len(s.group_hits) == 2 and all(s.group_hits) for s in h1.steps)

@@ -274,6 +274,18 @@ def test_a_row_is_checked_against_the_blocks_its_step_was_scheduled_with():
     assert [(x.name, x.request) for x in m.breaks] == [("worker-row", "v")]
 
 
+def test_a_block_the_scheduler_dropped_to_null_may_keep_its_old_id_in_the_worker_row():
+    """A sliding-window group (the hybrid model) drops blocks that left the window to the null
+    block; the worker's row keeps their old ids, which no kernel reads. Every trace of a clean
+    hybrid campaign broke worker-row before this (issue 30, cross-group fault's campaigns)."""
+    a, b = Block(1, G(1)), Block(2, G(2))
+    pool = Pool([a, b], {G(1): a, G(2): b})
+    held = {"v": [pool.null_block, b]}
+    assert monitor(pool, held, {"v": [H(2)]}, rows={"v": [7, 2]}).breaks == []
+    m = monitor(pool, held, {"v": [H(2)]}, rows={"v": [7, 1]})  # a real block still must match
+    assert [(x.name, x.request, x.block) for x in m.breaks] == [("worker-row", "v", 2)]
+
+
 def test_a_short_count_is_latent_until_its_block_is_handed_out_again():
     """Fault U's shape (rule 5.2): a hit takes no reference on a block in use. The short count
     names nothing alone; once the block is reallocated under the reader, the reader holds a
