@@ -44,7 +44,7 @@ from typing import Any, Protocol
 
 from kvfuzz.traces import Finding, Trace, atomic_write_text, parse_trace
 from kvfuzz.traces.timing import TimeBreakdown  # noqa: TC001 - a Result field
-from kvfuzz.traces.buckets import Bucket, BucketMembership
+from kvfuzz.traces.buckets import Bucket, BucketMembership, MechanismCheck
 from kvfuzz.traces.errors import BadInput, InfraError
 
 from .campaign import CAMPAIGN_FILE, Campaign, CampaignOptions, CampaignState, TraceOutcome, thin_log
@@ -66,6 +66,8 @@ class Task:
     # Every lower index is committed: ``known`` is final for this trace, and a finding that
     # agrees with no bucket may open one (triaged in full). See the module docstring.
     settled: bool = True
+    # The check replays of this trace's deferred first pass: its settled re-run reuses them.
+    checks: list[MechanismCheck] = field(default_factory=list)
 
 
 @dataclass
@@ -265,7 +267,8 @@ class Driver:
                         break
                     i = self.queue.popleft()
                     self.running[i] = w
-                    self.ex.submit(w, Task(i, self.generated[i][0], *self._known(), settled=i == st.next_index))
+                    self.ex.submit(w, Task(i, self.generated[i][0], *self._known(), settled=i == st.next_index,
+                                           checks=self._checks_of(i)))
             if not self.running:
                 if not self.ex.alive():
                     raise InfraError("no Ray worker is left alive (every worker died and none could be replaced)")
@@ -336,6 +339,11 @@ class Driver:
             st.set_time(st.time_breakdown.plus(res.time))
         self.held[res.index] = res
         self.queue.appendleft(res.index)
+
+    def _checks_of(self, i: int) -> list[MechanismCheck]:
+        """The check replays of index ``i``'s deferred first pass (held at the commit point)."""
+        res = self.held.get(i)
+        return list(res.memberships[0].checks) if res is not None and res.memberships else []
 
     def _known(self) -> tuple[dict[str, Bucket], dict[str, str]]:
         return dict(self.state.bug_buckets), dict(self.state.merges)

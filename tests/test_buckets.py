@@ -749,3 +749,34 @@ def test_the_kv_pressure_removal_gives_few_engine_configurations():
         assert size & (size - 1) == 0
         sizes.add(size)
     assert len(sizes) <= 2
+
+
+def test_a_second_pass_of_a_trace_reuses_its_first_pass_check_replays(tmp_path):
+    """A Ray task deferred at the commit point runs again, settled: on a step-exact engine its
+    first pass's check replays give the same verdicts, so none is replayed (Y + P on Ray: a
+    deferred pass spent 21.7 s of checks that its second pass repeated)."""
+    bs = {"P": bucket("P", {"prefix-caching": "persists", "lora": "disappears"}, 1),
+          "Q": bucket("Q", {"prefix-caching": "disappears"}, 2)}
+    first = Table(needs=["prefix-caching"])
+    t1 = triage(first, bs, tmp_path)
+    b1, k1, how1 = t1._match(unexplained(), key())
+    assert first.replays >= 1 and all(c.verdict for c in t1._checks)
+    again = Table(needs=["prefix-caching"])
+    again.step_exact = True
+    t2 = triage(again, bs, tmp_path)
+    t2.prior = list(t1._checks)
+    b2, k2, how2 = t2._match(unexplained(), key())
+    assert again.replays == 0 and (b2.id, k2.verdicts, how2) == (b1.id, k1.verdicts, how1)
+    assert t2._checks == t1._checks  # still kept with the finding
+    # Only on a step-exact engine (elsewhere a replay is a new sample), and only for its victim.
+    wall = Table(needs=["prefix-caching"])
+    t3 = triage(wall, bs, tmp_path)
+    t3.prior = list(t1._checks)
+    t3._match(unexplained(), key())
+    assert wall.replays >= 1
+    other = Table(needs=["prefix-caching"])
+    other.step_exact = True
+    t4 = triage(other, bs, tmp_path)
+    t4.prior = [c.model_copy(update={"victim": "someone else"}) for c in t1._checks]
+    t4._match(unexplained(), key())
+    assert other.replays >= 1

@@ -285,11 +285,12 @@ class DeferringCluster(FakeCluster):
         super().__init__(*a, **kw)
         self.lowest_first, self.clock, self.tick = lowest_first, clock, tick
         self.opened_by: list[tuple[int, bool]] = []
+        self.got_checks: dict[int, list[list[str | None]]] = {}  # index -> each pass's carried checks
 
     def wait(self, timeout_s):
         from test_report import finding
 
-        from kvfuzz.traces.buckets import BucketKey, BucketMembership
+        from kvfuzz.traces.buckets import BucketKey, BucketMembership, MechanismCheck
 
         if self.lowest_first:
             w = min(self.running, key=lambda k: self.running[k].index)
@@ -310,7 +311,10 @@ class DeferringCluster(FakeCluster):
             m = BucketMembership(bucket=key.digest(), key=key, status="opened", how="new key")
         else:
             deferred = True
-            m = BucketMembership(bucket=key.digest(), key=key, status="assigned", how="not triaged")
+            m = BucketMembership(bucket=key.digest(), key=key, status="assigned", how="not triaged",
+                                 checks=[MechanismCheck(mechanism="prefix-caching", victim=f"v{task.index}",
+                                                        outcome="persists", verdict="persists")])
+        self.got_checks.setdefault(task.index, []).append([c.victim for c in task.checks])
         f.buckets = [m]
         return [Result(task.index, w, finding=f, buckets=fake_buckets(task.trace), memberships=[m], deferred=deferred)]
 
@@ -326,6 +330,9 @@ def test_a_finding_is_triaged_in_full_only_once_every_lower_trace_is_committed(t
         assert len(live) == 1 and live[0].count == st.findings == 10 and not st.untriaged
         assert cluster.opened_by == [(0, True)] and not st.merges
         assert st.deferred >= 1 and st.traces == 10
+        # A deferred trace's re-run carries its first pass's check replays (to reuse them).
+        again = {i: passes for i, passes in cluster.got_checks.items() if len(passes) > 1}
+        assert again and all(p[0] == [] and p[1] == [f"v{i}"] for i, p in again.items())
 
 
 def test_a_deferred_finding_is_committed_as_placed_when_the_campaign_ends_first(tmp_path, monkeypatch):

@@ -107,6 +107,9 @@ class MechanismCheck(_Data):
     victim: str | None = None
     outcome: AblationOutcome
     detail: str | None = None
+    # The key verdict it gave (``oracle.buckets.verdicts_of``); None: none (moved, flaky, failed,
+    # or a milder divergence). Lets a later pass of the same trace reuse the replay.
+    verdict: Outcome | None = None
 
 
 class BucketMembership(_Data):

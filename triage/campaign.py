@@ -107,6 +107,11 @@ class CampaignTriage:
     # Verdicts measured on existing buckets' own witnesses while triaging the current trace.
     _evidence: dict[str, dict[str, Outcome]] = field(default_factory=dict)
     _checks: list[MechanismCheck] = field(default_factory=list)  # this finding's check replays
+    # Check replays an earlier pass of this trace made (a Ray task deferred at the commit point
+    # and run again, fuzzer/distributed.py): on a step-exact engine a replay gives the same
+    # again, so they are reused, not replayed (issue 30: a deferred first pass of Y + P spent
+    # 21.7 s of checks that its second pass repeated).
+    prior: list[MechanismCheck] = field(default_factory=list)
 
     def restore(self, buckets: dict[str, Bucket], merges: dict[str, str] | None = None) -> None:
         """Share the campaign's buckets (the campaign adds to them as findings are recorded)."""
@@ -232,14 +237,21 @@ class CampaignTriage:
     def _check(self, f: Finding, mechanism: str, key: BucketKey) -> dict[str, Outcome]:
         """One replay of ``f`` without ``mechanism``, judged on ``key``'s victim: its verdict,
         if it could be judged."""
-        self.status(f"finding {f.id}: checking against buckets (without {mechanism})")
         victim = rule.victim_of(f, key)
+        done = next((c for c in self.prior if c.mechanism == mechanism and c.victim == victim and victim is not None),
+                    None) if self.session.step_exact else None
+        if done is not None:
+            self._checks.append(done)
+            return {mechanism: done.verdict} if done.verdict else {}
+        self.status(f"finding {f.id}: checking against buckets (without {mechanism})")
         ex = explain(self.session, f, victim=victim, mechanisms=[mechanism])
+        got = rule.verdicts_of(ex)
         # Kept with the finding whatever it gave (a moved or failed replay is no verdict, and
         # the only trace of why it joined where it did).
-        self._checks += [MechanismCheck(mechanism=a.mechanism, victim=ex.victim, outcome=a.outcome, detail=a.detail)
+        self._checks += [MechanismCheck(mechanism=a.mechanism, victim=ex.victim, outcome=a.outcome, detail=a.detail,
+                                        verdict=got.get(a.mechanism))
                          for a in ex.ablations if a.mechanism == mechanism]
-        return rule.verdicts_of(ex)
+        return got
 
     def _assign(self, checked: Checked, *, replays: bool = True) -> Triaged | None:
         """Past the share: the bucket the cheap pre-key allows, or one replay decides. None:

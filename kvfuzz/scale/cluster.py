@@ -341,6 +341,7 @@ class WorkerCore:
         # whether a finding opens a bucket never depends on which worker ran what.
         self.triage.restore(dict(task.known), dict(task.merges))
         self.triage.settled = task.settled
+        self.triage.prior = list(task.checks)
         ledger = self.session.ledger
         before = ledger.breakdown()
         ledger.fresh = True  # the trace's first replay is its fuzzed run (traces/timing.py)
