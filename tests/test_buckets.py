@@ -754,7 +754,7 @@ def test_the_kv_pressure_removal_gives_few_engine_configurations():
 def test_a_second_pass_of_a_trace_reuses_its_first_pass_check_replays(tmp_path):
     """A Ray task deferred at the commit point runs again, settled: on a step-exact engine its
     first pass's check replays give the same verdicts, so none is replayed (Y + P on Ray: a
-    deferred pass spent 21.7 s of checks that its second pass repeated)."""
+    deferred first pass spent 21.7 s on checks)."""
     bs = {"P": bucket("P", {"prefix-caching": "persists", "lora": "disappears"}, 1),
           "Q": bucket("Q", {"prefix-caching": "disappears"}, 2)}
     first = Table(needs=["prefix-caching"])

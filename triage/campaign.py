@@ -109,8 +109,7 @@ class CampaignTriage:
     _checks: list[MechanismCheck] = field(default_factory=list)  # this finding's check replays
     # Check replays an earlier pass of this trace made (a Ray task deferred at the commit point
     # and run again, fuzzer/distributed.py): on a step-exact engine a replay gives the same
-    # again, so they are reused, not replayed (issue 30: a deferred first pass of Y + P spent
-    # 21.7 s of checks that its second pass repeated).
+    # again, so a check against a bucket the first pass already saw is reused, not replayed.
     prior: list[MechanismCheck] = field(default_factory=list)
 
     def restore(self, buckets: dict[str, Bucket], merges: dict[str, str] | None = None) -> None:
