@@ -15,26 +15,25 @@ tokens than it loaded). A request alone on a clean cache hits nothing, so its re
 
 from __future__ import annotations
 
+from . import wrap
+
 _TAG = "unseen-fault-hit-counts-one-block-more"
 
 
 def install() -> None:
     from vllm.v1.core.kv_cache_manager import KVCacheManager
 
-    original = KVCacheManager.get_computed_blocks
-    if getattr(original, "__unseen_tag__", None) == _TAG:
-        return
+    def make(original):
+        def get_computed_blocks(self, request):
+            blocks, n, boundary = original(self, request)
+            groups = blocks.blocks
+            if n == 0 or not groups or any(len(g) < 2 for g in groups):
+                return blocks, n, boundary
+            bs = n // len(groups[0])  # the block size: a hit is whole blocks
+            if n + 2 * bs > request.num_tokens - 1:
+                return blocks, n, boundary
+            return blocks, n + bs, boundary  # the bug: one block more than the blocks hold
 
-    def get_computed_blocks(self, request):
-        blocks, n, boundary = original(self, request)
-        groups = blocks.blocks
-        if n == 0 or not groups or any(len(g) < 2 for g in groups):
-            return blocks, n, boundary
-        bs = n // len(groups[0])  # the block size: a hit is whole blocks
-        if n + 2 * bs > request.num_tokens - 1:
-            return blocks, n, boundary
-        return blocks, n + bs, boundary  # the bug: one block more than the blocks hold
+        return get_computed_blocks
 
-    get_computed_blocks.__unseen_tag__ = _TAG  # type: ignore[attr-defined]
-    get_computed_blocks.__wrapped__ = original  # type: ignore[attr-defined]
-    KVCacheManager.get_computed_blocks = get_computed_blocks
+    wrap(KVCacheManager, "get_computed_blocks", _TAG, make)
