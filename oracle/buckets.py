@@ -190,6 +190,6 @@ def severity_order(buckets: Iterable[Bucket]) -> list[Bucket]:
     return sorted(buckets, key=lambda b: (SEVERITY.get(b.key.cls, 99), -b.count, b.id))
 
 
-__all__ = ["CHEAP_MECHANISMS", "MAX_CHECKS", "agrees", "candidates", "conflicts", "describe", "keys_of", "live", "name_unearned",
-           "mergeable", "needs_text", "next_check", "prekey_candidates", "resolve", "same_key_victims", "same_name", "severity_order",
-           "shape", "union", "verdicts_of", "victim_of"]
+__all__ = ["CHEAP_MECHANISMS", "MAX_CHECKS", "agrees", "candidates", "conflicts", "describe", "keys_of", "live",
+           "mergeable", "name_unearned", "needs_text", "next_check", "prekey_candidates", "resolve", "same_key_victims",
+           "same_name", "severity_order", "shape", "union", "verdicts_of", "victim_of"]

@@ -695,8 +695,6 @@ def test_past_the_share_a_named_finding_goes_to_its_names_bucket_never_lends_it_
     the first for a name, its one check gave no verdict, and the fallback filed it under Y's
     bucket, which took P's name and then merged with P's. The bucket of its name takes it; with
     none and no verdict it is triaged."""
-    from kvfuzz.traces.buckets import Bucket, BucketKey
-
     y = bucket("Y", {"chunked-prefill": "persists", "preemption": "persists", "prefix-caching": "persists"}, 1)
     p = Bucket(id="P", key=BucketKey(cls="corruption", broke="map-entry-orphaned",
                                      verdicts={"chunked-prefill": "persists", "preemption": "disappears"}),
@@ -717,8 +715,6 @@ def test_with_no_replay_left_a_named_finding_takes_its_names_bucket_or_its_own(t
     """Y + P on Ray at 1ad31a0: the campaign's last P finding, past its budget (no replay),
     was filed by pre-key under the earliest candidate, Y's unnamed bucket, which took P's name
     and merged with P's bucket. It goes to the bucket of its name; with none, to its own."""
-    from kvfuzz.traces.buckets import Bucket, BucketKey
-
     y = bucket("Y", {"chunked-prefill": "persists", "preemption": "persists", "prefix-caching": "persists"}, 1)
     p = Bucket(id="P", key=BucketKey(cls="corruption", broke="map-entry-orphaned",
                                      verdicts={"preemption": "disappears"}), first_index=2, count=1)

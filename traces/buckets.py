@@ -309,6 +309,6 @@ def bucket_from_state(bid: str, data: dict[str, Any]) -> Bucket:
                   findings=list(data.get("findings") or []), prekey=prekey)
 
 
-__all__ = ["KEY_MECHANISMS", "Bucket", "BucketDescription", "BucketKey", "BucketMembership", "MechanismCheck", "name_unearned", "Status", "Triaged", "agrees",
-           "bucket_from_state", "candidates", "conflicts", "live", "memberships_from_notes", "mergeable", "resolve", "same_break", "union",
-           "with_evidence"]
+__all__ = ["KEY_MECHANISMS", "Bucket", "BucketDescription", "BucketKey", "BucketMembership", "MechanismCheck", "Status", "Triaged", "agrees",
+           "bucket_from_state", "candidates", "conflicts", "live", "memberships_from_notes", "mergeable", "name_unearned", "resolve",
+           "same_break", "union", "with_evidence"]
