@@ -290,6 +290,15 @@ class InProcessEngine:
 
         pool._maybe_evict_cached_block = evict
 
+        # Blocks handed out for new content: the post-conditions judge reads of slots nothing
+        # wrote since (``held-block-unwritten``).
+        def get_new_blocks(*args: Any, **kwargs: Any) -> Any:
+            blocks = pool_cls.get_new_blocks(pool, *args, **kwargs)
+            self._monitor.handed_out(blocks)
+            return blocks
+
+        pool.get_new_blocks = get_new_blocks
+
         # Admissions with prefix hits or connector tokens, per KV cache group (coverage of the
         # hybrid and external-KV paths). Looked up on the class per call, like evict above.
         coord = scheduler.kv_cache_manager.coordinator
@@ -442,7 +451,8 @@ class InProcessEngine:
         book = self._adapters.book(trace) if trace.engine.lora.enabled else None
         self._edges = BlockEdges()
         internal: dict[str, str] = {}  # vLLM internal id -> our request id
-        self._monitor = Monitor(ext=lambda rid: internal.get(rid, rid))
+        # A KV connector writes the KV it loads outside the step's slot mapping.
+        self._monitor = Monitor(ext=lambda rid: internal.get(rid, rid), writes=not self.config.kv_connector)
         live: set[str] = set()
         scheduled_once: set[str] = set()
         t0 = time.perf_counter()

@@ -22,7 +22,14 @@ compares vLLM's own records with each other, the way vLLM's invariants say they 
   ``position % block_size``. A token written elsewhere breaks ``worker-slot`` on its request,
   and both blocks (the one written, the one left stale) are *tainted* until their content is
   replaced: every other request that holds one (shares it, or hits it in the prefix cache
-  later) breaks ``worker-slot`` too, since it reads that wrong KV.
+  later) breaks ``worker-slot`` too, since it reads that wrong KV;
+- each position a request computed before this step (below its ``num_computed_tokens``) lies
+  in a slot some token's KV was written to since its block was handed out for new content
+  (``BlockPool.get_new_blocks``; the harness reports each via ``handed_out``). A request whose
+  count claims a position nothing wrote reads KV never computed for it: whatever the block held
+  before, zeros on a fresh one. That breaks ``held-block-unwritten`` on each such reader (the
+  request itself, or a later prefix hit on the block). Each run starts on a clean slate, so
+  every block a run holds was handed out in it; a block not seen handed out is not judged.
 
 Each break is recorded once (per block for the map; per request and name otherwise) into the
 history; the oracle (oracle/postconditions.py) names the first harmful one on a diverging
@@ -51,7 +58,7 @@ MAX_BREAKS = 64
 MAX_MAP_BREAKS = 8
 # A request's breaks that say its KV read is wrong (a block of other content, one block twice)
 # and so carry the latent break of their block as their root.
-ROOTED: tuple[BreakName, ...] = ("held-block-foreign", "held-block-repeated")
+ROOTED: tuple[BreakName, ...] = ("held-block-foreign", "held-block-repeated", "held-block-unwritten")
 
 
 def _map_blocks(value: Any) -> Iterable[Any]:
@@ -82,7 +89,9 @@ class Monitor:
     rows against the blocks that step was scheduled with). ``step`` is the engine
     step being run; ``ext`` maps vLLM's request ids to the trace's."""
 
-    def __init__(self, ext: Callable[[str], str] = str, *, enabled: bool = True) -> None:
+    def __init__(self, ext: Callable[[str], str] = str, *, enabled: bool = True, writes: bool = True) -> None:
+        """``writes``: judge reads of unwritten slots (``held-block-unwritten``). Off with a KV
+        connector, which writes the KV it loads outside the step's slot mapping."""
         self.breaks: list[Break] = []
         self.disabled = not enabled
         self.step = 0
@@ -100,6 +109,13 @@ class Monitor:
         self._taints: dict[int, _Taint] = {}
         self._slots_off = False  # the slot check alone found another layout
         self._blocks_of: Any = ()  # the pool's blocks (by id), for a tainted block's hash
+        # Block -> offsets written since it was handed out (a bit mask), and the step it was.
+        self._written: dict[int, int] = {}
+        self._handed: dict[int, int] = {}
+        # (request, group) -> its blocks already found written wherever it read them: each step
+        # reads only what is new (a block's written slots only grow until it is handed out again).
+        self._read_ok: dict[tuple[str, int], list[int]] = {}
+        self._writes_off = not writes  # a step's writes went unseen: no evidence from then on
 
     def after_schedule(self, scheduler: Any, scheduled: Mapping[str, int] | None = None) -> None:
         """``scheduled``: the step's tokens per request (``SchedulerOutput.num_scheduled_tokens``),
@@ -117,7 +133,16 @@ class Monitor:
                     self._check_slots(self.step, batch, self.ext)
                 except (AttributeError, TypeError, IndexError, KeyError, ValueError):
                     log.debug("slots not checked on this vLLM layout", exc_info=True)
-                    self._slots_off = True
+                    self._slots_off = self._writes_off = True
+
+    def handed_out(self, blocks: Iterable[Any]) -> None:
+        """Blocks the pool just handed out for new content (``BlockPool.get_new_blocks``): no
+        slot of theirs holds KV of this content until a step writes it."""
+        if self._writes_off or self.disabled:
+            return
+        for b in blocks:
+            self._written[b.block_id] = 0
+            self._handed[b.block_id] = self.step
 
     def check(self, step: int, scheduler: Any, batch: Any | None,
               scheduled: Mapping[str, int] | None = None) -> None:
@@ -321,13 +346,14 @@ class Monitor:
             return
         ids = list(batch.req_ids[: batch.num_reqs])
         if any(r not in self._spans for r in ids):
+            self._writes_off = True  # this step's writes are unknown from here on
             return  # the batch is not this step's (another layout): no evidence
         counts = [self._spans[r][1] for r in ids]
         total = sum(counts)
         for g, t in enumerate(batch.block_table.block_tables):
             if getattr(getattr(t, "slot_mapping_mode", None), "name", "TOKEN_TO_KV_SLOT") != "TOKEN_TO_KV_SLOT" \
                     or getattr(t, "dcp_world_size", 1) != 1:
-                continue
+                continue  # its blocks are never marked written, so never judged unwritten either
             bs = int(t.block_size)
             got_all = t.slot_mapping.gpu[:total].cpu().numpy()
             off = 0
@@ -338,6 +364,8 @@ class Monitor:
                 blocks = t.block_table.np[row, :width].astype(np.int64)
                 got = got_all[off:off + n]
                 off += n
+                if not self._writes_off:
+                    self._wrote(got, bs)
                 inside = pos // bs < width  # a missing block is the row check's (worker-row)
                 want: np.ndarray = np.full(n, -1, dtype=np.int64)
                 want[inside] = blocks[pos[inside] // bs] * bs + pos[inside] % bs
@@ -355,6 +383,8 @@ class Monitor:
                         if 0 < blk < len(self._blocks_of) and blk not in self._taints:
                             self._taints[blk] = _Taint(writer=writer, step=step, detail=detail,
                                                        hash=self._blocks_of[blk].block_hash)
+            if not self._writes_off:
+                self._check_reads(step, g, bs, ids, ext)
         # Another holder scheduled this step read the wrong KV already (writes come first).
         for blk, taint in self._taints.items():
             if taint.step != step:
@@ -362,6 +392,51 @@ class Monitor:
             for rid, groups in self._rows.items():
                 if ext(rid) != taint.writer and any(blk in ids_ for ids_ in groups) and rid in self._spans:
                     self._tainted_read(step, ext(rid), blk, taint)
+
+    def _wrote(self, slots: np.ndarray, bs: int) -> None:
+        """Marks the slots a row's tokens were written to this step (where they really went)."""
+        slots = slots[slots >= 0]
+        if not len(slots):
+            return
+        blocks: np.ndarray = slots // bs
+        offs: np.ndarray = slots % bs
+        for blk in np.unique(blocks).tolist():
+            mask = 0
+            for o in np.unique(offs[blocks == blk]).tolist():
+                mask |= 1 << o
+            if blk in self._written:
+                self._written[blk] |= mask
+
+    def _check_reads(self, step: int, g: int, bs: int, ids: list[str], ext: Callable[[str], str]) -> None:
+        """Group ``g``: each scheduled request read positions ``0 .. start - 1`` through the
+        scheduler's blocks for it (a null block, dropped from a sliding window, is not read),
+        after this step's writes (a forward pass writes every token's KV before attention)."""
+        whole = (1 << bs) - 1
+        for rid in ids:
+            groups = self._rows.get(rid)
+            if not groups or g >= len(groups):
+                continue
+            row, start = groups[g], self._spans[rid][0]
+            full, part = divmod(start, bs)
+            key = (rid, g)
+            ok = self._read_ok.get(key, [])
+            first = len(ok) if row[:len(ok)] == ok else 0
+            for i in range(first, min(len(row), full + (1 if part else 0))):
+                bid = row[i]
+                have = self._written.get(bid)
+                if bid == self._null or have is None:
+                    continue  # not handed out in this run: no evidence
+                need = whole if i < full else (1 << part) - 1
+                missing = need & ~have
+                if missing:
+                    o = (missing & -missing).bit_length() - 1
+                    self._once(step, "held-block-unwritten", ext(rid), bid,
+                               f"group {g}: position {i * bs + o} (block {bid} offset {o}) counts as computed, "
+                               f"but nothing wrote that slot since block {bid} was handed out at step "
+                               f"{self._handed.get(bid, '?')}")
+                    break
+            else:
+                self._read_ok[key] = row[:full]
 
 
 def worker_batch(core: Any) -> Any | None:

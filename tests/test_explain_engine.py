@@ -105,6 +105,9 @@ def test_wrong_kv_that_flips_no_token_is_measured_by_its_drift(fault, victim, ma
     if cls == "ok":
         assert fault_["drift"] > 10 * fault_["bound"], got
     assert clean["cls"] == "ok" and clean["drift"] <= clean["bound"], got
-    # W's wrong slots break ``worker-slot`` (on r0 and r1), X and Y read wrong blocks that no
-    # record of vLLM's shows.
-    assert got["breaks"] == (["worker-slot", "worker-slot"] if fault == "new_block_slot_in_previous" else []), got
+    # W's wrong slots break ``worker-slot`` (on r0 and r1; the slot W left unwritten is read at a
+    # later step, a consequence), X and Y read wrong blocks that no record of vLLM's shows.
+    w = fault == "new_block_slot_in_previous"
+    assert [b for b in got["breaks"] if b != "held-block-unwritten"] == (["worker-slot", "worker-slot"] if w else []), got
+    assert got["breaks"].count("held-block-unwritten") <= (2 if w else 0), got
+    assert fault_["broke"] == ("worker-slot" if w else None), got

@@ -415,3 +415,53 @@ def test_a_batch_without_a_slot_mapping_still_checks_rows_and_breaks_no_slot():
     sched.requests["t"].num_computed_tokens = 1
     m.check(0, sched, batch({"t": [0]}), {"t": 1})  # no slot_mapping, no req_ids: another layout
     assert [(x.name, x.request) for x in m.breaks] == [("worker-row", "t")] and not m.disabled
+
+
+# -- reads of slots nothing wrote (held-block-unwritten) -----------------------------------------
+def test_a_position_counted_as_computed_whose_slot_nothing_wrote_breaks_on_each_reader():
+    """Fault AC's shape: a prefix hit's count claims one block more than its blocks hold, so the
+    request reads a block handed out afresh that no step wrote, and so does a later hit on it.
+    Block size 4: r writes its own 6 positions and reads them back (no break); s claims 0..3 on a
+    block handed out to it and computes 4..5; v later hits that block."""
+    a, b, c, d, e = Block(1), Block(2), Block(3, G(3)), Block(4), Block(5)
+    pool = Pool([a, b, c, d, e], {G(3): c})
+    m = Monitor()
+    m.handed_out([a, b, c, d])
+    stepped(pool, {"r": [a, b]}, {"r": []}, {"r": (0, 6)}, {"r": [1, 2]}, [4, 5, 6, 7, 8, 9], m=m)
+    stepped(pool, {"r": [a, b]}, {"r": []}, {"r": (6, 1)}, {"r": [1, 2]}, [10], step=1, m=m)
+    assert m.breaks == []
+    stepped(pool, {"r": [a, b], "s": [c, d]}, {"r": [], "s": [H(3)]}, {"r": (7, 1), "s": (4, 2)},
+            {"r": [1, 2], "s": [3, 4]}, [11, 16, 17], step=2, m=m)
+    (w,) = m.breaks
+    assert (w.name, w.request, w.block, w.step) == ("held-block-unwritten", "s", 3, 2), w
+    assert "position 0 (block 3 offset 0) counts as computed, but nothing wrote that slot since block 3 " \
+           "was handed out at step 0" in w.detail
+    assert origin(m.breaks, "s") == "held-block-unwritten" and origin(m.breaks, "r") is None
+    # v hits block 3 in the prefix cache (its hash is v's own): it reads the same unwritten KV.
+    c.ref_cnt = 2
+    m.handed_out([e])
+    stepped(pool, {"s": [c, d], "v": [c, e]}, {"s": [H(3)], "v": [H(3)]}, {"s": (6, 1), "v": (4, 1)},
+            {"s": [3, 4], "v": [3, 5]}, [18, 20], step=3, m=m)
+    assert [(x.name, x.request, x.block) for x in m.breaks[1:]] == [("held-block-unwritten", "v", 3)]
+
+
+def test_a_block_not_handed_out_in_the_run_or_dropped_to_null_is_not_judged_and_a_connector_turns_it_off():
+    a, b = Block(1), Block(2)
+    pool = Pool([a, b], {})
+    # Block 1 was never seen handed out (no evidence); block 2 was, and its slots were written.
+    m = Monitor()
+    m.handed_out([b])
+    stepped(pool, {"r": [a, b]}, {"r": []}, {"r": (4, 2)}, {"r": [1, 2]}, [8, 9], m=m)
+    assert m.breaks == []
+    # A sliding window dropped block 1 to the null block: its positions are not read.
+    m = Monitor()
+    m.handed_out([a, b])
+    stepped(pool, {"r": [pool.null_block, b]}, {"r": []}, {"r": (4, 2)}, {"r": [1, 2]}, [8, 9], m=m)
+    assert [x.name for x in m.breaks] == []
+    # The same claim on a block handed out and never written breaks, unless a KV connector (which
+    # writes outside the slot mapping) turned the check off.
+    for writes, want in ((True, ["held-block-unwritten"]), (False, [])):
+        m = Monitor(writes=writes)
+        m.handed_out([a, b])
+        stepped(pool, {"r": [a, b]}, {"r": []}, {"r": (4, 2)}, {"r": [1, 2]}, [8, 9], m=m)
+        assert [x.name for x in m.breaks] == want

@@ -57,7 +57,17 @@ def test_four_unseen_faults_each_break_their_own_post_condition():
     assert {"worker-row", "map-entry-orphaned", "held-block-undercounted"} <= names, names
     # Nothing else is broken by these faults: no stolen entries.
     assert names <= {"worker-row", "map-entry-orphaned", "held-block-undercounted", "held-block-foreign",
-                     "held-block-repeated"}, names
+                     "held-block-repeated", "held-block-unwritten"}, names
+    # A slot left unwritten here is a consequence: T's, read a step after its row broke (the
+    # worker wrote the dropped block's tokens elsewhere; the row stays the request's name), or
+    # a block handed out afresh while its reader held it (U's short count, P's stale entry),
+    # named by that latent break like a foreign block.
+    for run in runs:
+        for b in run:
+            if b["name"] == "held-block-unwritten":
+                assert b["root"] in ("map-entry-orphaned", "held-block-undercounted") or any(
+                    x["name"] == "worker-row" and x["request"] == b["request"] and x["step"] < b["step"]
+                    for x in run), (b, run)
     # A victim that read a block of other content is traced back to the latent break of that
     # block (P's orphaned entry, U's short count), never to T (a row, not a block record).
     foreign = [b for run in runs for b in run if b["name"] == "held-block-foreign"]
@@ -65,7 +75,9 @@ def test_four_unseen_faults_each_break_their_own_post_condition():
     assert roots <= {None, "map-entry-orphaned", "held-block-undercounted"}
     # V (rule 5.3): a reference run records the breaks on its own request.
     ref = json.loads(next(ln for ln in p.stdout.splitlines() if ln.startswith("REF "))[4:])
-    assert [(b["name"], b["request"]) for b in ref] == [("worker-row", "long")], ref
+    # (Its row's repeated id sent the new block's tokens elsewhere: read unwritten a step later.)
+    assert [(b["name"], b["request"]) for b in ref if b["name"] != "held-block-unwritten"] == [("worker-row", "long")], ref
+    assert all(b["request"] == "long" and b["step"] > ref[0]["step"] for b in ref[1:]), ref
 
 
 WZ_SCRIPT = """
@@ -86,7 +98,7 @@ for name, sends in {
               SendEvent(request_id="r1", at=At(step=2), max_tokens=20, prompt=GenPrompt(length=3000, seed=1))]}.items():
     h = eng.replay(Trace(engine=cfg, events=sends))
     alone = {s.request_id: eng.run_alone(s) for s in sends}
-    out[name] = {"breaks": [[b.name, b.request, b.detail] for b in h.breaks],
+    out[name] = {"breaks": [[b.name, b.request, b.detail, b.step] for b in h.breaks],
                  "diverged": sorted(r for r in alone if alone[r].token_ids != h.requests[r].token_ids),
                  "ref_breaks": sorted(b.name for r in alone.values() for b in r.breaks)}
 print("WZ " + json.dumps(out))
@@ -108,9 +120,50 @@ def test_a_token_written_to_another_slot_breaks_worker_slot_on_its_request():
     got = json.loads(next(ln for ln in p.stdout.splitlines() if ln.startswith("WZ "))[3:])
     for trace in got.values():
         assert trace["diverged"] == ["r0", "r1"] and trace["ref_breaks"] == [], got
-        assert sorted((name, r) for name, r, _ in trace["breaks"]) == [("worker-slot", "r0"), ("worker-slot", "r1")], got
-    decode = dict((r, d) for _, r, d in got["decode"]["breaks"])
+        slot = sorted((r, step) for name, r, _, step in trace["breaks"] if name == "worker-slot")
+        assert [r for r, _ in slot] == ["r0", "r1"], got
+        # Each writer left its row's slot unwritten and reads it at a later step: a consequence,
+        # after its slot break, which stays its name.
+        assert all(name == "worker-slot" or (name == "held-block-unwritten" and step > dict(slot)[r])
+                   for name, r, _, step in trace["breaks"]), got
+    decode = dict((r, d) for name, r, d, _ in got["decode"]["breaks"] if name == "worker-slot")
     assert all("position 32 written to slot" in d and "offset 0); its row's slot" in d for d in decode.values()), decode
-    chunk = next(d for _, r, d in got["chunk"]["breaks"] if r == "r1")  # Z: the slot just before
+    chunk = next(d for name, r, d, _ in got["chunk"]["breaks"] if r == "r1" and name == "worker-slot")  # Z: the slot just before
     m = re.search(r"written to slot (\d+) .*its row's slot is (\d+)", chunk)
     assert m and int(m[1]) == int(m[2]) - 1, chunk
+
+
+AC_SCRIPT = """
+import json
+from kvfuzz.fuzzer.generate import default_engine
+from kvfuzz.harness.inprocess import InProcessEngine
+from kvfuzz.traces import At, GenPrompt, SendEvent, Trace
+cfg = default_engine(kv_cache_bytes=8 * 2**20, max_model_len=8000)
+eng = InProcessEngine(cfg)
+eng.start()
+bs = cfg.block_size
+# r0 fills three blocks of a shared prefix; r1 then hits them and its count claims a fourth.
+sends = [SendEvent(request_id=f"r{i}", at=At(step=20 * i), max_tokens=8,
+                   prompt=GenPrompt(length=6 * bs + 5, prefix_group="p", prefix_len=3 * bs + 3, seed=i))
+         for i in range(2)]
+h = eng.replay(Trace(engine=cfg, events=sends))
+alone = eng.run_alone(sends[1])
+print("AC " + json.dumps({"breaks": [[b.name, b.request, b.detail] for b in h.breaks],
+                          "diverged": alone.token_ids != h.requests["r1"].token_ids,
+                          "ref_breaks": [b.name for b in alone.breaks]}))
+"""
+
+
+def test_a_hit_that_counts_a_block_it_does_not_hold_breaks_held_block_unwritten():
+    """Fault AC (written after the last rule change; rule 5.9 was written for it): a prefix hit
+    of two blocks or more counts one block more, whose KV no step computes. No record of vLLM's
+    disagrees; the request reads a slot nothing wrote since its block was handed out. Its
+    reference (alone: no hit) breaks nothing. The clean side is tests/test_engine.py."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "KVFUZZ_PLUGIN_MODULES": "unseen_faults.hit_counts_one_block_more",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))}
+    p = subprocess.run([sys.executable, "-c", AC_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = json.loads(next(ln for ln in p.stdout.splitlines() if ln.startswith("AC "))[3:])
+    assert [(name, r) for name, r, _ in got["breaks"]] == [("held-block-unwritten", "r1")], got
+    assert got["diverged"] and got["ref_breaks"] == [], got
+    assert "position 96 (block" in got["breaks"][0][2] and "offset 0) counts as computed" in got["breaks"][0][2], got
