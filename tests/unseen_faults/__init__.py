@@ -62,6 +62,10 @@ And after rule 5.8 (59564ec) and the review of it (dba6060), the last change to 
 - ``hit_counts_one_block_more`` (AC, the prefix-cache hit's token count): a hit of two blocks or
   more reports one block more computed tokens than its blocks hold; that block's KV is never
   computed, and it is registered in the prefix cache for later hits.
+And after rule 5.9 (3c25a0c: ``held-block-unwritten``, which AC's split had shown):
+- ``window_drops_one_block_early`` (AD, the sliding window's block release; the hybrid model
+  only): once the window slides, the oldest block still inside it is freed too, while the
+  request's next tokens attend to it through the worker's row.
 """
 
 from collections.abc import Callable
