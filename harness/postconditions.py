@@ -115,6 +115,7 @@ class Monitor:
         # (request, group) -> its blocks already found written wherever it read them: each step
         # reads only what is new (a block's written slots only grow until it is handed out again).
         self._read_ok: dict[tuple[str, int], list[int]] = {}
+        self._ok_by_block: dict[int, set[tuple[str, int]]] = {}  # block -> the entries above listing it
         self._writes_off = not writes  # a step's writes went unseen: no evidence from then on
 
     def after_schedule(self, scheduler: Any, scheduled: Mapping[str, int] | None = None) -> None:
@@ -143,6 +144,10 @@ class Monitor:
         for b in blocks:
             self._written[b.block_id] = 0
             self._handed[b.block_id] = self.step
+            # A request that found it written before reads it afresh (a preempted request may be
+            # handed its own old block again, at the same position).
+            for key in self._ok_by_block.pop(b.block_id, ()):
+                self._read_ok.pop(key, None)
 
     def check(self, step: int, scheduler: Any, batch: Any | None,
               scheduled: Mapping[str, int] | None = None) -> None:
@@ -437,6 +442,8 @@ class Monitor:
                     break
             else:
                 self._read_ok[key] = row[:full]
+                for bid in row[first:full]:
+                    self._ok_by_block.setdefault(bid, set()).add(key)
 
 
 def worker_batch(core: Any) -> Any | None:

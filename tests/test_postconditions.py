@@ -465,3 +465,21 @@ def test_a_block_not_handed_out_in_the_run_or_dropped_to_null_is_not_judged_and_
         m.handed_out([a, b])
         stepped(pool, {"r": [a, b]}, {"r": []}, {"r": (4, 2)}, {"r": [1, 2]}, [8, 9], m=m)
         assert [x.name for x in m.breaks] == want
+
+
+def test_a_block_handed_out_again_is_read_afresh_even_at_the_same_position_of_the_same_request():
+    """A preempted request may be handed its own old block again at the same position (seen on
+    AC at 3c25a0c: a 14,720-token prompt preempted and resumed on its own prefix hits). What it
+    found written before that no longer counts."""
+    a, b, c = Block(1), Block(2), Block(3)
+    pool = Pool([a, b, c], {})
+    m = Monitor()
+    m.handed_out([a, b])
+    stepped(pool, {"r": [a, b]}, {"r": []}, {"r": (0, 8)}, {"r": [1, 2]}, list(range(4, 12)), m=m)
+    m.handed_out([c])
+    stepped(pool, {"r": [a, b, c]}, {"r": []}, {"r": (8, 1)}, {"r": [1, 2, 3]}, [12], step=1, m=m)
+    assert m.breaks == []  # r read blocks 1 and 2 whole
+    m.step = 2
+    m.handed_out([b, c])  # r preempted, resumed: its count claims block 2 again, handed out afresh
+    stepped(pool, {"r": [a, b, c]}, {"r": []}, {"r": (8, 1)}, {"r": [1, 2, 3]}, [12], step=2, m=m)
+    assert [(x.name, x.request, x.block) for x in m.breaks] == [("held-block-unwritten", "r", 2)]
