@@ -29,7 +29,14 @@ compares vLLM's own records with each other, the way vLLM's invariants say they 
   count claims a position nothing wrote reads KV never computed for it: whatever the block held
   before, zeros on a fresh one. That breaks ``held-block-unwritten`` on each such reader (the
   request itself, or a later prefix hit on the block). Each run starts on a clean slate, so
-  every block a run holds was handed out in it; a block not seen handed out is not judged.
+  every block a run holds was handed out in it; a block not seen handed out is not judged;
+- each position the step's tokens attend to lies in a block the scheduler holds for the request:
+  every earlier position under full attention, the last ``sliding_window`` positions under a
+  sliding window (a token at ``p`` attends to ``p - sliding_window + 1 .. p``). A sliding-window
+  group releases the blocks that left the window (``remove_skipped_blocks``: the null block in
+  their place, free for others); one released while still inside it is read through the
+  worker's row, which keeps its id: once another request holds it, the reader reads that
+  request's KV, and breaks ``held-block-released``.
 
 Each break is recorded once (per block for the map; per request and name otherwise) into the
 history; the oracle (oracle/postconditions.py) names the first harmful one on a diverging
@@ -117,6 +124,10 @@ class Monitor:
         self._read_ok: dict[tuple[str, int], list[int]] = {}
         self._ok_by_block: dict[int, set[tuple[str, int]]] = {}  # block -> the entries above listing it
         self._writes_off = not writes  # a step's writes went unseen: no evidence from then on
+        # Per group: the positions a token attends to back from itself (None: all of them), or
+        # absent for a kind of attention this check does not know (chunked local, Mamba, ...).
+        self._windows: dict[int, int | None] = {}
+        self._held_ids: Counter[int] = Counter()
 
     def after_schedule(self, scheduler: Any, scheduled: Mapping[str, int] | None = None) -> None:
         """``scheduled``: the step's tokens per request (``SchedulerOutput.num_scheduled_tokens``),
@@ -177,6 +188,11 @@ class Monitor:
                        for rid, n in scheduled.items() if rid in scheduler.requests}
         mgr = scheduler.kv_cache_manager
         pool, managers = mgr.block_pool, mgr.coordinator.single_type_managers
+        if not self._windows:
+            for g, m in enumerate(managers):
+                kind = type(m).__name__
+                if kind == "FullAttentionManager" or (kind == "SlidingWindowManager" and m.sliding_window):
+                    self._windows[g] = int(m.sliding_window) if kind == "SlidingWindowManager" else None
         self._blocks_of = pool.blocks
         if pool.enable_caching:
             self._check_map(self.step, pool)
@@ -252,6 +268,7 @@ class Monitor:
                     twice = next(i for n, i in enumerate(real) if i in real[:n])
                     self._once(step, "held-block-repeated", ext(rid), twice, f"group {g}: block {twice} held twice")
         self._rows = rows
+        self._held_ids = holders  # block -> how many requests hold it, at this schedule
         if self._taints:
             self._check_taints(step, blocks_of, held, ext)
         # Latent first: a short count is harmless until the block is handed out again, and then
@@ -371,6 +388,8 @@ class Monitor:
                 off += n
                 if not self._writes_off:
                     self._wrote(got, bs)
+                if g in self._windows and n and rid in self._rows and g < len(self._rows[rid]):
+                    self._check_held(step, g, bs, rid, self._rows[rid][g], start, n, blocks, ext)
                 inside = pos // bs < width  # a missing block is the row check's (worker-row)
                 want: np.ndarray = np.full(n, -1, dtype=np.int64)
                 want[inside] = blocks[pos[inside] // bs] * bs + pos[inside] % bs
@@ -388,8 +407,7 @@ class Monitor:
                         if 0 < blk < len(self._blocks_of) and blk not in self._taints:
                             self._taints[blk] = _Taint(writer=writer, step=step, detail=detail,
                                                        hash=self._blocks_of[blk].block_hash)
-            if not self._writes_off:
-                self._check_reads(step, g, bs, ids, ext)
+            self._check_reads(step, g, bs, ids, ext)
         # Another holder scheduled this step read the wrong KV already (writes come first).
         for blk, taint in self._taints.items():
             if taint.step != step:
@@ -421,7 +439,9 @@ class Monitor:
             groups = self._rows.get(rid)
             if not groups or g >= len(groups):
                 continue
-            row, start = groups[g], self._spans[rid][0]
+            row, (start, n) = groups[g], self._spans[rid]
+            if self._writes_off:
+                continue
             full, part = divmod(start, bs)
             key = (rid, g)
             ok = self._read_ok.get(key, [])
@@ -444,6 +464,31 @@ class Monitor:
                 self._read_ok[key] = row[:full]
                 for bid in row[first:full]:
                     self._ok_by_block.setdefault(bid, set()).add(key)
+
+    def _check_held(self, step: int, g: int, bs: int, rid: str, row: list[int], start: int, n: int,
+                    worker: np.ndarray, ext: Callable[[str], str]) -> None:
+        """The blocks the step's tokens (positions ``start .. start + n - 1``) attend to are all
+        the request's. One the scheduler released (the null block in its row) while still read
+        is harmless until another request holds it: the worker's row (``worker``) still lists
+        its id, so the attention then reads that request's KV."""
+        w = self._windows[g]
+        lo = 0 if w is None else max(0, start - w + 1)
+        first, last = lo // bs, (start + n - 1) // bs
+        span = row[first:last + 1]
+        if self._null not in span:
+            return  # the common case, in C
+        for j, b in enumerate(span):
+            i = first + j
+            if b != self._null or i >= len(worker):
+                continue
+            read = int(worker[i])
+            if read == self._null or not self._held_ids.get(read):
+                continue  # released, but its content is still the request's
+            self._once(step, "held-block-released", ext(rid), read,
+                       f"group {g}: position {max(lo, i * bs)} (block {read}) is read by the step's tokens "
+                       f"{start}..{start + n - 1}" + (f" (window {w})" if w else "") + ", but the scheduler "
+                       f"released that block from the request's row, and another request holds it now")
+            return
 
 
 def worker_batch(core: Any) -> Any | None:

@@ -5,7 +5,8 @@ A request reads wrong KV through its own state: a worker block-table row that is
 scheduler's, a token's KV written to another slot than its row's (its own, or one in a block it
 holds), a block at a full position that holds another prefix's content (it carries
 another hash, or none while another request holds it), one block at two positions, a position
-counted as computed whose slot nothing wrote since its block was handed out. Those are
+counted as computed whose slot nothing wrote since its block was handed out, a position it
+attends to in a block the scheduler released. Those are
 the *harmful* breaks. Others are *latent*: a prefix-cache entry that finds the wrong block, a
 reference count short of the block's holders — nothing reads wrong KV until a request is
 handed that block. A latent break is the root of a later harmful break on its block, and then
@@ -21,7 +22,7 @@ from collections.abc import Iterable
 from kvfuzz.traces.history import Break
 
 HARMFUL: tuple[str, ...] = ("worker-row", "worker-slot", "held-block-foreign", "held-block-repeated",
-                            "held-block-unwritten")
+                            "held-block-unwritten", "held-block-released")
 
 
 def witness(breaks: Iterable[Break], request: str) -> Break | None:

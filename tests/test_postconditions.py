@@ -483,3 +483,45 @@ def test_a_block_handed_out_again_is_read_afresh_even_at_the_same_position_of_th
     m.handed_out([b, c])  # r preempted, resumed: its count claims block 2 again, handed out afresh
     stepped(pool, {"r": [a, b, c]}, {"r": []}, {"r": (8, 1)}, {"r": [1, 2, 3]}, [12], step=2, m=m)
     assert [(x.name, x.request, x.block) for x in m.breaks] == [("held-block-unwritten", "r", 2)]
+
+
+# -- blocks read that the scheduler released (held-block-released) -------------------------------
+def windowed(pool, held, spans, rows, slots, *, kind="SlidingWindowManager", window=8, step=0, m=None):
+    """One step of a group of vLLM's kind ``kind`` (block size 4; hashes not checked)."""
+    m = m or Monitor()
+    sched = Scheduler(pool, held, {r: [] for r in held})
+    mgr = type(kind, (), {"req_to_blocks": held, "block_size": 4, "sliding_window": window})()
+    sched.kv_cache_manager.coordinator.single_type_managers = [mgr]
+    for r, (start, n) in spans.items():
+        sched.requests[r].num_computed_tokens = start + n
+    m.check(step, sched, slot_batch(rows, slots), {r: n for r, (_, n) in spans.items()})
+    return m
+
+
+def test_a_position_in_the_window_whose_block_the_scheduler_released_breaks_held_block_released():
+    """Fault AD's shape: a sliding-window group releases (null in the scheduler's row) the oldest
+    block still inside the window; the worker's row keeps its id and the attention reads it,
+    harmlessly until another request holds it. Window 8, block size 4: the token at position 12
+    attends to positions 5..12 (blocks at indices 1..3)."""
+    bs = [Block(i) for i in range(1, 6)]
+    pool = Pool(bs, {})
+    null, rows = pool.null_block, {"r": [1, 2, 3, 4], "s": [5]}
+    # Index 0 (positions 0..3) left the window: released, as vLLM does. Index 1 (positions 4..7)
+    # released too early, but no one else holds block 2 yet: its content is still r's.
+    for early in (False, True):
+        held = {"r": [null, null if early else bs[1], bs[2], bs[3]], "s": [bs[4]]}
+        assert windowed(pool, held, {"r": (12, 1), "s": (0, 1)}, rows, [16, 20]).breaks == []
+    # Block 2 handed to s: r reads s's KV at positions 5..7.
+    m = windowed(pool, {"r": [null, null, bs[2], bs[3]], "s": [bs[4], bs[1]]}, {"r": (12, 1), "s": (4, 1)},
+                 {"r": [1, 2, 3, 4], "s": [5, 2]}, [16, 8])
+    (w,) = m.breaks
+    assert (w.name, w.request, w.block) == ("held-block-released", "r", 2)
+    assert origin(m.breaks, "r") == "held-block-released"
+    assert "position 5 (block 2) is read by the step's tokens 12..12 (window 8), but the scheduler released " \
+           "that block from the request's row, and another request holds it now" in w.detail
+    # Full attention reads every earlier position; a kind of attention the check does not know
+    # (chunked local, Mamba, ...) is not judged.
+    held, spans, slots = {"r": [null] + bs[1:4], "s": [bs[4], bs[0]]}, {"r": (12, 1), "s": (4, 1)}, [16, 4]
+    for kind, want in (("FullAttentionManager", ["held-block-released"]), ("ChunkedLocalAttentionManager", [])):
+        m = windowed(pool, held, spans, {"r": [1, 2, 3, 4], "s": [5, 1]}, slots, kind=kind)
+        assert [x.name for x in m.breaks] == want, kind

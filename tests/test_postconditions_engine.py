@@ -167,3 +167,42 @@ def test_a_hit_that_counts_a_block_it_does_not_hold_breaks_held_block_unwritten(
     assert [(name, r) for name, r, _ in got["breaks"]] == [("held-block-unwritten", "r1")], got
     assert got["diverged"] and got["ref_breaks"] == [], got
     assert "position 96 (block" in got["breaks"][0][2] and "offset 0) counts as computed" in got["breaks"][0][2], got
+
+
+AD_SCRIPT = """
+import json, sys
+from kvfuzz.harness.inprocess import InProcessEngine
+from kvfuzz.traces import At, GenPrompt, SendEvent, Trace, load_trace
+cfg = load_trace(sys.argv[1]).engine  # the hybrid model's configuration (127 blocks)
+eng = InProcessEngine(cfg)
+eng.start()
+# x.r6 decodes past its window (128) while four prompts arrive and take the free blocks:
+# AD's witness of the 3-minute bfloat16 campaign at abff882, minimized (float32 here).
+spec = [("x.r6", 0, 384, 141975695, 17), ("r0", 7, 410, 324464274, 8), ("r1", 7, 477, 269801985, 8),
+        ("r3", 7, 342, 453936934, 1), ("r2", 9, 446, 41130535, 6)]
+sends = [SendEvent(request_id=r, at=At(step=s), max_tokens=m, prompt=GenPrompt(length=n, seed=seed))
+         for r, s, n, seed, m in spec]
+h = eng.replay(Trace(engine=cfg, events=sends))
+alone = eng.run_alone(sends[0])
+print("AD " + json.dumps({"breaks": [[b.name, b.request, b.detail] for b in h.breaks],
+                          "diverged": alone.token_ids != h.requests["x.r6"].token_ids,
+                          "ref_breaks": [b.name for b in alone.breaks]}))
+"""
+
+
+def test_a_window_block_released_early_and_handed_to_another_breaks_held_block_released():
+    """Fault AD (written after rule 5.9; rule 5.10 was written for it): the sliding window
+    releases its oldest block one block early. The scheduler's records agree; the worker's row
+    still lists the block, and once another request holds it the window reads that request's
+    KV. The reference (alone: the block stays unused) breaks nothing."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "KVFUZZ_PLUGIN_MODULES": "unseen_faults.window_drops_one_block_early",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))}
+    regression = TESTS.parent / "traces" / "regressions" / "vllm-44409-cross-group-external.json"
+    p = subprocess.run([sys.executable, "-c", AD_SCRIPT, str(regression)], env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = json.loads(next(ln for ln in p.stdout.splitlines() if ln.startswith("AD "))[3:])
+    assert ("held-block-released", "x.r6") in [(name, r) for name, r, _ in got["breaks"]], got
+    assert {name for name, _, _ in got["breaks"]} == {"held-block-released"}, got
+    assert got["diverged"] and got["ref_breaks"] == [], got
+    assert "(window 128), but the scheduler released that block" in got["breaks"][0][2], got

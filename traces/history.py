@@ -19,7 +19,8 @@ class _Data(BaseModel):
 
 
 BreakName = Literal["map-entry-orphaned", "map-entry-stolen", "held-block-foreign", "held-block-repeated",
-                    "held-block-undercounted", "worker-row", "worker-slot", "held-block-unwritten"]
+                    "held-block-undercounted", "worker-row", "worker-slot", "held-block-unwritten",
+                    "held-block-released"]
 # Broken on the allocator's own state (no request named); the others are a request's own state.
 MAP_BREAKS: tuple[str, ...] = ("map-entry-orphaned", "map-entry-stolen")
 
@@ -144,8 +145,10 @@ class StepRecord(_Data):
 # - worker-slot: a token's KV was written to another slot than its row's at its position, on
 #   the writer and on every other request holding a block so left wrong (harness/postconditions.py);
 # - held-block-unwritten: a request counts as computed a position whose slot no token's KV was
-#   written to since its block was handed out (it reads KV never computed for it).
-# The map entries and the count are latent (no request reads wrong KV yet); the other five are
+#   written to since its block was handed out (it reads KV never computed for it);
+# - held-block-released: a position the step's tokens attend to lies in a block the scheduler
+#   no longer holds for the request (the null block, e.g. released from a sliding window early).
+# The map entries and the count are latent (no request reads wrong KV yet); the other six are
 # harmful, and carry their block's latent break as ``root`` (oracle/postconditions.py).
 class Scoring(_Data):
     """Teacher forcing: one run's generated tokens scored by the request alone on a clean cache
