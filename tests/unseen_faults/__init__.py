@@ -66,6 +66,10 @@ And after rule 5.9 (3c25a0c: ``held-block-unwritten``, which AC's split had show
 - ``window_drops_one_block_early`` (AD, the sliding window's block release; the hybrid model
   only): once the window slides, the oldest block still inside it is freed too, while the
   request's next tokens attend to it through the worker's row.
+And after rule 5.10 (05d1d43: ``held-block-released``, which AD's split had shown):
+- ``moved_row_drops_adapter`` (AE, the persistent batch's LoRA mapping; LoRA campaigns only): a
+  row moved by ``InputBatch.condense`` loses its adapter, so the moved request's remaining tokens
+  run through the base model. Every block record agrees.
 """
 
 from collections.abc import Callable
