@@ -25,8 +25,17 @@ def install() -> None:
             where = dict(self.req_id_to_index)
             original(self)
             for rid, i in self.req_id_to_index.items():
-                if i != where.get(rid):
+                lora = int(self.request_lora_mapping[i])
+                if i != where.get(rid) and lora:
                     self.request_lora_mapping[i] = 0  # the bug: the moved row serves the base model
+                    # Kept consistent: the batch's set of active adapters follows its rows (else
+                    # the adapter stays "active" after its requests end, and the engine refuses
+                    # more adapters than it has slots: a crash, not this bug).
+                    users = self.lora_id_to_request_ids.get(lora)
+                    if users is not None:
+                        users.discard(rid)
+                        if not users:
+                            del self.lora_id_to_request_ids[lora]
 
         return condense
 
