@@ -36,6 +36,7 @@ def install() -> None:
                         users.discard(rid)
                         if not users:
                             del self.lora_id_to_request_ids[lora]
+                            self.lora_id_to_lora_request.pop(lora, None)
 
         return condense
 
