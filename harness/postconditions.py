@@ -16,7 +16,9 @@ compares vLLM's own records with each other, the way vLLM's invariants say they 
   (``Request.block_hashes``), or none only while no other request holds it; it holds no block
   twice; a block's ``ref_cnt`` is at least the number of requests holding it;
 - the worker's persistent-batch row of a request (``InputBatch.block_table``) lists the
-  scheduler's blocks for it (``req_to_blocks``), in order;
+  scheduler's blocks for it (``req_to_blocks``), in order; and its LoRA adapter
+  (``InputBatch.request_lora_mapping``) is the request's own (``Request.lora_request``, 0 for
+  none), else its tokens run through another adapter's weights (``worker-adapter``);
 - each token the step computed had its KV written where its row says (the slot mapping,
   ``BlockTable.slot_mapping``): block ``row[position // block_size]``, offset
   ``position % block_size``. A token written elsewhere breaks ``worker-slot`` on its request,
@@ -128,6 +130,7 @@ class Monitor:
         # absent for a kind of attention this check does not know (chunked local, Mamba, ...).
         self._windows: dict[int, int | None] = {}
         self._held_ids: Counter[int] = Counter()
+        self._adapters: dict[str, int] = {}  # request scheduled this step -> its LoRA id (0: none)
 
     def after_schedule(self, scheduler: Any, scheduled: Mapping[str, int] | None = None) -> None:
         """``scheduled``: the step's tokens per request (``SchedulerOutput.num_scheduled_tokens``),
@@ -186,6 +189,8 @@ class Monitor:
         # After ``schedule()`` a request's computed tokens already count this step's.
         self._spans = {rid: (scheduler.requests[rid].num_computed_tokens - n, n)
                        for rid, n in scheduled.items() if rid in scheduler.requests}
+        self._adapters = {rid: int(getattr(getattr(scheduler.requests[rid], "lora_request", None), "lora_int_id", 0)
+                                   or 0) for rid in self._spans}
         mgr = scheduler.kv_cache_manager
         pool, managers = mgr.block_pool, mgr.coordinator.single_type_managers
         if not self._windows:
@@ -343,7 +348,13 @@ class Monitor:
         """Each request's row against the blocks it was scheduled with this step (a request
         that finished in this step is still in the batch, and its row was read)."""
         tables = batch.block_table.block_tables
+        mapping = getattr(batch, "request_lora_mapping", None)
         for rid, row in batch.req_id_to_index.items():
+            want_lora = self._adapters.get(rid)
+            if mapping is not None and want_lora is not None and int(mapping[row]) != want_lora:
+                self._once(step, "worker-adapter", ext(rid), -1,
+                           f"row {row}: the worker's LoRA mapping is adapter {int(mapping[row])}, the request's is "
+                           f"{want_lora}" + (" (none)" if not want_lora else ""))
             for g, want in enumerate(self._rows.get(rid, ())):
                 if g >= len(tables):
                     continue

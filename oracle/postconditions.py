@@ -2,7 +2,7 @@
 bucket rule 5; the checks are harness/postconditions.py, the names traces/history.py).
 
 A request reads wrong KV through its own state: a worker block-table row that is not the
-scheduler's, a token's KV written to another slot than its row's (its own, or one in a block it
+scheduler's, a worker row whose LoRA adapter is not the request's, a token's KV written to another slot than its row's (its own, or one in a block it
 holds), a block at a full position that holds another prefix's content (it carries
 another hash, or none while another request holds it), one block at two positions, a position
 counted as computed whose slot nothing wrote since its block was handed out, a position it
@@ -21,8 +21,8 @@ from collections.abc import Iterable
 
 from kvfuzz.traces.history import Break
 
-HARMFUL: tuple[str, ...] = ("worker-row", "worker-slot", "held-block-foreign", "held-block-repeated",
-                            "held-block-unwritten", "held-block-released")
+HARMFUL: tuple[str, ...] = ("worker-row", "worker-adapter", "worker-slot", "held-block-foreign",
+                            "held-block-repeated", "held-block-unwritten", "held-block-released")
 
 
 def witness(breaks: Iterable[Break], request: str) -> Break | None:

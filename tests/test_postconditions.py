@@ -525,3 +525,23 @@ def test_a_position_in_the_window_whose_block_the_scheduler_released_breaks_held
     for kind, want in (("FullAttentionManager", ["held-block-released"]), ("ChunkedLocalAttentionManager", [])):
         m = windowed(pool, held, spans, {"r": [1, 2, 3, 4], "s": [5, 1]}, slots, kind=kind)
         assert [x.name for x in m.breaks] == want, kind
+
+
+# -- the worker's LoRA mapping (worker-adapter) ---------------------------------------------------
+def test_a_row_whose_lora_mapping_is_not_its_requests_adapter_breaks_worker_adapter():
+    """Fault AE's shape: a row moved by ``condense`` serves the base model. The blocks all agree;
+    the worker's ``request_lora_mapping`` of the row is not the request's ``lora_int_id``."""
+    a, b = Block(1), Block(2)
+    pool = Pool([a, b], {})
+    for got, want in (([3, 0], []), ([0, 0], [("worker-adapter", "r")])):
+        sched = Scheduler(pool, {"r": [a], "s": [b]}, {"r": [], "s": []})
+        sched.requests["r"].lora_request = type("L", (), {"lora_int_id": 3})()  # s: no adapter
+        for r in ("r", "s"):
+            sched.requests[r].num_computed_tokens = 1
+        ib = batch({"r": [1], "s": [2]})
+        ib.request_lora_mapping = np.array(got + [0, 0])
+        m = Monitor()
+        m.check(0, sched, ib, {"r": 1, "s": 1})
+        assert [(x.name, x.request) for x in m.breaks] == want, got
+    assert "row 0: the worker's LoRA mapping is adapter 0, the request's is 3" in m.breaks[0].detail
+    assert origin(m.breaks, "r") == "worker-adapter"

@@ -206,3 +206,41 @@ def test_a_window_block_released_early_and_handed_to_another_breaks_held_block_r
     assert {name for name, _, _ in got["breaks"]} == {"held-block-released"}, got
     assert got["diverged"] and got["ref_breaks"] == [], got
     assert "(window 128), but the scheduler released that block" in got["breaks"][0][2], got
+
+
+AE_SCRIPT = """
+import json
+from kvfuzz.fuzzer.generate import default_engine
+from kvfuzz.harness.inprocess import InProcessEngine
+from kvfuzz.traces import At, GenPrompt, SendEvent, Trace
+base = default_engine(kv_cache_bytes=24 * 2**20)
+cfg = type(base).model_validate({**base.model_dump(), "lora": {
+    "enabled": True, "adapters": {"a": "embedded:a", "b": "embedded:b"}, "max_loras": 1}})
+eng = InProcessEngine(cfg)
+eng.start()
+# r0 ends at step 4 and leaves row 0; r6 (adapter a) is moved there by condense. AE's witness
+# of the 3-minute float32 campaign at 8d74830, minimized.
+sends = [SendEvent(request_id="r0", at=At(step=0), max_tokens=5, prompt=GenPrompt(length=1, seed=369101016)),
+         SendEvent(request_id="r6", at=At(step=4), max_tokens=2, prompt=GenPrompt(length=1, seed=730724908),
+                   adapter="a")]
+h = eng.replay(Trace(engine=cfg, events=sends))
+alone = eng.run_alone(sends[1])
+print("AE " + json.dumps({"breaks": [[b.name, b.request, b.detail] for b in h.breaks],
+                          "diverged": alone.token_ids != h.requests["r6"].token_ids,
+                          "ref_breaks": [b.name for b in alone.breaks]}))
+"""
+
+
+def test_a_moved_row_that_loses_its_adapter_breaks_worker_adapter():
+    """Fault AE (written after rule 5.10; rule 5.11 was written for it): a row moved by
+    ``condense`` loses its LoRA adapter, so the moved request's next token comes from the base
+    model. Every block record agrees; the worker's LoRA mapping of the row is not the request's
+    adapter. The reference (alone: never moved) breaks nothing."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "KVFUZZ_PLUGIN_MODULES": "unseen_faults.moved_row_drops_adapter",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))}
+    p = subprocess.run([sys.executable, "-c", AE_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = json.loads(next(ln for ln in p.stdout.splitlines() if ln.startswith("AE "))[3:])
+    assert [(name, r) for name, r, _ in got["breaks"]] == [("worker-adapter", "r6")], got
+    assert got["diverged"] and got["ref_breaks"] == [], got
+    assert "the worker's LoRA mapping is adapter 0, the request's is" in got["breaks"][0][2], got

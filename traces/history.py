@@ -20,7 +20,7 @@ class _Data(BaseModel):
 
 BreakName = Literal["map-entry-orphaned", "map-entry-stolen", "held-block-foreign", "held-block-repeated",
                     "held-block-undercounted", "worker-row", "worker-slot", "held-block-unwritten",
-                    "held-block-released"]
+                    "held-block-released", "worker-adapter"]
 # Broken on the allocator's own state (no request named); the others are a request's own state.
 MAP_BREAKS: tuple[str, ...] = ("map-entry-orphaned", "map-entry-stolen")
 
@@ -147,8 +147,10 @@ class StepRecord(_Data):
 # - held-block-unwritten: a request counts as computed a position whose slot no token's KV was
 #   written to since its block was handed out (it reads KV never computed for it);
 # - held-block-released: a position the step's tokens attend to lies in a block the scheduler
-#   no longer holds for the request (the null block, e.g. released from a sliding window early).
-# The map entries and the count are latent (no request reads wrong KV yet); the other six are
+#   no longer holds for the request (the null block, e.g. released from a sliding window early),
+#   and another request holds it;
+# - worker-adapter: the worker's LoRA mapping of a request's row is not the request's adapter.
+# The map entries and the count are latent (no request reads wrong KV yet); the other seven are
 # harmful, and carry their block's latent break as ``root`` (oracle/postconditions.py).
 class Scoring(_Data):
     """Teacher forcing: one run's generated tokens scored by the request alone on a clean cache
