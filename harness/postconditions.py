@@ -445,14 +445,14 @@ class Monitor:
         """Group ``g``: each scheduled request read positions ``0 .. start - 1`` through the
         scheduler's blocks for it (a null block, dropped from a sliding window, is not read),
         after this step's writes (a forward pass writes every token's KV before attention)."""
+        if self._writes_off:
+            return
         whole = (1 << bs) - 1
         for rid in ids:
             groups = self._rows.get(rid)
             if not groups or g >= len(groups):
                 continue
-            row, (start, n) = groups[g], self._spans[rid]
-            if self._writes_off:
-                continue
+            row, start = groups[g], self._spans[rid][0]
             full, part = divmod(start, bs)
             key = (rid, g)
             ok = self._read_ok.get(key, [])
