@@ -133,6 +133,28 @@ def test_a_token_written_to_another_slot_breaks_worker_slot_on_its_request():
     assert m and int(m[1]) == int(m[2]) - 1, chunk
 
 
+def _child(script: str, plugins: str, *args: str) -> dict:
+    """Runs ``script`` and ``_JUDGE`` in a child process with the unseen faults ``plugins``
+    installed (always on once installed: never in the test run's shared engines)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "KVFUZZ_PLUGIN_MODULES": plugins,
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))}
+    p = subprocess.run([sys.executable, "-c", script + _JUDGE, *args], env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(next(ln for ln in p.stdout.splitlines() if ln.startswith("JUDGED "))[7:])
+
+
+# The tail of each script below: it defines eng, cfg, sends and VICTIM; the run's breaks, and
+# whether VICTIM diverged from its reference (alone) and what that reference run broke.
+_JUDGE = """
+h = eng.replay(Trace(engine=cfg, events=sends))
+alone = eng.run_alone(next(x for x in sends if x.request_id == VICTIM))
+print("JUDGED " + json.dumps({"breaks": [[b.name, b.request, b.detail] for b in h.breaks],
+                              "diverged": alone.token_ids != h.requests[VICTIM].token_ids,
+                              "ref_breaks": [b.name for b in alone.breaks]}))
+"""
+
+
 AC_SCRIPT = """
 import json
 from kvfuzz.fuzzer.generate import default_engine
@@ -146,11 +168,7 @@ bs = cfg.block_size
 sends = [SendEvent(request_id=f"r{i}", at=At(step=20 * i), max_tokens=8,
                    prompt=GenPrompt(length=6 * bs + 5, prefix_group="p", prefix_len=3 * bs + 3, seed=i))
          for i in range(2)]
-h = eng.replay(Trace(engine=cfg, events=sends))
-alone = eng.run_alone(sends[1])
-print("AC " + json.dumps({"breaks": [[b.name, b.request, b.detail] for b in h.breaks],
-                          "diverged": alone.token_ids != h.requests["r1"].token_ids,
-                          "ref_breaks": [b.name for b in alone.breaks]}))
+VICTIM = "r1"
 """
 
 
@@ -159,11 +177,7 @@ def test_a_hit_that_counts_a_block_it_does_not_hold_breaks_held_block_unwritten(
     of two blocks or more counts one block more, whose KV no step computes. No record of vLLM's
     disagrees; the request reads a slot nothing wrote since its block was handed out. Its
     reference (alone: no hit) breaks nothing. The clean side is tests/test_engine.py."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "KVFUZZ_PLUGIN_MODULES": "unseen_faults.hit_counts_one_block_more",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))}
-    p = subprocess.run([sys.executable, "-c", AC_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stderr[-3000:]
-    got = json.loads(next(ln for ln in p.stdout.splitlines() if ln.startswith("AC "))[3:])
+    got = _child(AC_SCRIPT, "unseen_faults.hit_counts_one_block_more")
     assert [(name, r) for name, r, _ in got["breaks"]] == [("held-block-unwritten", "r1")], got
     assert got["diverged"] and got["ref_breaks"] == [], got
     assert "position 96 (block" in got["breaks"][0][2] and "offset 0) counts as computed" in got["breaks"][0][2], got
@@ -182,11 +196,7 @@ spec = [("x.r6", 0, 384, 141975695, 17), ("r0", 7, 410, 324464274, 8), ("r1", 7,
         ("r3", 7, 342, 453936934, 1), ("r2", 9, 446, 41130535, 6)]
 sends = [SendEvent(request_id=r, at=At(step=s), max_tokens=m, prompt=GenPrompt(length=n, seed=seed))
          for r, s, n, seed, m in spec]
-h = eng.replay(Trace(engine=cfg, events=sends))
-alone = eng.run_alone(sends[0])
-print("AD " + json.dumps({"breaks": [[b.name, b.request, b.detail] for b in h.breaks],
-                          "diverged": alone.token_ids != h.requests["x.r6"].token_ids,
-                          "ref_breaks": [b.name for b in alone.breaks]}))
+VICTIM = "x.r6"
 """
 
 
@@ -195,13 +205,8 @@ def test_a_window_block_released_early_and_handed_to_another_breaks_held_block_r
     releases its oldest block one block early. The scheduler's records agree; the worker's row
     still lists the block, and once another request holds it the window reads that request's
     KV. The reference (alone: the block stays unused) breaks nothing."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "KVFUZZ_PLUGIN_MODULES": "unseen_faults.window_drops_one_block_early",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))}
     regression = TESTS.parent / "traces" / "regressions" / "vllm-44409-cross-group-external.json"
-    p = subprocess.run([sys.executable, "-c", AD_SCRIPT, str(regression)], env=env, capture_output=True, text=True,
-                       timeout=600)
-    assert p.returncode == 0, p.stderr[-3000:]
-    got = json.loads(next(ln for ln in p.stdout.splitlines() if ln.startswith("AD "))[3:])
+    got = _child(AD_SCRIPT, "unseen_faults.window_drops_one_block_early", str(regression))
     assert ("held-block-released", "x.r6") in [(name, r) for name, r, _ in got["breaks"]], got
     assert {name for name, _, _ in got["breaks"]} == {"held-block-released"}, got
     assert got["diverged"] and got["ref_breaks"] == [], got
@@ -223,11 +228,7 @@ eng.start()
 sends = [SendEvent(request_id="r0", at=At(step=0), max_tokens=5, prompt=GenPrompt(length=1, seed=369101016)),
          SendEvent(request_id="r6", at=At(step=4), max_tokens=2, prompt=GenPrompt(length=1, seed=730724908),
                    adapter="a")]
-h = eng.replay(Trace(engine=cfg, events=sends))
-alone = eng.run_alone(sends[1])
-print("AE " + json.dumps({"breaks": [[b.name, b.request, b.detail] for b in h.breaks],
-                          "diverged": alone.token_ids != h.requests["r6"].token_ids,
-                          "ref_breaks": [b.name for b in alone.breaks]}))
+VICTIM = "r6"
 """
 
 
@@ -236,11 +237,7 @@ def test_a_moved_row_that_loses_its_adapter_breaks_worker_adapter():
     ``condense`` loses its LoRA adapter, so the moved request's next token comes from the base
     model. Every block record agrees; the worker's LoRA mapping of the row is not the request's
     adapter. The reference (alone: never moved) breaks nothing."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "KVFUZZ_PLUGIN_MODULES": "unseen_faults.moved_row_drops_adapter",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))}
-    p = subprocess.run([sys.executable, "-c", AE_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stderr[-3000:]
-    got = json.loads(next(ln for ln in p.stdout.splitlines() if ln.startswith("AE "))[3:])
+    got = _child(AE_SCRIPT, "unseen_faults.moved_row_drops_adapter")
     assert [(name, r) for name, r, _ in got["breaks"]] == [("worker-adapter", "r6")], got
     assert got["diverged"] and got["ref_breaks"] == [], got
     assert "the worker's LoRA mapping is adapter 0, the request's is" in got["breaks"][0][2], got
