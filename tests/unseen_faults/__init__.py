@@ -70,6 +70,11 @@ And after rule 5.10 (05d1d43: ``held-block-released``, which AD's split had show
 - ``moved_row_drops_adapter`` (AE, the persistent batch's LoRA mapping; LoRA campaigns only): a
   row moved by ``InputBatch.condense`` loses its adapter, so the moved request's remaining tokens
   run through the base model. Every block record agrees.
+And after rule 5.11 (ab4ce78: ``worker-adapter``, which AE's split had shown) and its review
+(249af04):
+- ``moved_row_count_one_short`` (AF, the persistent batch's computed-token count): a row moved
+  by ``InputBatch.condense`` gets its count one short for the step after the move, so that
+  step computes the moved request's token at the position before its own.
 """
 
 from collections.abc import Callable

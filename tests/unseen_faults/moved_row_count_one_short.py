@@ -1,0 +1,34 @@
+"""Fault AF (the persistent batch's computed-token count): written after rule 5.11 (ab4ce78, the
+``worker-adapter`` post-condition) and its review (249af04), for the acceptance runs of issue
+30; neither the bucket rule nor the attribution was changed after it.
+
+When a request leaves the persistent batch, ``InputBatch.condense`` moves the request in the
+last row into the hole, with its count of computed tokens (``num_computed_tokens_cpu``). With
+this fault the moved row's count is copied one short. The worker refreshes every row's count
+from the scheduler at the start of the next step, so the glitch lasts the one step after the
+move: that step computes the moved request's token at the position before its own, writes its
+KV there (over the previous token's) and rotates it as that position. A request alone is never
+moved, so its reference is right.
+"""
+
+from __future__ import annotations
+
+from . import wrap
+
+_TAG = "unseen-fault-moved-row-count-one-short"
+
+
+def install() -> None:
+    from vllm.v1.worker.gpu_input_batch import InputBatch
+
+    def make(original):
+        def condense(self) -> None:
+            where = dict(self.req_id_to_index)
+            original(self)
+            for rid, i in self.req_id_to_index.items():
+                if i != where.get(rid) and self.num_computed_tokens_cpu[i] > 0:
+                    self.num_computed_tokens_cpu[i] -= 1  # the bug: the moved row's count one short
+
+        return condense
+
+    wrap(InputBatch, "condense", _TAG, make)
