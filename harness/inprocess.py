@@ -57,6 +57,12 @@ log = logging.getLogger("kvfuzz.harness")
 
 # A trace whose requests have not finished after this many steps beyond the plan is hung.
 DEFAULT_MAX_IDLE_STEPS = 100_000
+# A step that schedules one token per request and nothing prefilling is all decodes, and at
+# temperature 0 each decode yields a token; a step that schedules nothing while requests are
+# unfinished frees nothing for them. This many such steps in a row that yield no token is a hang,
+# not a slow trace: stop there rather than at the step budget, which is tens of thousands of
+# steps for a large trace.
+STALL_STEPS = 256
 # Wall-clock deadline of one replay (one run of a trace). A step that never returns cannot be
 # interrupted in-process; every step that does return is checked against it.
 DEFAULT_TRACE_DEADLINE_S = 600.0
@@ -459,6 +465,7 @@ class InProcessEngine:
         step = 0
         cursor = 0
         pending_rel = list(relative)
+        stalled = 0  # decode-only steps in a row that produced no token (STALL_STEPS)
 
         def now_ms() -> float:
             return (time.perf_counter() - t0) * 1000.0
@@ -558,7 +565,10 @@ class InProcessEngine:
                 hist.crash_detail = f"engine step {step} raised {type(e).__name__}: {e}"
                 break
             self._record_step(hist, recs, step, internal, scheduled_once)
+            produced = False
             for out in outputs:
+                comp = out.outputs[0] if out.outputs else None
+                produced = produced or out.finished or bool(comp is not None and comp.token_ids)
                 rid = out.request_id
                 rec = recs.get(rid)
                 if rec is None or rec.cancelled:
@@ -578,6 +588,18 @@ class InProcessEngine:
                     rec.finished_ms = now_ms()
                     rec.num_cached_tokens = getattr(out, "num_cached_tokens", None)
                     live.discard(rid)
+            decodes = self._step_capture.get("scheduled") or {}
+            if not produced and not self._step_capture.get("partial") and all(n == 1 for n in decodes.values()):
+                stalled += 1
+                if stalled >= STALL_STEPS:
+                    hist.crashed, hist.crash_kind = True, "hang"
+                    hist.crash_detail = (f"hang: {STALL_STEPS} engine steps in a row (to step {step}) with requests "
+                                         f"unfinished scheduled nothing, or one token per request with nothing "
+                                         f"prefilling, and produced no token")
+                    llm.abort_request(sorted(live))
+                    break
+            else:
+                stalled = 0
             step += 1
 
         hist.requests = recs

@@ -133,13 +133,14 @@ def test_a_token_written_to_another_slot_breaks_worker_slot_on_its_request():
     assert m and int(m[1]) == int(m[2]) - 1, chunk
 
 
-def _child(script: str, plugins: str, *args: str) -> dict:
-    """Runs ``script`` and ``_JUDGE`` in a child process with the unseen faults ``plugins``
-    installed (always on once installed: never in the test run's shared engines)."""
+def _child(script: str, plugins: str, *args: str, judge: bool = True) -> dict:
+    """Runs ``script`` and (``judge``) ``_JUDGE`` in a child process with the unseen faults
+    ``plugins`` installed (always on once installed: never in the test run's shared engines);
+    the JSON of its line ``JUDGED ...``."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "KVFUZZ_PLUGIN_MODULES": plugins,
            "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))}
-    p = subprocess.run([sys.executable, "-c", script + _JUDGE, *args], env=env, capture_output=True, text=True,
-                       timeout=600)
+    p = subprocess.run([sys.executable, "-c", script + (_JUDGE if judge else ""), *args], env=env,
+                       capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     return json.loads(next(ln for ln in p.stdout.splitlines() if ln.startswith("JUDGED "))[7:])
 
@@ -241,3 +242,33 @@ def test_a_moved_row_that_loses_its_adapter_breaks_worker_adapter():
     assert [(name, r) for name, r, _ in got["breaks"]] == [("worker-adapter", "r6")], got
     assert got["diverged"] and got["ref_breaks"] == [], got
     assert "the worker's LoRA mapping is adapter 0, the request's is" in got["breaks"][0][2], got
+
+
+AF_SCRIPT = """
+import json
+from kvfuzz.fuzzer.generate import default_engine
+from kvfuzz.harness.inprocess import STALL_STEPS, InProcessEngine
+from kvfuzz.traces import At, GenPrompt, SendEvent, Trace
+cfg = default_engine(kv_cache_bytes=8 * 2**20, max_model_len=8000)
+eng = InProcessEngine(cfg)
+eng.start()
+# r0 ends after 3 tokens and leaves row 0; r1 is moved there, one token short: it never
+# produces another token.
+sends = [SendEvent(request_id="r0", at=At(step=0), max_tokens=3, prompt=GenPrompt(length=20, seed=1)),
+         SendEvent(request_id="r1", at=At(step=0), max_tokens=40, prompt=GenPrompt(length=20, seed=2))]
+h = eng.replay(Trace(engine=cfg, events=sends))
+print("JUDGED " + json.dumps({"crash": [h.crashed, h.crash_kind, h.crash_detail], "steps": len(h.steps),
+                              "stall": STALL_STEPS}))
+"""
+
+
+def test_a_request_the_engine_schedules_forever_is_a_hang_after_stall_steps_not_the_step_budget():
+    """Fault AF (written after rule 5.11): a row moved by ``condense`` gets its computed-token
+    count one short for a step; the moved request then never produces another token, and its
+    campaigns ran every such trace to its step budget (24,073 steps once). The replay now calls
+    it a hang after ``STALL_STEPS`` steps in a row that scheduled nothing or decodes only and
+    produced no token."""
+    got = _child(AF_SCRIPT, "unseen_faults.moved_row_count_one_short", judge=False)
+    assert got["crash"][:2] == [True, "hang"], got
+    assert f"hang: {got['stall']} engine steps in a row" in got["crash"][2], got
+    assert got["steps"] < got["stall"] + 20, got
