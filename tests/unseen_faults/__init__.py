@@ -132,3 +132,21 @@ def wrap_attention_metadata(tag: str, edit: Callable[[Any, Any], Any]) -> None:
         return build
 
     wrap(CPUAttentionMetadataBuilder, "build", tag, make)
+
+
+def wrap_condense(tag: str, moved: Callable[[Any, str, int], None]) -> None:
+    """Install a fault on ``InputBatch.condense``: after the original, ``moved(batch, request,
+    row)`` runs for each request it moved into a hole (faults AE and AF)."""
+    from vllm.v1.worker.gpu_input_batch import InputBatch
+
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        def condense(self: Any) -> None:
+            where = dict(self.req_id_to_index)
+            original(self)
+            for rid, i in list(self.req_id_to_index.items()):
+                if i != where.get(rid):
+                    moved(self, rid, i)
+
+        return condense
+
+    wrap(InputBatch, "condense", tag, make)

@@ -13,22 +13,17 @@ moved, so its reference is right.
 
 from __future__ import annotations
 
-from . import wrap
+from typing import Any
+
+from . import wrap_condense
 
 _TAG = "unseen-fault-moved-row-count-one-short"
 
 
+def _one_short(batch: Any, rid: str, i: int) -> None:
+    if batch.num_computed_tokens_cpu[i] > 0:
+        batch.num_computed_tokens_cpu[i] -= 1  # the bug: the moved row's count one short
+
+
 def install() -> None:
-    from vllm.v1.worker.gpu_input_batch import InputBatch
-
-    def make(original):
-        def condense(self) -> None:
-            where = dict(self.req_id_to_index)
-            original(self)
-            for rid, i in self.req_id_to_index.items():
-                if i != where.get(rid) and self.num_computed_tokens_cpu[i] > 0:
-                    self.num_computed_tokens_cpu[i] -= 1  # the bug: the moved row's count one short
-
-        return condense
-
-    wrap(InputBatch, "condense", _TAG, make)
+    wrap_condense(_TAG, _one_short)

@@ -12,32 +12,28 @@ A request alone is never moved, so its reference is right.
 
 from __future__ import annotations
 
-from . import wrap
+from typing import Any
+
+from . import wrap_condense
 
 _TAG = "unseen-fault-moved-row-drops-adapter"
 
 
+def _drop_adapter(batch: Any, rid: str, i: int) -> None:
+    lora = int(batch.request_lora_mapping[i])
+    if not lora:
+        return
+    batch.request_lora_mapping[i] = 0  # the bug: the moved row serves the base model
+    # Kept consistent: the batch's active adapters follow its rows, as ``remove_request`` keeps
+    # them (else the adapter stays "active" after its requests end, and the engine refuses more
+    # adapters than it has slots: a crash, not this bug).
+    users = batch.lora_id_to_request_ids.get(lora)
+    if users is not None:
+        users.discard(rid)
+        if not users:
+            del batch.lora_id_to_request_ids[lora]
+            batch.lora_id_to_lora_request.pop(lora, None)
+
+
 def install() -> None:
-    from vllm.v1.worker.gpu_input_batch import InputBatch
-
-    def make(original):
-        def condense(self) -> None:
-            where = dict(self.req_id_to_index)
-            original(self)
-            for rid, i in self.req_id_to_index.items():
-                lora = int(self.request_lora_mapping[i])
-                if i != where.get(rid) and lora:
-                    self.request_lora_mapping[i] = 0  # the bug: the moved row serves the base model
-                    # Kept consistent: the batch's set of active adapters follows its rows (else
-                    # the adapter stays "active" after its requests end, and the engine refuses
-                    # more adapters than it has slots: a crash, not this bug).
-                    users = self.lora_id_to_request_ids.get(lora)
-                    if users is not None:
-                        users.discard(rid)
-                        if not users:
-                            del self.lora_id_to_request_ids[lora]
-                            self.lora_id_to_lora_request.pop(lora, None)
-
-        return condense
-
-    wrap(InputBatch, "condense", _TAG, make)
+    wrap_condense(_TAG, _drop_adapter)
