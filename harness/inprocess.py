@@ -465,7 +465,7 @@ class InProcessEngine:
         step = 0
         cursor = 0
         pending_rel = list(relative)
-        stalled = 0  # decode-only steps in a row that produced no token (STALL_STEPS)
+        stalled = 0  # steps in a row that scheduled nothing or decodes only and produced no token
 
         def now_ms() -> float:
             return (time.perf_counter() - t0) * 1000.0
@@ -573,7 +573,6 @@ class InProcessEngine:
                 rec = recs.get(rid)
                 if rec is None or rec.cancelled:
                     continue
-                comp = out.outputs[0] if out.outputs else None
                 if comp is not None:
                     if comp.token_ids and rec.first_token_step is None:
                         rec.first_token_step = step
@@ -588,8 +587,8 @@ class InProcessEngine:
                     rec.finished_ms = now_ms()
                     rec.num_cached_tokens = getattr(out, "num_cached_tokens", None)
                     live.discard(rid)
-            decodes = self._step_capture.get("scheduled") or {}
-            if not produced and not self._step_capture.get("partial") and all(n == 1 for n in decodes.values()):
+            scheduled = self._step_capture.get("scheduled") or {}
+            if not produced and not self._step_capture.get("partial") and all(n == 1 for n in scheduled.values()):
                 stalled += 1
                 if stalled >= STALL_STEPS:
                     hist.crashed, hist.crash_kind = True, "hang"

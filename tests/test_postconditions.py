@@ -91,10 +91,13 @@ def slot_batch(rows: dict[str, list[int]], slots: list[int], bs: int = 4):
     return ib
 
 
-def stepped(pool, held, hashes, spans, rows, slots, step=0, m=None):
-    """One step: ``spans`` = request -> (first position, tokens) scheduled."""
+def stepped(pool, held, hashes, spans, rows, slots, step=0, m=None, manager=None):
+    """One step: ``spans`` = request -> (first position, tokens) scheduled; ``manager``: the
+    group's KV cache manager instead of the default fake."""
     m = m or Monitor()
     sched = Scheduler(pool, held, hashes)
+    if manager is not None:
+        sched.kv_cache_manager.coordinator.single_type_managers = [manager]
     for r, (start, n) in spans.items():
         sched.requests[r].num_computed_tokens = start + n  # after schedule(), as in vLLM
     m.check(step, sched, slot_batch(rows, slots), {r: n for r, (_, n) in spans.items()})
@@ -488,14 +491,8 @@ def test_a_block_handed_out_again_is_read_afresh_even_at_the_same_position_of_th
 # -- blocks read that the scheduler released (held-block-released) -------------------------------
 def windowed(pool, held, spans, rows, slots, *, kind="SlidingWindowManager", window=8, step=0, m=None):
     """One step of a group of vLLM's kind ``kind`` (block size 4; hashes not checked)."""
-    m = m or Monitor()
-    sched = Scheduler(pool, held, {r: [] for r in held})
     mgr = type(kind, (), {"req_to_blocks": held, "block_size": 4, "sliding_window": window})()
-    sched.kv_cache_manager.coordinator.single_type_managers = [mgr]
-    for r, (start, n) in spans.items():
-        sched.requests[r].num_computed_tokens = start + n
-    m.check(step, sched, slot_batch(rows, slots), {r: n for r, (_, n) in spans.items()})
-    return m
+    return stepped(pool, held, {r: [] for r in held}, spans, rows, slots, step=step, m=m, manager=mgr)
 
 
 def test_a_position_in_the_window_whose_block_the_scheduler_released_breaks_held_block_released():

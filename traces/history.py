@@ -151,7 +151,8 @@ class StepRecord(_Data):
 #   and another request holds it;
 # - worker-adapter: the worker's LoRA mapping of a request's row is not the request's adapter.
 # The map entries and the count are latent (no request reads wrong KV yet); the other seven are
-# harmful, and carry their block's latent break as ``root`` (oracle/postconditions.py).
+# harmful, and a foreign, repeated or unwritten block carries its block's latent break as
+# ``root`` (harness/postconditions.py ``ROOTED``; oracle/postconditions.py).
 class Scoring(_Data):
     """Teacher forcing: one run's generated tokens scored by the request alone on a clean cache
     (prompt + those tokens as one prompt, prompt logprobs, no prefix-cache hits). ``logprobs[i]``
