@@ -77,8 +77,9 @@ And after rule 5.11 (ab4ce78: ``worker-adapter``, which AE's split had shown) an
   step computes the moved request's token at the position before its own.
 And after rule 5.11's last review (475bce2), AF having broken no rule (it only hangs), both
 written to try the rule on corruption it was not written for:
-- ``hash_ignores_adapter`` (AG, the prefix cache's LoRA namespace; LoRA campaigns only): the
-  block hash drops the adapter key, so one adapter's requests hit KV another adapter computed.
+- ``abort_caches_partial_block`` (AG, prefix-cache registration on abort): a request aborted
+  in the middle of its prompt registers every block it was given, its partly computed last block
+  too, so a retry of its prefix reads that block's unwritten tail.
 - ``mixed_decode_misses_own_key`` (AH, the CPU attention metadata): in a batch that mixes a
   prefill with decodes, each decode's sequence length is one short, so its query leaves out its
   own newest key.
