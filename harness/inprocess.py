@@ -144,11 +144,16 @@ class InProcessEngine:
         self._monitor = Monitor(enabled=False)
         self._reference_toggles: list[str] | None = None
         self.start_seconds: float | None = None
+        # Since the last start or recovery, a replay ended in a hang it detected itself (every
+        # step returned; its unfinished requests were aborted), and a step raised.
+        self._hung = False
+        self._died = False
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> "InProcessEngine":
         if self._llm is not None:
             return self
+        self._hung = self._died = False
         _prepare_env()
         t0 = time.perf_counter()
         self._model = resolve_model(self.config)
@@ -240,7 +245,23 @@ class InProcessEngine:
         return None  # references run alone after a full clean slate: nothing to qualify
 
     def recover(self) -> bool:
-        return False  # an in-process engine that crashed is closed and started anew
+        """After a hang the replay detected itself (stalled steps, the step budget, the trace
+        deadline: every step returned and the unfinished requests were aborted), the engine is
+        kept when a clean slate leaves no request and no block held: each hang otherwise costs
+        a close and a start (issue 30: fault AF hung 36 of 39 traces, 4 s each). After a step
+        that raised, or with anything still held, it is closed and started anew (False)."""
+        hung, died = self._hung, self._died
+        self._hung = self._died = False
+        if not hung or died or self._llm is None:
+            return False
+        try:
+            self.clean_slate()
+            sched = self._core().scheduler
+            pool = sched.kv_cache_manager.block_pool
+            return not sched.requests and pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
+        except Exception:  # noqa: BLE001 - any doubt: a fresh engine
+            log.debug("in-place recovery after a hang failed", exc_info=True)
+            return False
 
     @property
     def model_hash(self) -> str | None:
@@ -548,12 +569,14 @@ class InProcessEngine:
                 hist.crashed, hist.crash_kind = True, "hang"
                 hist.crash_detail = f"hang: requests unfinished after {step} engine steps"
                 llm.abort_request(sorted(live))
+                self._hung = True
                 break
             if self.trace_deadline_s is not None and time.perf_counter() - t0 > self.trace_deadline_s:
                 hist.crashed, hist.crash_kind = True, "hang"
                 hist.crash_detail = (f"hang: trace deadline of {self.trace_deadline_s:g} s exceeded at engine step "
                                      f"{step}")
                 llm.abort_request(sorted(live))
+                self._hung = True
                 break
 
             # 3) one engine step
@@ -563,6 +586,7 @@ class InProcessEngine:
             except Exception as e:
                 hist.crashed, hist.crash_kind = True, "died"
                 hist.crash_detail = f"engine step {step} raised {type(e).__name__}: {e}"
+                self._died = True
                 break
             self._record_step(hist, recs, step, internal, scheduled_once)
             produced = False
@@ -596,6 +620,7 @@ class InProcessEngine:
                                          f"unfinished scheduled nothing, or one token per request with nothing "
                                          f"prefilling, and produced no token")
                     llm.abort_request(sorted(live))
+                    self._hung = True
                     break
             else:
                 stalled = 0

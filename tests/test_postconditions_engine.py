@@ -257,8 +257,14 @@ eng.start()
 sends = [SendEvent(request_id="r0", at=At(step=0), max_tokens=3, prompt=GenPrompt(length=20, seed=1)),
          SendEvent(request_id="r1", at=At(step=0), max_tokens=40, prompt=GenPrompt(length=20, seed=2))]
 h = eng.replay(Trace(engine=cfg, events=sends))
+# The engine answered every step: it is kept, and runs the next trace as a fresh one would.
+kept = eng.recover()
+one = SendEvent(request_id="r2", at=At(step=0), max_tokens=6, prompt=GenPrompt(length=20, seed=3))
+after = eng.replay(Trace(engine=cfg, events=[one]))
 print("JUDGED " + json.dumps({"crash": [h.crashed, h.crash_kind, h.crash_detail], "steps": len(h.steps),
-                              "stall": STALL_STEPS}))
+                              "stall": STALL_STEPS, "kept": kept, "after": [after.crashed, [b.name for b in after.breaks]],
+                              "right": after.requests["r2"].token_ids == eng.run_alone(one).token_ids,
+                              "again": eng.recover()}))
 """
 
 
@@ -267,8 +273,12 @@ def test_a_request_the_engine_schedules_forever_is_a_hang_after_stall_steps_not_
     count one short for a step; the moved request then never produces another token, and its
     campaigns ran every such trace to its step budget (24,073 steps once). The replay now calls
     it a hang after ``STALL_STEPS`` steps in a row that scheduled nothing or decodes only and
-    produced no token."""
+    produced no token. The engine answered every step, so ``recover`` keeps it."""
     got = _child(AF_SCRIPT, "unseen_faults.moved_row_count_one_short", judge=False)
     assert got["crash"][:2] == [True, "hang"], got
     assert f"hang: {got['stall']} engine steps in a row" in got["crash"][2], got
     assert got["steps"] < got["stall"] + 20, got
+    # Kept in place (no close and start per hang), and clean: the next trace runs right. A
+    # second recovery without a hang since is refused.
+    assert got["kept"] is True and got["after"] == [False, []] and got["right"], got
+    assert got["again"] is False, got
