@@ -16,7 +16,7 @@ import logging
 import os
 import time
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -340,6 +340,32 @@ class InProcessEngine:
             return out
 
         coord.allocate_new_computed_blocks = admit
+
+        # What each attention kernel is handed (``worker-seq-len``): the metadata its builder
+        # returns, for full and sliding-window attention (other kinds' lengths mean other
+        # things). Looked up on the class per call, so a fault or toggle patching it still runs.
+        try:
+            from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+            runner = self._core().model_executor.driver_worker.worker.model_runner
+            for groups in runner.attn_groups:
+                for group in groups:
+                    if type(group.kv_cache_spec) not in (FullAttentionSpec, SlidingWindowSpec):
+                        continue
+                    for builder in group.metadata_builders:
+                        builder.build = self._kernel_hook(builder)
+        except (AttributeError, ImportError, TypeError):  # another vLLM layout: not checked
+            log.debug("attention metadata hooks not installed", exc_info=True)
+
+    def _kernel_hook(self, builder: Any) -> Callable[..., Any]:
+        cls = type(builder)
+
+        def build(*args: Any, **kwargs: Any) -> Any:
+            metadata = cls.build(builder, *args, **kwargs)
+            self._monitor.kernel_built(metadata)
+            return metadata
+
+        return build
 
     def _install_lora_hooks(self) -> None:
         """Count what the worker's LoRA manager does each step (coverage of adapter churn): reads

@@ -38,7 +38,12 @@ compares vLLM's own records with each other, the way vLLM's invariants say they 
   group releases the blocks that left the window (``remove_skipped_blocks``: the null block in
   their place, free for others); one released while still inside it is read through the
   worker's row, which keeps its id: once another request holds it, the reader reads that
-  request's KV, and breaks ``held-block-released``.
+  request's KV, and breaks ``held-block-released``;
+- the sequence length each attention kernel is handed for a row (the ``seq_lens`` of the
+  metadata its builder returns; the harness reports each via ``kernel_built``) is the request's
+  computed tokens before the step plus its scheduled ones: a kernel told fewer positions leaves
+  keys out, told more it attends past the row's end (stale block-table entries). That breaks
+  ``worker-seq-len`` on the row's request.
 
 Each break is recorded once (per block for the map; per request and name otherwise) into the
 history; the oracle (oracle/postconditions.py) names the first harmful one on a diverging
@@ -131,6 +136,7 @@ class Monitor:
         self._windows: dict[int, int | None] = {}
         self._held_ids: Counter[int] = Counter()
         self._adapters: dict[str, int] = {}  # request scheduled this step -> its LoRA id (0: none)
+        self._kernel: list[np.ndarray] = []  # the step's kernels' sequence lengths, per row
 
     def after_schedule(self, scheduler: Any, scheduled: Mapping[str, int] | None = None) -> None:
         """``scheduled``: the step's tokens per request (``SchedulerOutput.num_scheduled_tokens``),
@@ -143,12 +149,23 @@ class Monitor:
         step only frees (a break it leaves is still there at the next ``schedule()``)."""
         if batch is not None:
             self._guarded(lambda: self._check_rows(self.step, batch, self.ext))
+            self._guarded(lambda: self._check_lens(self.step, batch, self.ext))
             if not self._slots_off and not self.disabled and not self._full:
                 try:
                     self._check_slots(self.step, batch, self.ext)
                 except (AttributeError, TypeError, IndexError, KeyError, ValueError):
                     log.debug("slots not checked on this vLLM layout", exc_info=True)
                     self._slots_off = self._writes_off = True
+
+    def kernel_built(self, metadata: Any) -> None:
+        """Attention metadata a builder returned this step (what its kernel is handed)."""
+        lens = getattr(metadata, "seq_lens", None)
+        if self.disabled or lens is None:
+            return
+        try:
+            self._kernel.append(np.asarray(lens.cpu() if hasattr(lens, "cpu") else lens, dtype=np.int64).copy())
+        except (TypeError, ValueError):
+            log.debug("kernel sequence lengths not read on this layout", exc_info=True)
 
     def handed_out(self, blocks: Iterable[Any]) -> None:
         """Blocks the pool just handed out for new content (``BlockPool.get_new_blocks``): no
@@ -187,6 +204,7 @@ class Monitor:
 
     def _scheduler(self, scheduler: Any, scheduled: Mapping[str, int]) -> None:
         # After ``schedule()`` a request's computed tokens already count this step's.
+        self._kernel = []  # built during the step to come
         self._spans = {rid: (scheduler.requests[rid].num_computed_tokens - n, n)
                        for rid, n in scheduled.items() if rid in scheduler.requests}
         self._adapters = {rid: int(getattr(getattr(scheduler.requests[rid], "lora_request", None), "lora_int_id", 0)
@@ -344,6 +362,23 @@ class Monitor:
                    f"block {block} holds KV {t.writer} wrote to the wrong slot at step {t.step} ({t.detail})")
 
     # -- the worker's persistent batch -----------------------------------------------------------
+    def _check_lens(self, step: int, batch: Any, ext: Callable[[str], str]) -> None:
+        """Each kernel's sequence length of each row against the request's computed plus
+        scheduled tokens (rows in the batch's order, as the metadata was built)."""
+        if not self._kernel or not self._spans:
+            return
+        ids = list(batch.req_ids[: batch.num_reqs])
+        if any(r not in self._spans for r in ids):
+            return  # the batch is not this step's (another layout): no evidence
+        for lens in self._kernel:
+            for row, rid in enumerate(ids[: len(lens)]):
+                start, n = self._spans[rid]
+                got = int(lens[row])
+                if got != start + n:
+                    self._once(step, "worker-seq-len", ext(rid), -1,
+                               f"row {row}: the attention kernel is told {got} positions; the request has "
+                               f"{start + n} ({start} computed before the step, {n} scheduled)")
+
     def _check_rows(self, step: int, batch: Any, ext: Callable[[str], str]) -> None:
         """Each request's row against the blocks it was scheduled with this step (a request
         that finished in this step is still in the batch, and its row was read)."""

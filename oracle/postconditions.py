@@ -21,7 +21,7 @@ from collections.abc import Iterable
 
 from kvfuzz.traces.history import Break
 
-HARMFUL: tuple[str, ...] = ("worker-row", "worker-adapter", "worker-slot", "held-block-foreign",
+HARMFUL: tuple[str, ...] = ("worker-row", "worker-adapter", "worker-slot", "worker-seq-len", "held-block-foreign",
                             "held-block-repeated", "held-block-unwritten", "held-block-released")
 
 

@@ -65,7 +65,7 @@ print("J " + json.dumps(out))
 """
 
 # Faults whose wrong KV shows in no record of the scheduler's (W breaks only ``worker-slot``,
-# checked since; X and Y none), in two mechanisms: W writes a decode token's KV into the
+# checked since; X only ``worker-seq-len``, checked since; Y none), in two mechanisms: W writes a decode token's KV into the
 # previous block (r1, 27 prompt tokens, opens its second block at its 6th token); X and Y
 # (written after the change) let a decode read the block past its row's end (X: no token
 # flips) or its neighbour's last block (Y: r1 reads r0's first block at its 6th token).
@@ -106,8 +106,10 @@ def test_wrong_kv_that_flips_no_token_is_measured_by_its_drift(fault, victim, ma
         assert fault_["drift"] > 10 * fault_["bound"], got
     assert clean["cls"] == "ok" and clean["drift"] <= clean["bound"], got
     # W's wrong slots break ``worker-slot`` (on r0 and r1; the slot W left unwritten is read at a
-    # later step, a consequence), X and Y read wrong blocks that no record of vLLM's shows.
+    # later step, a consequence); X's kernel is told a block more than r0's and r1's rows hold
+    # (``worker-seq-len``, rule 5.12); Y reads a wrong block that no record of vLLM's shows.
     w = fault == "new_block_slot_in_previous"
-    assert [b for b in got["breaks"] if b != "held-block-unwritten"] == (["worker-slot", "worker-slot"] if w else []), got
+    name = {"new_block_slot_in_previous": "worker-slot", "decode_reads_past_row_end": "worker-seq-len"}.get(fault)
+    assert [b for b in got["breaks"] if b != "held-block-unwritten"] == ([name, name] if name else []), got
     assert got["breaks"].count("held-block-unwritten") <= (2 if w else 0), got
-    assert fault_["broke"] == ("worker-slot" if w else None), got
+    assert fault_["broke"] == name, got

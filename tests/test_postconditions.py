@@ -542,3 +542,25 @@ def test_a_row_whose_lora_mapping_is_not_its_requests_adapter_breaks_worker_adap
         assert [(x.name, x.request) for x in m.breaks] == want, got
     assert "row 0: the worker's LoRA mapping is adapter 0, the request's is 3" in m.breaks[0].detail
     assert origin(m.breaks, "r") == "worker-adapter"
+
+
+# -- the kernel's sequence lengths (worker-seq-len) ------------------------------------------------
+def test_a_kernel_handed_another_sequence_length_than_the_requests_breaks_worker_seq_len():
+    """Fault AH's shape (one short: the decode's own newest key left out) and X's (a block more:
+    past the row's end). Every block record and slot agrees; the sequence length the attention
+    kernel is handed for the row is not the request's computed plus scheduled tokens."""
+    a, b, c = Block(1), Block(2), Block(3)
+    pool = Pool([a, b, c], {})
+    spans = {"r": (5, 1), "s": (0, 3)}  # r decodes at position 5, s prefills 3 tokens
+    for lens, want in (([6, 3], []), ([5, 3], [("worker-seq-len", "r")]), ([6, 7], [("worker-seq-len", "s")])):
+        sched = Scheduler(pool, {"r": [a, b], "s": [c]}, {"r": [], "s": []})
+        for r, (start, n) in spans.items():
+            sched.requests[r].num_computed_tokens = start + n
+        m = Monitor()
+        m.after_schedule(sched, {r: n for r, (_, n) in spans.items()})
+        m.kernel_built(type("Meta", (), {"seq_lens": np.array(lens + [0, 0])})())  # rows past num_reqs: padding
+        m.kernel_built(type("Mamba", (), {})())  # no seq_lens: nothing to judge
+        m.after_step(slot_batch({"r": [1, 2], "s": [3]}, [9, 12, 13, 14]))
+        assert [(x.name, x.request) for x in m.breaks] == want, lens
+    assert "row 1: the attention kernel is told 7 positions; the request has 3" in m.breaks[0].detail
+    assert origin(m.breaks, "s") == "worker-seq-len"

@@ -282,3 +282,32 @@ def test_a_request_the_engine_schedules_forever_is_a_hang_after_stall_steps_not_
     # second recovery without a hang since is refused.
     assert got["kept"] is True and got["after"] == [False, []] and got["right"], got
     assert got["again"] is False, got
+
+
+AH_SCRIPT = """
+import json
+from kvfuzz.fuzzer.generate import default_engine
+from kvfuzz.harness.inprocess import InProcessEngine
+from kvfuzz.traces import At, GenPrompt, SendEvent, Trace
+cfg = default_engine(kv_cache_bytes=24 * 2**20)
+eng = InProcessEngine(cfg)
+eng.start()
+# r0 decodes its second token while r1's prompt is prefilled beside it: AH's witness of the
+# 10-minute float32 campaign at 1d0792a, minimized.
+sends = [SendEvent(request_id="r0", at=At(step=0), max_tokens=2,
+                   prompt=GenPrompt(length=63, prefix_group="g287602570-0", prefix_len=32, seed=783703631)),
+         SendEvent(request_id="r1", at=At(step=1), max_tokens=1, prompt=GenPrompt(length=3, seed=591025858))]
+VICTIM = "r0"
+"""
+
+
+def test_a_kernel_told_one_position_short_breaks_worker_seq_len():
+    """Fault AH (written after rule 5.11; rule 5.12 was written for it, after its 10-minute
+    campaigns split): in a batch that mixes a prefill with decodes, each decode's kernel is
+    handed a sequence length one short. No block record or slot changes; the kernel's length
+    for the decode's row is not the request's computed plus scheduled tokens. The reference
+    (alone: never beside a prefill) breaks nothing."""
+    got = _child(AH_SCRIPT, "unseen_faults.mixed_decode_misses_own_key")
+    assert [(name, r) for name, r, _ in got["breaks"]] == [("worker-seq-len", "r0")], got
+    assert got["diverged"] and got["ref_breaks"] == [], got
+    assert "the attention kernel is told" in got["breaks"][0][2], got

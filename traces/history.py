@@ -20,7 +20,7 @@ class _Data(BaseModel):
 
 BreakName = Literal["map-entry-orphaned", "map-entry-stolen", "held-block-foreign", "held-block-repeated",
                     "held-block-undercounted", "worker-row", "worker-slot", "held-block-unwritten",
-                    "held-block-released", "worker-adapter"]
+                    "held-block-released", "worker-adapter", "worker-seq-len"]
 # Broken on the allocator's own state (no request named); the others are a request's own state.
 MAP_BREAKS: tuple[str, ...] = ("map-entry-orphaned", "map-entry-stolen")
 
@@ -149,8 +149,10 @@ class StepRecord(_Data):
 # - held-block-released: a position the step's tokens attend to lies in a block the scheduler
 #   no longer holds for the request (the null block, e.g. released from a sliding window early),
 #   and another request holds it;
-# - worker-adapter: the worker's LoRA mapping of a request's row is not the request's adapter.
-# The map entries and the count are latent (no request reads wrong KV yet); the other seven are
+# - worker-adapter: the worker's LoRA mapping of a request's row is not the request's adapter;
+# - worker-seq-len: an attention kernel is handed a sequence length for a request's row other
+#   than its computed plus scheduled tokens (it leaves keys out, or reads past the row's end).
+# The map entries and the count are latent (no request reads wrong KV yet); the other eight are
 # harmful, and a foreign, repeated or unwritten block carries its block's latent break as
 # ``root`` (harness/postconditions.py ``ROOTED``; oracle/postconditions.py).
 class Scoring(_Data):
