@@ -8,8 +8,9 @@ request scheduled for more than one token) with decodes, each decode is given a 
 one short: its query attends to every key but its own newest one, whose KV was written where it
 belongs. The kind of off-by-one between computed tokens and sequence lengths reported for mixed
 prefill/decode batches. No record of the scheduler, the allocator or the persistent batch
-changes and every KV lands in its slot, so no post-condition kvfuzz checks breaks. A request
-alone is never hit, so its reference is right.
+changes and every KV lands in its slot, so no post-condition kvfuzz checked then breaks (it
+breaks ``worker-seq-len``, rule 5.12, written after it). A request alone is never hit, so its
+reference is right.
 """
 
 from __future__ import annotations
