@@ -83,7 +83,11 @@ written to try the rule on corruption it was not written for:
 - ``mixed_decode_misses_own_key`` (AH, the CPU attention metadata): in a batch that mixes a
   prefill with decodes, each decode's sequence length is one short, so its query leaves out its
   own newest key. It broke no post-condition then (it breaks ``worker-seq-len``, rule 5.12,
-  written after its 10-minute campaigns split: 529a71a). No fault has been written after 5.12.
+  written after its 10-minute campaigns split: 529a71a).
+And after rule 5.12 (529a71a: ``worker-seq-len``, which AH's split had shown):
+- ``continuing_prefill_positions_early`` (AI, the model's positions; the default model): in a
+  batch of two or more, a prefill that starts past position 0 is handed positions one early
+  after its slots were computed, so its KV lands in the right slots, rotated wrong.
 """
 
 from collections.abc import Callable
