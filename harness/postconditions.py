@@ -43,7 +43,13 @@ compares vLLM's own records with each other, the way vLLM's invariants say they 
   metadata its builder returns; the harness reports each via ``kernel_built``) is the request's
   computed tokens before the step plus its scheduled ones: a kernel told fewer positions leaves
   keys out, told more it attends past the row's end (stale block-table entries). That breaks
-  ``worker-seq-len`` on the row's request.
+  ``worker-seq-len`` on the row's request;
+- each token the step computed was handed to the model at its own position (the runner's
+  ``positions``, from which RoPE rotates its query and key): ``start .. start + n - 1`` for a
+  request whose count was ``start`` before the step. A position path apart from the slot
+  mapping (M-RoPE's, for one) can hand the model other positions while the KV still lands in
+  the right slots, rotated wrong. That breaks ``worker-position`` on the request (not checked
+  with M-RoPE, whose positions are three rows).
 
 Each break is recorded once (per block for the map; per request and name otherwise) into the
 history; the oracle (oracle/postconditions.py) names the first harmful one on a diverging
@@ -143,13 +149,16 @@ class Monitor:
         whose positions the slot check needs; without it slots are not checked."""
         self._guarded(lambda: self._scheduler(scheduler, scheduled or {}))
 
-    def after_step(self, batch: Any | None) -> None:
-        """The worker's rows and slots only: the scheduler's state was checked after
-        ``schedule()``, where blocks are allocated, hit, evicted and registered; the rest of a
-        step only frees (a break it leaves is still there at the next ``schedule()``)."""
+    def after_step(self, batch: Any | None, positions: Any | None = None) -> None:
+        """The worker's rows, kernels, positions and slots only: the scheduler's state was
+        checked after ``schedule()``, where blocks are allocated, hit, evicted and registered;
+        the rest of a step only frees (a break it leaves is still there at the next
+        ``schedule()``). ``positions``: the model runner's positions buffer, as the step left it."""
         if batch is not None:
             self._guarded(lambda: self._check_rows(self.step, batch, self.ext))
             self._guarded(lambda: self._check_lens(self.step, batch, self.ext))
+            if positions is not None:
+                self._guarded(lambda: self._check_positions(self.step, batch, positions, self.ext))
             if not self._slots_off and not self.disabled and not self._full:
                 try:
                     self._check_slots(self.step, batch, self.ext)
@@ -379,6 +388,28 @@ class Monitor:
                                f"row {row}: the attention kernel is told {got} positions; the request has "
                                f"{start + n} ({start} computed before the step, {n} scheduled)")
 
+    def _check_positions(self, step: int, batch: Any, positions: Any, ext: Callable[[str], str]) -> None:
+        """Each token's position as the model was handed it against its request's count (rows
+        in the batch's order, each with its scheduled tokens, as for the slots)."""
+        if not self._spans:
+            return
+        ids = list(batch.req_ids[: batch.num_reqs])
+        if any(r not in self._spans for r in ids):
+            return  # the batch is not this step's (another layout): no evidence
+        total = sum(self._spans[r][1] for r in ids)
+        got_all = np.asarray(positions[:total].cpu() if hasattr(positions, "cpu") else positions[:total], dtype=np.int64)
+        off = 0
+        for row, rid in enumerate(ids):
+            start, n = self._spans[rid]
+            got = got_all[off:off + n]
+            off += n
+            bad = np.nonzero(got != np.arange(start, start + n))[0]
+            if len(bad):
+                i = int(bad[0])
+                self._once(step, "worker-position", ext(rid), -1,
+                           f"row {row}: the model is handed position {int(got[i])} for the token at position "
+                           f"{start + i}")
+
     def _check_rows(self, step: int, batch: Any, ext: Callable[[str], str]) -> None:
         """Each request's row against the blocks it was scheduled with this step (a request
         that finished in this step is still in the batch, and its row was read)."""
@@ -537,6 +568,18 @@ class Monitor:
             return
 
 
+def worker_positions(core: Any) -> Any | None:
+    """The in-process model runner's positions buffer, or None on another layout or with
+    M-RoPE (three rows of positions a token)."""
+    try:
+        runner = core.model_executor.driver_worker.worker.model_runner
+    except AttributeError:
+        return None
+    if getattr(runner, "uses_mrope", False) or getattr(runner, "uses_xdrope_dim", 0):
+        return None
+    return getattr(runner, "positions", None)
+
+
 def worker_batch(core: Any) -> Any | None:
     """The in-process worker's persistent batch (``InputBatch``), or None on another layout."""
     try:
@@ -546,4 +589,4 @@ def worker_batch(core: Any) -> Any | None:
         return None
 
 
-__all__ = ["MAX_BREAKS", "Monitor", "worker_batch"]
+__all__ = ["MAX_BREAKS", "Monitor", "worker_batch", "worker_positions"]

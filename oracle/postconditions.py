@@ -21,8 +21,9 @@ from collections.abc import Iterable
 
 from kvfuzz.traces.history import Break
 
-HARMFUL: tuple[str, ...] = ("worker-row", "worker-adapter", "worker-slot", "worker-seq-len", "held-block-foreign",
-                            "held-block-repeated", "held-block-unwritten", "held-block-released")
+HARMFUL: tuple[str, ...] = ("worker-row", "worker-adapter", "worker-slot", "worker-seq-len", "worker-position",
+                            "held-block-foreign", "held-block-repeated", "held-block-unwritten",
+                            "held-block-released")
 
 
 def witness(breaks: Iterable[Break], request: str) -> Break | None:

@@ -564,3 +564,23 @@ def test_a_kernel_handed_another_sequence_length_than_the_requests_breaks_worker
         assert [(x.name, x.request) for x in m.breaks] == want, lens
     assert "row 1: the attention kernel is told 7 positions; the request has 3" in m.breaks[0].detail
     assert origin(m.breaks, "s") == "worker-seq-len"
+
+
+# -- the model's positions (worker-position) -------------------------------------------------------
+def test_a_token_handed_to_the_model_at_another_position_breaks_worker_position():
+    """Fault AI's shape: a prefill that starts past position 0 is handed positions one early
+    after its slots were computed. Slots, rows and lengths all agree; the positions the model
+    rotates by are not the request's."""
+    a, b, c, d = Block(1), Block(2), Block(3), Block(4)
+    pool = Pool([a, b, c, d], {})
+    spans = {"r": (5, 1), "s": (4, 3)}  # r decodes at 5; s continues its prompt at 4..6
+    for got, want in (([5, 4, 5, 6], []), ([5, 3, 4, 5], [("worker-position", "s")])):
+        sched = Scheduler(pool, {"r": [a, b], "s": [c, d]}, {"r": [], "s": []})
+        for r, (start, n) in spans.items():
+            sched.requests[r].num_computed_tokens = start + n
+        m = Monitor()
+        m.after_schedule(sched, {r: n for r, (_, n) in spans.items()})
+        m.after_step(slot_batch({"r": [1, 2], "s": [3, 4]}, [9, 16, 17, 18]), torch.tensor(got + [0, 0]))
+        assert [(x.name, x.request) for x in m.breaks] == want, got
+    assert "row 1: the model is handed position 3 for the token at position 4" in m.breaks[-1].detail
+    assert origin(m.breaks, "s") == "worker-position"

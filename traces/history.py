@@ -20,7 +20,7 @@ class _Data(BaseModel):
 
 BreakName = Literal["map-entry-orphaned", "map-entry-stolen", "held-block-foreign", "held-block-repeated",
                     "held-block-undercounted", "worker-row", "worker-slot", "held-block-unwritten",
-                    "held-block-released", "worker-adapter", "worker-seq-len"]
+                    "held-block-released", "worker-adapter", "worker-seq-len", "worker-position"]
 # Broken on the allocator's own state (no request named); the others are a request's own state.
 MAP_BREAKS: tuple[str, ...] = ("map-entry-orphaned", "map-entry-stolen")
 
@@ -151,8 +151,10 @@ class StepRecord(_Data):
 #   and another request holds it;
 # - worker-adapter: the worker's LoRA mapping of a request's row is not the request's adapter;
 # - worker-seq-len: an attention kernel is handed a sequence length for a request's row other
-#   than its computed plus scheduled tokens (it leaves keys out, or reads past the row's end).
-# The map entries and the count are latent (no request reads wrong KV yet); the other eight are
+#   than its computed plus scheduled tokens (it leaves keys out, or reads past the row's end);
+# - worker-position: the model is handed a token at another position than its own (RoPE rotates
+#   its query and key wrong, while its KV lands in the right slot).
+# The map entries and the count are latent (no request reads wrong KV yet); the other nine are
 # harmful, and a foreign, repeated or unwritten block carries its block's latent break as
 # ``root`` (harness/postconditions.py ``ROOTED``; oracle/postconditions.py).
 class Scoring(_Data):
