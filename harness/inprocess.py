@@ -47,7 +47,7 @@ from . import toggles as toggle_registry
 from .adapters import AdapterBook, AdapterWorkdir, Bound, resolve_source, solo_engine
 from .base import EngineKind
 from .blocks import BlockEdges
-from .postconditions import Monitor, worker_batch, worker_positions
+from .postconditions import Monitor, worker_batch, worker_positions, worker_runner
 from .compat import check_inprocess
 from .embedded import ResolvedModel, resolve_model
 from .logs import quiet_stderr, read_tail, route_vllm_logs
@@ -347,8 +347,7 @@ class InProcessEngine:
         try:
             from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
-            runner = self._core().model_executor.driver_worker.worker.model_runner
-            for groups in runner.attn_groups:
+            for groups in getattr(worker_runner(self._core()), "attn_groups", []):
                 for group in groups:
                     if type(group.kv_cache_spec) not in (FullAttentionSpec, SlidingWindowSpec):
                         continue

@@ -568,25 +568,26 @@ class Monitor:
             return
 
 
+def worker_runner(core: Any) -> Any | None:
+    """The in-process worker's model runner, or None on another layout."""
+    try:
+        return core.model_executor.driver_worker.worker.model_runner
+    except AttributeError:
+        return None
+
+
 def worker_positions(core: Any) -> Any | None:
     """The in-process model runner's positions buffer, or None on another layout or with
     M-RoPE (three rows of positions a token)."""
-    try:
-        runner = core.model_executor.driver_worker.worker.model_runner
-    except AttributeError:
-        return None
-    if getattr(runner, "uses_mrope", False) or getattr(runner, "uses_xdrope_dim", 0):
+    runner = worker_runner(core)
+    if runner is None or getattr(runner, "uses_mrope", False) or getattr(runner, "uses_xdrope_dim", 0):
         return None
     return getattr(runner, "positions", None)
 
 
 def worker_batch(core: Any) -> Any | None:
     """The in-process worker's persistent batch (``InputBatch``), or None on another layout."""
-    try:
-        worker = core.model_executor.driver_worker.worker
-        return worker.model_runner.input_batch
-    except AttributeError:
-        return None
+    return getattr(worker_runner(core), "input_batch", None)
 
 
-__all__ = ["MAX_BREAKS", "Monitor", "worker_batch", "worker_positions"]
+__all__ = ["MAX_BREAKS", "Monitor", "worker_batch", "worker_positions", "worker_runner"]

@@ -10,8 +10,8 @@ starts past position 0 (a later chunk of a long prompt, or the rest of a prompt 
 prefix-cache hit) is handed positions one early *after* its slots were computed: its KV lands in
 the right slots, rotated for the wrong positions, and its queries too. The kind of bug of a
 position path computed apart from the slot mapping (M-RoPE positions under chunked prefill).
-Every record agrees; the KV's content is wrong. A request alone is never hit, so its reference is
-right. (With two KV cache groups the second group's slots would be computed from the edited
+Every record kvfuzz checked then agrees; the KV's content is wrong (it breaks ``worker-position``,
+rule 5.13, written after it). A request alone is never hit, so its reference is right. (With two KV cache groups the second group's slots would be computed from the edited
 positions: the hybrid model is not its target.)
 """
 
