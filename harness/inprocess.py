@@ -516,6 +516,13 @@ class InProcessEngine:
         def now_ms() -> float:
             return (time.perf_counter() - t0) * 1000.0
 
+        def hang(detail: str) -> None:
+            # A hang the replay found itself: every step returned, so its unfinished requests
+            # are aborted here (``recover`` may then keep the engine).
+            hist.crashed, hist.crash_kind, hist.crash_detail = True, "hang", detail
+            llm.abort_request(sorted(live))
+            self._hung = True
+
         def cancel(i: int, ev: CancelEvent, planned_step: int | None) -> None:
             rec = recs.get(ev.request_id)
             effective = ev.request_id in live
@@ -591,17 +598,10 @@ class InProcessEngine:
                 step = max(step, timed[cursor][0])  # idle: jump the clock to the next event
                 continue
             if step >= budget:
-                hist.crashed, hist.crash_kind = True, "hang"
-                hist.crash_detail = f"hang: requests unfinished after {step} engine steps"
-                llm.abort_request(sorted(live))
-                self._hung = True
+                hang(f"hang: requests unfinished after {step} engine steps")
                 break
             if self.trace_deadline_s is not None and time.perf_counter() - t0 > self.trace_deadline_s:
-                hist.crashed, hist.crash_kind = True, "hang"
-                hist.crash_detail = (f"hang: trace deadline of {self.trace_deadline_s:g} s exceeded at engine step "
-                                     f"{step}")
-                llm.abort_request(sorted(live))
-                self._hung = True
+                hang(f"hang: trace deadline of {self.trace_deadline_s:g} s exceeded at engine step {step}")
                 break
 
             # 3) one engine step
@@ -640,12 +640,8 @@ class InProcessEngine:
             if not produced and not self._step_capture.get("partial") and all(n == 1 for n in scheduled.values()):
                 stalled += 1
                 if stalled >= STALL_STEPS:
-                    hist.crashed, hist.crash_kind = True, "hang"
-                    hist.crash_detail = (f"hang: {STALL_STEPS} engine steps in a row (to step {step}) with requests "
-                                         f"unfinished scheduled nothing, or one token per request with nothing "
-                                         f"prefilling, and produced no token")
-                    llm.abort_request(sorted(live))
-                    self._hung = True
+                    hang(f"hang: {STALL_STEPS} engine steps in a row (to step {step}) with requests unfinished "
+                         f"scheduled nothing, or one token per request with nothing prefilling, and produced no token")
                     break
             else:
                 stalled = 0

@@ -172,7 +172,7 @@ class Monitor:
         if self.disabled or lens is None:
             return
         try:
-            self._kernel.append(np.asarray(lens.cpu() if hasattr(lens, "cpu") else lens, dtype=np.int64).copy())
+            self._kernel.append(_ints(lens).copy())
         except (TypeError, ValueError):
             log.debug("kernel sequence lengths not read on this layout", exc_info=True)
 
@@ -189,12 +189,15 @@ class Monitor:
             for key in self._ok_by_block.pop(b.block_id, ()):
                 self._read_ok.pop(key, None)
 
-    def check(self, step: int, scheduler: Any, batch: Any | None,
-              scheduled: Mapping[str, int] | None = None) -> None:
-        """Both checks at once, on a state that did not change in between (unit tests)."""
+    def check(self, step: int, scheduler: Any, batch: Any | None, scheduled: Mapping[str, int] | None = None,
+              *, kernels: Iterable[Any] = (), positions: Any | None = None) -> None:
+        """Every check at once, on a state that did not change in between (unit tests):
+        ``kernels``, the attention metadata the step's builders returned."""
         self.step = step
         self.after_schedule(scheduler, scheduled)
-        self.after_step(batch)
+        for metadata in kernels:
+            self.kernel_built(metadata)
+        self.after_step(batch, positions)
 
     @property
     def _full(self) -> bool:
@@ -371,14 +374,20 @@ class Monitor:
                    f"block {block} holds KV {t.writer} wrote to the wrong slot at step {t.step} ({t.detail})")
 
     # -- the worker's persistent batch -----------------------------------------------------------
+    def _step_ids(self, batch: Any) -> list[str] | None:
+        """The batch's requests in row order, or None when the batch is not this step's (a
+        request it lists was not scheduled: another layout, no evidence)."""
+        if not self._spans:
+            return None
+        ids = list(batch.req_ids[: batch.num_reqs])
+        return None if any(r not in self._spans for r in ids) else ids
+
     def _check_lens(self, step: int, batch: Any, ext: Callable[[str], str]) -> None:
         """Each kernel's sequence length of each row against the request's computed plus
         scheduled tokens (rows in the batch's order, as the metadata was built)."""
-        if not self._kernel or not self._spans:
+        ids = self._step_ids(batch) if self._kernel else None
+        if ids is None:
             return
-        ids = list(batch.req_ids[: batch.num_reqs])
-        if any(r not in self._spans for r in ids):
-            return  # the batch is not this step's (another layout): no evidence
         for lens in self._kernel:
             for row, rid in enumerate(ids[: len(lens)]):
                 start, n = self._spans[rid]
@@ -391,13 +400,10 @@ class Monitor:
     def _check_positions(self, step: int, batch: Any, positions: Any, ext: Callable[[str], str]) -> None:
         """Each token's position as the model was handed it against its request's count (rows
         in the batch's order, each with its scheduled tokens, as for the slots)."""
-        if not self._spans:
+        ids = self._step_ids(batch)
+        if ids is None:
             return
-        ids = list(batch.req_ids[: batch.num_reqs])
-        if any(r not in self._spans for r in ids):
-            return  # the batch is not this step's (another layout): no evidence
-        total = sum(self._spans[r][1] for r in ids)
-        got_all = np.asarray(positions[:total].cpu() if hasattr(positions, "cpu") else positions[:total], dtype=np.int64)
+        got_all = _ints(positions[:sum(self._spans[r][1] for r in ids)])
         off = 0
         for row, rid in enumerate(ids):
             start, n = self._spans[rid]
@@ -443,12 +449,11 @@ class Monitor:
         out in the batch's order, each with its scheduled tokens)."""
         if not self._spans:
             return
-        ids = list(batch.req_ids[: batch.num_reqs])
-        if any(r not in self._spans for r in ids):
+        ids = self._step_ids(batch)
+        if ids is None:
             self._writes_off = True  # this step's writes are unknown from here on
-            return  # the batch is not this step's (another layout): no evidence
-        counts = [self._spans[r][1] for r in ids]
-        total = sum(counts)
+            return
+        total = sum(self._spans[r][1] for r in ids)
         for g, t in enumerate(batch.block_table.block_tables):
             if getattr(getattr(t, "slot_mapping_mode", None), "name", "TOKEN_TO_KV_SLOT") != "TOKEN_TO_KV_SLOT" \
                     or getattr(t, "dcp_world_size", 1) != 1:
@@ -566,6 +571,11 @@ class Monitor:
                        f"{start}..{start + n - 1}" + (f" (window {w})" if w else "") + ", but the scheduler "
                        f"released that block from the request's row, and another request holds it now")
             return
+
+
+def _ints(values: Any) -> np.ndarray:
+    """A tensor (or array) as int64 numbers on the host."""
+    return np.asarray(values.cpu() if hasattr(values, "cpu") else values, dtype=np.int64)
 
 
 def worker_runner(core: Any) -> Any | None:
