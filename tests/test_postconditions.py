@@ -91,16 +91,18 @@ def slot_batch(rows: dict[str, list[int]], slots: list[int], bs: int = 4):
     return ib
 
 
-def stepped(pool, held, hashes, spans, rows, slots, step=0, m=None, manager=None):
+def stepped(pool, held, hashes, spans, rows, slots, step=0, m=None, manager=None, kernels=(), positions=None):
     """One step: ``spans`` = request -> (first position, tokens) scheduled; ``manager``: the
-    group's KV cache manager instead of the default fake."""
+    group's KV cache manager instead of the default fake; ``kernels``: the attention metadata
+    the step's builders returned; ``positions``: the model runner's positions buffer."""
     m = m or Monitor()
     sched = Scheduler(pool, held, hashes)
     if manager is not None:
         sched.kv_cache_manager.coordinator.single_type_managers = [manager]
     for r, (start, n) in spans.items():
         sched.requests[r].num_computed_tokens = start + n  # after schedule(), as in vLLM
-    m.check(step, sched, slot_batch(rows, slots), {r: n for r, (_, n) in spans.items()})
+    m.check(step, sched, slot_batch(rows, slots), {r: n for r, (_, n) in spans.items()}, kernels=kernels,
+            positions=positions)
     return m
 
 
@@ -553,14 +555,10 @@ def test_a_kernel_handed_another_sequence_length_than_the_requests_breaks_worker
     pool = Pool([a, b, c], {})
     spans = {"r": (5, 1), "s": (0, 3)}  # r decodes at position 5, s prefills 3 tokens
     for lens, want in (([6, 3], []), ([5, 3], [("worker-seq-len", "r")]), ([6, 7], [("worker-seq-len", "s")])):
-        sched = Scheduler(pool, {"r": [a, b], "s": [c]}, {"r": [], "s": []})
-        for r, (start, n) in spans.items():
-            sched.requests[r].num_computed_tokens = start + n
-        m = Monitor()
-        m.after_schedule(sched, {r: n for r, (_, n) in spans.items()})
-        m.kernel_built(type("Meta", (), {"seq_lens": np.array(lens + [0, 0])})())  # rows past num_reqs: padding
-        m.kernel_built(type("Mamba", (), {})())  # no seq_lens: nothing to judge
-        m.after_step(slot_batch({"r": [1, 2], "s": [3]}, [9, 12, 13, 14]))
+        kernels = [type("Meta", (), {"seq_lens": np.array(lens + [0, 0])})(),  # rows past num_reqs: padding
+                   type("Mamba", (), {})()]  # no seq_lens: nothing to judge
+        m = stepped(pool, {"r": [a, b], "s": [c]}, {"r": [], "s": []}, spans, {"r": [1, 2], "s": [3]},
+                    [9, 12, 13, 14], kernels=kernels)
         assert [(x.name, x.request) for x in m.breaks] == want, lens
     assert "row 1: the attention kernel is told 7 positions; the request has 3" in m.breaks[0].detail
     assert origin(m.breaks, "s") == "worker-seq-len"
@@ -575,12 +573,8 @@ def test_a_token_handed_to_the_model_at_another_position_breaks_worker_position(
     pool = Pool([a, b, c, d], {})
     spans = {"r": (5, 1), "s": (4, 3)}  # r decodes at 5; s continues its prompt at 4..6
     for got, want in (([5, 4, 5, 6], []), ([5, 3, 4, 5], [("worker-position", "s")])):
-        sched = Scheduler(pool, {"r": [a, b], "s": [c, d]}, {"r": [], "s": []})
-        for r, (start, n) in spans.items():
-            sched.requests[r].num_computed_tokens = start + n
-        m = Monitor()
-        m.after_schedule(sched, {r: n for r, (_, n) in spans.items()})
-        m.after_step(slot_batch({"r": [1, 2], "s": [3, 4]}, [9, 16, 17, 18]), torch.tensor(got + [0, 0]))
+        m = stepped(pool, {"r": [a, b], "s": [c, d]}, {"r": [], "s": []}, spans, {"r": [1, 2], "s": [3, 4]},
+                    [9, 16, 17, 18], positions=torch.tensor(got + [0, 0]))
         assert [(x.name, x.request) for x in m.breaks] == want, got
     assert "row 1: the model is handed position 3 for the token at position 4" in m.breaks[-1].detail
     assert origin(m.breaks, "s") == "worker-position"

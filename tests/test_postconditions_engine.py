@@ -81,10 +81,6 @@ def test_four_unseen_faults_each_break_their_own_post_condition():
 
 
 WZ_SCRIPT = """
-import json
-from kvfuzz.fuzzer.generate import default_engine
-from kvfuzz.harness.inprocess import InProcessEngine
-from kvfuzz.traces import At, GenPrompt, SendEvent, Trace
 cfg = default_engine(kv_cache_bytes=8 * 2**20, max_model_len=8000)
 eng = InProcessEngine(cfg)
 eng.start()
@@ -101,7 +97,7 @@ for name, sends in {
     out[name] = {"breaks": [[b.name, b.request, b.detail, b.step] for b in h.breaks],
                  "diverged": sorted(r for r in alone if alone[r].token_ids != h.requests[r].token_ids),
                  "ref_breaks": sorted(b.name for r in alone.values() for b in r.breaks)}
-print("WZ " + json.dumps(out))
+print("JUDGED " + json.dumps(out))
 """
 
 
@@ -112,12 +108,8 @@ def test_a_token_written_to_another_slot_breaks_worker_slot_on_its_request():
     continuing chunk's first token goes to the slot before it. Both victims of each trace break
     ``worker-slot`` at that token, and the references (each request alone: not hit) break
     nothing. The clean side (no break on unmodified vLLM) is tests/test_engine.py."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "KVFUZZ_PLUGIN_MODULES": "unseen_faults.new_block_slot_in_previous,unseen_faults.chunk_start_slot_before",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))}
-    p = subprocess.run([sys.executable, "-c", WZ_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stderr[-3000:]
-    got = json.loads(next(ln for ln in p.stdout.splitlines() if ln.startswith("WZ "))[3:])
+    got = _child(WZ_SCRIPT, "unseen_faults.new_block_slot_in_previous,unseen_faults.chunk_start_slot_before",
+                 judge=False)
     for trace in got.values():
         assert trace["diverged"] == ["r0", "r1"] and trace["ref_breaks"] == [], got
         slot = sorted((r, step) for name, r, _, step in trace["breaks"] if name == "worker-slot")
@@ -133,13 +125,22 @@ def test_a_token_written_to_another_slot_breaks_worker_slot_on_its_request():
     assert m and int(m[1]) == int(m[2]) - 1, chunk
 
 
+# What every child script below imports.
+_HEAD = """
+import json, sys
+from kvfuzz.fuzzer.generate import default_engine
+from kvfuzz.harness.inprocess import STALL_STEPS, InProcessEngine
+from kvfuzz.traces import At, GenPrompt, SendEvent, Trace, load_trace
+"""
+
+
 def _child(script: str, plugins: str, *args: str, judge: bool = True) -> dict:
-    """Runs ``script`` and (``judge``) ``_JUDGE`` in a child process with the unseen faults
-    ``plugins`` installed (always on once installed: never in the test run's shared engines);
-    the JSON of its line ``JUDGED ...``."""
+    """Runs ``script`` (after ``_HEAD``) and (``judge``) ``_JUDGE`` in a child process with the
+    unseen faults ``plugins`` installed (always on once installed: never in the test run's
+    shared engines); the JSON of its line ``JUDGED ...``."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "KVFUZZ_PLUGIN_MODULES": plugins,
            "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))}
-    p = subprocess.run([sys.executable, "-c", script + (_JUDGE if judge else ""), *args], env=env,
+    p = subprocess.run([sys.executable, "-c", _HEAD + script + (_JUDGE if judge else ""), *args], env=env,
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     return json.loads(next(ln for ln in p.stdout.splitlines() if ln.startswith("JUDGED "))[7:])
@@ -157,10 +158,6 @@ print("JUDGED " + json.dumps({"breaks": [[b.name, b.request, b.detail] for b in 
 
 
 AC_SCRIPT = """
-import json
-from kvfuzz.fuzzer.generate import default_engine
-from kvfuzz.harness.inprocess import InProcessEngine
-from kvfuzz.traces import At, GenPrompt, SendEvent, Trace
 cfg = default_engine(kv_cache_bytes=8 * 2**20, max_model_len=8000)
 eng = InProcessEngine(cfg)
 eng.start()
@@ -185,9 +182,6 @@ def test_a_hit_that_counts_a_block_it_does_not_hold_breaks_held_block_unwritten(
 
 
 AD_SCRIPT = """
-import json, sys
-from kvfuzz.harness.inprocess import InProcessEngine
-from kvfuzz.traces import At, GenPrompt, SendEvent, Trace, load_trace
 cfg = load_trace(sys.argv[1]).engine  # the hybrid model's configuration (127 blocks)
 eng = InProcessEngine(cfg)
 eng.start()
@@ -215,10 +209,6 @@ def test_a_window_block_released_early_and_handed_to_another_breaks_held_block_r
 
 
 AE_SCRIPT = """
-import json
-from kvfuzz.fuzzer.generate import default_engine
-from kvfuzz.harness.inprocess import InProcessEngine
-from kvfuzz.traces import At, GenPrompt, SendEvent, Trace
 base = default_engine(kv_cache_bytes=24 * 2**20)
 cfg = type(base).model_validate({**base.model_dump(), "lora": {
     "enabled": True, "adapters": {"a": "embedded:a", "b": "embedded:b"}, "max_loras": 1}})
@@ -245,10 +235,6 @@ def test_a_moved_row_that_loses_its_adapter_breaks_worker_adapter():
 
 
 AF_SCRIPT = """
-import json
-from kvfuzz.fuzzer.generate import default_engine
-from kvfuzz.harness.inprocess import STALL_STEPS, InProcessEngine
-from kvfuzz.traces import At, GenPrompt, SendEvent, Trace
 cfg = default_engine(kv_cache_bytes=8 * 2**20, max_model_len=8000)
 eng = InProcessEngine(cfg)
 eng.start()
@@ -285,10 +271,6 @@ def test_a_request_the_engine_schedules_forever_is_a_hang_after_stall_steps_not_
 
 
 AH_SCRIPT = """
-import json
-from kvfuzz.fuzzer.generate import default_engine
-from kvfuzz.harness.inprocess import InProcessEngine
-from kvfuzz.traces import At, GenPrompt, SendEvent, Trace
 cfg = default_engine(kv_cache_bytes=24 * 2**20)
 eng = InProcessEngine(cfg)
 eng.start()
@@ -314,10 +296,6 @@ def test_a_kernel_told_one_position_short_breaks_worker_seq_len():
 
 
 AI_SCRIPT = """
-import json, sys
-from kvfuzz.fuzzer.generate import default_engine
-from kvfuzz.harness.inprocess import InProcessEngine
-from kvfuzz.traces import At, GenPrompt, SendEvent, Trace
 cfg = default_engine(kv_cache_bytes=24 * 2**20)
 eng = InProcessEngine(cfg)
 eng.start()
