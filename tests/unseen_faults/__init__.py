@@ -89,7 +89,12 @@ And after rule 5.12 (529a71a: ``worker-seq-len``, which AH's split had shown):
   batch of two or more, a prefill that starts past position 0 is handed positions one early
   after its slots were computed, so its KV lands in the right slots, rotated wrong. It broke no
   post-condition then (it breaks ``worker-position``, rule 5.13, written after its first
-  campaigns split: 48df392). No fault has been written after 5.13.
+  campaigns split: 48df392).
+And after rule 5.13 (48df392: ``worker-position``, which AI's split had shown) and its review
+(abf86fd):
+- ``write_drops_batch_last_token`` (AJ, the KV cache write): in a batch of two or more, the
+  cache write covers one token fewer than the batch holds, so the batch's last token keeps its
+  slot's old content. Every record and every kernel input agrees.
 """
 
 from collections.abc import Callable
