@@ -74,12 +74,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=lambda it: rank[it.nodeid.split("::")[0]])
 
 
-# Wall seconds of the longest test files in a CI run (2026-11-23, 2-core machine, two
-# workers; docs/benchmarks.md). Only the order of files uses them: a stale figure costs
-# balance, never a result.
-FILE_SECONDS = {"test_server.py": 310, "test_gate.py": 148, "test_toggles.py": 80, "test_cli.py": 52,
-                "test_oracle_campaign.py": 52, "test_reliability_resume.py": 45, "test_controls.py": 43,
-                "test_explain_engine.py": 36, "test_engine.py": 33, "test_loaders_fuzz.py": 26}
+# Wall seconds of the longest test files in a CI run (2026-11-26, 8b19ef1, 2-core machine,
+# two workers, `--durations=0` summed per file; docs/benchmarks.md). Only the order of files
+# uses them: a stale figure costs balance, never a result.
+FILE_SECONDS = {"test_server.py": 191, "test_postconditions_engine.py": 127, "test_explain_engine.py": 66,
+                "test_buckets_engine.py": 58, "test_gate.py": 56, "test_reliability_resume.py": 47,
+                "test_toggles.py": 35, "test_cli.py": 30, "test_oracle_campaign.py": 28, "test_controls.py": 13,
+                "test_engine.py": 13, "test_loaders_fuzz.py": 13, "test_minimize_engine.py": 10}
 
 
 def pytest_configure(config: pytest.Config) -> None:
