@@ -200,6 +200,28 @@ def test_one_post_condition_keeps_a_cause_whole_whatever_its_witness_needed():
     assert k(broke="worker-row").digest() != k().digest() and "broke worker-row" in k(broke="worker-row").label()
 
 
+def test_a_self_only_name_never_takes_a_victim_that_broke_nothing(tmp_path):
+    """Rule 5.14 (faults AJ and AH on at once at 8b19ef1: one bucket). AH's kernel is told a
+    length one short (`worker-seq-len`): only that request reads wrong, so a victim that broke
+    nothing is another cause's, even where the verdicts agree (AJ's unwritten slot needs none of
+    the tried mechanisms either). Names whose wrong KV a later hit can read still take unnamed
+    victims (rule 5's fallback to the verdicts), and two unnamed keys still agree."""
+    same = {"chunked-prefill": "persists", "preemption": "persists", "prefix-caching": "persists"}
+    assert not agrees(k(same), k(same, "worker-seq-len")) and not agrees(k(same, "worker-seq-len"), k(same))
+    assert agrees(k(same, "worker-seq-len"), k(same, "worker-seq-len"))
+    assert agrees(k(same), k(same, "worker-position")) and agrees(k(same), k(same))
+    # Past the share: the pre-key offers AH's bucket to an unnamed finding no more; AJ's is.
+    bs = {"AH": bucket("AH", same, 1).model_copy(update={"key": k(same, "worker-seq-len")})}
+    t = triage(Table(needs=[]), bs, tmp_path)
+    assert rule.prekey_candidates(unexplained(), t.alive) == []
+    assert [b.id for b in rule.prekey_candidates(with_broke(unexplained(), "worker-seq-len"), t.alive)] == ["AH"]
+    bs["AJ"] = bucket("AJ", same, 2)
+    t = triage(Table(needs=[]), bs, tmp_path)
+    assert [b.id for b in rule.prekey_candidates(unexplained(), t.alive)] == ["AJ"]
+    out = t._assign(checked_of(unexplained()))
+    assert out is not None and out.buckets[0].bucket == "AJ"
+
+
 def test_a_finding_has_one_key_per_post_condition_its_victims_broke():
     f = unexplained()
     d = f.divergences[0]

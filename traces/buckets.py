@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from .history import SELF_ONLY_BREAKS
+
 if TYPE_CHECKING:
     from .finding import Finding
     from .history import History
@@ -186,8 +188,15 @@ def conflicts(a: BucketKey, b: BucketKey) -> list[str]:
 
 
 def same_break(a: BucketKey, b: BucketKey) -> bool:
-    """No evidence of two causes in the post-conditions: equal, or one side not observed."""
-    return a.broke is None or b.broke is None or a.broke == b.broke
+    """No evidence of two causes in the post-conditions: equal, or one side not observed —
+    unless the observed one harms only its own request (rule 5.14, ``SELF_ONLY_BREAKS``: faults
+    AJ and AH on at once, where AJ's unnamed victims joined AH's `worker-seq-len` bucket on
+    verdicts both causes share)."""
+    if a.broke is None and b.broke is None:
+        return True
+    if a.broke is None or b.broke is None:
+        return (a.broke or b.broke) not in SELF_ONLY_BREAKS
+    return a.broke == b.broke
 
 
 def agrees(a: BucketKey, b: BucketKey) -> bool:
@@ -200,6 +209,8 @@ def agrees(a: BucketKey, b: BucketKey) -> bool:
     # the engine's state; the ablation verdicts measure how the witness's schedule reached it).
     if a.broke is not None and b.broke is not None:
         return a.broke == b.broke
+    if not same_break(a, b):
+        return False  # rule 5.14: a self-only name never takes an unnamed victim
     return not conflicts(a, b)
 
 

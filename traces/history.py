@@ -23,6 +23,12 @@ BreakName = Literal["map-entry-orphaned", "map-entry-stolen", "held-block-foreig
                     "held-block-released", "worker-adapter", "worker-seq-len", "worker-position"]
 # Broken on the allocator's own state (no request named); the others are a request's own state.
 MAP_BREAKS: tuple[str, ...] = ("map-entry-orphaned", "map-entry-stolen")
+# Breaks that can harm only the request that broke them (rule 5.14): a kernel told a wrong
+# length reads the wrong keys, but every KV is written where and as it should be, so no other
+# request reads anything wrong through it. A victim that broke none of these was not harmed by
+# their cause. (A wrong slot, position, row or adapter writes wrong KV that a later prefix hit
+# can read: another request can be their victim without breaking anything itself.)
+SELF_ONLY_BREAKS: tuple[str, ...] = ("worker-seq-len",)
 
 
 class Break(_Data):
