@@ -94,7 +94,8 @@ And after rule 5.13 (48df392: ``worker-position``, which AI's split had shown) a
 (abf86fd):
 - ``write_drops_batch_last_token`` (AJ, the KV cache write): in a batch of two or more, the
   cache write covers one token fewer than the batch holds, so the batch's last token keeps its
-  slot's old content. Every record and every kernel input agrees.
+  slot's old content. Every record and every kernel input agrees. It held alone; on with AH it
+  showed rule 5.14 (3cb85fe: a self-only name, ``worker-seq-len``, takes no unnamed victim).
 """
 
 from collections.abc import Callable
