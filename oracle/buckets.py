@@ -25,10 +25,9 @@ from collections.abc import Iterable, Mapping
 
 from kvfuzz.oracle.attribution import candidates as attribution_candidates
 from kvfuzz.traces import Divergence, Finding
-from kvfuzz.traces.buckets import (KEY_MECHANISMS, Bucket, BucketDescription, BucketKey, Outcome, agrees, candidates,
-                                   conflicts, live, mergeable, name_unearned, resolve, union)
+from kvfuzz.traces.buckets import (KEY_MECHANISMS, Bucket, BucketDescription, BucketKey, Outcome, agrees,
+                                   breaks_agree, candidates, conflicts, live, mergeable, name_unearned, resolve, union)
 from kvfuzz.traces.finding import DIVERGENT_CLASSES, MECHANISM_WORDS, SEVERITY, Explanation
-from kvfuzz.traces.history import SELF_ONLY_BREAKS
 
 # The ablations cheap enough for every unexplained finding (no engine restart).
 CHEAP_MECHANISMS = ("concurrency", "cancels", "lora")
@@ -116,16 +115,11 @@ def prekey_candidates(finding: Finding, buckets: Iterable[Bucket], clean: Iterab
                for t in attribution_candidates(finding.arms.get(d.arm, []), clean, inert)}
     # Rule 5: an unexplained bucket whose witness broke another post-condition than every one
     # this finding broke is another cause (the finding's own run recorded them: no replay).
-    # Rule 5.14: a bucket named by a self-only break never takes a finding that broke nothing.
-    broke = {d.broke for d in finding.divergences if d.class_ == worst and d.broke}
-
-    def unexplained_fits(b: Bucket) -> bool:
-        if not broke:
-            return b.key.broke not in SELF_ONLY_BREAKS
-        return b.key.broke is None or b.key.broke in broke
-
+    # Rule 5.14: a self-only name and no name are two causes (``breaks_agree``, as in ``agrees``).
+    names: set[str | None] = {d.broke for d in finding.divergences if d.class_ == worst and d.broke} or {None}
     return [b for b in buckets if b.key.cls == worst
-            and (b.key.explained_by in differs if b.key.explained_by is not None else unexplained_fits(b))]
+            and (b.key.explained_by in differs if b.key.explained_by is not None
+                 else any(breaks_agree(n, b.key.broke) for n in names))]
 
 
 def next_check(key: BucketKey, cands: list[Bucket], tried: Iterable[str] = ()) -> str | None:

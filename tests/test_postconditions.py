@@ -218,6 +218,8 @@ def test_a_self_only_name_never_takes_a_victim_that_broke_nothing(tmp_path):
     bs["AJ"] = bucket("AJ", same, 2)
     t = triage(Table(needs=[]), bs, tmp_path)
     assert [b.id for b in rule.prekey_candidates(unexplained(), t.alive)] == ["AJ"]
+    # And the other way, as in ``agrees``: AJ's unnamed bucket is no candidate for AH's finding.
+    assert [b.id for b in rule.prekey_candidates(with_broke(unexplained(), "worker-seq-len"), t.alive)] == ["AH"]
     out = t._assign(checked_of(unexplained()))
     assert out is not None and out.buckets[0].bucket == "AJ"
 

@@ -187,16 +187,19 @@ def conflicts(a: BucketKey, b: BucketKey) -> list[str]:
     return sorted(m for m in set(a.verdicts) & set(b.verdicts) if a.verdicts[m] != b.verdicts[m])
 
 
-def same_break(a: BucketKey, b: BucketKey) -> bool:
-    """No evidence of two causes in the post-conditions: equal, or one side not observed —
+def breaks_agree(a: str | None, b: str | None) -> bool:
+    """No evidence of two causes in two post-condition names: equal, or one side not observed —
     unless the observed one harms only its own request (rule 5.14, ``SELF_ONLY_BREAKS``: faults
     AJ and AH on at once, where AJ's unnamed victims joined AH's `worker-seq-len` bucket on
     verdicts both causes share)."""
-    if a.broke is None and b.broke is None:
-        return True
-    if a.broke is None or b.broke is None:
-        return (a.broke or b.broke) not in SELF_ONLY_BREAKS
-    return a.broke == b.broke
+    if a is None or b is None:
+        return (a or b) not in SELF_ONLY_BREAKS
+    return a == b
+
+
+def same_break(a: BucketKey, b: BucketKey) -> bool:
+    """``breaks_agree`` on two keys' names."""
+    return breaks_agree(a.broke, b.broke)
 
 
 def agrees(a: BucketKey, b: BucketKey) -> bool:
@@ -321,5 +324,5 @@ def bucket_from_state(bid: str, data: dict[str, Any]) -> Bucket:
 
 
 __all__ = ["KEY_MECHANISMS", "Bucket", "BucketDescription", "BucketKey", "BucketMembership", "MechanismCheck", "Status", "Triaged", "agrees",
-           "bucket_from_state", "candidates", "conflicts", "live", "memberships_from_notes", "mergeable", "name_unearned", "resolve",
+           "breaks_agree", "bucket_from_state", "candidates", "conflicts", "live", "memberships_from_notes", "mergeable", "name_unearned", "resolve",
            "same_break", "union", "with_evidence"]
