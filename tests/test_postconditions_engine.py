@@ -125,12 +125,21 @@ def test_a_token_written_to_another_slot_breaks_worker_slot_on_its_request():
     assert m and int(m[1]) == int(m[2]) - 1, chunk
 
 
-# What every child script below imports.
+# What every child script below imports, and `judged`: a witness run against its victim alone
+# (with the script's `eng` and `cfg`).
 _HEAD = """
 import json, sys
 from kvfuzz.fuzzer.generate import default_engine
 from kvfuzz.harness.inprocess import STALL_STEPS, InProcessEngine
 from kvfuzz.traces import At, GenPrompt, SendEvent, Trace, load_trace
+
+
+def judged(sends, victim):
+    h = eng.replay(Trace(engine=cfg, events=sends))
+    alone = eng.run_alone(next(x for x in sends if x.request_id == victim))
+    return {"breaks": [[b.name, b.request, b.detail] for b in h.breaks],
+            "diverged": alone.token_ids != h.requests[victim].token_ids,
+            "ref_breaks": [b.name for b in alone.breaks]}
 """
 
 
@@ -147,13 +156,10 @@ def _child(script: str, plugins: str, *args: str, judge: bool = True) -> dict:
 
 
 # The tail of each script below: it defines eng, cfg, sends and VICTIM; the run's breaks, and
-# whether VICTIM diverged from its reference (alone) and what that reference run broke.
+# whether VICTIM diverged from its reference (alone) and what that reference run broke
+# (``judged``, in ``_HEAD``).
 _JUDGE = """
-h = eng.replay(Trace(engine=cfg, events=sends))
-alone = eng.run_alone(next(x for x in sends if x.request_id == VICTIM))
-print("JUDGED " + json.dumps({"breaks": [[b.name, b.request, b.detail] for b in h.breaks],
-                              "diverged": alone.token_ids != h.requests[VICTIM].token_ids,
-                              "ref_breaks": [b.name for b in alone.breaks]}))
+print("JUDGED " + json.dumps(judged(sends, VICTIM)))
 """
 
 
@@ -313,14 +319,7 @@ WITNESSES = {
                        prompt=GenPrompt(length=34, prefix_group=g, prefix_len=32, seed=591025858))],
             "r1"),
 }
-judged = {}
-for path, (sends, VICTIM) in WITNESSES.items():
-    h = eng.replay(Trace(engine=cfg, events=sends))
-    alone = eng.run_alone(next(x for x in sends if x.request_id == VICTIM))
-    judged[path] = {"breaks": [[b.name, b.request, b.detail] for b in h.breaks],
-                    "diverged": alone.token_ids != h.requests[VICTIM].token_ids,
-                    "ref_breaks": [b.name for b in alone.breaks]}
-print("JUDGED " + json.dumps(judged))
+print("JUDGED " + json.dumps({path: judged(sends, victim) for path, (sends, victim) in WITNESSES.items()}))
 """
 
 
@@ -330,9 +329,9 @@ def test_a_prefill_handed_positions_one_early_breaks_worker_position():
     that starts past position 0 is handed positions one early after its slots were computed. Its
     two kinds of witness (a later chunk; the rest after a prefix hit) both break
     ``worker-position``; the reference (alone) breaks nothing."""
-    judged = _child(AI_SCRIPT, "unseen_faults.continuing_prefill_positions_early", judge=False)
+    both = _child(AI_SCRIPT, "unseen_faults.continuing_prefill_positions_early", judge=False)
     for path, victim in (("chunk", "r5"), ("hit", "r1")):
-        got = judged[path]
+        got = both[path]
         assert [(name, r) for name, r, _ in got["breaks"]] == [("worker-position", victim)], (path, got)
         assert got["diverged"] and got["ref_breaks"] == [], (path, got)
         assert "the model is handed position" in got["breaks"][0][2], (path, got)
