@@ -96,6 +96,10 @@ And after rule 5.13 (48df392: ``worker-position``, which AI's split had shown) a
   cache write covers one token fewer than the batch holds, so the batch's last token keeps its
   slot's old content. Every record and every kernel input agrees. It held alone; on with AH it
   showed rule 5.14 (3cb85fe: a self-only name, ``worker-seq-len``, takes no unnamed victim).
+And after rule 5.14 and its review (164fb54, c0b809f):
+- ``prefill_samples_neighbours_row`` (AK, the sampler's row index): in a batch of two or more, a
+  request whose prompt ends in this step, below the first row, samples its first token from the
+  row above's hidden state. No KV, record or kernel input is wrong.
 """
 
 from collections.abc import Callable
