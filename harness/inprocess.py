@@ -356,6 +356,26 @@ class InProcessEngine:
         except (AttributeError, ImportError, TypeError):  # another vLLM layout: not checked
             log.debug("attention metadata hooks not installed", exc_info=True)
 
+        # The hidden-state row each request's next token is sampled from
+        # (``worker-sample-row``): what the runner's ``_prepare_inputs`` returns. Looked up on
+        # the class per call, as above.
+        runner = worker_runner(self._core())
+        if runner is not None and callable(getattr(type(runner), "_prepare_inputs", None)):
+            runner._prepare_inputs = self._sampled_hook(runner)
+
+    def _sampled_hook(self, runner: Any) -> Callable[..., Any]:
+        cls = type(runner)
+
+        def prepare_inputs(*args: Any, **kwargs: Any) -> Any:
+            out = cls._prepare_inputs(runner, *args, **kwargs)
+            # vLLM 0.32: (logits_indices, spec_decode_metadata, ...); one row a request only
+            # without speculative decoding. Older releases return other tuples: not checked.
+            if isinstance(out, tuple) and len(out) >= 2 and out[1] is None and getattr(out[0], "ndim", None) == 1:
+                self._monitor.sampled(out[0])
+            return out
+
+        return prepare_inputs
+
     def _kernel_hook(self, builder: Any) -> Callable[..., Any]:
         cls = type(builder)
 

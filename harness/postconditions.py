@@ -49,7 +49,12 @@ compares vLLM's own records with each other, the way vLLM's invariants say they 
   request whose count was ``start`` before the step. A position path apart from the slot
   mapping (M-RoPE's, for one) can hand the model other positions while the KV still lands in
   the right slots, rotated wrong. That breaks ``worker-position`` on the request (not checked
-  with M-RoPE, whose positions are three rows).
+  with M-RoPE, whose positions are three rows);
+- each request's next token is sampled from the hidden state of its own last scheduled token
+  (the runner's ``logits_indices``; the harness reports them via ``sampled``): a runner whose
+  sampled rows are counted apart from its scheduled ones (padding, a reordered batch) hands a
+  request its neighbour's next token. That breaks ``worker-sample-row`` on the request (not
+  checked with speculative decoding, which samples several rows a request).
 
 Each break is recorded once (per block for the map; per request and name otherwise) into the
 history; the oracle (oracle/postconditions.py) names the first harmful one on a diverging
@@ -143,6 +148,7 @@ class Monitor:
         self._held_ids: Counter[int] = Counter()
         self._adapters: dict[str, int] = {}  # request scheduled this step -> its LoRA id (0: none)
         self._kernel: list[np.ndarray] = []  # the step's kernels' sequence lengths, per row
+        self._sampled: np.ndarray | None = None  # the step's sampled hidden-state row, per request
 
     def after_schedule(self, scheduler: Any, scheduled: Mapping[str, int] | None = None) -> None:
         """``scheduled``: the step's tokens per request (``SchedulerOutput.num_scheduled_tokens``),
@@ -159,6 +165,8 @@ class Monitor:
             self._guarded(lambda: self._check_lens(self.step, batch, self.ext))
             if positions is not None:
                 self._guarded(lambda: self._check_positions(self.step, batch, positions, self.ext))
+            if self._sampled is not None:
+                self._guarded(lambda: self._check_sampled(self.step, batch, self.ext))
             if not self._slots_off and not self.disabled and not self._full:
                 try:
                     self._check_slots(self.step, batch, self.ext)
@@ -176,6 +184,17 @@ class Monitor:
         except (TypeError, ValueError):
             log.debug("kernel sequence lengths not read on this layout", exc_info=True)
 
+    def sampled(self, indices: Any) -> None:
+        """The hidden-state rows the runner samples each request's next token from this step
+        (``logits_indices``, one per request in the batch's order; not with speculative
+        decoding, which samples several a request)."""
+        if self.disabled:
+            return
+        try:
+            self._sampled = _ints(indices).copy()
+        except (TypeError, ValueError):
+            log.debug("sampled rows not read on this layout", exc_info=True)
+
     def handed_out(self, blocks: Iterable[Any]) -> None:
         """Blocks the pool just handed out for new content (``BlockPool.get_new_blocks``): no
         slot of theirs holds KV of this content until a step writes it."""
@@ -190,13 +209,16 @@ class Monitor:
                 self._read_ok.pop(key, None)
 
     def check(self, step: int, scheduler: Any, batch: Any | None, scheduled: Mapping[str, int] | None = None,
-              *, kernels: Iterable[Any] = (), positions: Any | None = None) -> None:
+              *, kernels: Iterable[Any] = (), positions: Any | None = None, sampled: Any | None = None) -> None:
         """Every check at once, on a state that did not change in between (unit tests):
-        ``kernels``, the attention metadata the step's builders returned."""
+        ``kernels``, the attention metadata the step's builders returned; ``sampled``, the
+        runner's sampled rows."""
         self.step = step
         self.after_schedule(scheduler, scheduled)
         for metadata in kernels:
             self.kernel_built(metadata)
+        if sampled is not None:
+            self.sampled(sampled)
         self.after_step(batch, positions)
 
     @property
@@ -217,6 +239,7 @@ class Monitor:
     def _scheduler(self, scheduler: Any, scheduled: Mapping[str, int]) -> None:
         # After ``schedule()`` a request's computed tokens already count this step's.
         self._kernel = []  # built during the step to come
+        self._sampled = None
         self._spans = {rid: (scheduler.requests[rid].num_computed_tokens - n, n)
                        for rid, n in scheduled.items() if rid in scheduler.requests}
         self._adapters = {rid: int(getattr(getattr(scheduler.requests[rid], "lora_request", None), "lora_int_id", 0)
@@ -415,6 +438,23 @@ class Monitor:
                 self._once(step, "worker-position", ext(rid), -1,
                            f"row {row}: the model is handed position {int(got[i])} for the token at position "
                            f"{start + i}")
+
+    def _check_sampled(self, step: int, batch: Any, ext: Callable[[str], str]) -> None:
+        """Each request's next token is sampled from its own last scheduled token's hidden
+        state (rows in the batch's order, each with its scheduled tokens, as for the positions).
+        A partial prefill's sample is dropped, but vLLM takes it from the same row."""
+        ids = self._step_ids(batch)
+        if ids is None or self._sampled is None or len(self._sampled) != len(ids):
+            return
+        ends = np.cumsum([self._spans[rid][1] for rid in ids])  # one past each row's last token
+        for row, rid in enumerate(ids):
+            got, want = int(self._sampled[row]), int(ends[row]) - 1
+            if got != want:
+                owner = int(np.searchsorted(ends, got, side="right"))
+                whose = f"a token of row {owner}" if owner < len(ids) else "no scheduled token"
+                self._once(step, "worker-sample-row", ext(rid), -1,
+                           f"row {row}: its next token is sampled from hidden state {got} ({whose}); its last "
+                           f"scheduled token's is {want}")
 
     def _check_rows(self, step: int, batch: Any, ext: Callable[[str], str]) -> None:
         """Each request's row against the blocks it was scheduled with this step (a request

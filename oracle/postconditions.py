@@ -23,6 +23,7 @@ from collections.abc import Iterable
 from kvfuzz.traces.history import Break
 
 HARMFUL: tuple[str, ...] = ("worker-row", "worker-adapter", "worker-slot", "worker-seq-len", "worker-position",
+                            "worker-sample-row",
                             "held-block-foreign", "held-block-repeated", "held-block-unwritten",
                             "held-block-released")
 

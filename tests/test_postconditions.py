@@ -91,10 +91,12 @@ def slot_batch(rows: dict[str, list[int]], slots: list[int], bs: int = 4):
     return ib
 
 
-def stepped(pool, held, hashes, spans, rows, slots, step=0, m=None, manager=None, kernels=(), positions=None):
+def stepped(pool, held, hashes, spans, rows, slots, step=0, m=None, manager=None, kernels=(), positions=None,
+            sampled=None):
     """One step: ``spans`` = request -> (first position, tokens) scheduled; ``manager``: the
     group's KV cache manager instead of the default fake; ``kernels``: the attention metadata
-    the step's builders returned; ``positions``: the model runner's positions buffer."""
+    the step's builders returned; ``positions``: the model runner's positions buffer;
+    ``sampled``: its sampled rows."""
     m = m or Monitor()
     sched = Scheduler(pool, held, hashes)
     if manager is not None:
@@ -102,7 +104,7 @@ def stepped(pool, held, hashes, spans, rows, slots, step=0, m=None, manager=None
     for r, (start, n) in spans.items():
         sched.requests[r].num_computed_tokens = start + n  # after schedule(), as in vLLM
     m.check(step, sched, slot_batch(rows, slots), {r: n for r, (_, n) in spans.items()}, kernels=kernels,
-            positions=positions)
+            positions=positions, sampled=sampled)
     return m
 
 
@@ -602,3 +604,28 @@ def test_a_token_handed_to_the_model_at_another_position_breaks_worker_position(
         assert [(x.name, x.request) for x in m.breaks] == want, got
     assert "row 1: the model is handed position 3 for the token at position 4" in m.breaks[-1].detail
     assert origin(m.breaks, "s") == "worker-position"
+
+
+# -- the sampled row (worker-sample-row) -----------------------------------------------------------
+def test_a_token_sampled_from_another_rows_hidden_state_breaks_worker_sample_row():
+    """Fault AK's shape: a prefill that ends below the batch's first row is sampled from the row
+    above's last token. Slots, rows, lengths and positions all agree; the hidden state its next
+    token comes from is not its own last scheduled token's. No sampled rows reported
+    (speculative decoding, another layout): nothing is checked."""
+    a, b, c, d = Block(1), Block(2), Block(3), Block(4)
+    pool = Pool([a, b, c, d], {})
+    spans = {"r": (5, 1), "s": (0, 3)}  # r decodes at 5 (hidden state 0); s's prompt (1..3)
+    for got, want in (([0, 3], []), ([0, 0], [("worker-sample-row", "s")]), (None, []), ([0, 3, 3], [])):
+        m = stepped(pool, {"r": [a, b], "s": [c, d]}, {"r": [], "s": []}, spans, {"r": [1, 2], "s": [3, 4]},
+                    [9, 12, 13, 14], positions=torch.tensor([5, 0, 1, 2]),
+                    sampled=None if got is None else torch.tensor(got))
+        assert [(x.name, x.request) for x in m.breaks] == want, got
+        if want:
+            assert ("row 1: its next token is sampled from hidden state 0 (a token of row 0); its last scheduled "
+                    "token's is 3") in m.breaks[0].detail
+            assert origin(m.breaks, "s") == "worker-sample-row"
+    # Self-only (rule 5.14): the wrong token is its request's alone, and the KV computed after it
+    # is right for the tokens it follows, so a victim that broke nothing is another cause's.
+    same = {"chunked-prefill": "persists", "preemption": "persists", "prefix-caching": "persists"}
+    assert not agrees(k(same), k(same, "worker-sample-row")) and not agrees(k(same, "worker-sample-row"), k(same))
+    assert agrees(k(same, "worker-sample-row"), k(same, "worker-sample-row"))

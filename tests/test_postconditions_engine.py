@@ -305,9 +305,18 @@ AI_SCRIPT = """
 cfg = default_engine(kv_cache_bytes=24 * 2**20)
 eng = InProcessEngine(cfg)
 eng.start()
+out = {}
+# AK (installed beside AI; AI leaves it alone: no prefill here starts past position 0): r0
+# decodes in row 0 while r1's whole prompt is prefilled in row 1, so r1's first token is
+# sampled from r0's row. Then AK is undone in this engine (it would fire on AI's witnesses).
+ak = [SendEvent(request_id="r0", at=At(step=0), max_tokens=4, prompt=GenPrompt(length=40, seed=783703631)),
+      SendEvent(request_id="r1", at=At(step=1), max_tokens=3, prompt=GenPrompt(length=20, seed=591025858))]
+out["ak"] = judged(ak, "r1")
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+GPUModelRunner._prepare_inputs = GPUModelRunner._prepare_inputs.__wrapped__
 # AI's two witnesses of its 3-minute float32 campaign at e32462f, minimized: a prompt's second
 # chunk (r5, 2,062 tokens at a 2,048-token budget) and a prompt's rest after a prefix hit (r1).
-# One engine replays both (one child process: its start is most of the test's time).
+# One engine replays all three (one child process: its start is most of the test's time).
 g = "g287602570-0"
 WITNESSES = {
     "chunk": ([SendEvent(request_id="r5", at=At(step=0), max_tokens=1, prompt=GenPrompt(length=2062, seed=366583219)),
@@ -319,19 +328,37 @@ WITNESSES = {
                        prompt=GenPrompt(length=34, prefix_group=g, prefix_len=32, seed=591025858))],
             "r1"),
 }
-print("JUDGED " + json.dumps({path: judged(sends, victim) for path, (sends, victim) in WITNESSES.items()}))
+out.update({path: judged(sends, victim) for path, (sends, victim) in WITNESSES.items()})
+print("JUDGED " + json.dumps(out))
 """
 
 
-def test_a_prefill_handed_positions_one_early_breaks_worker_position():
+@pytest.fixture(scope="module")
+def ai_and_ak() -> dict:
+    """One child engine with faults AI and AK installed: AK's witness, then (AK undone) AI's."""
+    return _child(AI_SCRIPT, "unseen_faults.continuing_prefill_positions_early,"
+                             "unseen_faults.prefill_samples_neighbours_row", judge=False)
+
+
+def test_a_prefill_handed_positions_one_early_breaks_worker_position(ai_and_ak):
     """Fault AI (written after rule 5.12; rule 5.13 was written for it, after its 3-minute
     campaigns split 38 + 22 on "needs prefix caching" against "needs chunked prefill"): a prefill
     that starts past position 0 is handed positions one early after its slots were computed. Its
     two kinds of witness (a later chunk; the rest after a prefix hit) both break
     ``worker-position``; the reference (alone) breaks nothing."""
-    both = _child(AI_SCRIPT, "unseen_faults.continuing_prefill_positions_early", judge=False)
     for path, victim in (("chunk", "r5"), ("hit", "r1")):
-        got = both[path]
+        got = ai_and_ak[path]
         assert [(name, r) for name, r, _ in got["breaks"]] == [("worker-position", victim)], (path, got)
         assert got["diverged"] and got["ref_breaks"] == [], (path, got)
         assert "the model is handed position" in got["breaks"][0][2], (path, got)
+
+
+def test_a_prefill_sampled_from_the_row_above_breaks_worker_sample_row(ai_and_ak):
+    """Fault AK (written after rule 5.14; ``worker-sample-row`` was written for it, after AK and
+    AJ on at once gave one bucket): a prefill that ends below the batch's first row samples its
+    first token from the row above's hidden state. Its blocks, slots, lengths and positions are
+    right; only the sampled row is not its own. The reference (alone) breaks nothing."""
+    got = ai_and_ak["ak"]
+    assert [(name, r) for name, r, _ in got["breaks"]] == [("worker-sample-row", "r1")], got
+    assert got["diverged"] and got["ref_breaks"] == [], got
+    assert "row 1: its next token is sampled from hidden state 0 (a token of row 0)" in got["breaks"][0][2], got

@@ -20,15 +20,17 @@ class _Data(BaseModel):
 
 BreakName = Literal["map-entry-orphaned", "map-entry-stolen", "held-block-foreign", "held-block-repeated",
                     "held-block-undercounted", "worker-row", "worker-slot", "held-block-unwritten",
-                    "held-block-released", "worker-adapter", "worker-seq-len", "worker-position"]
+                    "held-block-released", "worker-adapter", "worker-seq-len", "worker-position",
+                    "worker-sample-row"]
 # Broken on the allocator's own state (no request named); the others are a request's own state.
 MAP_BREAKS: tuple[str, ...] = ("map-entry-orphaned", "map-entry-stolen")
 # Breaks that can harm only the request that broke them (rule 5.14): a kernel told a wrong
 # length reads the wrong keys, but every KV is written where and as it should be, so no other
-# request reads anything wrong through it. A victim that broke none of these was not harmed by
-# their cause. (A wrong slot, position, row or adapter writes wrong KV that a later prefix hit
+# request reads anything wrong through it; a token sampled from another token's hidden state is
+# wrong for its request alone (the KV computed after it is right for the tokens it follows).
+# A victim that broke none of these was not harmed by their cause. (A wrong slot, position, row or adapter writes wrong KV that a later prefix hit
 # can read: another request can be their victim without breaking anything itself.)
-SELF_ONLY_BREAKS: tuple[str, ...] = ("worker-seq-len",)
+SELF_ONLY_BREAKS: tuple[str, ...] = ("worker-seq-len", "worker-sample-row")
 
 
 class Break(_Data):
@@ -159,8 +161,10 @@ class StepRecord(_Data):
 # - worker-seq-len: an attention kernel is handed a sequence length for a request's row other
 #   than its computed plus scheduled tokens (it leaves keys out, or reads past the row's end);
 # - worker-position: the model is handed a token at another position than its own (RoPE rotates
-#   its query and key wrong, while its KV lands in the right slot).
-# The map entries and the count are latent (no request reads wrong KV yet); the other nine are
+#   its query and key wrong, while its KV lands in the right slot);
+# - worker-sample-row: a request's next token is sampled from another hidden state than its own
+#   last scheduled token's (it answers with another token's next token; every KV is right).
+# The map entries and the count are latent (no request reads wrong KV yet); the other ten are
 # harmful, and a foreign, repeated or unwritten block carries its block's latent break as
 # ``root`` (harness/postconditions.py ``ROOTED``; oracle/postconditions.py).
 class Scoring(_Data):
