@@ -776,3 +776,39 @@ def test_a_second_pass_of_a_trace_reuses_its_first_pass_check_replays(tmp_path):
     t4.prior = [c.model_copy(update={"victim": "someone else"}) for c in t1._checks]
     t4._match(unexplained(), key())
     assert other.replays >= 1
+
+
+def test_a_near_tie_its_float32_control_re_files_as_corruption_is_keyed_as_corruption(tmp_path, monkeypatch):
+    """The keys of a new bucket are the finding's after its controls: a bfloat16 near tie whose
+    float32 control reproduces it as corruption is corruption (``escalate``), and must not be
+    filed under the near-tie key it had before, among the ties (faults AJ + AH on Ray in
+    bfloat16 at a429c6d: one corruption finding was shown only in a near-tie bucket)."""
+    import kvfuzz.triage.campaign as tc
+    from kvfuzz.oracle.controls import FLOAT32
+    from kvfuzz.traces.finding import ControlResult
+    from kvfuzz.driver.settings import TriageSettings
+
+    f = unexplained()
+    f.divergences[0].class_ = "numeric-near-tie"
+    f.verdicts = [v.model_copy(update={"class_": "numeric-near-tie"}) if v.request_id == f.divergences[0].request_id
+                  else v for v in f.verdicts]
+    victim = f.divergences[0].request_id
+    f.controls = []
+
+    def with_f32(_session, g, deadline=None):
+        v = next(v for v in g.verdicts if v.request_id == victim).model_copy(update={"class_": "corruption",
+                                                                                      "arm": FLOAT32})
+        return g.model_copy(update={"controls": [ControlResult(name=FLOAT32, reproduced=False, verdicts=[v])]})
+
+    monkeypatch.setattr(tc, "add_controls", with_f32)
+    for escalated in (True, False):
+        if not escalated:
+            monkeypatch.setattr(tc, "add_controls", lambda _s, g, deadline=None: g)
+        t = CampaignTriage(Table(needs=[]), None, {}, tmp_path, clean_arm=[],  # type: ignore[arg-type]
+                           settings=TriageSettings(minimize=False, ablate=False, attribute=False))
+        t.restore({"tie": bucket("tie", {}, 1, cls="numeric-near-tie")}, {})
+        out = t._open(checked_of(f), f, [], rule.keys_of(f), 0.0, 10.0)
+        classes = [m.key.cls for m in out.buckets]
+        assert classes == (["corruption"] if escalated else ["numeric-near-tie"]), (escalated, out.buckets)
+        if escalated:
+            assert out.buckets[0].status == "opened" and out.buckets[0].bucket != "tie"
