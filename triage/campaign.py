@@ -394,11 +394,13 @@ class CampaignTriage:
             # 120 s on its serialized and float32 controls past a 30 s box).
             self.status(f"finding {small.id}: control arms")
             small = escalate(add_controls(self.session, small, deadline=deadline))
-            if small.worst_class() != finding.worst_class():
-                # The float32 control re-filed a near tie as corruption: the keys are the
-                # escalated finding's (AJ + AH on Ray in bfloat16 at a429c6d: a corruption finding
-                # was filed under the near-tie key it had before its controls, shown as a tie).
-                joined, new = [], rule.keys_of(small)
+        worst = small.worst_class()
+        if any(k.cls != worst for k in new) or any(m.key.cls != worst for m in joined):
+            # Its class changed since it was keyed (the float32 control re-filed a near tie as
+            # corruption; a wall-clock engine's confirmation): the keys are the finding's now.
+            # AJ + AH on Ray in bfloat16 at a429c6d: a corruption finding was filed under the
+            # near-tie key it had before its controls, and shown among the ties.
+            joined, new = [], rule.keys_of(small)
         self.status("fuzzing")
         measured = rule.verdicts_of(small.explanation)
         out = list(joined)
