@@ -395,7 +395,7 @@ class CampaignTriage:
             self.status(f"finding {small.id}: control arms")
             small = escalate(add_controls(self.session, small, deadline=deadline))
         worst = small.worst_class()
-        if any(k.cls != worst for k in new) or any(m.key.cls != worst for m in joined):
+        if worst in DIVERGENT_CLASSES and (any(k.cls != worst for k in new) or any(m.key.cls != worst for m in joined)):
             # Its class changed since it was keyed (the float32 control re-filed a near tie as
             # corruption; a wall-clock engine's confirmation): the keys are the finding's now.
             # AJ + AH on Ray in bfloat16 at a429c6d: a corruption finding was filed under the
