@@ -237,6 +237,27 @@ def test_a_finding_has_one_key_per_post_condition_its_victims_broke():
     assert [x.broke for x in rule.keys_of(f)] == [None]
 
 
+def test_a_victim_that_broke_nothing_beside_self_only_names_keys_on_its_own():
+    """Rule 5.16 (faults AK + AJ at 9368d84: one bucket, every finding named by AK). A self-only
+    name's cause harmed only the requests that broke it, so an unnamed victim beside them is
+    another cause's and adds its own key, after the named one (past the share a finding is
+    assigned by its first key). Beside a name that is not self-only it adds none, as before (a P
+    victim that read a reused block before its new owner registered it breaks nothing)."""
+    f = unexplained()
+    d = f.divergences[0]
+    quiet = d.model_copy(update={"request_id": "quiet", "broke": None})
+    for name, want in (("worker-sample-row", ["worker-sample-row", None]), ("worker-seq-len", ["worker-seq-len", None]),
+                       ("worker-position", ["worker-position"]), ("map-entry-orphaned", ["map-entry-orphaned"])):
+        f.divergences = [quiet, d.model_copy(update={"broke": name})]
+        keys = rule.keys_of(f)
+        assert [x.broke for x in keys] == want, name
+        if len(keys) == 2:
+            assert rule.victim_of(f, keys[1]) == "quiet" and rule.victim_of(f, keys[0]) == d.request_id
+    f.divergences = [d.model_copy(update={"broke": "worker-sample-row"}),
+                     quiet.model_copy(update={"broke": "worker-position"})]
+    assert [x.broke for x in rule.keys_of(f)] == ["worker-position", "worker-sample-row"]
+
+
 def with_broke(f, name):
     f.divergences = [d.model_copy(update={"broke": name}) for d in f.divergences]
     return f
