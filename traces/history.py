@@ -28,8 +28,9 @@ MAP_BREAKS: tuple[str, ...] = ("map-entry-orphaned", "map-entry-stolen")
 # length reads the wrong keys, but every KV is written where and as it should be, so no other
 # request reads anything wrong through it; a token sampled from another token's hidden state is
 # wrong for its request alone (the KV computed after it is right for the tokens it follows).
-# A victim that broke none of these was not harmed by their cause. (A wrong slot, position, row or adapter writes wrong KV that a later prefix hit
-# can read: another request can be their victim without breaking anything itself.)
+# A victim that broke none of these was not harmed by their cause (rules 5.14, 5.16). (A wrong
+# slot, position, row or adapter writes wrong KV that a later prefix hit can read: another
+# request can be their victim without breaking anything itself.)
 SELF_ONLY_BREAKS: tuple[str, ...] = ("worker-seq-len", "worker-sample-row")
 
 

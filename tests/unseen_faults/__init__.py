@@ -100,7 +100,8 @@ And after rule 5.14 and its review (164fb54, c0b809f):
 - ``prefill_samples_neighbours_row`` (AK, the sampler's row index): in a batch of two or more, a
   request whose prompt ends in this step, below the first row, samples its first token from the
   row above's hidden state. No KV, record or kernel input is wrong. It held alone; on with AJ
-  and with AI it gave one bucket each, and showed rule 5.15 (``worker-sample-row``, self-only).
+  and with AI it gave one bucket each, and showed rule 5.15 (``worker-sample-row``, self-only);
+  with AJ again, rule 5.16 (an unnamed victim beside self-only names keys on its own).
 """
 
 from collections.abc import Callable
