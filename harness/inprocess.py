@@ -98,6 +98,20 @@ def _zero_lora_slots(worker: Any) -> int:
     return n
 
 
+def _observed(obj: Any, attr: str, report: Callable[[Any], None]) -> Callable[..., Any]:
+    """``obj.attr`` for the instance: its class's method, looked up per call (so a fault or
+    toggle patching the class later still runs), whose result goes to ``report`` (which must
+    look up the run's monitor when called: each run has its own)."""
+    cls = type(obj)
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        out = getattr(cls, attr)(obj, *args, **kwargs)
+        report(out)
+        return out
+
+    return call
+
+
 def _holders(scheduler: Any) -> dict[str, list[int]] | None:
     """Block ids each request holds right after scheduling (full-attention group 0), or None
     when the layout is not the one modelled (then no block edges are recorded)."""
@@ -319,12 +333,7 @@ class InProcessEngine:
 
         # Blocks handed out for new content: the post-conditions judge reads of slots nothing
         # wrote since (``held-block-unwritten``).
-        def get_new_blocks(*args: Any, **kwargs: Any) -> Any:
-            blocks = pool_cls.get_new_blocks(pool, *args, **kwargs)
-            self._monitor.handed_out(blocks)
-            return blocks
-
-        pool.get_new_blocks = get_new_blocks
+        pool.get_new_blocks = _observed(pool, "get_new_blocks", lambda blocks: self._monitor.handed_out(blocks))
 
         # Admissions with prefix hits or connector tokens, per KV cache group (coverage of the
         # hybrid and external-KV paths). Looked up on the class per call, like evict above.
@@ -352,7 +361,7 @@ class InProcessEngine:
                     if type(group.kv_cache_spec) not in (FullAttentionSpec, SlidingWindowSpec):
                         continue
                     for builder in group.metadata_builders:
-                        builder.build = self._kernel_hook(builder)
+                        builder.build = _observed(builder, "build", lambda meta: self._monitor.kernel_built(meta))
         except (AttributeError, ImportError, TypeError):  # another vLLM layout: not checked
             log.debug("attention metadata hooks not installed", exc_info=True)
 
@@ -361,30 +370,14 @@ class InProcessEngine:
         # the class per call, as above.
         runner = worker_runner(self._core())
         if runner is not None and callable(getattr(type(runner), "_prepare_inputs", None)):
-            runner._prepare_inputs = self._sampled_hook(runner)
+            runner._prepare_inputs = _observed(runner, "_prepare_inputs", self._sampled_rows)
 
-    def _sampled_hook(self, runner: Any) -> Callable[..., Any]:
-        cls = type(runner)
-
-        def prepare_inputs(*args: Any, **kwargs: Any) -> Any:
-            out = cls._prepare_inputs(runner, *args, **kwargs)
-            # vLLM 0.32: (logits_indices, spec_decode_metadata, ...); one row a request only
-            # without speculative decoding. Older releases return other tuples: not checked.
-            if isinstance(out, tuple) and len(out) >= 2 and out[1] is None and getattr(out[0], "ndim", None) == 1:
-                self._monitor.sampled(out[0])
-            return out
-
-        return prepare_inputs
-
-    def _kernel_hook(self, builder: Any) -> Callable[..., Any]:
-        cls = type(builder)
-
-        def build(*args: Any, **kwargs: Any) -> Any:
-            metadata = cls.build(builder, *args, **kwargs)
-            self._monitor.kernel_built(metadata)
-            return metadata
-
-        return build
+    def _sampled_rows(self, prepared: Any) -> None:
+        # vLLM 0.32: (logits_indices, spec_decode_metadata, ...); one row a request only without
+        # speculative decoding. Older releases return other tuples: not checked.
+        if isinstance(prepared, tuple) and len(prepared) >= 2 and prepared[1] is None \
+                and getattr(prepared[0], "ndim", None) == 1:
+            self._monitor.sampled(prepared[0])
 
     def _install_lora_hooks(self) -> None:
         """Count what the worker's LoRA manager does each step (coverage of adapter churn): reads
