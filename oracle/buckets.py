@@ -28,7 +28,6 @@ from kvfuzz.traces import Divergence, Finding
 from kvfuzz.traces.buckets import (KEY_MECHANISMS, Bucket, BucketDescription, BucketKey, Outcome, agrees,
                                    breaks_agree, candidates, conflicts, live, mergeable, name_unearned, resolve, union)
 from kvfuzz.traces.finding import DIVERGENT_CLASSES, MECHANISM_WORDS, SEVERITY, Explanation
-from kvfuzz.traces.history import SELF_ONLY_BREAKS
 
 # The ablations cheap enough for every unexplained finding (no engine restart).
 CHEAP_MECHANISMS = ("concurrency", "cancels", "lora")
@@ -54,10 +53,11 @@ def keys_of(finding: Finding, verdicts: Mapping[str, Outcome] | None = None) -> 
     # break is the better evidence of the two).
     names = sorted({d.broke for d in open_ if d.broke})
     broke: list[str | None] = [*names] or ([None] if open_ else [])
-    if names and all(n in SELF_ONLY_BREAKS for n in names) and any(d.broke is None for d in open_):
-        # Rule 5.16: a self-only name's cause harmed only the requests that broke it (rule
-        # 5.14), so a victim that broke nothing beside them is another cause's: a key of its
-        # own (faults AK + AJ at 9368d84: AJ's victims sat in findings named by AK alone).
+    if names and not any(breaks_agree(None, n) for n in names) and any(d.broke is None for d in open_):
+        # Rule 5.16: a victim that broke nothing agrees with none of the names beside it (all
+        # self-only, rule 5.14: their cause harmed only the requests that broke them), so it is
+        # another cause's: a key of its own (faults AK + AJ at 9368d84: AJ's victims sat in
+        # findings named by AK alone).
         broke.append(None)
     keys += [BucketKey(cls=worst, verdicts=dict(verdicts or {}), broke=b) for b in broke]
     # Named keys before an unnamed one: past the share a finding is assigned by its first key.
