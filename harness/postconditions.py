@@ -54,7 +54,14 @@ compares vLLM's own records with each other, the way vLLM's invariants say they 
   (the runner's ``logits_indices``; the harness reports them via ``sampled``): a runner whose
   sampled rows are counted apart from its scheduled ones (padding, a reordered batch) hands a
   request its neighbour's next token. That breaks ``worker-sample-row`` on the request (not
-  checked with speculative decoding, which samples several rows a request).
+  checked with speculative decoding, which samples several rows a request);
+- a block is read by one request only as the KV of the tokens it holds: once a request broke a
+  harmful post-condition (it read wrong KV, or was handed a wrong position, length, adapter or
+  slot), the KV it computes from that step on is wrong past the first layer, and the blocks it
+  writes carry that break. Another request that holds one while it keeps its hash (a retry's
+  prefix hit) reads it, and breaks ``held-block-derived``, rooted in the writer's first break
+  (rule 5.17: fault AD's retries had reached its damage that way, breaking nothing). A wrong
+  sampled row derives nothing: the KV after it is right for the tokens it follows.
 
 Each break is recorded once (per block for the map; per request and name otherwise) into the
 history; the oracle (oracle/postconditions.py) names the first harmful one on a diverging
@@ -84,6 +91,9 @@ MAX_MAP_BREAKS = 8
 # A request's breaks that say its KV read is wrong (a block of other content, one block twice)
 # and so carry the latent break of their block as their root.
 ROOTED: tuple[BreakName, ...] = ("held-block-foreign", "held-block-repeated", "held-block-unwritten")
+# A request's breaks after which its KV is not wrong: a latent count (nothing read yet), and a
+# wrong sampled row (the tokens after it are computed right for what they follow).
+UNDERIVED: tuple[BreakName, ...] = ("held-block-undercounted", "worker-sample-row")
 
 
 def _map_blocks(value: Any) -> Iterable[Any]:
@@ -105,6 +115,10 @@ class _Taint:
     step: int
     detail: str
     hash: Any = None
+    # What a reader breaks: the slot (KV written to the wrong slot), or KV computed after the
+    # writer's own break (``root``: that break's name, or its root).
+    name: BreakName = "worker-slot"
+    root: BreakName | None = None
 
 
 class Monitor:
@@ -149,6 +163,10 @@ class Monitor:
         self._adapters: dict[str, int] = {}  # request scheduled this step -> its LoRA id (0: none)
         self._kernel: list[np.ndarray] = []  # the step's kernels' sequence lengths, per row
         self._sampled: np.ndarray | None = None  # the step's sampled hidden-state row, per request
+        # Request (trace id) -> the origin of its first break after which its KV is wrong, and the
+        # step's written slots per request (rule 5.17: its blocks carry that break).
+        self._derives: dict[str, BreakName] = {}
+        self._step_slots: dict[str, list[tuple[np.ndarray, int]]] = {}
 
     def after_schedule(self, scheduler: Any, scheduled: Mapping[str, int] | None = None) -> None:
         """``scheduled``: the step's tokens per request (``SchedulerOutput.num_scheduled_tokens``),
@@ -173,6 +191,7 @@ class Monitor:
                 except (AttributeError, TypeError, IndexError, KeyError, ValueError):
                     log.debug("slots not checked on this vLLM layout", exc_info=True)
                     self._slots_off = self._writes_off = True
+            self._guarded(lambda: self._derive(self.step, self.ext))
 
     def kernel_built(self, metadata: Any) -> None:
         """Attention metadata a builder returned this step (what its kernel is handed)."""
@@ -240,6 +259,7 @@ class Monitor:
         # After ``schedule()`` a request's computed tokens already count this step's.
         self._kernel = []  # built during the step to come
         self._sampled = None
+        self._step_slots = {}
         self._spans = {rid: (scheduler.requests[rid].num_computed_tokens - n, n)
                        for rid, n in scheduled.items() if rid in scheduler.requests}
         self._adapters = {rid: int(getattr(getattr(scheduler.requests[rid], "lora_request", None), "lora_int_id", 0)
@@ -257,15 +277,18 @@ class Monitor:
         self._check_requests(self.step, scheduler, pool, managers, self.ext)
 
     def _add(self, step: int, name: BreakName, *, request: str | None = None, block: int | None = None,
-             detail: str = "") -> None:
+             detail: str = "", root: BreakName | None = None) -> None:
         if request is None:
             if self._map_recorded >= MAX_MAP_BREAKS:
                 return
             self._map_recorded += 1
         elif self._full:
             return
-        root = self._roots.get(block) if name in ROOTED and block is not None else None
+        if root is None and name in ROOTED and block is not None:
+            root = self._roots.get(block)
         self.breaks.append(Break(step=step, name=name, request=request, block=block, root=root, detail=detail))
+        if request is not None and name not in UNDERIVED:
+            self._derives.setdefault(request, root or name)
 
     # -- the prefix-cache map ------------------------------------------------------------------
     def _check_map(self, step: int, pool: Any) -> None:
@@ -301,10 +324,11 @@ class Monitor:
                                  f"{_hex(b.block_hash) if b.block_hash is not None else 'no hash'}")
 
     # -- each request's own blocks -------------------------------------------------------------
-    def _once(self, step: int, name: BreakName, rid: str, block: int, detail: str) -> None:
+    def _once(self, step: int, name: BreakName, rid: str, block: int, detail: str,
+              root: BreakName | None = None) -> None:
         if (name, rid) not in self._seen:
             self._seen.add((name, rid))
-            self._add(step, name, request=rid, block=block, detail=detail)
+            self._add(step, name, request=rid, block=block, detail=detail, root=root)
 
     def _check_requests(self, step: int, scheduler: Any, pool: Any, managers: Any, ext: Callable[[str], str]) -> None:
         """Each request's blocks; also snapshots them (``_rows``) for the worker-row check. One
@@ -393,8 +417,29 @@ class Monitor:
 
     def _tainted_read(self, step: int, reader: str, block: int, t: _Taint) -> None:
         """``reader`` (a trace request id) holds ``block`` while it is tainted: it reads that KV."""
-        self._once(step, "worker-slot", reader, block,
-                   f"block {block} holds KV {t.writer} wrote to the wrong slot at step {t.step} ({t.detail})")
+        if t.name == "worker-slot":
+            detail = f"block {block} holds KV {t.writer} wrote to the wrong slot at step {t.step} ({t.detail})"
+        else:
+            detail = f"block {block} holds KV {t.writer} computed at step {t.step}, after its own {t.detail}"
+        self._once(step, t.name, reader, block, detail, root=t.root)
+
+    def _derive(self, step: int, ext: Callable[[str], str]) -> None:
+        """Rule 5.17: the blocks a request wrote this step, once a break says its KV is wrong,
+        carry that break for a later holder (``_check_taints``)."""
+        if not self._derives:
+            return
+        for rid, parts in self._step_slots.items():
+            writer = ext(rid)
+            root = self._derives.get(writer)
+            if root is None:
+                continue
+            first = next(b for b in self.breaks if b.request == writer and b.name not in UNDERIVED)
+            for got, bs in parts:
+                for blk in np.unique(got[got >= 0] // bs).tolist():
+                    if 0 < blk < len(self._blocks_of) and blk not in self._taints:
+                        self._taints[blk] = _Taint(writer=writer, step=step, hash=self._blocks_of[blk].block_hash,
+                                                   detail=f"{first.name} at step {first.step}",
+                                                   name="held-block-derived", root=root)
 
     # -- the worker's persistent batch -----------------------------------------------------------
     def _step_ids(self, batch: Any) -> list[str] | None:
@@ -510,6 +555,7 @@ class Monitor:
                 off += n
                 if not self._writes_off:
                     self._wrote(got, bs)
+                self._step_slots.setdefault(rid, []).append((got, bs))  # a break later this step counts too
                 if g in self._windows and n and rid in self._rows and g < len(self._rows[rid]):
                     self._check_held(step, g, bs, rid, self._rows[rid][g], start, n, blocks, ext)
                 inside = pos // bs < width  # a missing block is the row check's (worker-row)

@@ -573,6 +573,49 @@ def test_a_position_in_the_window_whose_block_the_scheduler_released_breaks_held
         assert [x.name for x in m.breaks] == want, kind
 
 
+# -- KV computed after a request's own break (held-block-derived, rule 5.17) --------------------
+def test_a_block_computed_after_its_writers_break_breaks_held_block_derived_on_a_later_holder():
+    """Fault AD's retries (issue 30, its 10-minute bfloat16 campaign split 465 + 3): r reads a
+    released block another request holds (held-block-released), and the KV r computes from then
+    on is wrong past the first layer. A retry whose prefix hit holds a block r wrote after that
+    reads it, and is named by r's break; a block whose hash changed since holds new content."""
+    bs = [Block(i) for i in range(1, 7)]
+    pool = Pool(bs, {})
+    null = pool.null_block
+    # Step 0: r (window 8) reads block 2, which s holds now, and writes position 12 to block 4.
+    m = windowed(pool, {"r": [null, null, bs[2], bs[3]], "s": [bs[4], bs[1]]}, {"r": (12, 1), "s": (4, 1)},
+                 {"r": [1, 2, 3, 4], "s": [5, 2]}, [16, 8])
+    assert [(x.name, x.request) for x in m.breaks] == [("held-block-released", "r")]
+    # Step 1: block 4 filled and registered while r holds it; r's next token is block 4's too.
+    bs[3].block_hash = G(9)
+    windowed(pool, {"r": [null, null, bs[2], bs[3]]}, {"r": (13, 1)}, {"r": [1, 2, 3, 4]}, [17], step=1, m=m)
+    assert [x.request for x in m.breaks] == ["r"]  # r itself reads its own KV: nothing new
+    # Step 2: r finished; its retry v hits block 4 (and block 3, written before r broke anything).
+    bs[2].block_hash = G(8)
+    windowed(pool, {"v": [bs[2], bs[3], bs[5]]}, {"v": (8, 1)}, {"v": [3, 4, 6]}, [24], step=2, m=m)
+    (w,) = [x for x in m.breaks if x.request == "v"]
+    assert (w.name, w.block, w.root) == ("held-block-derived", 4, "held-block-released")
+    assert origin(m.breaks, "v") == "held-block-released"
+    assert "block 4 holds KV r computed at step 0, after its own held-block-released at step 0" in w.detail
+    # Evicted and refilled (another hash): its next holder reads new content.
+    bs[3].block_hash = G(7)
+    windowed(pool, {"x": [bs[2], bs[3], bs[5]]}, {"x": (8, 1)}, {"x": [3, 4, 6]}, [24], step=3, m=m)
+    assert not [x for x in m.breaks if x.request == "x"]
+
+
+def test_a_wrong_sampled_row_derives_nothing():
+    """Rule 5.17's exception: a token sampled from another row is its request's alone; the KV it
+    computes after it is right for the tokens it follows, so a later holder breaks nothing."""
+    a, b, c, d = Block(1), Block(2), Block(3, G(3)), Block(4)
+    pool = Pool([a, b, c, d], {})  # s's prompt goes to block 3, registered
+    m = stepped(pool, {"r": [a, b], "s": [c, d]}, {"r": [], "s": []}, {"r": (5, 1), "s": (0, 3)},
+                {"r": [1, 2], "s": [3, 4]}, [9, 12, 13, 14], positions=torch.tensor([5, 0, 1, 2]),
+                sampled=torch.tensor([0, 0]))
+    assert [(x.name, x.request) for x in m.breaks] == [("worker-sample-row", "s")]
+    stepped(pool, {"v": [c, d]}, {"v": []}, {"v": (4, 1)}, {"v": [3, 4]}, [16], step=1, m=m)  # v hits it
+    assert [x.request for x in m.breaks] == ["s"]
+
+
 # -- the worker's LoRA mapping (worker-adapter) ---------------------------------------------------
 def test_a_row_whose_lora_mapping_is_not_its_requests_adapter_breaks_worker_adapter():
     """Fault AE's shape: a row moved by ``condense`` serves the base model. The blocks all agree;

@@ -21,12 +21,13 @@ class _Data(BaseModel):
 BreakName = Literal["map-entry-orphaned", "map-entry-stolen", "held-block-foreign", "held-block-repeated",
                     "held-block-undercounted", "worker-row", "worker-slot", "held-block-unwritten",
                     "held-block-released", "worker-adapter", "worker-seq-len", "worker-position",
-                    "worker-sample-row"]
+                    "worker-sample-row", "held-block-derived"]
 # Broken on the allocator's own state (no request named); the others are a request's own state.
 MAP_BREAKS: tuple[str, ...] = ("map-entry-orphaned", "map-entry-stolen")
 # Breaks that can harm only the request that broke them (rule 5.14): a kernel told a wrong
-# length reads the wrong keys, but every KV is written where and as it should be, so no other
-# request reads anything wrong through it; a token sampled from another token's hidden state is
+# length reads the wrong keys, but every KV is written where it should be, so another request
+# reads its wrong KV only through a block it computed after the wrong read, and then breaks
+# ``held-block-derived`` itself (rule 5.17); a token sampled from another token's hidden state is
 # wrong for its request alone (the KV computed after it is right for the tokens it follows).
 # A victim that broke none of these was not harmed by their cause (rules 5.14, 5.16). (A wrong
 # slot, position, row or adapter writes wrong KV that a later prefix hit can read: another
@@ -164,8 +165,11 @@ class StepRecord(_Data):
 # - worker-position: the model is handed a token at another position than its own (RoPE rotates
 #   its query and key wrong, while its KV lands in the right slot);
 # - worker-sample-row: a request's next token is sampled from another hidden state than its own
-#   last scheduled token's (it answers with another token's next token; every KV is right).
-# The map entries and the count are latent (no request reads wrong KV yet); the other ten are
+#   last scheduled token's (it answers with another token's next token; every KV is right);
+# - held-block-derived: a request holds a block whose KV another request computed after that
+#   request's own harmful break (rule 5.17: past the first layer, KV computed from a wrong read
+#   is wrong too), e.g. a retry's prefix hit; its ``root`` is the writer's first break.
+# The map entries and the count are latent (no request reads wrong KV yet); the other eleven are
 # harmful, and a foreign, repeated or unwritten block carries its block's latent break as
 # ``root`` (harness/postconditions.py ``ROOTED``; oracle/postconditions.py).
 class Scoring(_Data):

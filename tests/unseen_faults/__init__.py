@@ -102,6 +102,11 @@ And after rule 5.14 and its review (164fb54, c0b809f):
   row above's hidden state. No KV, record or kernel input is wrong. It held alone; on with AJ
   and with AI it gave one bucket each, and showed rule 5.15 (``worker-sample-row``, self-only);
   with AJ again, rule 5.16 (an unnamed victim beside self-only names keys on its own).
+And after rule 5.16 (3ac7fab) and its review (1c4452c):
+- ``readded_row_keeps_stale_tokens`` (AL, the persistent batch's token ids): a request added
+  back to the batch with output tokens (resumed after a preemption, or left out of a step) keeps
+  its row's previous content where those tokens belong, so it recomputes or continues from
+  another request's tokens. Two paths to a victim; every record and kernel input agrees.
 """
 
 from collections.abc import Callable
