@@ -47,7 +47,7 @@ from . import toggles as toggle_registry
 from .adapters import AdapterBook, AdapterWorkdir, Bound, resolve_source, solo_engine
 from .base import EngineKind
 from .blocks import BlockEdges
-from .postconditions import Monitor, worker_batch, worker_positions, worker_runner
+from .postconditions import Monitor, worker_batch, worker_input_ids, worker_positions, worker_runner
 from .compat import check_inprocess
 from .embedded import ResolvedModel, resolve_model
 from .logs import quiet_stderr, read_tail, route_vllm_logs
@@ -736,7 +736,7 @@ class InProcessEngine:
                 recs[r].num_preemptions += 1
         hist.steps.append(rec)
         core = self._core()
-        self._monitor.after_step(worker_batch(core), worker_positions(core))
+        self._monitor.after_step(worker_batch(core), worker_positions(core), worker_input_ids(core))
 
     # -- references ----------------------------------------------------------------------------
     @property

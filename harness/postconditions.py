@@ -50,6 +50,12 @@ compares vLLM's own records with each other, the way vLLM's invariants say they 
   mapping (M-RoPE's, for one) can hand the model other positions while the KV still lands in
   the right slots, rotated wrong. That breaks ``worker-position`` on the request (not checked
   with M-RoPE, whose positions are three rows);
+- each token the step computed was handed to the model as the request's own token at that
+  position (the runner's ``input_ids`` against the scheduler's ``Request.all_token_ids``): a
+  row whose token ids were not refreshed (a request added back after a preemption, a moved row
+  copied short) feeds the model another request's token, and its KV is computed from it. That
+  breaks ``worker-token`` on the request (rule 5.18; not checked with prompt embeddings, nor
+  for a request with speculative tokens scheduled);
 - each request's next token is sampled from the hidden state of its own last scheduled token
   (the runner's ``logits_indices``; the harness reports them via ``sampled``): a runner whose
   sampled rows are counted apart from its scheduled ones (padding, a reordered batch) hands a
@@ -144,6 +150,8 @@ class Monitor:
         self._rows: dict[str, list[list[int]]] = {}  # request -> its block ids per group, at schedule
         self._null = 0  # the pool's null block id (vLLM's is 0), read with the rows
         # Request -> (first position, tokens) scheduled this step; the slot check's positions.
+        # And the request's own token ids at those positions (the token check's).
+        self._want_tokens: dict[str, np.ndarray] = {}
         self._spans: dict[str, tuple[int, int]] = {}
         self._taints: dict[int, _Taint] = {}
         self._slots_off = False  # the slot check alone found another layout
@@ -173,16 +181,19 @@ class Monitor:
         whose positions the slot check needs; without it slots are not checked."""
         self._guarded(lambda: self._scheduler(scheduler, scheduled or {}))
 
-    def after_step(self, batch: Any | None, positions: Any | None = None) -> None:
+    def after_step(self, batch: Any | None, positions: Any | None = None, input_ids: Any | None = None) -> None:
         """The worker's rows, kernels, positions and slots only: the scheduler's state was
         checked after ``schedule()``, where blocks are allocated, hit, evicted and registered;
         the rest of a step only frees (a break it leaves is still there at the next
-        ``schedule()``). ``positions``: the model runner's positions buffer, as the step left it."""
+        ``schedule()``). ``positions``, ``input_ids``: the model runner's buffers, as the step
+        left them."""
         if batch is not None:
             self._guarded(lambda: self._check_rows(self.step, batch, self.ext))
             self._guarded(lambda: self._check_lens(self.step, batch, self.ext))
             if positions is not None:
                 self._guarded(lambda: self._check_positions(self.step, batch, positions, self.ext))
+            if input_ids is not None:
+                self._guarded(lambda: self._check_tokens(self.step, batch, input_ids, self.ext))
             if self._sampled is not None:
                 self._guarded(lambda: self._check_sampled(self.step, batch, self.ext))
             if not self._slots_off and not self.disabled and not self._full:
@@ -228,7 +239,8 @@ class Monitor:
                 self._read_ok.pop(key, None)
 
     def check(self, step: int, scheduler: Any, batch: Any | None, scheduled: Mapping[str, int] | None = None,
-              *, kernels: Iterable[Any] = (), positions: Any | None = None, sampled: Any | None = None) -> None:
+              *, kernels: Iterable[Any] = (), positions: Any | None = None, sampled: Any | None = None,
+              input_ids: Any | None = None) -> None:
         """Every check at once, on a state that did not change in between (unit tests):
         ``kernels``, the attention metadata the step's builders returned; ``sampled``, the
         runner's sampled rows."""
@@ -238,7 +250,7 @@ class Monitor:
             self.kernel_built(metadata)
         if sampled is not None:
             self.sampled(sampled)
-        self.after_step(batch, positions)
+        self.after_step(batch, positions, input_ids)
 
     @property
     def _full(self) -> bool:
@@ -262,6 +274,11 @@ class Monitor:
         self._step_slots = {}
         self._spans = {rid: (scheduler.requests[rid].num_computed_tokens - n, n)
                        for rid, n in scheduled.items() if rid in scheduler.requests}
+        self._want_tokens = {}
+        for rid, (start, n) in self._spans.items():
+            toks = scheduler.requests[rid].all_token_ids[start:start + n]
+            if len(toks) == n:  # not with speculative tokens scheduled beyond them
+                self._want_tokens[rid] = np.asarray(toks, dtype=np.int64)
         self._adapters = {rid: int(getattr(getattr(scheduler.requests[rid], "lora_request", None), "lora_int_id", 0)
                                    or 0) for rid in self._spans}
         mgr = scheduler.kv_cache_manager
@@ -484,6 +501,28 @@ class Monitor:
                            f"row {row}: the model is handed position {int(got[i])} for the token at position "
                            f"{start + i}")
 
+    def _check_tokens(self, step: int, batch: Any, input_ids: Any, ext: Callable[[str], str]) -> None:
+        """Each token the model was handed against its request's own token at that position
+        (rows in the batch's order, each with its scheduled tokens, as for the positions)."""
+        ids = self._step_ids(batch)
+        if ids is None:
+            return
+        got_all = _ints(input_ids[:sum(self._spans[r][1] for r in ids)])
+        off = 0
+        for row, rid in enumerate(ids):
+            start, n = self._spans[rid]
+            got = got_all[off:off + n]
+            off += n
+            want = self._want_tokens.get(rid)
+            if want is None:
+                continue
+            bad = np.nonzero(got != want)[0]
+            if len(bad):
+                i = int(bad[0])
+                self._once(step, "worker-token", ext(rid), -1,
+                           f"row {row}: the model is handed token {int(got[i])} at position {start + i}; the "
+                           f"request's token there is {int(want[i])}")
+
     def _check_sampled(self, step: int, batch: Any, ext: Callable[[str], str]) -> None:
         """Each request's next token is sampled from its own last scheduled token's hidden
         state (rows in the batch's order, each with its scheduled tokens, as for the positions).
@@ -681,9 +720,19 @@ def worker_positions(core: Any) -> Any | None:
     return getattr(runner, "positions", None)
 
 
+def worker_input_ids(core: Any) -> Any | None:
+    """The in-process model runner's token ids buffer, or None on another layout or with prompt
+    embeddings (whose rows are not token ids)."""
+    runner = worker_runner(core)
+    if runner is None or getattr(runner, "enable_prompt_embeds", False):
+        return None
+    buf = getattr(runner, "input_ids", None)
+    return getattr(buf, "gpu", buf)
+
+
 def worker_batch(core: Any) -> Any | None:
     """The in-process worker's persistent batch (``InputBatch``), or None on another layout."""
     return getattr(worker_runner(core), "input_batch", None)
 
 
-__all__ = ["MAX_BREAKS", "Monitor", "worker_batch", "worker_positions", "worker_runner"]
+__all__ = ["MAX_BREAKS", "Monitor", "worker_batch", "worker_input_ids", "worker_positions", "worker_runner"]

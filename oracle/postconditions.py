@@ -8,7 +8,7 @@ that holds another prefix's content (it carries another hash, or none while anot
 holds it), one block at two positions, a position counted as computed whose slot nothing wrote
 since its block was handed out, a position it attends to in a block the scheduler released,
 an attention kernel told another length than its own, a token handed to the model at another
-position than its own, a block whose KV another request computed after its own harmful break
+position than its own, another token than its own handed to the model, a block whose KV another request computed after its own harmful break
 (named by that request's break, its root: rule 5.17). Those are the *harmful* breaks. Others are *latent*: a prefix-cache entry that finds the wrong block, a
 reference count short of the block's holders — nothing reads wrong KV until a request is
 handed that block. A latent break is the root of a later harmful break on its block, and then
@@ -24,7 +24,7 @@ from collections.abc import Iterable
 from kvfuzz.traces.history import Break
 
 HARMFUL: tuple[str, ...] = ("worker-row", "worker-adapter", "worker-slot", "worker-seq-len", "worker-position",
-                            "worker-sample-row",
+                            "worker-token", "worker-sample-row",
                             "held-block-foreign", "held-block-repeated", "held-block-unwritten",
                             "held-block-released", "held-block-derived")
 

@@ -60,6 +60,7 @@ class Pool:
 class Req:
     block_hashes: list
     num_computed_tokens: int = 0
+    all_token_ids: list = field(default_factory=list)  # none: the token check skips the request
 
 
 class Scheduler:
@@ -92,19 +93,22 @@ def slot_batch(rows: dict[str, list[int]], slots: list[int], bs: int = 4):
 
 
 def stepped(pool, held, hashes, spans, rows, slots, step=0, m=None, manager=None, kernels=(), positions=None,
-            sampled=None):
+            sampled=None, tokens=None, input_ids=None):
     """One step: ``spans`` = request -> (first position, tokens) scheduled; ``manager``: the
     group's KV cache manager instead of the default fake; ``kernels``: the attention metadata
     the step's builders returned; ``positions``: the model runner's positions buffer;
-    ``sampled``: its sampled rows."""
+    ``sampled``: its sampled rows; ``tokens``: request -> its token ids (prompt and output);
+    ``input_ids``: the token ids the model was handed."""
     m = m or Monitor()
     sched = Scheduler(pool, held, hashes)
     if manager is not None:
         sched.kv_cache_manager.coordinator.single_type_managers = [manager]
     for r, (start, n) in spans.items():
         sched.requests[r].num_computed_tokens = start + n  # after schedule(), as in vLLM
+    for r, toks in (tokens or {}).items():
+        sched.requests[r].all_token_ids = toks
     m.check(step, sched, slot_batch(rows, slots), {r: n for r, (_, n) in spans.items()}, kernels=kernels,
-            positions=positions, sampled=sampled)
+            positions=positions, sampled=sampled, input_ids=input_ids)
     return m
 
 
@@ -614,6 +618,36 @@ def test_a_wrong_sampled_row_derives_nothing():
     assert [(x.name, x.request) for x in m.breaks] == [("worker-sample-row", "s")]
     stepped(pool, {"v": [c, d]}, {"v": []}, {"v": (4, 1)}, {"v": [3, 4]}, [16], step=1, m=m)  # v hits it
     assert [x.request for x in m.breaks] == ["s"]
+
+
+# -- the token ids the model is handed (worker-token, rule 5.18) --------------------------------
+def test_a_token_handed_to_the_model_that_is_not_the_requests_own_breaks_worker_token():
+    """Fault AL's shape (and AA's): a request added back to the batch (resumed, or left out of a
+    step) keeps its row's stale token ids. Rows, slots, lengths and positions agree; the model is
+    handed another token than the request's at that position. Its KV is wrong from there on, so
+    a later holder of a block it wrote breaks held-block-derived, named by it (rule 5.17)."""
+    a, b, c, d = Block(1), Block(2), Block(3, G(3)), Block(4)
+    pool = Pool([a, b, c, d], {})
+    spans = {"r": (5, 1), "s": (0, 3)}  # r decodes position 5; s's prompt, positions 0..2
+    tokens = {"r": [10, 11, 12, 13, 14, 15], "s": [20, 21, 22]}
+    for got, want in (([15, 20, 21, 22], []), ([15, 20, 99, 22], [("worker-token", "s")]), (None, [])):
+        m = stepped(pool, {"r": [a, b], "s": [c, d]}, {"r": [], "s": []}, spans, {"r": [1, 2], "s": [3, 4]},
+                    [9, 12, 13, 14], tokens=tokens, input_ids=None if got is None else torch.tensor(got))
+        assert [(x.name, x.request) for x in m.breaks] == want, got
+    m = stepped(pool, {"r": [a, b], "s": [c, d]}, {"r": [], "s": []}, spans, {"r": [1, 2], "s": [3, 4]},
+                [9, 12, 13, 14], tokens=tokens, input_ids=torch.tensor([15, 20, 99, 22]))
+    assert "row 1: the model is handed token 99 at position 1; the request's token there is 21" in m.breaks[0].detail
+    assert origin(m.breaks, "s") == "worker-token"
+    # A request whose tokens the scheduler does not list that far (speculative tokens) is skipped.
+    m = stepped(pool, {"s": [c, d]}, {"s": []}, {"s": (0, 3)}, {"s": [3, 4]}, [12, 13, 14],
+                tokens={"s": [20, 21]}, input_ids=torch.tensor([20, 99, 22]))
+    assert m.breaks == []
+    # s's block 3 (registered) holds KV computed from the wrong token: v's prefix hit reads it.
+    m = stepped(pool, {"r": [a, b], "s": [c, d]}, {"r": [], "s": []}, spans, {"r": [1, 2], "s": [3, 4]},
+                [9, 12, 13, 14], tokens=tokens, input_ids=torch.tensor([15, 20, 99, 22]))
+    stepped(pool, {"v": [c, d]}, {"v": []}, {"v": (4, 1)}, {"v": [3, 4]}, [16], step=1, m=m)
+    (w,) = [x for x in m.breaks if x.request == "v"]
+    assert (w.name, w.root) == ("held-block-derived", "worker-token") and origin(m.breaks, "v") == "worker-token"
 
 
 # -- the worker's LoRA mapping (worker-adapter) ---------------------------------------------------

@@ -51,13 +51,16 @@ def test_four_unseen_faults_each_break_their_own_post_condition():
     assert p.returncode == 0, p.stderr[-3000:]
     runs = json.loads(next(ln for ln in p.stdout.splitlines() if ln.startswith("BREAKS "))[7:])
     names = {b["name"] for run in runs for b in run}
-    roots = {b["root"] for run in runs for b in run if b["request"]}
     # T: a moved row is not the scheduler's; P: the allocator's map keeps an entry of a reused
     # block; U: a block is held by more requests than reference it.
     assert {"worker-row", "map-entry-orphaned", "held-block-undercounted"} <= names, names
     # Nothing else is broken by these faults: no stolen entries.
     assert names <= {"worker-row", "map-entry-orphaned", "held-block-undercounted", "held-block-foreign",
-                     "held-block-repeated", "held-block-unwritten"}, names
+                     "held-block-repeated", "held-block-unwritten", "held-block-derived"}, names
+    # A later holder of a block a victim computed after its break reads KV derived from it
+    # (rule 5.17), named by that victim's break.
+    derived = [b for run in runs for b in run if b["name"] == "held-block-derived"]
+    assert all(b["root"] in ("worker-row", "map-entry-orphaned", "held-block-undercounted") for b in derived), derived
     # A slot left unwritten here is a consequence: T's, read a step after its row broke (the
     # worker wrote the dropped block's tokens elsewhere; the row stays the request's name), or
     # a block handed out afresh while its reader held it (U's short count, P's stale entry),
@@ -72,7 +75,8 @@ def test_four_unseen_faults_each_break_their_own_post_condition():
     # block (P's orphaned entry, U's short count), never to T (a row, not a block record).
     foreign = [b for run in runs for b in run if b["name"] == "held-block-foreign"]
     assert all(b["root"] in ("map-entry-orphaned", "held-block-undercounted") for b in foreign), foreign
-    assert roots <= {None, "map-entry-orphaned", "held-block-undercounted"}
+    assert {b["root"] for run in runs for b in run if b["request"] and b["name"] != "held-block-derived"} <= {
+        None, "map-entry-orphaned", "held-block-undercounted"}
     # V (rule 5.3): a reference run records the breaks on its own request.
     ref = json.loads(next(ln for ln in p.stdout.splitlines() if ln.startswith("REF "))[4:])
     # (Its row's repeated id sent the new block's tokens elsewhere: read unwritten a step later.)
@@ -299,6 +303,30 @@ def test_a_kernel_told_one_position_short_breaks_worker_seq_len():
     assert [(name, r) for name, r, _ in got["breaks"]] == [("worker-seq-len", "r0")], got
     assert got["diverged"] and got["ref_breaks"] == [], got
     assert "the attention kernel is told" in got["breaks"][0][2], got
+
+
+AL_SCRIPT = """
+cfg = default_engine(kv_cache_bytes=2**20, max_model_len=960)  # 31 blocks of 32 tokens
+eng = InProcessEngine(cfg)
+eng.start()
+# h and v decode together until the cache is full: v (the latest) is preempted, and resumes in
+# h's row once h is done, with its output tokens to recompute over h's stale ones.
+sends = [SendEvent(request_id="h", at=At(step=0), max_tokens=450, prompt=GenPrompt(length=300, seed=1)),
+         SendEvent(request_id="v", at=At(step=2), max_tokens=250, prompt=GenPrompt(length=300, seed=2))]
+VICTIM = "v"
+"""
+
+
+def test_a_request_added_back_with_stale_token_ids_breaks_worker_token():
+    """Fault AL (written after rule 5.16; rule 5.18 was written for it, after its Ray bfloat16
+    campaign split): a request added back to the persistent batch keeps its row's stale token
+    ids where its output tokens belong. Every record, slot, length and position agrees; the
+    model is handed another token than the request's own. The reference (alone: never
+    preempted) breaks nothing."""
+    got = _child(AL_SCRIPT, "unseen_faults.readded_row_keeps_stale_tokens")
+    assert [(name, r) for name, r, _ in got["breaks"]] == [("worker-token", "v")], got
+    assert got["diverged"] and got["ref_breaks"] == [], got
+    assert "row 0: the model is handed token" in got["breaks"][0][2] and "at position 300;" in got["breaks"][0][2], got
 
 
 AI_SCRIPT = """

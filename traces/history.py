@@ -21,7 +21,7 @@ class _Data(BaseModel):
 BreakName = Literal["map-entry-orphaned", "map-entry-stolen", "held-block-foreign", "held-block-repeated",
                     "held-block-undercounted", "worker-row", "worker-slot", "held-block-unwritten",
                     "held-block-released", "worker-adapter", "worker-seq-len", "worker-position",
-                    "worker-sample-row", "held-block-derived"]
+                    "worker-sample-row", "held-block-derived", "worker-token"]
 # Broken on the allocator's own state (no request named); the others are a request's own state.
 MAP_BREAKS: tuple[str, ...] = ("map-entry-orphaned", "map-entry-stolen")
 # Breaks that can harm only the request that broke them (rule 5.14): a kernel told a wrong
@@ -164,12 +164,14 @@ class StepRecord(_Data):
 #   than its computed plus scheduled tokens (it leaves keys out, or reads past the row's end);
 # - worker-position: the model is handed a token at another position than its own (RoPE rotates
 #   its query and key wrong, while its KV lands in the right slot);
+# - worker-token: the model is handed another token id than the request's own at a position (a
+#   row whose token ids were not refreshed: its KV is computed from another request's token);
 # - worker-sample-row: a request's next token is sampled from another hidden state than its own
 #   last scheduled token's (it answers with another token's next token; every KV is right);
 # - held-block-derived: a request holds a block whose KV another request computed after that
 #   request's own harmful break (rule 5.17: past the first layer, KV computed from a wrong read
 #   is wrong too), e.g. a retry's prefix hit; its ``root`` is the writer's first break.
-# The map entries and the count are latent (no request reads wrong KV yet); the other eleven are
+# The map entries and the count are latent (no request reads wrong KV yet); the other twelve are
 # harmful, and a foreign, repeated or unwritten block carries its block's latent break as
 # ``root`` (harness/postconditions.py ``ROOTED``; oracle/postconditions.py).
 class Scoring(_Data):

@@ -106,7 +106,8 @@ And after rule 5.16 (3ac7fab) and its review (1c4452c):
 - ``readded_row_keeps_stale_tokens`` (AL, the persistent batch's token ids): a request added
   back to the batch with output tokens (resumed after a preemption, or left out of a step) keeps
   its row's previous content where those tokens belong, so it recomputes or continues from
-  another request's tokens. Two paths to a victim; every record and kernel input agrees.
+  another request's tokens. Two paths to a victim; every record and kernel input agrees. It
+  split on Ray in bfloat16 (5 + 1) and showed rule 5.18 (``worker-token``).
 """
 
 from collections.abc import Callable

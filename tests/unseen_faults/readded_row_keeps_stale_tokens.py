@@ -10,9 +10,10 @@ the row it gets. With this fault the output tokens are not copied: the row keeps
 previous occupant left at those positions (another request's tokens, or zeros). A resumed
 request recomputes its output tokens from them, and a request that was only left out for a step
 feeds the model its row's stale token at its next position: KV and answer built from another
-request's tokens. Slots, positions, lengths, blocks and sampled rows are all right, so it breaks
-no post-condition kvfuzz checks (a429c6d's eleven and rules 5.15-5.16). It has two paths to a
-victim: preemption (KV pressure) and a step without budget (long prompts beside decodes).
+request's tokens. Slots, positions, lengths, blocks and sampled rows are all right, so it broke
+no post-condition kvfuzz checked then (it breaks ``worker-token``, rule 5.18, written after its
+Ray bfloat16 campaign split 5 + 1). It has two paths to a victim: preemption (KV pressure) and a
+step without budget (long prompts beside decodes).
 
 Upstream's own bugs of this kind: vLLM PR #26385 ("Fix async scheduling + request preemption":
 the runner must be refreshed with all token ids after a preemption, "so that correct input ids
