@@ -62,8 +62,8 @@ compares vLLM's own records with each other, the way vLLM's invariants say they 
   request its neighbour's next token. That breaks ``worker-sample-row`` on the request (not
   checked with speculative decoding, which samples several rows a request);
 - a block is read by one request only as the KV of the tokens it holds: once a request broke a
-  harmful post-condition (it read wrong KV, or was handed a wrong position, length, adapter or
-  slot), the KV it computes from that step on is wrong past the first layer, and the blocks it
+  harmful post-condition (it read wrong KV, or was handed a wrong position, token, length,
+  adapter or slot), the KV it computes from that step on is wrong past the first layer, and the blocks it
   writes carry that break. Another request that holds one while it keeps its hash (a retry's
   prefix hit) reads it, and breaks ``held-block-derived``, rooted in the writer's first break
   (rule 5.17: fault AD's retries had reached its damage that way, breaking nothing). A wrong
@@ -150,9 +150,9 @@ class Monitor:
         self._rows: dict[str, list[list[int]]] = {}  # request -> its block ids per group, at schedule
         self._null = 0  # the pool's null block id (vLLM's is 0), read with the rows
         # Request -> (first position, tokens) scheduled this step; the slot check's positions.
-        # And the request's own token ids at those positions (the token check's).
-        self._want_tokens: dict[str, np.ndarray] = {}
         self._spans: dict[str, tuple[int, int]] = {}
+        # Request -> its own token ids at those positions (the token check's).
+        self._want_tokens: dict[str, np.ndarray] = {}
         self._taints: dict[int, _Taint] = {}
         self._slots_off = False  # the slot check alone found another layout
         self._blocks_of: Any = ()  # the pool's blocks (by id), for a tainted block's hash
