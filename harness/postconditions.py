@@ -38,7 +38,9 @@ compares vLLM's own records with each other, the way vLLM's invariants say they 
   group releases the blocks that left the window (``remove_skipped_blocks``: the null block in
   their place, free for others); one released while still inside it is read through the
   worker's row, which keeps its id: once another request holds it, the reader reads that
-  request's KV, and breaks ``held-block-released``;
+  request's KV, and breaks ``held-block-released``. A first allocation (after a prefix hit, or
+  external KV) puts the null block where the skipped blocks were, in the worker's row too: one
+  inside the window is read as the null block's content, and breaks it as well;
 - the sequence length each attention kernel is handed for a row (the ``seq_lens`` of the
   metadata its builder returns; the harness reports each via ``kernel_built``) is the request's
   computed tokens before the step plus its scheduled ones: a kernel told fewer positions leaves
@@ -677,7 +679,9 @@ class Monitor:
         """The blocks the step's tokens (positions ``start .. start + n - 1``) attend to are all
         the request's. One the scheduler released (the null block in its row) while still read
         is harmless until another request holds it: the worker's row (``worker``) still lists
-        its id, so the attention then reads that request's KV."""
+        its id, so the attention then reads that request's KV. One the scheduler never gave it
+        (a prefix hit's, or external KV's, blocks skipped as outside the window: the null block
+        in the worker's row too) is read as the null block's content, never the request's."""
         w = self._windows[g]
         lo = 0 if w is None else max(0, start - w + 1)
         first, last = lo // bs, (start + n - 1) // bs
@@ -689,12 +693,14 @@ class Monitor:
             if b != self._null or i >= len(worker):
                 continue
             read = int(worker[i])
-            if read == self._null or not self._held_ids.get(read):
+            if read != self._null and not self._held_ids.get(read):
                 continue  # released, but its content is still the request's
-            self._once(step, "held-block-released", ext(rid), read,
-                       f"group {g}: position {max(lo, i * bs)} (block {read}) is read by the step's tokens "
-                       f"{start}..{start + n - 1}" + (f" (window {w})" if w else "") + ", but the scheduler "
-                       f"released that block from the request's row, and another request holds it now")
+            where = (f"group {g}: position {max(lo, i * bs)} (block {read}) is read by the step's tokens "
+                     f"{start}..{start + n - 1}" + (f" (window {w})" if w else ""))
+            self._once(step, "held-block-released", ext(rid), read, where + (
+                ", but the scheduler gave the request the null block there (skipped as outside the window): "
+                "the attention reads the null block's content" if read == self._null else
+                ", but the scheduler released that block from the request's row, and another request holds it now"))
             return
 
 

@@ -569,6 +569,14 @@ def test_a_position_in_the_window_whose_block_the_scheduler_released_breaks_held
     assert origin(m.breaks, "r") == "held-block-released"
     assert "position 5 (block 2) is read by the step's tokens 12..12 (window 8), but the scheduler released " \
            "that block from the request's row, and another request holds it now" in w.detail
+    # A prefix hit (or external KV) skips the blocks outside the window for the hit's length: the
+    # null block in both rows. One more (index 1, positions 4..7, inside the window of position
+    # 12) is read as the null block's content (AD's hits: its 10-minute bfloat16 split, 503 + 3).
+    for worker_row, want in (([0, 2, 3, 4], []), ([0, 0, 3, 4], [("held-block-released", "r", 0)])):
+        held = {"r": [null, null if worker_row[1] == 0 else bs[1], bs[2], bs[3]]}
+        m = windowed(pool, held, {"r": (12, 1)}, {"r": worker_row}, [16])
+        assert [(x.name, x.request, x.block) for x in m.breaks] == want, worker_row
+    assert "the scheduler gave the request the null block there (skipped as outside the window)" in m.breaks[0].detail
     # Full attention reads every earlier position; a kind of attention the check does not know
     # (chunked local, Mamba, ...) is not judged.
     held, spans, slots = {"r": [null] + bs[1:4], "s": [bs[4], bs[0]]}, {"r": (12, 1), "s": (4, 1)}, [16, 4]

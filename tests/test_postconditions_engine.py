@@ -201,7 +201,13 @@ spec = [("x.r6", 0, 384, 141975695, 17), ("r0", 7, 410, 324464274, 8), ("r1", 7,
         ("r3", 7, 342, 453936934, 1), ("r2", 9, 446, 41130535, 6)]
 sends = [SendEvent(request_id=r, at=At(step=s), max_tokens=m, prompt=GenPrompt(length=n, seed=seed))
          for r, s, n, seed, m in spec]
-VICTIM = "x.r6"
+# r1_retry's prompt is r1's and one token more; its hit (the external KV r1 stored) skips the
+# blocks outside the window, and AD one block inside it: AD's witness of its 10-minute bfloat16
+# campaign at 5560fff, minimized, that opened a second bucket (float32 here).
+hit = [SendEvent(request_id=r, at=At(step=0), max_tokens=m,
+                 prompt=GenPrompt(length=n, prefix_group="g2227455224-0", prefix_len=127, seed=260254882))
+       for r, n, m in (("r1", 160, 1), ("r1_retry", 161, 3))]
+print("JUDGED " + json.dumps({"window": judged(sends, "x.r6"), "hit": judged(hit, "r1_retry")}))
 """
 
 
@@ -211,11 +217,17 @@ def test_a_window_block_released_early_and_handed_to_another_breaks_held_block_r
     still lists the block, and once another request holds it the window reads that request's
     KV. The reference (alone: the block stays unused) breaks nothing."""
     regression = TESTS.parent / "traces" / "regressions" / "vllm-44409-cross-group-external.json"
-    got = _child(AD_SCRIPT, "unseen_faults.window_drops_one_block_early", str(regression))
+    both = _child(AD_SCRIPT, "unseen_faults.window_drops_one_block_early", str(regression), judge=False)
+    got = both["window"]
     assert ("held-block-released", "x.r6") in [(name, r) for name, r, _ in got["breaks"]], got
     assert {name for name, _, _ in got["breaks"]} == {"held-block-released"}, got
     assert got["diverged"] and got["ref_breaks"] == [], got
     assert "(window 128), but the scheduler released that block" in got["breaks"][0][2], got
+    # A hit whose blocks AD skips one too many: the null block read inside the window.
+    hit = both["hit"]
+    assert [(name, r) for name, r, _ in hit["breaks"]] == [("held-block-released", "r1_retry")], hit
+    assert hit["diverged"] and hit["ref_breaks"] == [], hit
+    assert "the scheduler gave the request the null block there" in hit["breaks"][0][2], hit
 
 
 AE_SCRIPT = """

@@ -158,7 +158,7 @@ class StepRecord(_Data):
 #   written to since its block was handed out (it reads KV never computed for it);
 # - held-block-released: a position the step's tokens attend to lies in a block the scheduler
 #   no longer holds for the request (the null block, e.g. released from a sliding window early),
-#   and another request holds it;
+#   and another request holds it, or the worker's row lists the null block there too;
 # - worker-adapter: the worker's LoRA mapping of a request's row is not the request's adapter;
 # - worker-seq-len: an attention kernel is handed a sequence length for a request's row other
 #   than its computed plus scheduled tokens (it leaves keys out, or reads past the row's end);
