@@ -81,7 +81,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -484,19 +484,24 @@ class Monitor:
                                f"row {row}: the attention kernel is told {got} positions; the request has "
                                f"{start + n} ({start} computed before the step, {n} scheduled)")
 
-    def _check_positions(self, step: int, batch: Any, positions: Any, ext: Callable[[str], str]) -> None:
-        """Each token's position as the model was handed it against its request's count (rows
-        in the batch's order, each with its scheduled tokens, as for the slots)."""
+    def _token_rows(self, batch: Any, values: Any) -> Iterator[tuple[int, str, int, np.ndarray]]:
+        """A per-token buffer of the step (positions, token ids) split by row: (row, request,
+        its first position, its tokens' values), rows in the batch's order, each with its
+        scheduled tokens (as for the slots). Nothing on another layout."""
         ids = self._step_ids(batch)
         if ids is None:
             return
-        got_all = _ints(positions[:sum(self._spans[r][1] for r in ids)])
+        got_all = _ints(values[:sum(self._spans[r][1] for r in ids)])
         off = 0
         for row, rid in enumerate(ids):
             start, n = self._spans[rid]
-            got = got_all[off:off + n]
+            yield row, rid, start, got_all[off:off + n]
             off += n
-            bad = np.nonzero(got != np.arange(start, start + n))[0]
+
+    def _check_positions(self, step: int, batch: Any, positions: Any, ext: Callable[[str], str]) -> None:
+        """Each token's position as the model was handed it against its request's count."""
+        for row, rid, start, got in self._token_rows(batch, positions):
+            bad = np.nonzero(got != np.arange(start, start + len(got)))[0]
             if len(bad):
                 i = int(bad[0])
                 self._once(step, "worker-position", ext(rid), -1,
@@ -504,20 +509,11 @@ class Monitor:
                            f"{start + i}")
 
     def _check_tokens(self, step: int, batch: Any, input_ids: Any, ext: Callable[[str], str]) -> None:
-        """Each token the model was handed against its request's own token at that position
-        (rows in the batch's order, each with its scheduled tokens, as for the positions)."""
-        ids = self._step_ids(batch)
-        if ids is None:
-            return
-        got_all = _ints(input_ids[:sum(self._spans[r][1] for r in ids)])
-        off = 0
-        for row, rid in enumerate(ids):
-            start, n = self._spans[rid]
-            got = got_all[off:off + n]
-            off += n
+        """Each token the model was handed against its request's own token at that position."""
+        for row, rid, start, got in self._token_rows(batch, input_ids):
             want = self._want_tokens.get(rid)
             if want is None:
-                continue
+                continue  # speculative tokens scheduled beyond its tokens: not judged
             bad = np.nonzero(got != want)[0]
             if len(bad):
                 i = int(bad[0])
