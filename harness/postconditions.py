@@ -173,9 +173,9 @@ class Monitor:
         self._adapters: dict[str, int] = {}  # request scheduled this step -> its LoRA id (0: none)
         self._kernel: list[np.ndarray] = []  # the step's kernels' sequence lengths, per row
         self._sampled: np.ndarray | None = None  # the step's sampled hidden-state row, per request
-        # Request (trace id) -> the origin of its first break after which its KV is wrong, and the
-        # step's written slots per request (rule 5.17: its blocks carry that break).
-        self._derives: dict[str, BreakName] = {}
+        # Request (trace id) -> its first break after which its KV is wrong, and the step's
+        # written slots per request (rule 5.17: its blocks carry that break).
+        self._derives: dict[str, Break] = {}
         self._step_slots: dict[str, list[tuple[np.ndarray, int]]] = {}
 
     def after_schedule(self, scheduler: Any, scheduled: Mapping[str, int] | None = None) -> None:
@@ -305,9 +305,10 @@ class Monitor:
             return
         if root is None and name in ROOTED and block is not None:
             root = self._roots.get(block)
-        self.breaks.append(Break(step=step, name=name, request=request, block=block, root=root, detail=detail))
+        b = Break(step=step, name=name, request=request, block=block, root=root, detail=detail)
+        self.breaks.append(b)
         if request is not None and name not in UNDERIVED:
-            self._derives.setdefault(request, root or name)
+            self._derives.setdefault(request, b)
 
     # -- the prefix-cache map ------------------------------------------------------------------
     def _check_map(self, step: int, pool: Any) -> None:
@@ -449,16 +450,15 @@ class Monitor:
             return
         for rid, parts in self._step_slots.items():
             writer = ext(rid)
-            root = self._derives.get(writer)
-            if root is None:
+            first = self._derives.get(writer)
+            if first is None:
                 continue
-            first = next(b for b in self.breaks if b.request == writer and b.name not in UNDERIVED)
             for got, bs in parts:
                 for blk in np.unique(got[got >= 0] // bs).tolist():
                     if 0 < blk < len(self._blocks_of) and blk not in self._taints:
                         self._taints[blk] = _Taint(writer=writer, step=step, hash=self._blocks_of[blk].block_hash,
                                                    detail=f"{first.name} at step {first.step}",
-                                                   name="held-block-derived", root=root)
+                                                   name="held-block-derived", root=first.root or first.name)
 
     # -- the worker's persistent batch -----------------------------------------------------------
     def _step_ids(self, batch: Any) -> list[str] | None:
