@@ -108,6 +108,12 @@ And after rule 5.16 (3ac7fab) and its review (1c4452c):
   its row's previous content where those tokens belong, so it recomputes or continues from
   another request's tokens. Two paths to a victim; every record and kernel input agrees. It
   split on Ray in bfloat16 (5 + 1) and showed rule 5.18 (``worker-token``).
+And after rule 5.18 (5560fff), the null-block fix of ``held-block-released`` (4bd7b74) and their
+review (f8306e8):
+- ``prefill_first_token_neighbours_adapter`` (AM, the LoRA token mapping; LoRA campaigns only):
+  in a batch of two or more, the first token of a multi-token row below the first runs through
+  the row above's adapter, so its KV is computed with other weights. The row's adapter and every
+  record agree: no post-condition checks the per-token mapping.
 """
 
 from collections.abc import Callable
