@@ -438,10 +438,8 @@ def test_managed_server_replay_then_server_dies_mid_trace(tmp_path, kvfuzz_cli):
     killed: list[int] = []
     stamps: list[float] = []
 
-    def running() -> bool:
-        """The second file's three requests are in the server (its /metrics). Any request in
-        flight was not enough: the first file's cancelled r2 can linger a moment while the
-        second replay waits for an idle server, and a kill then landed between runs."""
+    def metrics() -> tuple[float, float]:
+        """(requests the server holds, tokens it has generated so far), from its /metrics."""
         import re
 
         import httpx
@@ -450,19 +448,28 @@ def test_managed_server_replay_then_server_dies_mid_trace(tmp_path, kvfuzz_cli):
         try:
             text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=2.0).text
         except httpx.HTTPError:
-            return False
-        held = sum(float(line.split()[-1]) for line in text.splitlines()
-                   if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting")))
-        return held >= 3
+            return 0.0, 0.0
+
+        def total(*names: str) -> float:
+            return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(names))
+
+        return (total("vllm:num_requests_running", "vllm:num_requests_waiting"),
+                total("vllm:generation_tokens_total"))
 
     def killer() -> None:
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline and not (out / "replays" / "first.replay.json").exists():
             time.sleep(0.2)
-        # Into the second file's run: a fixed pause was not enough under CI load (the kill then
-        # landed between runs); wait for its requests to be in flight, then a moment more.
+        # Into the second file's run: its three requests held, and the engine generating since
+        # the first file ended. The gauges alone were not enough: they are set as the engine
+        # steps, so an idle engine may still show the first file's requests (under CI load the
+        # kill landed between the runs); the token counter moves only while it generates.
+        _, before = metrics()
         soon = time.monotonic() + 60
-        while time.monotonic() < soon and not running():
+        while time.monotonic() < soon:
+            held, made = metrics()
+            if held >= 3 and made >= before + 20:
+                break
             time.sleep(0.2)
         time.sleep(0.5)
         pid = int((out / "server.pid").read_text())
