@@ -114,9 +114,10 @@ review (f8306e8):
   in a batch of two or more, the first token of a multi-token row below the first runs through
   the row above's adapter, so its KV is computed with other weights. The row's adapter and every
   record agree: no post-condition checks the per-token mapping.
-- ``appended_blocks_reach_device_late`` (AN, the device copy of the block table; written with
-  AM): in a batch of two or more, block ids appended to a non-empty row reach the device table
-  one step late, so that step's tokens in the new blocks write and read a stale block id.
+A first AN, written with AM (block ids appended to a non-empty row reaching the device block
+table one step late, the kind of vLLM PR #47936's dirty-row copy), was withdrawn after its first
+campaigns found nothing: on CPU the runner's "device" buffers are its host buffers
+(``CPUModelRunner`` sets each ``.gpu`` to ``.cpu``), so there is no copy to be late.
 """
 
 from collections.abc import Callable
