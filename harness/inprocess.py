@@ -156,6 +156,8 @@ class InProcessEngine:
         # Checks only inside a replay (the schedule hook also fires on clean-slate aborts and
         # teacher-forced scoring, whose steps no history records).
         self._monitor = Monitor(enabled=False)
+        # Post-conditions the current replay enforces (rule 5.19: ``Monitor.repair``).
+        self._repair: tuple[str, ...] = ()
         self._reference_toggles: list[str] | None = None
         self.start_seconds: float | None = None
         # Since the last start or recovery, a replay ended in a hang it detected itself (every
@@ -371,6 +373,19 @@ class InProcessEngine:
         runner = worker_runner(self._core())
         if runner is not None and callable(getattr(type(runner), "_prepare_inputs", None)):
             runner._prepare_inputs = _observed(runner, "_prepare_inputs", self._sampled_rows)
+        # A replay that enforces post-conditions (rule 5.19) hands the model the values they
+        # expect, right before the forward pass (after every fault and toggle had its say).
+        if runner is not None and callable(getattr(type(runner), "_model_forward", None)):
+            forward = type(runner)._model_forward
+            core = self._core()
+
+            def model_forward(*args: Any, **kwargs: Any) -> Any:
+                if self._repair:
+                    self._monitor.repair(worker_batch(core), kwargs.get("input_ids"), kwargs.get("positions"),
+                                         self._repair)
+                return forward(runner, *args, **kwargs)
+
+            runner._model_forward = model_forward
 
     def _sampled_rows(self, prepared: Any) -> None:
         # vLLM 0.32: (logits_indices, spec_decode_metadata, ...); one row a request only without
@@ -479,8 +494,11 @@ class InProcessEngine:
         run_index: int = 0,
         toggles: Iterable[str] | None = None,
         max_steps: int | None = None,
+        repair: Iterable[str] = (),
     ) -> History:
-        """Run ``trace`` once from a clean slate and record its history."""
+        """Run ``trace`` once from a clean slate and record its history. ``repair``: worker
+        post-conditions (``REPAIRABLE``) this run enforces: the model is handed the positions or
+        token ids they expect (rule 5.19, triage's check of a second cause)."""
         if self._llm is None:
             self.start()
         self._use_kv_agent()
@@ -488,8 +506,12 @@ class InProcessEngine:
             raise BadInput("trace engine configuration differs from the running engine's", field="engine")
         names = list(trace.engine.toggles if toggles is None else toggles)
         self.clean_slate()
-        with toggle_registry.activate(names):
-            return self._replay(trace, arm=arm, run_index=run_index, toggles=names, max_steps=max_steps)
+        self._repair = tuple(repair)
+        try:
+            with toggle_registry.activate(names):
+                return self._replay(trace, arm=arm, run_index=run_index, toggles=names, max_steps=max_steps)
+        finally:
+            self._repair = ()
 
     def _replay(self, trace: Trace, *, arm: str, run_index: int, toggles: list[str],
                 max_steps: int | None) -> History:

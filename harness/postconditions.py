@@ -521,6 +521,29 @@ class Monitor:
                            f"row {row}: the model is handed token {int(got[i])} at position {start + i}; the "
                            f"request's token there is {int(want[i])}")
 
+    def repair(self, batch: Any, input_ids: Any, positions: Any, names: Iterable[str]) -> None:
+        """Rule 5.19: hand the model, in place, what the named checks expect of this step's
+        tokens: each row's own positions (``worker-position``), its own token ids
+        (``worker-token``). Right before the forward pass, so whatever put another value there
+        (a fault, a toggle) had its say. A batch of another layout is left as it is."""
+        import torch
+
+        if self.disabled:
+            return
+        ids = self._step_ids(batch)
+        if ids is None:
+            return
+        names = set(names)
+        off = 0
+        for rid in ids:
+            start, n = self._spans[rid]
+            if positions is not None and "worker-position" in names and getattr(positions, "ndim", 0) == 1:
+                positions[off:off + n].copy_(torch.arange(start, start + n, dtype=positions.dtype))
+            want = self._want_tokens.get(rid)
+            if input_ids is not None and want is not None and "worker-token" in names:
+                input_ids[off:off + n].copy_(torch.from_numpy(want).to(input_ids.dtype))
+            off += n
+
     def _check_sampled(self, step: int, batch: Any, ext: Callable[[str], str]) -> None:
         """Each request's next token is sampled from its own last scheduled token's hidden
         state (rows in the batch's order, each with its scheduled tokens, as for the positions).

@@ -16,7 +16,7 @@ from kvfuzz.traces.finding import DIVERGENT_CLASSES, SEVERITY
 
 from .diff import Comparison, compare, early_stop_comparison, teacher_drifts
 from .noise import NoiseBounds, default_bounds
-from .postconditions import origin
+from .postconditions import later, origin
 from .stats import wilson
 
 ENGINE = "<engine>"  # pseudo request id for an engine crash that hit no live request
@@ -147,6 +147,7 @@ class _Acc:
     verdicts: list[RunVerdict] = field(default_factory=list)
     sequences: list[tuple[int, ...]] = field(default_factory=list)
     broke: str | None = None
+    later: str | None = None
 
 
 def check(trace: Trace, histories: list[History], references: dict[str, RequestRecord],
@@ -174,6 +175,8 @@ def check(trace: Trace, histories: list[History], references: dict[str, RequestR
                     # The run's own state first; else the reference's (rule 5.3: a fault that
                     # fires when the request runs alone corrupts the reference instead).
                     acc.broke = origin(h.breaks, rid) or (origin(ref.breaks, rid) if ref is not None else None)
+                    if acc.broke is not None and acc.broke == origin(h.breaks, rid):
+                        acc.later = later(h.breaks, rid)
                 if rec is not None and not rec.cancelled and v.cls != "engine-crash":
                     acc.sequences.append(tuple(rec.token_ids))
             if h.crashed and not touched:
@@ -217,7 +220,7 @@ def _aggregate(rid: str, arm: str, acc: _Acc, ref: RequestRecord | None) -> Dive
         runs=len(vs), margin=margin, drift=drift, run_margin=run_margin, teacher_drift=max(teachers, default=None),
         teacher_over=max(overs, default=None), evidence=evidence,
         variants=max(1, len(set(acc.sequences))), rate_low=lo, rate_high=hi, detail=detail,
-        broke=acc.broke,
+        broke=acc.broke, later=acc.later,
     )
 
 

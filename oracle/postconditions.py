@@ -38,6 +38,27 @@ def witness(breaks: Iterable[Break], request: str) -> Break | None:
     return min((b for b in own if b.step == first), key=lambda b: HARMFUL.index(b.name))
 
 
+# Checks of the worker's inputs the harness can enforce in a replay (harness/postconditions.py
+# ``Monitor.repair``): rule 5.19's evidence of a second cause.
+REPAIRABLE: tuple[str, ...] = ("worker-position", "worker-token")
+
+
+def later(breaks: Iterable[Break], request: str) -> str | None:
+    """Rule 5.19: when ``request``'s witness is a break the harness can enforce, the name (its
+    root's, if any) of its first harmful break at a later step whose name did not break at the
+    witness's step — a candidate second cause (faults AL + AI: AI's early positions named the
+    victim, AL's stale token came steps later). None otherwise: one fault that breaks several
+    checks at once breaks them in one step (AF: slot, length and position)."""
+    own = [b for b in breaks if b.request == request and b.name in HARMFUL]
+    w = witness(own, request)
+    if w is None or w.root is not None or w.name not in REPAIRABLE:
+        return None
+    at_once = {b.root or b.name for b in own if b.step == w.step}
+    after = sorted((b for b in own if b.step > w.step and (b.root or b.name) not in at_once),
+                   key=lambda b: (b.step, HARMFUL.index(b.name)))
+    return (after[0].root or after[0].name) if after else None
+
+
 def origin(breaks: Iterable[Break], request: str) -> str | None:
     """The name of the first harmful break on ``request``'s own state (its block's latent
     break where there was one), or None when none broke (or the run was not monitored)."""
@@ -45,4 +66,4 @@ def origin(breaks: Iterable[Break], request: str) -> str | None:
     return None if w is None else w.root or w.name
 
 
-__all__ = ["HARMFUL", "origin", "witness"]
+__all__ = ["HARMFUL", "REPAIRABLE", "later", "origin", "witness"]

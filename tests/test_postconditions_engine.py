@@ -144,6 +144,14 @@ def judged(sends, victim):
     return {"breaks": [[b.name, b.request, b.detail] for b in h.breaks],
             "diverged": alone.token_ids != h.requests[victim].token_ids,
             "ref_breaks": [b.name for b in alone.breaks]}
+
+
+def repaired(sends, victim, names):
+    # The witness replayed with the post-conditions names enforced (rule 5.19).
+    h = eng.replay(Trace(engine=cfg, events=sends), repair=names)
+    alone = eng.run_alone(next(x for x in sends if x.request_id == victim))
+    return {"breaks": [[b.name, b.request, b.detail] for b in h.breaks],
+            "diverged": alone.token_ids != h.requests[victim].token_ids}
 """
 
 
@@ -335,10 +343,15 @@ def test_a_request_added_back_with_stale_token_ids_breaks_worker_token():
     ids where its output tokens belong. Every record, slot, length and position agrees; the
     model is handed another token than the request's own. The reference (alone: never
     preempted) breaks nothing."""
-    got = _child(AL_SCRIPT, "unseen_faults.readded_row_keeps_stale_tokens")
+    got = _child(AL_SCRIPT + 'print("JUDGED " + json.dumps({**judged(sends, VICTIM), '
+                             '"repaired": repaired(sends, VICTIM, ["worker-token"])}))',
+                 "unseen_faults.readded_row_keeps_stale_tokens", judge=False)
     assert [(name, r) for name, r, _ in got["breaks"]] == [("worker-token", "v")], got
     assert got["diverged"] and got["ref_breaks"] == [], got
     assert "row 0: the model is handed token" in got["breaks"][0][2] and "at position 300;" in got["breaks"][0][2], got
+    # Rule 5.19's replay: the check enforced (the request's own token ids handed to the model),
+    # nothing breaks and the victim is right: AL is all of this divergence's cause.
+    assert got["repaired"] == {"breaks": [], "diverged": False}, got
 
 
 AI_SCRIPT = """
@@ -369,6 +382,7 @@ WITNESSES = {
             "r1"),
 }
 out.update({path: judged(sends, victim) for path, (sends, victim) in WITNESSES.items()})
+out.update({path + "-repaired": repaired(sends, victim, ["worker-position"]) for path, (sends, victim) in WITNESSES.items()})
 print("JUDGED " + json.dumps(out))
 """
 
@@ -391,6 +405,8 @@ def test_a_prefill_handed_positions_one_early_breaks_worker_position(ai_and_ak):
         assert [(name, r) for name, r, _ in got["breaks"]] == [("worker-position", victim)], (path, got)
         assert got["diverged"] and got["ref_breaks"] == [], (path, got)
         assert "the model is handed position" in got["breaks"][0][2], (path, got)
+        # Rule 5.19's replay: positions enforced, nothing breaks and the victim is right.
+        assert ai_and_ak[path + "-repaired"] == {"breaks": [], "diverged": False}, (path, ai_and_ak[path + "-repaired"])
 
 
 def test_a_prefill_sampled_from_the_row_above_breaks_worker_sample_row(ai_and_ak):

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .buckets import AblationOutcome, BucketMembership, memberships_from_notes
 
-from .history import History, RequestRecord, Scoring
+from .history import BreakName, History, RequestRecord, Scoring
 from .provenance import Attribution, BoundsUsed, CrashInfo, Provenance, migrate_notes
 from .trace import Trace
 
@@ -50,6 +50,19 @@ class Environment(_Data):
     model_hash: str | None = None
     toggles: list[str] = Field(default_factory=list)
     engine_flags: dict[str, Any] = Field(default_factory=dict)
+
+
+class Repair(_Data):
+    """Rule 5.19: the finding replayed once with the post-condition its victim broke first
+    enforced (the harness hands the model the values that check expects; harness/postconditions.py
+    ``Monitor.repair``), judged on the victim. It persists: another cause is left, named by the
+    victim's first harmful break in that replay."""
+
+    name: BreakName
+    outcome: Literal["persists", "disappears", "failed"]
+    broke: BreakName | None = None
+    victim_class: str | None = None
+    detail: str | None = None
 
 
 class Divergence(_Data):
@@ -88,6 +101,11 @@ class Divergence(_Data):
     # The first of vLLM's post-conditions broken on this request's own state in a diverged run
     # (oracle/postconditions.py; in-process runs only): evidence of the cause, in the bucket key.
     broke: str | None = None
+    # Rule 5.19: a harmful break of another name on this request's own state at a later step
+    # than ``broke`` (one the harness can enforce): a second cause if enforcing ``broke`` leaves
+    # the divergence (``repair``, triage's one replay).
+    later: str | None = None
+    repair: Repair | None = None
 
 
 class ControlResult(_Data):
@@ -299,6 +317,13 @@ class Finding(_Data):
                 setattr(self, name, getattr(other, name))
         self.provenance = self.provenance.under(other.provenance)
         self.notes = {**{k: v for k, v in other.notes.items() if k not in drop_notes}, **self.notes}
+        # Rule 5.19's replay, where this judgement still shows what it was made for: the same
+        # victim named by the same break, with a later break.
+        repairs = {(d.request_id, d.arm): d.repair for d in other.divergences if d.repair is not None}
+        for d in self.divergences:
+            r = repairs.get((d.request_id, d.arm))
+            if r is not None and d.repair is None and d.broke == r.name and d.later is not None:
+                d.repair = r
 
     def signature(self) -> str:
         """What makes two findings 'the same bug' for dedup and minimization:

@@ -51,7 +51,7 @@ from kvfuzz.traces.io import load_finding
 from kvfuzz.traces.result import Checked
 
 from .attribution import explain_guarded
-from .explain import explain
+from .explain import explain, repair_check
 from .finish import add_controls, finish_finding
 
 # A campaign spends at most this share of its time on findings of buckets it already has...
@@ -72,6 +72,9 @@ MINIMIZE_BOX = 0.6
 # verdicts is replayed once without one of them (in turn): a second cause that first shows up
 # after the share is spent still gets a bucket of its own, at a third of a replay per finding.
 ASSIGN_CHECK_EVERY = 3
+# Rule 5.19: after this many findings whose victim's later break did not survive enforcing its
+# first one, findings with that later break are no longer triaged for it (one replay each).
+REFUTED_ENOUGH = 3
 
 
 @dataclass
@@ -111,6 +114,8 @@ class CampaignTriage:
     # and run again, fuzzer/distributed.py): on a step-exact engine a replay gives the same
     # again, so a check against a bucket the first pass already saw is reused, not replayed.
     prior: list[MechanismCheck] = field(default_factory=list)
+    # Rule 5.19: later break names for which enforcing the first break left no divergence.
+    _refuted: dict[str, int] = field(default_factory=dict)
 
     def restore(self, buckets: dict[str, Bucket], merges: dict[str, str] | None = None) -> None:
         """Share the campaign's buckets (the campaign adds to them as findings are recorded)."""
@@ -164,6 +169,8 @@ class CampaignTriage:
         if self.settings.attribute:
             checked = explain_guarded(self.guard, checked, runs=runs, first=self.explanations)
             f = checked.finding or f
+        checked = self._repaired(checked)
+        f = checked.finding or f
         joined: list[BucketMembership] = []
         new: list[BucketKey] = []
         for key in rule.keys_of(f):
@@ -180,6 +187,27 @@ class CampaignTriage:
             self.known_seconds += time.monotonic() - t0
             return self._done(checked, checked.finding or f, joined, "joined")
         return self._triage(checked, joined, new)
+
+    def _repaired(self, checked: Checked) -> Checked:
+        """Rule 5.19: the finding with its victims' named breaks enforced in one replay each,
+        where a victim later broke another check (``repair_check``)."""
+        f = checked.finding
+        if f is None or not self._second_candidates(f):
+            return checked
+        self.status(f"finding {f.id}: replaying with its victim's first break enforced (rule 5.19)")
+        g = repair_check(self.session, f)
+        for d in g.divergences:
+            if d.repair is not None and d.later is not None and rule.second_cause(d) is None:
+                self._refuted[d.later] = self._refuted.get(d.later, 0) + 1
+        return dataclasses.replace(checked, finding=g)
+
+    def _second_candidates(self, f: Finding) -> set[str]:
+        """Later breaks (rule 5.19) on ``f``'s victims that could name a second cause: no live
+        bucket has the name, and enforcing the first break did not yet refute it
+        ``REFUTED_ENOUGH`` times (the later break followed from the first)."""
+        have = {b.key.broke for b in self.alive}
+        return {d.later for d in f.divergences if d.later is not None and d.repair is None and d.later not in have
+                and self._refuted.get(d.later, 0) < REFUTED_ENOUGH}
 
     # -- matching ------------------------------------------------------------------------------------
     def _match(self, f: Finding, key: BucketKey, max_checks: int = rule.MAX_CHECKS) -> tuple[Bucket | None, BucketKey, str]:
@@ -258,6 +286,10 @@ class CampaignTriage:
         ``replays`` (past the campaign's budget): the pre-key alone, the earliest candidate."""
         f = checked.finding
         assert f is not None
+        if replays and self.session.step_exact and self._second_candidates(f):
+            # A victim broke another check after its named one, a name no bucket has (rule
+            # 5.19): perhaps a second cause, triaged (one replay tells).
+            return None
         cands = rule.prekey_candidates(f, self.alive, self.clean, self._inert(f))
         if not cands and replays and any(k.broke for k in rule.keys_of(f)):
             # Its own run broke a post-condition no bucket's witness broke (rule 5): another
@@ -371,7 +403,15 @@ class CampaignTriage:
         # victim that broke the key's post-condition, not the other cause's).
         victim = rule.victim_of(finding, new[0]) if new else None
         left = start + MINIMIZE_BOX * box - time.monotonic()
-        if self.settings.minimize and left < 2 * self._run_seconds:
+        second = bool(new) and new[0].broke is not None and any(
+            rule.second_cause(d) == new[0].broke for d in finding.divergences)
+        if self.settings.minimize and second:
+            # Rule 5.19: the victim is hit by another cause first; minimizing for its class could
+            # keep that cause alone. The witness stays whole (`kvfuzz minimize` can still run).
+            small = finding.model_copy(deep=True)
+            small.notes["minimize"] = ("not minimized: its bucket names a second cause on a victim another cause "
+                                       "hits first (rule 5.19)")
+        elif self.settings.minimize and left < 2 * self._run_seconds:
             # Its share of the box cannot pay for two replays of the trace (confirming a long trace
             # spent it): not started. Even a minimization that shrinks nothing replays the original
             # to accept it and again to verify it (a clean bfloat16 LoRA campaign's 9-request near

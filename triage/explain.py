@@ -34,8 +34,10 @@ from typing import Literal
 
 from kvfuzz.fuzzer.shapes import embedded_bytes_per_token
 from kvfuzz.oracle.buckets import CHEAP_MECHANISMS, same_key_victims
+from kvfuzz.oracle.postconditions import REPAIRABLE
 from kvfuzz.oracle.controls import primary_arm
-from kvfuzz.traces import EMBEDDED_MODEL, Ablation, CancelEvent, Divergence, Explanation, Finding, SendEvent, Trace
+from kvfuzz.traces import (EMBEDDED_MODEL, Ablation, CancelEvent, Divergence, Explanation, Finding, Repair, SendEvent,
+                           Trace)
 from kvfuzz.traces.buckets import KEY_MECHANISMS
 from kvfuzz.traces.errors import BadInput, InfraError
 from kvfuzz.traces.finding import SEVERITY
@@ -207,6 +209,39 @@ def explain(replayer: Replayer, finding: Finding, *, victim: str | None = None,
     _unless_reproducible(replayer, finding, target, me, arm, toggles, done, out)
     out.ablations = [done[n] for n in names]
     out.seconds = round(time.monotonic() - t0, 1)
+    return out
+
+
+def repair_check(replayer: Replayer, finding: Finding) -> Finding:
+    """Rule 5.19: ``finding`` with each unexplained corruption victim that broke a check the
+    harness can enforce, and later another one (``Divergence.later``), replayed once with the
+    first enforced (``Divergence.repair``): if it still corrupts, its first harmful break in
+    that replay names a second cause (oracle/buckets.py ``second_cause``). One replay per
+    distinct later name (its leading victim); unchanged when there is none, or on an engine
+    that is not step-exact (a replay there is another schedule, not the same one repaired)."""
+    arm, toggles = primary_arm(finding)
+    todo: dict[str, Divergence] = {}
+    for d in finding.divergences:
+        if (d.class_ == "corruption" and d.explained_by is None and d.arm == arm and d.later is not None
+                and d.broke in REPAIRABLE and d.repair is None):
+            todo.setdefault(d.later, d)
+    if not todo or not replayer.step_exact:
+        return finding
+    out = finding.model_copy(deep=True)
+    for d in todo.values():
+        name = d.broke
+        assert name is not None
+        try:
+            j = replayer.judge_victim(_valid(finding.trace), victim=d.request_id, arm=arm, toggles=toggles,
+                                      repair=[name])
+        except (BadInput, InfraError, ValueError) as e:
+            rep = Repair(name=name, outcome="failed", detail=str(e).splitlines()[0][:300])
+        else:
+            rep = Repair(name=name, outcome="persists" if j.corrupt else "disappears", broke=j.broke,
+                         victim_class=j.cls)
+        for x in out.divergences:
+            if x.request_id == d.request_id and x.arm == d.arm and x.class_ == d.class_:
+                x.repair = rep
     return out
 
 

@@ -34,9 +34,10 @@ class Replayer(Protocol):
         ...
 
     def judge_victim(self, trace: Trace, *, victim: str, arm: str, toggles: Sequence[str],
-                     others: Sequence[str] = ()) -> Judged:
+                     others: Sequence[str] = (), repair: Sequence[str] = ()) -> Judged:
         """``judge``, and when the victim's tokens equal the reference's, its logprob drift;
-        when it no longer corrupts, ``others`` judged in the same replay."""
+        when it no longer corrupts, ``others`` judged in the same replay. ``repair``: the
+        post-conditions the replay enforces (rule 5.19; a step-exact engine only)."""
         ...
 
     def check(self, trace: Trace, *, runs: int | None = None, arms: dict[str, list[str]] | None = None) -> Checked:

@@ -260,14 +260,22 @@ class Session:
         return self.judge_victim(trace, victim=victim, arm=arm, toggles=toggles).cls
 
     def judge_victim(self, trace: Trace, *, victim: str, arm: str, toggles: Sequence[str],
-                     others: Sequence[str] = ()) -> Judged:
+                     others: Sequence[str] = (), repair: Sequence[str] = ()) -> Judged:
         """``victim`` in one replay of ``trace``: its verdict and, when its tokens equal the
         reference's, its logprob drift against the bound; when it no longer corrupts, the
         requests in ``others`` judged alike in the same replay. Only the references of the
         requests judged (and, for a near tie, the victim's teacher-forced scoring) are needed,
         so shrinking other requests' prompts costs no reference runs."""
         engine = self.engine_for(trace.engine)
-        h = engine.replay(trace, arm=arm, run_index=0, toggles=list(toggles))
+        if repair:
+            # Only the in-process engine's monitor knows what the checks expect (rule 5.19).
+            from kvfuzz.harness.inprocess import InProcessEngine
+
+            if not isinstance(engine, InProcessEngine):
+                raise BadInput("enforcing post-conditions needs the in-process engine", field="engine")
+            h = engine.replay(trace, arm=arm, run_index=0, toggles=list(toggles), repair=list(repair))
+        else:
+            h = engine.replay(trace, arm=arm, run_index=0, toggles=list(toggles))
         if victim == ENGINE:
             return Judged("engine-crash" if h.crashed else "ok")
         bounds = self.bounds_for(trace.engine)
