@@ -140,3 +140,14 @@ def test_not_on_an_engine_that_is_not_step_exact(tmp_path):
     t = triage(r, position_bucket(), tmp_path)
     assert t._assign(checked(named())) is not None
     assert t._repaired(checked(named())).finding.divergences[0].repair is None and not r.repairs
+
+
+def test_the_report_says_what_enforcing_the_first_break_showed():
+    from kvfuzz.present.report import markdown
+
+    f = named(repair=Repair(name="worker-position", outcome="persists", broke="worker-token",
+                            victim_class="corruption"))
+    md = markdown(f, source="x.json")
+    assert "Replayed with `worker-position` enforced, it still diverged and broke worker-token first: a second cause" in md
+    f = named(repair=Repair(name="worker-position", outcome="disappears", victim_class="ok"))
+    assert "enforced, it was right: one cause" in markdown(f, source="x.json")
