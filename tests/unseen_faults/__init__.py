@@ -118,6 +118,10 @@ A first AN, written with AM (block ids appended to a non-empty row reaching the 
 table one step late, the kind of vLLM PR #47936's dirty-row copy), was withdrawn after its first
 campaigns found nothing: on CPU the runner's "device" buffers are its host buffers
 (``CPUModelRunner`` sets each ``.gpu`` to ``.cpu``), so there is no copy to be late.
+And after rule 5.19 (2804c96: a second cause on one victim, which AL + AI had shown):
+- ``mixed_batch_loses_causal_mask`` (AO, the attention kernel's causal flag): a batch whose first
+  row is a decode and another row computes several tokens runs without the causal mask, so those
+  tokens attend to the rest of their own chunk. Every record and kernel input but the flag agrees.
 """
 
 from collections.abc import Callable
