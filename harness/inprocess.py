@@ -902,6 +902,12 @@ class EnginePool:
 
 _POOL: EnginePool | None = None
 _POOL_USERS = 0
+# Engines a campaign (or a Ray worker) keeps alive for triage: its own configuration, and one per
+# ablation that restarts the engine (prefix caching, chunked prefill, KV pressure, LoRA off,
+# adapter slots, float32) plus the references' and controls' configurations. Six thrashed on a
+# LoRA campaign in bfloat16 (fault AM, issue 30: 19 engine starts in 3 minutes, the same
+# configurations started up to three times, 32 s of 180); each tiny engine is a few hundred MB.
+CAMPAIGN_POOL_SIZE = 10
 
 
 def share_engines(size: int) -> EnginePool:

@@ -290,9 +290,9 @@ class WorkerCore:
         self.guard = Recovering(self.session)
         self.pooled = spec.pooled
         if self.pooled:
-            from kvfuzz.harness.inprocess import share_engines
+            from kvfuzz.harness.inprocess import CAMPAIGN_POOL_SIZE, share_engines
 
-            share_engines(6)
+            share_engines(CAMPAIGN_POOL_SIZE)
         self.scratch = Path(tempfile.mkdtemp(prefix=f"kvfuzz-{name}-"))
         self.triage = spec.build_triage(self.session, self.guard, self.scratch)
 

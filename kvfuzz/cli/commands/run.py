@@ -193,9 +193,9 @@ def run(
     triage = spec.build_triage(session, guard, out, status=display.status)
     pooled = spec.pooled
     if pooled:
-        from kvfuzz.harness.inprocess import share_engines
+        from kvfuzz.harness.inprocess import CAMPAIGN_POOL_SIZE, share_engines
 
-        share_engines(6)
+        share_engines(CAMPAIGN_POOL_SIZE)
     try:
         with display:
             log_name = "engine.log" if kind == "inprocess" else "server-1.log"
