@@ -474,6 +474,12 @@ class InProcessEngine:
             batch = getattr(runner, "input_batch", None)
             if batch is not None:
                 batch.block_table.clear()
+                # Nor may a row's old token ids: a request added back to a row reads them where
+                # its own are not copied (fault AL), and a replay of the same trace then found
+                # its own tokens there and ran right (issue 30: rule 5.19's replay of AL + AI).
+                tokens = getattr(batch, "token_ids_cpu", None)
+                if tokens is not None:
+                    tokens.fill(0)
             # Removing an adapter only frees its slot; its weights stay there and a kernel that
             # indexes a free slot (the CPU LoRA bug, docs/findings.md) would read the previous
             # run's adapter. Zero every slot so a run's outputs never depend on earlier runs.

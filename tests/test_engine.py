@@ -118,6 +118,23 @@ def test_lora_slots_do_not_leak_between_traces(session, lora_engine_config):
     assert step_view(eng.replay(probe)) == before
 
 
+def test_no_token_id_of_a_run_is_left_in_the_persistent_batch(session, lora_engine_config):
+    """A row's old token ids must not carry into the next run: a request added back to a row
+    reads them where its own are not copied (fault AL), and a replay of the same trace then ran
+    right on its own tokens (rule 5.19's replay of AL + AI said "one cause")."""
+    from kvfuzz.harness.postconditions import worker_batch
+
+    cfg = lora_engine_config
+    t = Trace(engine=cfg, events=[SendEvent(request_id=f"r{i}", at=At(step=0), max_tokens=3,
+                                            prompt=GenPrompt(length=50, seed=i)) for i in range(2)])
+    eng = session.engine_for(cfg)
+    eng.replay(t)
+    batch = worker_batch(eng._core())
+    assert batch is not None and batch.token_ids_cpu.any()  # the run's rows, as it left them
+    eng.clean_slate()
+    assert not batch.token_ids_cpu.any()
+
+
 def test_closing_one_engine_leaves_the_others_in_the_process_working(tmp_path):
     """vLLM's EngineCore.shutdown tears down process-wide distributed state; with the engine
     pool's other engines alive, their next step failed ("pipeline model parallel group is not
