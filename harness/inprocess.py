@@ -912,7 +912,8 @@ _POOL_USERS = 0
 # ablation that restarts the engine (prefix caching, chunked prefill, KV pressure, LoRA off,
 # adapter slots, float32) plus the references' and controls' configurations. Six thrashed on a
 # LoRA campaign in bfloat16 (fault AM, issue 30: 19 engine starts in 3 minutes, the same
-# configurations started up to three times, 32 s of 180); each tiny engine is a few hundred MB.
+# configurations started up to three times, 32 s of 180). With ten, that campaign's whole
+# process peaked at 2.1 GB (docs/benchmarks.md).
 CAMPAIGN_POOL_SIZE = 10
 
 
