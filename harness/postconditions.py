@@ -484,6 +484,15 @@ class Monitor:
                                f"row {row}: the attention kernel is told {got} positions; the request has "
                                f"{start + n} ({start} computed before the step, {n} scheduled)")
 
+    def _row_spans(self, ids: list[str]) -> Iterator[tuple[int, str, int, int, int]]:
+        """The step's per-token buffers laid out by row: (row, request, its first position, its
+        first token's offset in the buffer, its scheduled tokens), rows in the batch's order."""
+        off = 0
+        for row, rid in enumerate(ids):
+            start, n = self._spans[rid]
+            yield row, rid, start, off, n
+            off += n
+
     def _token_rows(self, batch: Any, values: Any) -> Iterator[tuple[int, str, int, np.ndarray]]:
         """A per-token buffer of the step (positions, token ids) split by row: (row, request,
         its first position, its tokens' values), rows in the batch's order, each with its
@@ -492,11 +501,8 @@ class Monitor:
         if ids is None:
             return
         got_all = _ints(values[:sum(self._spans[r][1] for r in ids)])
-        off = 0
-        for row, rid in enumerate(ids):
-            start, n = self._spans[rid]
+        for row, rid, start, off, n in self._row_spans(ids):
             yield row, rid, start, got_all[off:off + n]
-            off += n
 
     def _check_positions(self, step: int, batch: Any, positions: Any, ext: Callable[[str], str]) -> None:
         """Each token's position as the model was handed it against its request's count."""
@@ -534,15 +540,12 @@ class Monitor:
         if ids is None:
             return
         names = set(names)
-        off = 0
-        for rid in ids:
-            start, n = self._spans[rid]
+        for _, rid, start, off, n in self._row_spans(ids):
             if positions is not None and "worker-position" in names and getattr(positions, "ndim", 0) == 1:
                 positions[off:off + n].copy_(torch.arange(start, start + n, dtype=positions.dtype))
             want = self._want_tokens.get(rid)
             if input_ids is not None and want is not None and "worker-token" in names:
                 input_ids[off:off + n].copy_(torch.from_numpy(want).to(input_ids.dtype))
-            off += n
 
     def _check_sampled(self, step: int, batch: Any, ext: Callable[[str], str]) -> None:
         """Each request's next token is sampled from its own last scheduled token's hidden
@@ -605,14 +608,11 @@ class Monitor:
                 continue  # its blocks are never marked written, so never judged unwritten either
             bs = int(t.block_size)
             got_all = t.slot_mapping.gpu[:total].cpu().numpy()
-            off = 0
-            for row, rid in enumerate(ids):
-                start, n = self._spans[rid]
+            for row, rid, start, off, n in self._row_spans(ids):
                 pos = np.arange(start, start + n)
                 width = int(t.num_blocks_per_row[row])
                 blocks = t.block_table.np[row, :width].astype(np.int64)
                 got = got_all[off:off + n]
-                off += n
                 if not self._writes_off:
                     self._wrote(got, bs)
                 self._step_slots.setdefault(rid, []).append((got, bs))  # a break later this step counts too

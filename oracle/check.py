@@ -174,8 +174,9 @@ def check(trace: Trace, histories: list[History], references: dict[str, RequestR
                     ref = references.get(rid)
                     # The run's own state first; else the reference's (rule 5.3: a fault that
                     # fires when the request runs alone corrupts the reference instead).
-                    acc.broke = origin(h.breaks, rid) or (origin(ref.breaks, rid) if ref is not None else None)
-                    if acc.broke is not None and acc.broke == origin(h.breaks, rid):
+                    own = origin(h.breaks, rid)
+                    acc.broke = own or (origin(ref.breaks, rid) if ref is not None else None)
+                    if own is not None:  # rule 5.19: a later break of the run's own
                         acc.later = later(h.breaks, rid)
                 if rec is not None and not rec.cancelled and v.cls != "engine-crash":
                     acc.sequences.append(tuple(rec.token_ids))
