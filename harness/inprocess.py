@@ -386,6 +386,15 @@ class InProcessEngine:
                 return forward(runner, *args, **kwargs)
 
             runner._model_forward = model_forward
+        # ... and the adapter each row runs through (``worker-adapter``), right before the runner
+        # builds the step's LoRA inputs from the rows.
+        if runner is not None and callable(getattr(type(runner), "set_active_loras", None)):
+            def set_active_loras(input_batch: Any, *args: Any, **kwargs: Any) -> Any:
+                if "worker-adapter" in self._repair:
+                    self._monitor.repair_adapters(input_batch)
+                return type(runner).set_active_loras(runner, input_batch, *args, **kwargs)
+
+            runner.set_active_loras = set_active_loras
 
     def _sampled_rows(self, prepared: Any) -> None:
         # vLLM 0.32: (logits_indices, spec_decode_metadata, ...); one row a request only without
@@ -504,7 +513,8 @@ class InProcessEngine:
     ) -> History:
         """Run ``trace`` once from a clean slate and record its history. ``repair``: worker
         post-conditions (``REPAIRABLE``) this run enforces: the model is handed the positions or
-        token ids they expect (rule 5.19, triage's check of a second cause)."""
+        token ids they expect, each row runs through its request's adapter (rules 5.19 and 5.20:
+        triage's checks of a second cause and of a name's cause)."""
         if self._llm is None:
             self.start()
         self._use_kv_agent()

@@ -171,6 +171,7 @@ class Monitor:
         self._windows: dict[int, int | None] = {}
         self._held_ids: Counter[int] = Counter()
         self._adapters: dict[str, int] = {}  # request scheduled this step -> its LoRA id (0: none)
+        self._lora_requests: dict[str, Any] = {}  # ... -> its LoRARequest (None: none), to enforce it
         self._kernel: list[np.ndarray] = []  # the step's kernels' sequence lengths, per row
         self._sampled: np.ndarray | None = None  # the step's sampled hidden-state row, per request
         # Request (trace id) -> its first break after which its KV is wrong, and the step's
@@ -281,8 +282,8 @@ class Monitor:
             toks = scheduler.requests[rid].all_token_ids[start:start + n]
             if len(toks) == n:  # not with speculative tokens scheduled beyond them
                 self._want_tokens[rid] = np.asarray(toks, dtype=np.int64)
-        self._adapters = {rid: int(getattr(getattr(scheduler.requests[rid], "lora_request", None), "lora_int_id", 0)
-                                   or 0) for rid in self._spans}
+        self._lora_requests = {rid: getattr(scheduler.requests[rid], "lora_request", None) for rid in self._spans}
+        self._adapters = {rid: int(getattr(lora, "lora_int_id", 0) or 0) for rid, lora in self._lora_requests.items()}
         mgr = scheduler.kv_cache_manager
         pool, managers = mgr.block_pool, mgr.coordinator.single_type_managers
         if not self._windows:
@@ -546,6 +547,33 @@ class Monitor:
             want = self._want_tokens.get(rid)
             if input_ids is not None and want is not None and "worker-token" in names:
                 input_ids[off:off + n].copy_(torch.from_numpy(want).to(input_ids.dtype))
+
+    def repair_adapters(self, batch: Any) -> None:
+        """Rule 5.20: each scheduled row's LoRA mapping made its request's adapter
+        (``worker-adapter``), with the batch's record of the adapters its rows use, right before
+        the runner builds the step's LoRA inputs from them (after every fault and toggle had its
+        say). The persistent batch keeps the repair: the next step starts from the right state."""
+        if self.disabled:
+            return
+        mapping = getattr(batch, "request_lora_mapping", None)
+        if mapping is None:
+            return
+        for rid, row in batch.req_id_to_index.items():
+            want = self._adapters.get(rid)
+            got = int(mapping[row])
+            if want is None or got == want:
+                continue
+            if got:
+                users = batch.lora_id_to_request_ids.get(got)
+                if users is not None:
+                    users.discard(rid)
+                    if not users:
+                        del batch.lora_id_to_request_ids[got]
+                        batch.lora_id_to_lora_request.pop(got, None)
+            mapping[row] = want
+            if want:
+                batch.lora_id_to_request_ids.setdefault(want, set()).add(rid)
+                batch.lora_id_to_lora_request[want] = self._lora_requests[rid]
 
     def _check_sampled(self, step: int, batch: Any, ext: Callable[[str], str]) -> None:
         """Each request's next token is sampled from its own last scheduled token's hidden

@@ -39,8 +39,9 @@ def witness(breaks: Iterable[Break], request: str) -> Break | None:
 
 
 # Checks of the worker's inputs the harness can enforce in a replay (harness/postconditions.py
-# ``Monitor.repair``): rule 5.19's evidence of a second cause.
-REPAIRABLE: tuple[str, ...] = ("worker-position", "worker-token")
+# ``Monitor.repair``, ``Monitor.repair_adapters``): rule 5.19's evidence of a second cause, and
+# rule 5.20's of whether a name caused a victim that broke nothing.
+REPAIRABLE: tuple[str, ...] = ("worker-position", "worker-token", "worker-adapter")
 
 
 def later(breaks: Iterable[Break], request: str) -> str | None:

@@ -253,15 +253,37 @@ VICTIM = "r6"
 """
 
 
+# Fault AM's witness (in AE's child; AE moves r1's row, but r1 has no adapter to drop): r1's
+# prompt is prefilled in row 1 while r0 (adapter a) decodes in row 0, so its first token runs
+# through adapter a. The witness of AM's 3-minute float32 campaign at 0df6a90, minimized.
+AM_WITNESS = """
+am = [SendEvent(request_id="r0", at=At(step=2), max_tokens=17, adapter="a",
+                prompt=GenPrompt(length=63, prefix_group="g0", prefix_len=32, seed=783703631)),
+      SendEvent(request_id="r1", at=At(step=5), max_tokens=18,
+                prompt=GenPrompt(length=255, prefix_group="g0", prefix_len=65, seed=591025858))]
+print("JUDGED " + json.dumps({**judged(sends, VICTIM), "repaired": repaired(sends, VICTIM, ["worker-adapter"]),
+                              "am": judged(am, "r1"), "am_repaired": repaired(am, "r1", ["worker-adapter"])}))
+"""
+
+
 def test_a_moved_row_that_loses_its_adapter_breaks_worker_adapter():
     """Fault AE (written after rule 5.10; rule 5.11 was written for it): a row moved by
     ``condense`` loses its LoRA adapter, so the moved request's next token comes from the base
     model. Every block record agrees; the worker's LoRA mapping of the row is not the request's
     adapter. The reference (alone: never moved) breaks nothing."""
-    got = _child(AE_SCRIPT, "unseen_faults.moved_row_drops_adapter")
+    got = _child(AE_SCRIPT + AM_WITNESS, "unseen_faults.moved_row_drops_adapter,"
+                 "unseen_faults.prefill_first_token_neighbours_adapter", judge=False)
     assert [(name, r) for name, r, _ in got["breaks"]] == [("worker-adapter", "r6")], got
     assert got["diverged"] and got["ref_breaks"] == [], got
     assert "the worker's LoRA mapping is adapter 0, the request's is" in got["breaks"][0][2], got
+    # Rule 5.20's replay: the check enforced (each row's mapping made its request's adapter
+    # before the step's LoRA inputs are built), nothing breaks and the victim is right.
+    assert got["repaired"] == {"breaks": [], "diverged": False}, got
+    # Fault AM (installed beside AE, which has no adapter to drop here) breaks nothing,
+    # and enforcing worker-adapter leaves its victim wrong: the name did not cause it, so an AM
+    # finding never joins (nor lends its bucket to) AE's worker-adapter bucket.
+    assert got["am"]["breaks"] == [] and got["am"]["diverged"], got
+    assert got["am_repaired"] == {"breaks": [], "diverged": True}, got
 
 
 AF_SCRIPT = """
