@@ -401,11 +401,11 @@ class Campaign:
         st.by_class = dict(counts)
         touched = set()
         for m in members:
-            for other, verdicts in m.evidence.items():
+            for other in {*m.evidence, *m.enforced}:
                 # Measured on that bucket's own witness by this finding's merge check.
                 b = st.bug_buckets.get(resolve(other, st.merges))
                 if b is not None:
-                    b.key = with_evidence(b.key, verdicts)
+                    b.key = with_evidence(b.key, m.evidence.get(other, {}), m.enforced.get(other))
                     touched.add(b.id)
         for m in members:
             bucket = st.bug_buckets.get(m.bucket)

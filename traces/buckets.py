@@ -61,11 +61,22 @@ class BucketKey(_Data):
     # Rule 5: the first of vLLM's post-conditions broken on the victim's own state
     # (oracle/postconditions.py); None: not observed (no break, or not an in-process run).
     broke: str | None = None
+    # Rule 5.20: an enforceable post-condition (oracle/postconditions.py ``REPAIRABLE``) -> what
+    # enforcing it on every row in one replay of the witness did to the victim. Measured where a
+    # key that names it meets one that does not; a key that names it implies "disappears".
+    enforced: dict[str, Outcome] = Field(default_factory=dict)
 
     @property
     def base(self) -> tuple[str, str | None, str | None]:
         """What must be equal for two keys to be one cause at all."""
         return (self.cls, self.explained_by, self.crash_kind)
+
+    def enforcement(self, name: str) -> Outcome | None:
+        """What enforcing post-condition ``name`` did to the witness's victim: measured, or
+        implied by the key's own name (its cause), or None (not tried)."""
+        if name in self.enforced:
+            return self.enforced[name]
+        return "disappears" if self.broke == name else None
 
     @property
     def needs(self) -> list[str]:
@@ -86,7 +97,9 @@ class BucketKey(_Data):
     def digest(self) -> str:
         body = "|".join([self.cls, self.explained_by or "-", self.crash_kind or "-",
                          ",".join(f"{m}={o}" for m, o in sorted(self.verdicts.items())),
-                         *([self.broke] if self.broke else [])])
+                         *([self.broke] if self.broke else []),
+                         *([",".join(f"enforced {n}={o}" for n, o in sorted(self.enforced.items()))]
+                           if self.enforced else [])])
         return hashlib.sha256(body.encode()).hexdigest()[:10]
 
 
@@ -128,6 +141,8 @@ class BucketMembership(_Data):
     # mechanism -> outcome): the merge check's other direction (the existing witness replayed
     # under the new one's verdicts). The campaign adds them to those buckets' keys.
     evidence: dict[str, dict[str, Outcome]] = Field(default_factory=dict)
+    # The same for enforced post-conditions (rule 5.20; bucket id -> post-condition -> outcome).
+    enforced: dict[str, dict[str, Outcome]] = Field(default_factory=dict)
     # The replays that checked this finding against buckets (merge check, assignment), each
     # with its outcome and why, kept even when they gave no verdict (moved, failed): the
     # reason a finding joined or did not is readable after the campaign.
@@ -183,8 +198,15 @@ class Triaged:
 
 # -- the rule's pure part (oracle/buckets.py says why; the fuzzer merges with it too) ------------
 def conflicts(a: BucketKey, b: BucketKey) -> list[str]:
-    """Engine mechanisms tried on both keys whose removal went different ways."""
-    return sorted(m for m in set(a.verdicts) & set(b.verdicts) if a.verdicts[m] != b.verdicts[m])
+    """Engine mechanisms tried on both keys whose removal went different ways, and (rule 5.20)
+    enforced post-conditions whose enforcement did (a key's own name counts as enforced and
+    gone: a victim that broke nothing and stays wrong with that name enforced on every row is
+    not that name's; faults AM + AE, where AM's unnamed victims took AE's `worker-adapter`)."""
+    out = [m for m in set(a.verdicts) & set(b.verdicts) if a.verdicts[m] != b.verdicts[m]]
+    names = {*a.enforced, *b.enforced, *filter(None, (a.broke, b.broke))}
+    out += [f"enforced {n}" for n in names
+            if None not in (a.enforcement(n), b.enforcement(n)) and a.enforcement(n) != b.enforcement(n)]
+    return sorted(out)
 
 
 def breaks_agree(a: str | None, b: str | None) -> bool:
@@ -222,14 +244,18 @@ def union(a: BucketKey, b: BucketKey) -> BucketKey:
     has none (the evidence of an agreeing key joins)."""
     if a.explained_by is not None:
         return a
-    return a.model_copy(update={"verdicts": {**b.verdicts, **a.verdicts}, "broke": a.broke or b.broke})
+    return a.model_copy(update={"verdicts": {**b.verdicts, **a.verdicts}, "broke": a.broke or b.broke,
+                                "enforced": {**b.enforced, **a.enforced}})
 
 
-def with_evidence(key: BucketKey, verdicts: Mapping[str, Outcome]) -> BucketKey:
-    """``key`` with verdicts measured on its bucket's own witness, where it had none."""
-    if key.explained_by is not None or not verdicts:
+def with_evidence(key: BucketKey, verdicts: Mapping[str, Outcome],
+                  enforced: Mapping[str, Outcome] | None = None) -> BucketKey:
+    """``key`` with verdicts (and rule 5.20's enforcements) measured on its bucket's own
+    witness, where it had none."""
+    if key.explained_by is not None or not (verdicts or enforced):
         return key
-    return key.model_copy(update={"verdicts": {**verdicts, **key.verdicts}})
+    return key.model_copy(update={"verdicts": {**verdicts, **key.verdicts},
+                                  "enforced": {**(enforced or {}), **key.enforced}})
 
 
 def live(buckets: Mapping[str, Bucket], merges: Mapping[str, str]) -> list[Bucket]:
@@ -259,6 +285,8 @@ def name_unearned(key: BucketKey, bucket: BucketKey, checked: Iterable[str]) -> 
     read persists, moved, moved against Y's bucket, and every later P finding joined by name)."""
     if key.broke is None or bucket.broke is not None:
         return False
+    if bucket.enforced.get(key.broke) == "disappears":
+        return False  # rule 5.20: the bucket's own witness is right with the name enforced
     return not key.verdicts or any(m not in key.verdicts for m in checked)
 
 

@@ -43,6 +43,7 @@ from kvfuzz.driver.settings import CampaignSettings, TriageSettings
 from kvfuzz.oracle import buckets as rule
 from kvfuzz.oracle.attribution import plan
 from kvfuzz.oracle.controls import escalate
+from kvfuzz.oracle.postconditions import REPAIRABLE
 from kvfuzz.traces import Finding, Trace
 from kvfuzz.traces.finding import DIVERGENT_CLASSES
 from kvfuzz.traces.buckets import (KEY_MECHANISMS, Bucket, BucketKey, BucketMembership, MechanismCheck, Outcome,
@@ -51,7 +52,7 @@ from kvfuzz.traces.io import load_finding
 from kvfuzz.traces.result import Checked
 
 from .attribution import explain_guarded
-from .explain import explain, repair_check
+from .explain import enforce_check, explain, repair_check
 from .finish import add_controls, finish_finding
 
 # A campaign spends at most this share of its time on findings of buckets it already has...
@@ -110,6 +111,11 @@ class CampaignTriage:
     # Verdicts measured on existing buckets' own witnesses while triaging the current trace.
     _evidence: dict[str, dict[str, Outcome]] = field(default_factory=dict)
     _checks: list[MechanismCheck] = field(default_factory=list)  # this finding's check replays
+    # Rule 5.20: enforcements measured on existing buckets' own witnesses (bucket -> name ->
+    # outcome) while triaging the current trace, and (bucket or "" for the finding, name) pairs
+    # whose enforced replay gave no evidence (not tried again).
+    _enforced: dict[str, dict[str, Outcome]] = field(default_factory=dict)
+    _unenforced: set[tuple[str, str]] = field(default_factory=set)
     # Check replays an earlier pass of this trace made (a Ray task deferred at the commit point
     # and run again, fuzzer/distributed.py): on a step-exact engine a replay gives the same
     # again, so a check against a bucket the first pass already saw is reused, not replayed.
@@ -155,7 +161,8 @@ class CampaignTriage:
             # costs the trace deadline each time).
             return self._place(checked, f, rule.keys_of(f), status="triaged", how="class")
         t0 = time.monotonic()
-        self._evidence, self._checks = {}, []
+        self._evidence, self._checks, self._enforced = {}, [], {}
+        self._unenforced = {(b, n) for b, n in self._unenforced if b}
         if not self.settled and not self._could_join(f):
             return self._defer(checked, f)  # before attribution: no known bucket can take it
         ending = self.over_budget or self._outlasts_budget(checked, t_run)
@@ -220,6 +227,7 @@ class CampaignTriage:
             # Rule 5: the same post-condition broke on both witnesses; nothing to replay (the
             # bucket of that name, not an earlier unnamed one it also agrees with).
             return named[0], key, f"post-condition: {key.broke}"
+        key, cands = self._enforce_on(f, key, cands)
         if cands and key.explained_by is None and not cands[0].key.verdicts:
             # The bucket opened without key evidence (its box ran out, or past the share): its
             # own witness is measured once, so there is something to check against.
@@ -236,8 +244,74 @@ class CampaignTriage:
             return None, key, ""
         if rule.name_unearned(key, cands[0].key, tried):
             return None, key, ""  # rule 5.7, in the merge check too
-        checked = ", ".join(f"{m} {key.verdicts[m]}" for m in tried if m in key.verdicts)
+        checked = ", ".join([f"{m} {key.verdicts[m]}" for m in tried if m in key.verdicts]
+                            + [f"enforced {n} {o}" for n, o in sorted(key.enforced.items())])
         return cands[0], key, ("replay: " + checked) if checked else "key"
+
+    # -- rule 5.20: does a name cause a victim that broke nothing? ----------------------------------
+    def _enforce_on(self, f: Finding, key: BucketKey, cands: list[Bucket]) -> tuple[BucketKey, list[Bucket]]:
+        """Rule 5.20: where ``key`` and a candidate differ by an enforceable post-condition one
+        of them names (or measured) and the other has no evidence on, the side without it is
+        replayed once with that post-condition enforced on every row: a candidate bucket's own
+        witness (once per bucket; its key keeps the evidence), or the finding, on ``key``'s
+        victim. Returns ``key`` with what was measured and the candidates that still agree.
+        Step-exact engines only (a replay elsewhere is another schedule, not the same one
+        enforced); nothing measured is no difference."""
+        if key.explained_by is not None or not cands or not self.session.step_exact:
+            return key, cands
+        out = []
+        for b in cands:
+            if key.broke in REPAIRABLE and b.key.broke is None and key.broke not in b.key.enforced:
+                b = self._bucket_enforced(b, key.broke)
+            out.append(b)
+        if key.broke is None:
+            names = {n for b in out for n in (b.key.broke, *b.key.enforced) if n in REPAIRABLE}
+            for n in sorted(names - set(key.enforced)):
+                if ("", n) in self._unenforced:
+                    continue
+                got = self._finding_enforced(f, key, n)
+                if got is None:
+                    self._unenforced.add(("", n))
+                else:
+                    key = key.model_copy(update={"enforced": {**key.enforced, n: got}})
+        return key, [b for b in out if rule.agrees(key, b.key)]
+
+    def _finding_enforced(self, f: Finding, key: BucketKey, name: str) -> Outcome | None:
+        """One replay of ``f`` with ``name`` enforced, judged on ``key``'s victim (rule 5.20),
+        kept with the finding's checks (an earlier pass's is reused: a step-exact replay gives
+        the same again)."""
+        victim = rule.victim_of(f, key)
+        label = f"enforced {name}"
+        done = next((c for c in [*self.prior, *self._checks]
+                     if c.mechanism == label and c.victim == victim and victim is not None), None)
+        if done is not None:
+            self._checks.append(done)
+            return done.verdict
+        self.status(f"finding {f.id}: replaying with {name} enforced (rule 5.20)")
+        got = enforce_check(self.session, f, name, victim=victim)
+        self._checks.append(MechanismCheck(mechanism=label, victim=victim, outcome=got or "failed", verdict=got,
+                                           detail=None if got else "no evidence: a milder divergence, or the "
+                                           "replay failed"))
+        return got
+
+    def _bucket_enforced(self, b: Bucket, name: str) -> Bucket:
+        """``b`` with what enforcing ``name`` did to its own witness's victim (its regression
+        case, as ``_measured``), recorded as evidence for the campaign to add to its key.
+        Unchanged where the witness is not readable or the replay gave no evidence."""
+        path = (self.cases or self.out) / b.case if b.case else None
+        if (b.id, name) in self._unenforced or path is None or not path.is_file():
+            return b
+        try:
+            witness = load_finding(path)
+        except (OSError, ValueError):
+            return b
+        self.status(f"bucket {b.id}: replaying its own witness with {name} enforced (rule 5.20)")
+        got = enforce_check(self.session, witness, name, victim=rule.victim_of(witness, b.key))
+        if got is None:
+            self._unenforced.add((b.id, name))
+            return b
+        self._enforced[b.id] = {**self._enforced.get(b.id, {}), name: got}
+        return b.model_copy(update={"key": with_evidence(b.key, {}, {name: got})})
 
     def _measured(self, b: Bucket, mechanisms: list[str]) -> Bucket:
         """``b`` with the verdicts its key lacks among ``mechanisms`` measured on its own
@@ -317,6 +391,13 @@ class CampaignTriage:
             bucket = bucket or cands[0]
             how = how2 if how2 != "key" else how
         else:
+            if replays:
+                key, kept = self._enforce_on(f, key, cands)
+                if not kept:
+                    return None  # rule 5.20: the name did not cause its victim: triaged (another cause)
+                cands = kept
+                if key.enforced:
+                    how += ", replay: " + ", ".join(f"enforced {n} {o}" for n, o in sorted(key.enforced.items()))
             same = rule.same_name(key, cands)
             bucket = same[0] if same else cands[0]
             if not same and key.broke is not None and bucket.key.broke is None and not replays:
@@ -331,7 +412,8 @@ class CampaignTriage:
                 how = f"pre-key, post-condition: {key.broke}"
             elif key.explained_by is None and bucket.key.verdicts and replays:
                 tried = sorted(bucket.key.verdicts)
-                lends_name = key.broke is not None and bucket.key.broke is None
+                lends_name = key.broke is not None and bucket.key.broke is None \
+                    and rule.name_unearned(key, bucket.key, ())  # rule 5.20 may have earned it
                 if lends_name:
                     # Its run broke a post-condition no witness of the bucket did: a name the
                     # bucket never showed is checked on every verdict, not sampled (rule 5.5,
@@ -351,7 +433,7 @@ class CampaignTriage:
                         return None  # rule 5.7: another cause, triaged
                 seen = [f"{m} {key.verdicts[m]}" for m in mechs if m in key.verdicts]
                 if seen:
-                    how = "pre-key, replay: " + ", ".join(seen)
+                    how += ", replay: " + ", ".join(seen)
         m = BucketMembership(bucket=bucket.id, key=key, status="assigned", how=how)
         return self._done(checked, f, [m], "assigned")
 
@@ -450,7 +532,8 @@ class CampaignTriage:
                 key = key.model_copy(update={"verdicts": {**key.verdicts, **measured}})
             # The merge check: the full key against the buckets once more, each candidate's own
             # witness measured on what the new key tried and its key lacks (both directions).
-            measured_cands = (self._measured(b, list(key.verdicts)) for b in rule.candidates(key, self.alive))
+            measured_cands = [self._measured(b, list(key.verdicts)) for b in rule.candidates(key, self.alive)]
+            key, measured_cands = self._enforce_on(small, key, measured_cands)  # rule 5.20 here too
             cands = [b for b in measured_cands if rule.agrees(key, b.key)
                      and not rule.name_unearned(key, b.key, b.key.verdicts)]  # rule 5.7 here too
             if cands:
@@ -489,8 +572,9 @@ class CampaignTriage:
         return self._done(checked, f, out, status)
 
     def _done(self, checked: Checked, f: Finding, memberships: list[BucketMembership], status: str) -> Triaged:
-        if memberships and (self._evidence or self._checks):
+        if memberships and (self._evidence or self._checks or self._enforced):
             memberships[0] = memberships[0].model_copy(update={"evidence": dict(self._evidence),
+                                                               "enforced": dict(self._enforced),
                                                                "checks": list(self._checks)})
         f.buckets = memberships
         f.bucket = memberships[0].bucket if memberships else None

@@ -38,7 +38,7 @@ from kvfuzz.oracle.postconditions import REPAIRABLE
 from kvfuzz.oracle.controls import primary_arm
 from kvfuzz.traces import (EMBEDDED_MODEL, Ablation, CancelEvent, Divergence, Explanation, Finding, Repair, SendEvent,
                            Trace)
-from kvfuzz.traces.buckets import KEY_MECHANISMS
+from kvfuzz.traces.buckets import KEY_MECHANISMS, Outcome
 from kvfuzz.traces.errors import BadInput, InfraError
 from kvfuzz.traces.finding import SEVERITY
 from kvfuzz.traces.result import Judged
@@ -243,6 +243,29 @@ def repair_check(replayer: Replayer, finding: Finding) -> Finding:
             if x.request_id == d.request_id and x.arm == d.arm and x.class_ == d.class_:
                 x.repair = rep
     return out
+
+
+def enforce_check(replayer: Replayer, finding: Finding, name: str, victim: str | None = None) -> Outcome | None:
+    """Rule 5.20: ``finding`` replayed once with post-condition ``name`` enforced on every row,
+    judged on ``victim`` (default: the one minimization would keep): "persists" when it still
+    diverges as badly (the name did not cause it), "disappears" when it is right. None: no
+    evidence (a milder divergence, a failed replay, a name the harness cannot enforce, an engine
+    that is not step-exact, or a victim whose own runs did not all diverge: rule 5.8)."""
+    if name not in REPAIRABLE or not replayer.step_exact:
+        return None
+    target = choose_target(finding, victim)
+    me = next((d for d in finding.divergences if d.request_id == target.victim and d.class_ == target.cls), None)
+    if me is not None and me.runs >= 2 and me.runs_diverged < me.runs:
+        return None
+    arm, toggles = primary_arm(finding)
+    try:
+        j = replayer.judge_victim(_valid(finding.trace), victim=target.victim, arm=arm, toggles=toggles,
+                                  repair=[name])
+    except (BadInput, InfraError, ValueError):
+        return None
+    if _still_diverges(j, target):
+        return "persists"
+    return "disappears" if j.cls == "ok" and not j.drifted else None
 
 
 def _still_diverges(j: Judged, target: Target) -> bool:
