@@ -49,7 +49,10 @@ class Engine(Protocol):
     def compatible(self, config: EngineConfig) -> bool: ...
 
     def replay(self, trace: Trace, *, arm: str = "default", run_index: int = 0,
-               toggles: Iterable[str] | None = None) -> History: ...
+               toggles: Iterable[str] | None = None, repair: Iterable[str] = ()) -> History:
+        """``trace`` once; ``repair``: worker post-conditions the run enforces (rules 5.19 and
+        5.20; only an engine whose worker kvfuzz steps can, the others raise ``BadInput``)."""
+        ...
 
     def run_alone(self, send: SendEvent, *, max_tokens: int | None = None,
                   binding: Binding | None = None) -> RequestRecord:

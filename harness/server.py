@@ -284,7 +284,8 @@ class ServerEngine(HttpEngineBase):
             raise
 
     def replay(self, trace: Trace, *, arm: str = "default", run_index: int = 0,
-               toggles: Iterable[str] | None = None) -> History:
+               toggles: Iterable[str] | None = None, repair: Iterable[str] = ()) -> History:
+        self._refuse_repair(repair)
         if not self.compatible(trace.engine):
             raise BadInput("trace engine configuration differs from the running server's", field="engine")
         names = list(trace.engine.toggles if toggles is None else toggles)

@@ -127,7 +127,7 @@ def test_confirmation_runs_stop_at_the_new_buckets_deadline(tmp_path):
         def compatible(self, config):
             return True
 
-        def replay(self, trace, *, arm, run_index, toggles):
+        def replay(self, trace, *, arm, run_index, toggles, repair=()):
             self.replays += 1
             return f.runs[0].model_copy(update={"arm": arm, "run_index": run_index})
 

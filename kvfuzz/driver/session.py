@@ -267,15 +267,7 @@ class Session:
         requests judged (and, for a near tie, the victim's teacher-forced scoring) are needed,
         so shrinking other requests' prompts costs no reference runs."""
         engine = self.engine_for(trace.engine)
-        if repair:
-            # Only the in-process engine's monitor knows what the checks expect (rule 5.19).
-            from kvfuzz.harness.inprocess import InProcessEngine
-
-            if not isinstance(engine, InProcessEngine):
-                raise BadInput("enforcing post-conditions needs the in-process engine", field="engine")
-            h = engine.replay(trace, arm=arm, run_index=0, toggles=list(toggles), repair=list(repair))
-        else:
-            h = engine.replay(trace, arm=arm, run_index=0, toggles=list(toggles))
+        h = engine.replay(trace, arm=arm, run_index=0, toggles=list(toggles), repair=list(repair))
         if victim == ENGINE:
             return Judged("engine-crash" if h.crashed else "ok")
         bounds = self.bounds_for(trace.engine)
