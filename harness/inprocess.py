@@ -866,6 +866,18 @@ class InProcessEngine:
         return describe(engine="inprocess", config=self.config, device=self.device, model_hash=self.model_hash)
 
 
+def _changes(a: EngineConfig, b: EngineConfig) -> str:
+    """The fields ``b`` sets otherwise than ``a``, flattened ("lora.enabled=False, ...")."""
+    def flat(d: Any, at: str = "") -> dict[str, Any]:
+        if isinstance(d, dict):
+            return {k: v for key, val in d.items() for k, v in flat(val, f"{at}{key}.").items()}
+        return {at.rstrip("."): d}
+
+    skip = {"toggles", "ms_per_step"}  # not what an engine is (``EngineConfig.key``)
+    x, y = flat(a.model_dump(mode="json", exclude=skip)), flat(b.model_dump(mode="json", exclude=skip))
+    return ", ".join(f"{k}={y.get(k)}" for k in sorted(set(x) | set(y)) if x.get(k) != y.get(k))
+
+
 class EnginePool:
     """Live in-process engines kept for reuse within one process: at most ``size``, one per
     (engine configuration, device), least recently used closed first.
@@ -880,6 +892,8 @@ class EnginePool:
         self._live: dict[tuple[str, str], InProcessEngine] = {}
         self.starts = 0
         self.reuses = 0
+        self._seen: set[tuple[str, str]] = set()
+        self._first: EngineConfig | None = None
 
     def acquire(self, config: EngineConfig, *, device: str, log_file: Path | None,
                 trace_deadline_s: float | None) -> InProcessEngine:
@@ -899,6 +913,13 @@ class EnginePool:
         engine.start()
         self.starts += 1
         self._live[key] = engine
+        # Which configurations a campaign cycles through (its engine.log): what this one changes
+        # against the first one started, and whether it was started before (evicted or discarded).
+        first = self._first = self._first or config
+        again = key in self._seen
+        self._seen.add(key)
+        log.info("engine pool: start %d (%s%s), %d live", self.starts, _changes(first, config) or "the first",
+                 ", again" if again else "", len(self._live))
         return engine
 
     def release(self, engine: InProcessEngine) -> None:

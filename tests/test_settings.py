@@ -95,3 +95,16 @@ def test_bad_shared_options_are_one_line_bad_input_naming_the_flag(kw, flag):
     with pytest.raises(BadInput) as e:
         options.session_settings(args.pop("engine"), args.pop("device"), **args)
     assert e.value.field == flag
+
+
+def test_the_engine_pool_log_names_what_a_configuration_changes():
+    """A campaign's engine.log says which configurations its triage starts (issue 30: a LoRA
+    campaign in bfloat16 started 19 engines in 10 minutes); toggles are not an engine's."""
+    from kvfuzz.fuzzer.generate import default_engine
+    from kvfuzz.harness.inprocess import _changes
+
+    a = default_engine()
+    b = a.model_copy(update={"enable_prefix_caching": False, "toggles": ["x"],
+                             "lora": a.lora.model_copy(update={"enabled": True})})
+    assert _changes(a, a) == ""
+    assert _changes(a, b) == "enable_prefix_caching=False, lora.enabled=True"
