@@ -918,8 +918,9 @@ class EnginePool:
         first = self._first = self._first or config
         again = key in self._seen
         self._seen.add(key)
-        log.info("engine pool: start %d (%s%s), %d live", self.starts, _changes(first, config) or "the first",
-                 ", again" if again else "", len(self._live))
+        logging.getLogger("kvfuzz.engine").info("engine pool: start %d (%s%s), %d live", self.starts,
+                                                _changes(first, config) or "the first", ", again" if again else "",
+                                                len(self._live))
         return engine
 
     def release(self, engine: InProcessEngine) -> None:

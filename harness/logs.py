@@ -11,9 +11,10 @@ import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
-# Loggers whose records belong in the engine log, not on the terminal: vLLM's, and Python
-# warnings (torch's and vLLM's deprecation warnings; logging.captureWarnings routes them here).
-ENGINE_LOGGERS = ("vllm", "py.warnings")
+# Loggers whose records belong in the engine log, not on the terminal: vLLM's, Python warnings
+# (torch's and vLLM's deprecation warnings; logging.captureWarnings routes them here), and
+# kvfuzz's own about the engines it starts (the engine pool).
+ENGINE_LOGGERS = ("vllm", "py.warnings", "kvfuzz.engine")
 
 
 def route_vllm_logs(log_file: Path | None) -> None:
