@@ -132,6 +132,15 @@ def test_once_the_second_cause_has_its_bucket_findings_are_assigned_without_a_re
     t = triage(r, bs, tmp_path)
     out = t._assign(checked(named()))
     assert out is not None and out.status == "assigned" and not r.repairs
+    assert [m.bucket for m in out.buckets] == ["P"]  # no second cause confirmed in this campaign
+    # One enforced replay left a victim wrong with worker-token (before T's bucket opened): later
+    # findings whose victim broke it later are listed in T's bucket too, without a replay.
+    t = triage(r, position_bucket(), tmp_path)
+    t._repaired(checked(named()))
+    t.restore(bs, {})
+    out = t._assign(checked(named()))
+    assert out is not None and [m.bucket for m in out.buckets] == ["P", "T"] and len(r.repairs) == 1
+    assert out.buckets[1].status == "assigned" and "later break: worker-token" in out.buckets[1].how
 
 
 def test_not_on_an_engine_that_is_not_step_exact(tmp_path):

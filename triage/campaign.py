@@ -122,6 +122,8 @@ class CampaignTriage:
     prior: list[MechanismCheck] = field(default_factory=list)
     # Rule 5.19: later break names for which enforcing the first break left no divergence.
     _refuted: dict[str, int] = field(default_factory=dict)
+    # ... and those for which it left the victim wrong with that break: confirmed second causes.
+    _confirmed: set[str] = field(default_factory=set)
 
     def restore(self, buckets: dict[str, Bucket], merges: dict[str, str] | None = None) -> None:
         """Share the campaign's buckets (the campaign adds to them as findings are recorded)."""
@@ -204,9 +206,29 @@ class CampaignTriage:
         self.status(f"finding {f.id}: replaying with its victim's first break enforced (rule 5.19)")
         g = repair_check(self.session, f)
         for d in g.divergences:
-            if d.repair is not None and d.later is not None and rule.second_cause(d) is None:
-                self._refuted[d.later] = self._refuted.get(d.later, 0) + 1
+            if d.repair is not None and d.later is not None:
+                second = rule.second_cause(d)
+                if second is None:
+                    self._refuted[d.later] = self._refuted.get(d.later, 0) + 1
+                else:
+                    self._confirmed.add(second)
         return dataclasses.replace(checked, finding=g)
+
+    def _also_second(self, f: Finding, first: Bucket) -> list[BucketMembership]:
+        """Rule 5.19 past the share: a finding whose victim's later break names a second cause
+        an enforced replay confirmed in this campaign, and that has a bucket, is listed there
+        too, assigned on its own run's record (no replay: the AL + AI campaigns listed AL's
+        bucket with its one triaged finding while six traces showed it)."""
+        names = {d.later for d in f.divergences if d.later in self._confirmed and d.explained_by is None
+                 and d.class_ == first.key.cls}
+        out = []
+        for n in sorted(names):
+            b = next((b for b in self.alive if b.key.broke == n and b.key.base == first.key.base), None)
+            if b is not None and b.id != first.id:
+                out.append(BucketMembership(bucket=b.id, key=BucketKey(cls=first.key.cls, broke=n), status="assigned",
+                                            how=f"a victim's later break: {n} (a second cause an enforced replay "
+                                                "confirmed, rule 5.19; not replayed)"))
+        return out
 
     def _second_candidates(self, f: Finding) -> set[str]:
         """Later breaks (rule 5.19) on ``f``'s victims that could name a second cause: no live
@@ -435,7 +457,7 @@ class CampaignTriage:
                 if seen:
                     how += ", replay: " + ", ".join(seen)
         m = BucketMembership(bucket=bucket.id, key=key, status="assigned", how=how)
-        return self._done(checked, f, [m], "assigned")
+        return self._done(checked, f, [m, *self._also_second(f, bucket)], "assigned")
 
     def _could_join(self, f: Finding) -> bool:
         """Whether any live bucket might take ``f`` (its pre-key for the worst class; any
