@@ -122,6 +122,10 @@ And after rule 5.19 (2804c96: a second cause on one victim, which AL + AI had sh
 - ``mixed_batch_loses_causal_mask`` (AO, the attention kernel's causal flag): a batch whose first
   row is a decode and another row computes several tokens runs without the causal mask, so those
   tokens attend to the rest of their own chunk. Every record and kernel input but the flag agrees.
+And after rule 5.20 (a08b547: a name's cause, which AM + AE had shown):
+- ``block_opening_decode_takes_neighbours_token`` (AP, the model's input token ids): in a batch of
+  two or more, a decode below the first row whose token opens a new KV block is handed the row
+  above's last token. It breaks ``worker-token``, through another path than AL's.
 """
 
 from collections.abc import Callable
