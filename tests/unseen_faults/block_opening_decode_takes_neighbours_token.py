@@ -1,7 +1,8 @@
 """Fault AP (the model's input token ids): written after rule 5.20 (a08b547, a name's cause: the
 name enforced on an unnamed witness) and its review, for the acceptance runs of issue 30;
 neither the bucket rule nor the attribution nor the post-conditions were changed after it, and
-it was written before any run of it.
+it was written before any campaign of it (one smoke replay first: the victim broke worker-token, and
+was right with it enforced).
 
 Each step the model runner gathers each scheduled token's id from the persistent batch's token
 ids (``GPUModelRunner._prepare_inputs``: ``token_ids_cpu`` indexed by row and position, into
