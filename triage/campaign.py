@@ -320,12 +320,8 @@ class CampaignTriage:
         """``b`` with what enforcing ``name`` did to its own witness's victim (its regression
         case, as ``_measured``), recorded as evidence for the campaign to add to its key.
         Unchanged where the witness is not readable or the replay gave no evidence."""
-        path = (self.cases or self.out) / b.case if b.case else None
-        if (b.id, name) in self._unenforced or path is None or not path.is_file():
-            return b
-        try:
-            witness = load_finding(path)
-        except (OSError, ValueError):
+        witness = None if (b.id, name) in self._unenforced else self._witness(b)
+        if witness is None:
             return b
         self.status(f"bucket {b.id}: replaying its own witness with {name} enforced (rule 5.20)")
         got = enforce_check(self.session, witness, name, victim=rule.victim_of(witness, b.key))
@@ -335,6 +331,17 @@ class CampaignTriage:
         self._enforced[b.id] = {**self._enforced.get(b.id, {}), name: got}
         return b.model_copy(update={"key": with_evidence(b.key, {}, {name: got})})
 
+    def _witness(self, b: Bucket) -> Finding | None:
+        """``b``'s own witness, its regression case (``OUT/buckets/<id>.json``; a Ray worker
+        reads the driver's OUT): None where it is not readable."""
+        path = (self.cases or self.out) / b.case if b.case else None
+        if path is None or not path.is_file():
+            return None
+        try:
+            return load_finding(path)
+        except (OSError, ValueError):
+            return None
+
     def _measured(self, b: Bucket, mechanisms: list[str]) -> Bucket:
         """``b`` with the verdicts its key lacks among ``mechanisms`` measured on its own
         witness (its regression case, ``OUT/buckets/<id>.json``; one replay per mechanism the
@@ -342,12 +349,8 @@ class CampaignTriage:
         the campaign to add to that key. Unchanged where the witness is not readable (a Ray
         worker without the driver's OUT) or the key is explained."""
         missing = [m for m in mechanisms if m not in b.key.verdicts]
-        path = (self.cases or self.out) / b.case if b.case else None
-        if not missing or b.key.explained_by is not None or path is None or not path.is_file():
-            return b
-        try:
-            witness = load_finding(path)
-        except (OSError, ValueError):
+        witness = self._witness(b) if missing and b.key.explained_by is None else None
+        if witness is None:
             return b
         self.status(f"bucket {b.id}: measuring its own witness ({', '.join(missing)})")
         ex = explain(self.session, witness, mechanisms=missing)
