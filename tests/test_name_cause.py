@@ -122,7 +122,7 @@ def test_past_the_share_an_unnamed_finding_is_checked_against_a_named_bucket(tmp
     out = t._assign(checked(unnamed()))
     assert out is not None and [m.bucket for m in out.buckets] == ["AE"] and out.status == "assigned"
     assert "enforced worker-adapter disappears" in out.buckets[0].how
-    assert [c.mechanism for c in out.buckets[0].checks] == ["enforced worker-adapter"]
+    assert [c.words for c in out.buckets[0].checks] == ["with worker-adapter enforced"]
 
 
 def test_the_finding_is_not_replayed_twice_for_one_name(tmp_path):
@@ -151,3 +151,14 @@ def test_a_victim_that_did_not_diverge_in_every_run_gives_no_evidence(tmp_path):
     f.divergences[0].runs_diverged = f.divergences[0].runs - 1
     b, k, _ = t._match(f, rule.keys_of(f)[0])
     assert b is not None and b.id == "AE" and k.enforced == {} and not r.repairs
+
+
+def test_the_report_says_the_name_was_enforced():
+    from kvfuzz.present.buckets import membership_text
+    from kvfuzz.traces.buckets import MechanismCheck
+
+    m = BucketMembership(bucket="AM", key=key(worker_adapter="persists"), status="triaged",
+                         checks=[MechanismCheck(mechanism=WA, kind="enforced", victim="B", outcome="persists",
+                                                verdict="persists"),
+                                 MechanismCheck(mechanism="lora", victim="B", outcome="disappears", verdict="disappears")])
+    assert membership_text(m).endswith("checks: with worker-adapter enforced: persists; without lora: disappears")

@@ -116,15 +116,21 @@ class BucketDescription(_Data):
 
 
 class MechanismCheck(_Data):
-    """One check replay: the finding without ``mechanism``, judged on ``victim``."""
+    """One check replay: the finding without ``mechanism`` (``kind`` "removed"), or with the
+    post-condition ``mechanism`` enforced (``kind`` "enforced", rule 5.20), judged on ``victim``."""
 
     mechanism: str
+    kind: Literal["removed", "enforced"] = "removed"
     victim: str | None = None
     outcome: AblationOutcome
     detail: str | None = None
     # The key verdict it gave (``oracle.buckets.verdicts_of``); None: none (moved, flaky, failed,
     # or a milder divergence). Lets a later pass of the same trace reuse the replay.
     verdict: Outcome | None = None
+
+    @property
+    def words(self) -> str:
+        return f"with {self.mechanism} enforced" if self.kind == "enforced" else f"without {self.mechanism}"
 
 
 class BucketMembership(_Data):

@@ -303,15 +303,16 @@ class CampaignTriage:
         kept with the finding's checks (an earlier pass's is reused: a step-exact replay gives
         the same again)."""
         victim = rule.victim_of(f, key)
-        label = f"enforced {name}"
         done = next((c for c in [*self.prior, *self._checks]
-                     if c.mechanism == label and c.victim == victim and victim is not None), None)
+                     if c.kind == "enforced" and c.mechanism == name and c.victim == victim and victim is not None),
+                    None)
         if done is not None:
             self._checks.append(done)
             return done.verdict
         self.status(f"finding {f.id}: replaying with {name} enforced (rule 5.20)")
         got = enforce_check(self.session, f, name, victim=victim)
-        self._checks.append(MechanismCheck(mechanism=label, victim=victim, outcome=got or "failed", verdict=got,
+        self._checks.append(MechanismCheck(mechanism=name, kind="enforced", victim=victim, outcome=got or "failed",
+                                           verdict=got,
                                            detail=None if got else "no evidence: a milder divergence, or the "
                                            "replay failed"))
         return got
@@ -364,8 +365,8 @@ class CampaignTriage:
         """One replay of ``f`` without ``mechanism``, judged on ``key``'s victim: its verdict,
         if it could be judged."""
         victim = rule.victim_of(f, key)
-        done = next((c for c in self.prior if c.mechanism == mechanism and c.victim == victim and victim is not None),
-                    None) if self.session.step_exact else None
+        done = next((c for c in self.prior if c.kind == "removed" and c.mechanism == mechanism and c.victim == victim
+                     and victim is not None), None) if self.session.step_exact else None
         if done is not None:
             self._checks.append(done)
             return {mechanism: done.verdict} if done.verdict else {}

@@ -133,7 +133,7 @@ def membership_text(m: BucketMembership) -> str:
             "triaged": "joined it after attribution and the bucket checks, not minimized",
             "assigned": "assigned, not triaged (past the campaign's triage share)"}[m.status]
     text = m.description.text if m.description else m.key.label()
-    checks = "; ".join(f"without {c.mechanism}: {c.outcome}" + (f" ({c.detail})" if c.detail else "") for c in m.checks)
+    checks = "; ".join(f"{c.words}: {c.outcome}" + (f" ({c.detail})" if c.detail else "") for c in m.checks)
     return f"{text}; {what}" + (f"; matched by {m.how}" if m.how else "") + (f"; checks: {checks}" if checks else "")
 
 
