@@ -255,3 +255,69 @@ def test_a_spent_budget_does_not_walk_back_through_every_accepted_step():
     assert m.stopped and not m.verified and m.requests == 6
     assert any("budget was spent" in p for p in m.passes), m.passes
     assert server.verifications == 1  # the result's, then no walk back
+
+
+class TwoCauses:
+    """A step-exact replayer with two causes on: 'victim' diverges whenever 'd1' is live (cause
+    A, which breaks `worker-token` on it), and also whenever 'hit' is live (cause B, which breaks
+    nothing); with both, A's break names it."""
+
+    step_exact = True
+    reference_runs = 0
+
+    def __init__(self):
+        self.replays = 0
+
+    def _victim(self, trace):
+        ids = {s.request_id for s in trace.sends}
+        if "victim" not in ids:
+            return "ok", None
+        if "d1" in ids:
+            return "corruption", "worker-token"
+        return ("corruption", None) if "hit" in ids else ("ok", None)
+
+    def judge_victim(self, trace, *, victim, arm, toggles, **kw):
+        from kvfuzz.traces.result import Judged
+
+        self.replays += 1
+        cls, broke = self._victim(trace)
+        return Judged(cls, broke=broke)
+
+    def judge(self, trace, **kw):
+        raise AssertionError("a step-exact minimization judges the victim's name too")
+
+    def check(self, trace, *, runs=None, arms=None):
+        (arm,) = arms
+        runs = runs or 1
+        self.replays += runs
+        cls, broke = self._victim(trace)
+        verdicts = [Divergence(request_id=s.request_id, class_=cls if s.request_id == "victim" else "ok", arm=arm,
+                               runs_diverged=runs if s.request_id == "victim" and cls != "ok" else 0, runs=runs,
+                               broke=broke if s.request_id == "victim" else None)
+                    for s in trace.sends]
+        env = Environment(kvfuzz_version="t", engine="inprocess")
+        f = Finding(trace=trace, environment=env, divergences=[v for v in verdicts if v.class_ != "ok"],
+                    verdicts=verdicts, arms={arm: []}) if cls != "ok" else None
+        if f is not None:
+            f.id = f.compute_id()
+        return Checked(Recording(trace=trace, histories=[], references={}, environment=env, arms={arm: []}),
+                       verdicts, f)
+
+
+def test_a_named_victim_does_not_shrink_into_another_causes_witness():
+    """Faults AP + AO at af8a3bb: a finding keyed by AP's `worker-token` shrank to a two-request
+    witness of AO (which breaks nothing), and that became the named bucket's witness."""
+    from kvfuzz.triage.minimize import minimize_finding
+
+    orig = _noisy_finding()
+    orig.divergences[0].broke = "worker-token"
+    r = TwoCauses()
+    small = minimize_finding(r, orig)
+    assert sorted(s.request_id for s in small.trace.sends) == ["d1", "victim"]
+    assert small.divergences[0].broke == "worker-token" and small.minimization.verified
+    assert small.minimization.signature == "corruption:victim"
+    # Without the name in its target (as on a wall-clock engine), it shrinks to B's witness.
+    r.step_exact = False
+    r.judge = lambda trace, **kw: r.judge_victim(trace, **kw).cls
+    small = minimize_finding(r, orig)
+    assert sorted(s.request_id for s in small.trace.sends) == ["hit", "victim"]

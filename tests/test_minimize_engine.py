@@ -56,6 +56,11 @@ class CountingSession:
         self.replays[trace.trace_id()].append(cls)
         return cls
 
+    def judge_victim(self, trace, *, victim, arm, toggles, **kw):
+        j = self.s.judge_victim(trace, victim=victim, arm=arm, toggles=toggles, **kw)
+        self.replays[trace.trace_id()].append(j.cls)
+        return j
+
     def check(self, trace, *, runs=None, arms=None):
         c = self.s.check(trace, runs=runs, arms=arms)
         cls = next(v.class_ for v in c.verdicts if v.request_id == self.victim)

@@ -1,7 +1,10 @@
 """Shrink a finding to the smallest trace that still shows the same bug.
 
 The signature kept is *(class, victim)*: the victim request still gets the same verdict
-class. A candidate trace is kept when that signature reproduces in at least ``m`` of ``k``
+class — and, on a step-exact engine (whose runs record vLLM's post-conditions), the same first
+broken post-condition or none (with two causes on, a witness of one must not shrink into a
+witness of the other: faults AP + AO, where AP's `worker-token` bucket got a two-request
+witness of AO). A candidate trace is kept when that signature reproduces in at least ``m`` of ``k``
 replays (``Acceptance``). The in-process engine replays a trace step by step and is
 deterministic, so k = m = 1 there; a wall-clock server is not, so a candidate is replayed
 up to k times (stopping as soon as the outcome is decided) and kept on m hits.
@@ -51,15 +54,25 @@ class Target:
     victim: str
     arm: str = "default"
     toggles: tuple[str, ...] = ()
+    # With ``named``: the victim's first broken post-condition (oracle/postconditions.py
+    # ``origin``; None: none) must stay what it was.
+    broke: str | None = None
+    named: bool = False
 
     @property
     def signature(self) -> str:
         return f"{self.cls}:{self.victim}"
 
+    @property
+    def words(self) -> str:
+        """The signature, with the victim's name where it is part of the target."""
+        return self.signature + (f" ({self.broke or 'no post-condition broken'})" if self.named else "")
 
-def choose_target(finding: Finding, victim: str | None = None) -> Target:
+
+def choose_target(finding: Finding, victim: str | None = None, *, named: bool = False) -> Target:
     """The finding's most severe class and, among its victims, the one that diverged most
-    often (then the earliest sent): the request a maintainer will look at first."""
+    often (then the earliest sent): the request a maintainer will look at first. ``named``:
+    its first broken post-condition is part of the target."""
     divs = [d for d in finding.divergences if d.class_ in DIVERGENT_CLASSES]
     if victim is not None:
         divs = [d for d in divs if d.request_id == victim]
@@ -72,7 +85,8 @@ def choose_target(finding: Finding, victim: str | None = None) -> Target:
     toggles = finding.arms.get(best.arm)
     if toggles is None:
         toggles = next((h.toggles for h in finding.runs if h.arm == best.arm), list(finding.trace.engine.toggles))
-    return Target(cls=best.class_, victim=best.request_id, arm=best.arm, toggles=tuple(toggles))
+    return Target(cls=best.class_, victim=best.request_id, arm=best.arm, toggles=tuple(toggles),
+                  broke=best.broke if named else None, named=named)
 
 
 # -- the minimizer -----------------------------------------------------------------------------
@@ -485,16 +499,17 @@ def minimize_finding(replayer: Replayer, finding: Finding, *, victim: str | None
     """Minimize ``finding`` by replaying candidates through ``replayer``; return the
     minimized finding (re-recorded from scratch, linked to the original). Raises
     NotReproduced when the original signature does not reproduce here."""
-    target = choose_target(finding, victim)
+    target = choose_target(finding, victim, named=replayer.step_exact)
     opts = options or Options(acceptance=default_acceptance(replayer.step_exact),
                               clock="step" if replayer.step_exact else "offset")
-    probe = Probe(replayer, target.cls, target.victim, target.arm, target.toggles)
+    probe = Probe(replayer, target.cls, target.victim, target.arm, target.toggles,
+                  broke=target.broke, named=target.named)
     mini = Minimizer(target, probe, opts)
     t0 = time.monotonic()
     kept, spent = accepts(lambda: probe(finding.trace), opts.acceptance)
     mini.replays += spent
     if not kept:
-        raise NotReproduced(f"signature {target.signature} (arm {target.arm!r}) did not reproduce in "
+        raise NotReproduced(f"signature {target.words} (arm {target.arm!r}) did not reproduce in "
                             f">= {opts.acceptance.min_hits} of {opts.acceptance.repeats} replays")
     result = mini.run(finding.trace)
 
@@ -514,7 +529,8 @@ def minimize_finding(replayer: Replayer, finding: Finding, *, victim: str | None
         cls, checked = probe.victim_class(cand, runs=runs)
         mini.replays += runs
         v = next((d for d in checked.verdicts if d.request_id == target.victim and d.arm == target.arm), None)
-        if cls == target.cls and v is not None and v.runs_diverged >= need and checked.finding is not None:
+        if cls == target.cls and v is not None and v.runs_diverged >= need and checked.finding is not None \
+                and (not target.named or v.broke == target.broke):
             final = checked.finding
             if n:
                 passes.append(f"verification: the result did not reproduce {need} of {runs} times; "

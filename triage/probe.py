@@ -47,9 +47,12 @@ class Replayer(Protocol):
 class Probe:
     """One replay of a candidate, judged on the target: does the victim keep its class?"""
 
-    def __init__(self, replayer: Replayer, cls: str, victim: str, arm: str, toggles: Sequence[str]):
+    def __init__(self, replayer: Replayer, cls: str, victim: str, arm: str, toggles: Sequence[str], *,
+                 broke: str | None = None, named: bool = False):
         self.replayer = replayer
         self.cls, self.victim, self.arm, self.toggles = cls, victim, arm, list(toggles)
+        # With ``named``, the victim's first broken post-condition must be ``broke`` too.
+        self.broke, self.named = broke, named
         self._refs0 = replayer.reference_runs
 
     @property
@@ -57,6 +60,9 @@ class Probe:
         return self.replayer.reference_runs - self._refs0
 
     def __call__(self, trace: Trace) -> bool:
+        if self.named:
+            j = self.replayer.judge_victim(trace, victim=self.victim, arm=self.arm, toggles=self.toggles)
+            return j.cls == self.cls and j.broke == self.broke
         return self.replayer.judge(trace, victim=self.victim, arm=self.arm, toggles=self.toggles) == self.cls
 
     def victim_class(self, trace: Trace, runs: int = 1) -> tuple[str | None, Checked]:
