@@ -160,3 +160,31 @@ def test_the_report_says_what_enforcing_the_first_break_showed():
     assert "Replayed with `worker-position` enforced, it still diverged and broke worker-token first: a second cause" in md
     f = named(repair=Repair(name="worker-position", outcome="disappears", victim_class="ok"))
     assert "enforced, it was right: one cause" in markdown(f, source="x.json")
+
+
+def test_a_finding_triaged_into_the_first_causes_bucket_is_listed_in_the_seconds_too(tmp_path):
+    """Before the share is spent, a finding joins by its first name (rule 5); once this campaign
+    confirmed the later name as a second cause, it is listed in that bucket too (AL + AI at
+    af8a3bb: AL's bucket held one finding while five traces broke `worker-token` later)."""
+    from kvfuzz.driver.settings import TriageSettings
+
+    class Guard:
+        def check(self, trace, *, runs, arms):
+            return checked(named())
+
+    import contextlib
+
+    class Session(Enforcing):
+        @contextlib.contextmanager
+        def scoring(self, which):
+            yield
+
+    r = Session()
+    t = CampaignTriage(r, Guard(), {}, tmp_path, clean_arm=[],  # type: ignore[arg-type]
+                       settings=TriageSettings(attribute=False, minimize=False, controls=False, ablate=False))
+    t.restore(position_bucket(), {})
+    t._repaired(checked(named()))  # confirmed: worker-token is a second cause here
+    t.restore({**position_bucket(),
+               "T": Bucket(id="T", key=BucketKey(cls="corruption", broke="worker-token"), first_index=3, count=1)}, {})
+    out = t(named().trace)
+    assert out.status == "joined" and [(m.bucket, m.status) for m in out.buckets] == [("P", "triaged"), ("T", "assigned")]

@@ -194,7 +194,8 @@ class CampaignTriage:
             if not self.session.step_exact and not self.settings.runs_fixed and self.confirm_runs > 1:
                 checked = self._confirm(checked)
             self.known_seconds += time.monotonic() - t0
-            return self._done(checked, checked.finding or f, joined, "joined")
+            f = checked.finding or f
+            return self._done(checked, f, [*joined, *self._also_second(f, {m.bucket for m in joined})], "joined")
         return self._triage(checked, joined, new)
 
     def _repaired(self, checked: Checked) -> Checked:
@@ -214,18 +215,20 @@ class CampaignTriage:
                     self._confirmed.add(second)
         return dataclasses.replace(checked, finding=g)
 
-    def _also_second(self, f: Finding, first: Bucket) -> list[BucketMembership]:
-        """Rule 5.19 past the share: a finding whose victim's later break names a second cause
-        an enforced replay confirmed in this campaign, and that has a bucket, is listed there
-        too, assigned on its own run's record (no replay: the AL + AI campaigns listed AL's
-        bucket with its one triaged finding while six traces showed it)."""
+    def _also_second(self, f: Finding, joined: set[str]) -> list[BucketMembership]:
+        """Rule 5.19, once a second cause has its bucket: a finding whose victim's later break
+        names a second cause an enforced replay confirmed in this campaign is listed in that
+        bucket too (besides ``joined``), assigned on its own run's record (no replay: the AL + AI
+        campaigns listed AL's bucket with its one triaged finding while six traces showed it)."""
+        cls = f.worst_class()
         names = {d.later for d in f.divergences if d.later in self._confirmed and d.explained_by is None
-                 and d.class_ == first.key.cls}
+                 and d.class_ == cls}
         out = []
         for n in sorted(names):
-            b = next((b for b in self.alive if b.key.broke == n and b.key.base == first.key.base), None)
-            if b is not None and b.id != first.id:
-                out.append(BucketMembership(bucket=b.id, key=BucketKey(cls=first.key.cls, broke=n), status="assigned",
+            b = next((b for b in self.alive if b.key.broke == n and b.key.cls == cls and b.key.explained_by is None),
+                     None)
+            if b is not None and b.id not in joined:
+                out.append(BucketMembership(bucket=b.id, key=BucketKey(cls=cls, broke=n), status="assigned",
                                             how=f"a victim's later break: {n} (a second cause an enforced replay "
                                                 "confirmed, rule 5.19; not replayed)"))
         return out
@@ -461,7 +464,7 @@ class CampaignTriage:
                 if seen:
                     how += ", replay: " + ", ".join(seen)
         m = BucketMembership(bucket=bucket.id, key=key, status="assigned", how=how)
-        return self._done(checked, f, [m, *self._also_second(f, bucket)], "assigned")
+        return self._done(checked, f, [m, *self._also_second(f, {bucket.id})], "assigned")
 
     def _could_join(self, f: Finding) -> bool:
         """Whether any live bucket might take ``f`` (its pre-key for the worst class; any
