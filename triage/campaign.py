@@ -112,8 +112,8 @@ class CampaignTriage:
     _evidence: dict[str, dict[str, Outcome]] = field(default_factory=dict)
     _checks: list[MechanismCheck] = field(default_factory=list)  # this finding's check replays
     # Rule 5.20: enforcements measured on existing buckets' own witnesses (bucket -> name ->
-    # outcome) while triaging the current trace, and (bucket or "" for the finding, name) pairs
-    # whose enforced replay gave no evidence (not tried again).
+    # outcome) while triaging the current trace, and (bucket, name) pairs whose enforced replay
+    # gave no evidence (not tried again; the finding's own are in its checks).
     _enforced: dict[str, dict[str, Outcome]] = field(default_factory=dict)
     _unenforced: set[tuple[str, str]] = field(default_factory=set)
     # Check replays an earlier pass of this trace made (a Ray task deferred at the commit point
@@ -164,7 +164,6 @@ class CampaignTriage:
             return self._place(checked, f, rule.keys_of(f), status="triaged", how="class")
         t0 = time.monotonic()
         self._evidence, self._checks, self._enforced = {}, [], {}
-        self._unenforced = {(b, n) for b, n in self._unenforced if b}
         if not self.settled and not self._could_join(f):
             return self._defer(checked, f)  # before attribution: no known bucket can take it
         ending = self.over_budget or self._outlasts_budget(checked, t_run)
@@ -269,8 +268,7 @@ class CampaignTriage:
             return None, key, ""
         if rule.name_unearned(key, cands[0].key, tried):
             return None, key, ""  # rule 5.7, in the merge check too
-        checked = ", ".join([f"{m} {key.verdicts[m]}" for m in tried if m in key.verdicts]
-                            + [f"enforced {n} {o}" for n, o in sorted(key.enforced.items())])
+        checked = ", ".join([f"{m} {key.verdicts[m]}" for m in tried if m in key.verdicts] + _enforced_words(key))
         return cands[0], key, ("replay: " + checked) if checked else "key"
 
     # -- rule 5.20: does a name cause a victim that broke nothing? ----------------------------------
@@ -292,12 +290,8 @@ class CampaignTriage:
         if key.broke is None:
             names = {n for b in out for n in (b.key.broke, *b.key.enforced) if n in REPAIRABLE}
             for n in sorted(names - set(key.enforced)):
-                if ("", n) in self._unenforced:
-                    continue
-                got = self._finding_enforced(f, key, n)
-                if got is None:
-                    self._unenforced.add(("", n))
-                else:
+                got = self._finding_enforced(f, key, n)  # once per victim and name: kept in its checks
+                if got is not None:
                     key = key.model_copy(update={"enforced": {**key.enforced, n: got}})
         return key, [b for b in out if rule.agrees(key, b.key)]
 
@@ -316,8 +310,8 @@ class CampaignTriage:
         got = enforce_check(self.session, f, name, victim=victim)
         self._checks.append(MechanismCheck(mechanism=name, kind="enforced", victim=victim, outcome=got or "failed",
                                            verdict=got,
-                                           detail=None if got else "no evidence: a milder divergence, or the "
-                                           "replay failed"))
+                                           detail=None if got else "no evidence: a milder divergence, a failed "
+                                           "replay, or a victim that did not diverge in every run"))
         return got
 
     def _bucket_enforced(self, b: Bucket, name: str) -> Bucket:
@@ -426,7 +420,7 @@ class CampaignTriage:
                     return None  # rule 5.20: the name did not cause its victim: triaged (another cause)
                 cands = kept
                 if key.enforced:
-                    how += ", replay: " + ", ".join(f"enforced {n} {o}" for n, o in sorted(key.enforced.items()))
+                    how += ", replay: " + ", ".join(_enforced_words(key))
             same = rule.same_name(key, cands)
             bucket = same[0] if same else cands[0]
             if not same and key.broke is not None and bucket.key.broke is None and not replays:
@@ -646,6 +640,11 @@ class CampaignTriage:
     @property
     def over_share(self) -> bool:
         return self.known_seconds > self.share * max(1.0, time.monotonic() - self.started)
+
+
+def _enforced_words(key: BucketKey) -> list[str]:
+    """Rule 5.20's outcomes on ``key``, as a finding's ``how`` lists them."""
+    return [f"enforced {n} {o}" for n, o in sorted(key.enforced.items())]
 
 
 def build_triage(settings: CampaignSettings, session: Session, guard: Recovering, out: Path, *,

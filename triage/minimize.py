@@ -63,6 +63,10 @@ class Target:
     def signature(self) -> str:
         return f"{self.cls}:{self.victim}"
 
+    def holds(self, cls: str | None, broke: str | None) -> bool:
+        """Whether a replay whose victim got ``cls`` and first broke ``broke`` shows the target."""
+        return cls == self.cls and (not self.named or broke == self.broke)
+
     @property
     def words(self) -> str:
         """The signature, with the victim's name where it is part of the target."""
@@ -502,8 +506,7 @@ def minimize_finding(replayer: Replayer, finding: Finding, *, victim: str | None
     target = choose_target(finding, victim, named=replayer.step_exact)
     opts = options or Options(acceptance=default_acceptance(replayer.step_exact),
                               clock="step" if replayer.step_exact else "offset")
-    probe = Probe(replayer, target.cls, target.victim, target.arm, target.toggles,
-                  broke=target.broke, named=target.named)
+    probe = Probe(replayer, target)
     mini = Minimizer(target, probe, opts)
     t0 = time.monotonic()
     kept, spent = accepts(lambda: probe(finding.trace), opts.acceptance)
@@ -529,8 +532,7 @@ def minimize_finding(replayer: Replayer, finding: Finding, *, victim: str | None
         cls, checked = probe.victim_class(cand, runs=runs)
         mini.replays += runs
         v = next((d for d in checked.verdicts if d.request_id == target.victim and d.arm == target.arm), None)
-        if cls == target.cls and v is not None and v.runs_diverged >= need and checked.finding is not None \
-                and (not target.named or v.broke == target.broke):
+        if v is not None and target.holds(cls, v.broke) and v.runs_diverged >= need and checked.finding is not None:
             final = checked.finding
             if n:
                 passes.append(f"verification: the result did not reproduce {need} of {runs} times; "

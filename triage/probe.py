@@ -14,10 +14,13 @@ fake in tests. It declares what it can do instead of being probed for it:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from kvfuzz.traces import Trace
 from kvfuzz.traces.result import Checked, Judged
+
+if TYPE_CHECKING:
+    from .minimize import Target
 
 
 class Replayer(Protocol):
@@ -45,14 +48,12 @@ class Replayer(Protocol):
 
 
 class Probe:
-    """One replay of a candidate, judged on the target: does the victim keep its class?"""
+    """One replay of a candidate, judged on the target: does the victim keep its class (and, for
+    a named target, its first broken post-condition)?"""
 
-    def __init__(self, replayer: Replayer, cls: str, victim: str, arm: str, toggles: Sequence[str], *,
-                 broke: str | None = None, named: bool = False):
-        self.replayer = replayer
-        self.cls, self.victim, self.arm, self.toggles = cls, victim, arm, list(toggles)
-        # With ``named``, the victim's first broken post-condition must be ``broke`` too.
-        self.broke, self.named = broke, named
+    def __init__(self, replayer: Replayer, target: Target):
+        self.replayer, self.target = replayer, target
+        self.victim, self.arm, self.toggles = target.victim, target.arm, list(target.toggles)
         self._refs0 = replayer.reference_runs
 
     @property
@@ -60,10 +61,11 @@ class Probe:
         return self.replayer.reference_runs - self._refs0
 
     def __call__(self, trace: Trace) -> bool:
-        if self.named:
+        if self.target.named:  # its name too: only ``judge_victim`` says it
             j = self.replayer.judge_victim(trace, victim=self.victim, arm=self.arm, toggles=self.toggles)
-            return j.cls == self.cls and j.broke == self.broke
-        return self.replayer.judge(trace, victim=self.victim, arm=self.arm, toggles=self.toggles) == self.cls
+            return self.target.holds(j.cls, j.broke)
+        cls = self.replayer.judge(trace, victim=self.victim, arm=self.arm, toggles=self.toggles)
+        return self.target.holds(cls, None)
 
     def victim_class(self, trace: Trace, runs: int = 1) -> tuple[str | None, Checked]:
         """The victim's class over ``runs`` full runs (the final verification)."""
