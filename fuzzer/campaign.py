@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from kvfuzz.traces import CampaignOrigin, EngineConfig, Finding, LineageLink, Trace, atomic_write_text, save, sweep_partial_writes
-from kvfuzz.traces.buckets import (Bucket, BucketDescription, BucketKey, BucketMembership, Triaged, bucket_from_state,
-                                   live, mergeable, resolve, union, with_evidence)
+from kvfuzz.traces.buckets import (Bucket, BucketDescription, BucketKey, BucketMembership, SecondCauses, Triaged,
+                                   bucket_from_state, live, mergeable, resolve, union, with_evidence)
 from kvfuzz.traces.errors import BadInput
 from kvfuzz.traces.io import finding_path
 from kvfuzz.traces.result import Checked
@@ -142,6 +142,9 @@ class CampaignState:
     bug_buckets: dict[str, Bucket] = field(default_factory=dict)
     # Buckets merged into another (id -> the id it was merged into); their findings follow.
     merges: dict[str, str] = field(default_factory=dict)
+    # Rule 5.19's second causes, confirmed and refuted, read from the recorded findings: what a
+    # resumed campaign's triage (and each Ray task) starts from.
+    second_causes: SecondCauses = field(default_factory=SecondCauses)
     # Campaigns written before issue 30 listed findings recorded without a bucket here; no
     # finding is left without one now (triage/campaign.py assigns it), so it only ever shrinks.
     untriaged: list[str] = field(default_factory=list)
@@ -176,6 +179,8 @@ class CampaignState:
         # campaign.json keeps buckets as JSON; campaigns before issue 30 in another shape.
         self.bug_buckets = {bid: b if isinstance(b, Bucket) else bucket_from_state(bid, b)
                             for bid, b in self.bug_buckets.items()}
+        if not isinstance(self.second_causes, SecondCauses):
+            self.second_causes = SecondCauses.model_validate(self.second_causes)
 
     @property
     def buckets(self) -> int:
@@ -188,6 +193,7 @@ class CampaignState:
     def to_json(self) -> str:
         data = dict(self.__dict__)
         data["bug_buckets"] = {bid: b.model_dump(mode="json", by_alias=True) for bid, b in self.bug_buckets.items()}
+        data["second_causes"] = self.second_causes.model_dump(mode="json")
         return json.dumps(data, indent=2, sort_keys=True) + "\n"
 
 
@@ -391,6 +397,7 @@ class Campaign:
         members = [m.model_copy(update={"bucket": resolve(m.bucket, st.merges)}) for m in members]
         finding.buckets = members
         finding.bucket = members[0].bucket if members else None
+        st.second_causes.note(finding)
         path = finding_path(self.out / "findings", finding)
         save(finding, path)
         st.findings += 1

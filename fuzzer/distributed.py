@@ -44,7 +44,7 @@ from typing import Any, Protocol
 
 from kvfuzz.traces import Finding, Trace, atomic_write_text, parse_trace
 from kvfuzz.traces.timing import TimeBreakdown  # noqa: TC001 - a Result field
-from kvfuzz.traces.buckets import Bucket, BucketMembership, MechanismCheck
+from kvfuzz.traces.buckets import Bucket, BucketMembership, MechanismCheck, SecondCauses
 from kvfuzz.traces.errors import BadInput, InfraError
 
 from .campaign import CAMPAIGN_FILE, Campaign, CampaignOptions, CampaignState, TraceOutcome, thin_log
@@ -63,6 +63,8 @@ class Task:
     # only a finding whose key agrees with none. Every committed index is lower than this one.
     known: dict[str, Bucket]
     merges: dict[str, str] = field(default_factory=dict)
+    # Rule 5.19's record committed so far (confirmed and refuted second causes).
+    second: SecondCauses = field(default_factory=SecondCauses)
     # Every lower index is committed: ``known`` is final for this trace, and a finding that
     # agrees with no bucket may open one (triaged in full). See the module docstring.
     settled: bool = True
@@ -345,8 +347,8 @@ class Driver:
         res = self.held.get(i)
         return list(res.memberships[0].checks) if res is not None and res.memberships else []
 
-    def _known(self) -> tuple[dict[str, Bucket], dict[str, str]]:
-        return dict(self.state.bug_buckets), dict(self.state.merges)
+    def _known(self) -> tuple[dict[str, Bucket], dict[str, str], SecondCauses]:
+        return dict(self.state.bug_buckets), dict(self.state.merges), self.state.second_causes.model_copy(deep=True)
 
     def _lost(self, ev: Lost) -> None:
         st = self.state

@@ -53,7 +53,7 @@ def keys_of(finding: Finding, verdicts: Mapping[str, Outcome] | None = None) -> 
     # break is the better evidence of the two).
     # Rule 5.19: a victim whose named break, enforced in a replay, left it diverging with another
     # harmful break has a second cause, which keys on its own too (faults AL + AI).
-    names = sorted({d.broke for d in open_ if d.broke} | {n for d in open_ if (n := second_cause(d))})
+    names = sorted({d.broke for d in open_ if d.broke} | {n for d in open_ if (n := d.second_cause)})
     broke: list[str | None] = [*names] or ([None] if open_ else [])
     if names and not any(breaks_agree(None, n) for n in names) and any(d.broke is None for d in open_):
         # Rule 5.16: a victim that broke nothing agrees with none of the names beside it (all
@@ -88,21 +88,12 @@ def verdicts_of(explanation: Explanation | None) -> dict[str, Outcome]:
     return out
 
 
-def second_cause(d: Divergence) -> str | None:
-    """Rule 5.19: the name of the second cause triage found on ``d``'s victim (its named break
-    enforced, it still diverged and broke that one), or None."""
-    r = d.repair
-    if r is None or r.outcome != "persists" or r.broke is None or r.broke == d.broke:
-        return None
-    return r.broke
-
-
 def same_key_victims(finding: Finding, cls: str, broke: str | None) -> list[Divergence]:
     """The finding's unexplained divergences of class ``cls`` whose victims broke ``broke``
     (None: broke nothing), or whose second cause it names (rule 5.19): the victims one
     unexplained key speaks for (rule 5.6)."""
     return [d for d in finding.divergences if d.class_ == cls and d.explained_by is None
-            and (d.broke == broke or (broke is not None and second_cause(d) == broke))]
+            and (d.broke == broke or (broke is not None and d.second_cause == broke))]
 
 
 def victim_of(finding: Finding, key: BucketKey) -> str | None:

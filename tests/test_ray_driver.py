@@ -378,3 +378,45 @@ def test_workers_idle_on_a_full_window_are_counted(tmp_path, monkeypatch, window
     st = Driver(opts(tmp_path / "out", 6), TickingCluster(3, 0, clock=clock), window=window).run()
     assert st.traces == 6 and st.window_wait_s == idle_s
     assert json.loads((tmp_path / "out" / "campaign.json").read_text())["window_wait_s"] == idle_s
+
+
+class SecondCauseCluster(FakeCluster):
+    """Index 0's finding records a confirmed second cause (rule 5.19's enforced replay); every
+    task's carried record is kept by index."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.carried: dict[int, list[str]] = {}
+
+    def wait(self, timeout_s):
+        from test_report import finding
+
+        from kvfuzz.traces import Repair
+        from kvfuzz.traces.buckets import BucketKey, BucketMembership
+
+        w = self.rng.choice(sorted(self.running))
+        task = self.running.pop(w)
+        self.carried[task.index] = list(task.second.confirmed)
+        f = finding()
+        d = f.divergences[0]
+        d.explained_by, d.broke, d.later = None, "worker-position", "worker-token"
+        if task.index == 0:
+            d.repair = Repair(name="worker-position", outcome="persists", broke="worker-token",
+                              victim_class="corruption")
+        key = BucketKey(cls="corruption", broke="worker-position")
+        m = BucketMembership(bucket=key.digest(), key=key, status="triaged")
+        f.buckets = [m]
+        return [Result(task.index, w, finding=f, buckets=fake_buckets(task.trace), memberships=[m])]
+
+
+def test_a_ray_task_carries_the_second_causes_committed_below_it(tmp_path):
+    """Rule 5.19's record is the driver's, from committed findings (not a worker's own replays):
+    a task drawn once index 0 is committed carries its confirmed second cause; index 0 did not."""
+    out = tmp_path / "out"
+    c = SecondCauseCluster(2, 3)
+    st = Driver(opts(out, 8), c, window=2, arms={}).run()
+    assert st.second_causes.confirmed == ["worker-token"]
+    assert c.carried[0] == [] and all(c.carried[i] == ["worker-token"] for i in range(2, 8))
+    from kvfuzz.fuzzer.campaign import CampaignState
+
+    assert CampaignState(**json.loads((out / "campaign.json").read_text())).second_causes == st.second_causes

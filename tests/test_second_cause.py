@@ -188,3 +188,41 @@ def test_a_finding_triaged_into_the_first_causes_bucket_is_listed_in_the_seconds
                "T": Bucket(id="T", key=BucketKey(cls="corruption", broke="worker-token"), first_index=3, count=1)}, {})
     out = t(named().trace)
     assert out.status == "joined" and [(m.bucket, m.status) for m in out.buckets] == [("P", "triaged"), ("T", "assigned")]
+
+
+def test_a_resumed_campaign_and_each_ray_task_start_from_the_committed_record(tmp_path):
+    """Rule 5.19's record is read from the recorded findings into the campaign state, so a
+    resumed campaign lists by the second cause without confirming it again, and a Ray task
+    starts from exactly what was committed below it (not from its worker's earlier replays)."""
+    import json
+
+    from kvfuzz.fuzzer.campaign import Campaign, CampaignOptions, CampaignState
+    from kvfuzz.traces.buckets import BucketMembership, SecondCauses
+
+    c = Campaign(CampaignOptions(out=tmp_path / "out", budget_s=None, max_traces=0))
+    confirmed = named(repair=Repair(name="worker-position", outcome="persists", broke="worker-token",
+                                    victim_class="corruption"))
+    refuted = named(later_="worker-seq-len", repair=Repair(name="worker-position", outcome="disappears",
+                                                           victim_class="ok"))
+    for i, f in enumerate([confirmed, refuted, named()]):  # the last was not replayed: no evidence
+        c.record_finding(i, f.trace, "fresh", f, [BucketMembership(bucket="P", key=BucketKey(cls="corruption",
+                                                                                             broke="worker-position"),
+                                                                   status="triaged")])
+    want = SecondCauses(confirmed=["worker-token"], refuted={"worker-seq-len": 1})
+    assert c.state.second_causes == want
+    assert CampaignState(**json.loads(c.state.to_json())).second_causes == want  # campaign.json
+    bs = {**position_bucket(),
+          "T": Bucket(id="T", key=BucketKey(cls="corruption", broke="worker-token"), first_index=3, count=1)}
+    r = Enforcing()
+    t = triage(r, {}, tmp_path)
+    t.restore(bs, {}, c.state.second_causes)  # what --resume (and a Ray task) hands triage
+    out = t._assign(checked(named()))
+    assert out is not None and [m.bucket for m in out.buckets] == ["P", "T"] and not r.repairs
+    # A later task with an empty committed record: the worker's earlier view does not carry over.
+    t.restore(bs, {}, SecondCauses())
+    out = t._assign(checked(named()))
+    assert out is not None and [m.bucket for m in out.buckets] == ["P"] and not r.repairs
+    # Triage's own copy: what it confirms does not write into the campaign's state behind it.
+    t.restore(position_bucket(), {}, SecondCauses())
+    t._repaired(checked(named()))
+    assert t.second.confirmed == ["worker-token"] and c.state.second_causes == want

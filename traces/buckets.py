@@ -182,6 +182,29 @@ class Bucket(_Data):
         return self.description.text or self.key.label()
 
 
+class SecondCauses(_Data):
+    """Rule 5.19's record over a campaign, read from its findings' enforced replays: the
+    later-break names a replay confirmed as a second cause, and how often one was refuted
+    (enforcing the first break left the victim right, or wrong with no new name;
+    ``Divergence.second_cause``). Kept in the campaign state and sent with each Ray task, so a
+    resumed campaign, and every worker, lists and triages by what was committed, not by what
+    one process happened to replay."""
+
+    confirmed: list[str] = Field(default_factory=list)  # sorted, each once
+    refuted: dict[str, int] = Field(default_factory=dict)
+
+    def note(self, finding: "Finding") -> None:
+        """Add what the enforced replay showed on ``finding``'s victims (those replayed)."""
+        for d in finding.divergences:
+            if d.repair is None or d.later is None:
+                continue
+            second = d.second_cause
+            if second is None:
+                self.refuted[d.later] = self.refuted.get(d.later, 0) + 1
+            elif second not in self.confirmed:
+                self.confirmed = sorted([*self.confirmed, second])
+
+
 @dataclass
 class Triaged:
     """What a campaign's triage returns for one trace (triage/campaign.py): the check, the

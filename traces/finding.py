@@ -107,6 +107,15 @@ class Divergence(_Data):
     later: str | None = None
     repair: Repair | None = None
 
+    @property
+    def second_cause(self) -> str | None:
+        """Rule 5.19: the name of the second cause triage found on this victim (its named break
+        enforced, it still diverged and broke that one), or None."""
+        r = self.repair
+        if r is None or r.outcome != "persists" or r.broke is None or r.broke == self.broke:
+            return None
+        return r.broke
+
 
 class ControlResult(_Data):
     """A control arm re-run of the finding (serialized, batch-invariant, ...)."""

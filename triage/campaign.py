@@ -47,7 +47,7 @@ from kvfuzz.oracle.postconditions import REPAIRABLE
 from kvfuzz.traces import Finding, Trace
 from kvfuzz.traces.finding import DIVERGENT_CLASSES
 from kvfuzz.traces.buckets import (KEY_MECHANISMS, Bucket, BucketKey, BucketMembership, MechanismCheck, Outcome,
-                                   Triaged, same_break, with_evidence)
+                                   SecondCauses, Triaged, same_break, with_evidence)
 from kvfuzz.traces.io import load_finding
 from kvfuzz.traces.result import Checked
 
@@ -120,15 +120,19 @@ class CampaignTriage:
     # and run again, fuzzer/distributed.py): on a step-exact engine a replay gives the same
     # again, so a check against a bucket the first pass already saw is reused, not replayed.
     prior: list[MechanismCheck] = field(default_factory=list)
-    # Rule 5.19: later break names for which enforcing the first break left no divergence.
-    _refuted: dict[str, int] = field(default_factory=dict)
-    # ... and those for which it left the victim wrong with that break: confirmed second causes.
-    _confirmed: set[str] = field(default_factory=set)
+    # Rule 5.19: later break names enforcing the first break refuted or confirmed as a second
+    # cause: the campaign's committed record (``restore``) plus this process's own replays.
+    second: SecondCauses = field(default_factory=SecondCauses)
 
-    def restore(self, buckets: dict[str, Bucket], merges: dict[str, str] | None = None) -> None:
-        """Share the campaign's buckets (the campaign adds to them as findings are recorded)."""
+    def restore(self, buckets: dict[str, Bucket], merges: dict[str, str] | None = None,
+                second: SecondCauses | None = None) -> None:
+        """Share the campaign's buckets (the campaign adds to them as findings are recorded),
+        and start from its rule 5.19 record when given (a resumed campaign; a Ray task, which
+        sees exactly what was committed below its index)."""
         self.known = buckets
         self.merges = merges if merges is not None else {}
+        if second is not None:
+            self.second = second.model_copy(deep=True)
 
     @property
     def alive(self) -> list[Bucket]:
@@ -205,13 +209,7 @@ class CampaignTriage:
             return checked
         self.status(f"finding {f.id}: replaying with its victim's first break enforced (rule 5.19)")
         g = repair_check(self.session, f)
-        for d in g.divergences:
-            if d.repair is not None and d.later is not None:
-                second = rule.second_cause(d)
-                if second is None:
-                    self._refuted[d.later] = self._refuted.get(d.later, 0) + 1
-                else:
-                    self._confirmed.add(second)
+        self.second.note(g)
         return dataclasses.replace(checked, finding=g)
 
     def _also_second(self, f: Finding, joined: set[str]) -> list[BucketMembership]:
@@ -220,7 +218,7 @@ class CampaignTriage:
         bucket too (besides ``joined``), assigned on its own run's record (no replay: the AL + AI
         campaigns listed AL's bucket with its one triaged finding while six traces showed it)."""
         cls = f.worst_class()
-        names = {d.later for d in f.divergences if d.later in self._confirmed and d.explained_by is None
+        names = {d.later for d in f.divergences if d.later in self.second.confirmed and d.explained_by is None
                  and d.class_ == cls}
         out = []
         for n in sorted(names):
@@ -238,7 +236,7 @@ class CampaignTriage:
         ``REFUTED_ENOUGH`` times (the later break followed from the first)."""
         have = {b.key.broke for b in self.alive}
         return {d.later for d in f.divergences if d.later is not None and d.repair is None and d.later not in have
-                and self._refuted.get(d.later, 0) < REFUTED_ENOUGH}
+                and self.second.refuted.get(d.later, 0) < REFUTED_ENOUGH}
 
     # -- matching ------------------------------------------------------------------------------------
     def _match(self, f: Finding, key: BucketKey, max_checks: int = rule.MAX_CHECKS) -> tuple[Bucket | None, BucketKey, str]:
@@ -509,7 +507,7 @@ class CampaignTriage:
         victim = rule.victim_of(finding, new[0]) if new else None
         left = start + MINIMIZE_BOX * box - time.monotonic()
         second = bool(new) and new[0].broke is not None and any(
-            rule.second_cause(d) == new[0].broke for d in finding.divergences)
+            d.second_cause == new[0].broke for d in finding.divergences)
         if self.settings.minimize and second:
             # Rule 5.19: the victim is hit by another cause first; minimizing for its class could
             # keep that cause alone. The witness stays whole (`kvfuzz minimize` can still run).

@@ -216,7 +216,7 @@ def repair_check(replayer: Replayer, finding: Finding) -> Finding:
     """Rule 5.19: ``finding`` with each unexplained corruption victim that broke a check the
     harness can enforce, and later another one (``Divergence.later``), replayed once with the
     first enforced (``Divergence.repair``): if it still corrupts, its first harmful break in
-    that replay names a second cause (oracle/buckets.py ``second_cause``). One replay per
+    that replay names a second cause (``Divergence.second_cause``). One replay per
     distinct later name (its leading victim); unchanged when there is none, or on an engine
     that is not step-exact (a replay there is another schedule, not the same one repaired)."""
     arm, toggles = primary_arm(finding)

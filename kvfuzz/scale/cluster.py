@@ -339,7 +339,7 @@ class WorkerCore:
         t0 = time.monotonic()
         # Exactly the buckets committed below this index (not what this worker saw before):
         # whether a finding opens a bucket never depends on which worker ran what.
-        self.triage.restore(dict(task.known), dict(task.merges))
+        self.triage.restore(dict(task.known), dict(task.merges), task.second)
         self.triage.settled = task.settled
         self.triage.prior = list(task.checks)
         ledger = self.session.ledger

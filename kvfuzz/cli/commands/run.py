@@ -207,7 +207,8 @@ def run(
                                     progress=display.status, warn=warned.append)
             display.status("fuzzing")
             state = run_campaign(opts, triage, display.update,
-                                 on_start=lambda c: triage.restore(c.state.bug_buckets, c.state.merges),
+                                 on_start=lambda c: triage.restore(c.state.bug_buckets, c.state.merges,
+                                                                   c.state.second_causes),
                                  ledger=session.ledger)
     finally:
         session.close()
