@@ -275,7 +275,9 @@ def test_an_unsettled_task_defers_a_finding_no_bucket_knows_and_replays_nothing_
             return Checked(rec, list(f.verdicts), f.model_copy(deep=True))  # type: ignore[arg-type]
 
     class NoReplays(NoJudge):
-        def confirm(self, *a, **k):
+        # A step-exact session's box starts with minimization (no confirmation runs there).
+        @property
+        def reference_runs(self):
             raise RuntimeError("the box started")
 
     # Attribution on, but no bucket could take it: deferred before any re-run (the Guard here

@@ -238,6 +238,17 @@ def conflicts(a: BucketKey, b: BucketKey) -> list[str]:
     return sorted(out)
 
 
+def removal_conflicts(a: BucketKey, b: BucketKey) -> list[str]:
+    """The mechanisms whose removal went different ways on ``a`` and ``b``, when they are all
+    that keeps the keys apart (same base, names that agree, no enforcement conflict); else
+    none. What rule 5.21 re-measures on a smaller witness before a bucket opens over them."""
+    if a.base != b.base or a.explained_by is not None or not same_break(a, b) \
+            or (a.broke is not None and b.broke is not None and a.broke != b.broke):
+        return []
+    out = conflicts(a, b)
+    return [] if any(c.startswith("enforced ") for c in out) else out
+
+
 def breaks_agree(a: str | None, b: str | None) -> bool:
     """No evidence of two causes in two post-condition names: equal, or one side not observed —
     unless the observed one harms only its own request (rule 5.14, ``SELF_ONLY_BREAKS``: faults

@@ -47,7 +47,7 @@ from kvfuzz.oracle.postconditions import REPAIRABLE
 from kvfuzz.traces import Finding, Trace
 from kvfuzz.traces.finding import DIVERGENT_CLASSES
 from kvfuzz.traces.buckets import (KEY_MECHANISMS, Bucket, BucketKey, BucketMembership, MechanismCheck, Outcome,
-                                   SecondCauses, Triaged, same_break, with_evidence)
+                                   SecondCauses, Triaged, removal_conflicts, same_break, with_evidence)
 from kvfuzz.traces.io import load_finding
 from kvfuzz.traces.result import Checked
 
@@ -360,10 +360,13 @@ class CampaignTriage:
         """One replay of ``f`` without ``mechanism``, judged on ``key``'s victim: its verdict,
         if it could be judged."""
         victim = rule.victim_of(f, key)
-        done = next((c for c in self.prior if c.kind == "removed" and c.mechanism == mechanism and c.victim == victim
-                     and victim is not None), None) if self.session.step_exact else None
+        # A step-exact replay gives the same again: a check this trace already made (an earlier
+        # pass's on Ray, or this one's past the share before it was triaged) is reused.
+        done = next((c for c in [*self.prior, *self._checks] if c.kind == "removed" and c.mechanism == mechanism
+                     and c.victim == victim and victim is not None), None) if self.session.step_exact else None
         if done is not None:
-            self._checks.append(done)
+            if done not in self._checks:
+                self._checks.append(done)
             return {mechanism: done.verdict} if done.verdict else {}
         self.status(f"finding {f.id}: checking against buckets (without {mechanism})")
         ex = explain(self.session, f, victim=victim, mechanisms=[mechanism])
@@ -488,7 +491,10 @@ class CampaignTriage:
             # Not past the campaign's budget, but a bucket found at its end still gets a quarter
             # box for its key (issue 30: campaigns of 180 s ran 255-265 s).
             box = max(0.25 * box, min(box, end - start))
-        if not self.settings.runs_fixed and self.confirm_runs > 1:
+        if not self.settings.runs_fixed and self.confirm_runs > 1 and not self.session.step_exact:
+            # A step-exact engine's repeats are identical histories (tests/test_engine.py): they
+            # would only spend the box that minimization needs (fault AJ in bfloat16 at b6de30e:
+            # a 9-request witness confirmed, left unminimized, opened a second bucket).
             self.status("new bucket: confirming the rate")
             checked = self._confirm(checked, start + CONFIRM_BOX * box)
         finding = checked.finding
@@ -532,6 +538,8 @@ class CampaignTriage:
             self.status(f"finding {small.id}: causal ablation")
             kept = victim if victim in {d.request_id for d in small.divergences} else None
             small.explanation = explain(self.session, small, victim=kept, deadline=deadline)
+            if self.settings.minimize and not second:
+                small = self._smaller_if_split(small, new, victim)
         if self.settings.controls:
             # Inside the box too (issue 30: a clean bfloat16 campaign's one near-tie finding spent
             # 120 s on its serialized and float32 controls past a 30 s box).
@@ -565,6 +573,43 @@ class CampaignTriage:
                                             description=rule.describe(key, small), how="new key"))
         return self._done(dataclasses.replace(checked, finding=small), small, out,
                           "opened" if any(m.status == "opened" for m in out) else "joined")
+
+    def _smaller_if_split(self, small: Finding, new: list[BucketKey], victim: str | None) -> Finding:
+        """Rule 5.21: a witness whose minimization did not finish, about to open a bucket only
+        because its removal verdicts differ from a live bucket's, is minimized further (one more
+        box) and ablated again, and the merge check reads the smaller one. A large witness's
+        schedule hangs on every mechanism: removing chunked prefill or KV pressure from fault
+        AJ's unminimized 9-request witness moved its victim off the batch position the fault
+        writes short ("needs chunked prefill, KV pressure"), while its 2-request minimum needs
+        neither, as the bucket's witness did. A second cause whose needs really differ keeps
+        the difference on its smaller witness, and opens its bucket with it."""
+        m = small.minimization
+        if m is not None and m.stopped is None and m.verified:
+            return small  # minimal already: its verdicts are the key's
+        measured = rule.verdicts_of(small.explanation)
+        split = sorted({c for key in new if key.explained_by is None for b in self.alive
+                        for c in removal_conflicts(key.model_copy(update={"verdicts": {**key.verdicts, **measured}}),
+                                                   b.key)})
+        if not split:
+            return small
+        t0, box = time.monotonic(), self.new_bucket_box
+        end = self.campaign_end
+        if end is not None:
+            box = min(box, end - t0)
+        if box < 2 * self._run_seconds:
+            return small  # the campaign's budget cannot pay for it: the conflict stands
+        self.status(f"finding {small.id}: its key differs from a bucket's only on {', '.join(split)}: "
+                    "minimizing further (rule 5.21)")
+        smaller = finish_finding(self.session, small, out=self.out, do_minimize=True, controls=False,
+                                 max_seconds=max(1.0, MINIMIZE_BOX * box), victim=victim)
+        if len(smaller.trace.sends) >= len(small.trace.sends):
+            return small
+        kept = victim if victim in {d.request_id for d in smaller.divergences} else None
+        smaller.explanation = explain(self.session, smaller, victim=kept, deadline=t0 + box)
+        smaller.notes["rule 5.21"] = (f"minimized further ({len(small.trace.sends)} -> {len(smaller.trace.sends)} "
+                                      f"requests) before the merge check: on the larger witness its key differed "
+                                      f"from a bucket's only on {', '.join(split)}")
+        return smaller
 
     def _confirm(self, checked: Checked, deadline: float | None = None) -> Checked:
         """The same trace up to ``confirm_runs`` times in every arm it ran in: the rate. A new
