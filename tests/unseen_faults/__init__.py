@@ -126,6 +126,11 @@ And after rule 5.20 (a08b547: a name's cause, which AM + AE had shown):
 - ``block_opening_decode_takes_neighbours_token`` (AP, the model's input token ids): in a batch of
   two or more, a decode below the first row whose token opens a new KV block is handed the row
   above's last token. It breaks ``worker-token``, through another path than AL's.
+And after rule 5.21 (287382b: a smaller witness before a split, which AJ in bfloat16 had shown):
+- ``returning_adapter_skips_its_weights`` (AQ, the LoRA slots' weights; LoRA campaigns only): an
+  adapter activated into the slot its weights were last copied to skips the copy, though another
+  adapter has used the slot since, so its requests run through that adapter's weights. The slot
+  table, every row's adapter and every record agree.
 """
 
 from collections.abc import Callable

@@ -1,0 +1,58 @@
+"""Fault AQ (the LoRA slots' weights): written after rule 5.21 (287382b, a smaller witness before
+a split, which fault AJ in bfloat16 had shown) and its docs, for the acceptance runs of issue 30;
+neither the bucket rule nor the attribution nor the post-conditions were changed after it. Only
+LoRA campaigns (``--lora``) reach it, and only with more adapters than slots.
+
+vLLM keeps at most ``max_loras`` adapters in its device slots. ``LoRAModelManager.activate_adapter``
+puts an adapter into the first free slot and copies its weights there; an adapter evicted to make
+room (least recently used) only frees its slot, leaving its weights in it. With this fault the
+manager remembers the slot each adapter's weights were last copied to, and an adapter activated
+into that same slot again skips the copy, as if the slot still held it — though another adapter
+may have been copied there since. Its requests then run through that other adapter's weights,
+KV and all, while the slot table, every row's adapter and every block record agree. The kind of
+bug of a slot cache keyed by adapter id instead of by what the slot holds, kept across the
+adapter's eviction from CPU memory and reload (the reports of a runtime ``add_lora`` serving
+one user's request with another user's adapter). A fresh engine starts without the memory
+(kvfuzz's clean slate zeroes every slot and forgets the slot layout, as a restart would). A
+request alone never needs another adapter in between: its reference is right.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from . import wrap
+
+_TAG = "unseen-fault-returning-adapter-skips-its-weights"
+_MEMO = "_unseen_fault_aq_slot"  # adapter id -> the slot its weights were last copied to
+
+
+def _memo(manager: Any) -> dict[int, int]:
+    return manager.__dict__.setdefault(_MEMO, {})
+
+
+def install() -> None:
+    from vllm.lora.model_manager import LoRAModelManager
+
+    def make(original: Callable[..., bool]) -> Callable[..., bool]:
+        def activate_adapter(self: Any, lora_id: int) -> bool:
+            if lora_id in self._active_adapters:
+                return original(self, lora_id)
+            memo = _memo(self)
+            if getattr(self, "_last_slot_layout", None) is None:
+                memo.clear()  # a fresh engine's slots (kvfuzz's clean slate zeroes them all)
+            free = next((i for i, held in enumerate(self.lora_index_to_id) if held is None), None)
+            if free is not None and memo.get(lora_id) == free:
+                # The bug: the slot is taken to still hold this adapter's weights; no copy.
+                self._active_adapters[lora_id] = None
+                self.lora_index_to_id[free] = lora_id
+                return True
+            done = original(self, lora_id)
+            if done:
+                memo[lora_id] = self.lora_index_to_id.index(lora_id)
+            return done
+
+        return activate_adapter
+
+    wrap(LoRAModelManager, "activate_adapter", _TAG, make)
