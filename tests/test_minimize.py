@@ -321,3 +321,32 @@ def test_a_named_victim_does_not_shrink_into_another_causes_witness():
     r.judge = lambda trace, **kw: r.judge_victim(trace, **kw).cls
     small = minimize_finding(r, orig)
     assert sorted(s.request_id for s in small.trace.sends) == ["hit", "victim"]
+
+
+def test_a_campaign_finding_on_a_step_exact_engine_is_not_replayed_to_accept_it():
+    """Fault AJ in bfloat16 at 287382b: a 7 s replay of a 9-request witness, only to learn what
+    its own recorded run already showed, left its 12 s minimization share no room to start. A
+    finding recorded by this replayer (``recorded_here``) that diverged so in every run is taken
+    as reproducing; one from a file (``kvfuzz minimize``) is still replayed first."""
+    from kvfuzz.triage.minimize import minimize_finding
+
+    class Counting(TwoCauses):
+        originals = 0
+
+        def judge_victim(self, trace, **kw):
+            self.originals += len(trace.sends) == 6
+            return super().judge_victim(trace, **kw)
+
+    orig = _noisy_finding()
+    d = orig.divergences[0]
+    d.broke, d.runs_diverged, d.runs = "worker-token", 1, 1
+    for here, replays_of_original in ((False, 1), (True, 0)):
+        r = Counting()
+        small = minimize_finding(r, orig, recorded_here=here)
+        assert r.originals == replays_of_original and small.minimization.verified
+        assert sorted(s.request_id for s in small.trace.sends) == ["d1", "victim"]
+    # Its recorded run did not show the target in every run: replayed, as before.
+    d.runs_diverged, d.runs = 1, 2
+    r = Counting()
+    minimize_finding(r, orig, recorded_here=True)
+    assert r.originals == 1

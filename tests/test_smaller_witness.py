@@ -40,7 +40,7 @@ def triage(tmp_path, monkeypatch, bucket_key, *, shrinks=True):
     and whose ablation of the smaller witness finds every mechanism unneeded."""
     calls = {"minimize": 0, "explain": 0}
 
-    def finish_finding(session, f, *, out, do_minimize, controls, max_seconds, victim):
+    def finish_finding(session, f, *, out, do_minimize, controls, max_seconds, victim, recorded_here):
         calls["minimize"] += 1
         g = f.model_copy(deep=True)
         if shrinks:
@@ -108,7 +108,7 @@ def test_the_merge_check_joins_the_bucket_on_the_smaller_witness(tmp_path, monke
 
     calls = {"minimize": 0}
 
-    def finish_finding(session, f, *, out, do_minimize, controls, max_seconds, victim):
+    def finish_finding(session, f, *, out, do_minimize, controls, max_seconds, victim, recorded_here):
         calls["minimize"] += 1
         g = f.model_copy(deep=True)
         if calls["minimize"] == 1:

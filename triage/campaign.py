@@ -520,11 +520,12 @@ class CampaignTriage:
             small = finding.model_copy(deep=True)
             small.notes["minimize"] = ("not minimized: its bucket names a second cause on a victim another cause "
                                        "hits first (rule 5.19)")
-        elif self.settings.minimize and left < 2 * self._run_seconds:
-            # Its share of the box cannot pay for two replays of the trace (confirming a long trace
-            # spent it): not started. Even a minimization that shrinks nothing replays the original
-            # to accept it and again to verify it (a clean bfloat16 LoRA campaign's 9-request near
-            # tie, 12 s a replay: 36 s past a 20 s box with 0.3 s of its share left).
+        elif self.settings.minimize and left < self._original_replays * self._run_seconds:
+            # Its share of the box cannot pay for the replays of the trace a minimization that
+            # shrinks nothing makes: not started. It replays the original to accept it (not on a
+            # step-exact engine: its recorded run shows it) and again to verify it (a clean
+            # bfloat16 LoRA campaign's 9-request near tie, 12 s a replay: 36 s past a 20 s box
+            # with 0.3 s of its share left).
             small = finding.model_copy(deep=True)
             small.notes["minimize"] = ("not minimized: the triage time box was spent before minimization "
                                        "started (`kvfuzz minimize` finishes it)")
@@ -533,7 +534,7 @@ class CampaignTriage:
             # Minimization until MINIMIZE_BOX of the box; the ablation of the (small) result, then
             # its control arms, the rest: the key's evidence before what is only described.
             small = finish_finding(self.session, finding, out=self.out, do_minimize=True, controls=False,
-                                   max_seconds=max(1.0, left), victim=victim)
+                                   max_seconds=max(1.0, left), victim=victim, recorded_here=True)
         if self.settings.ablate:
             self.status(f"finding {small.id}: causal ablation")
             kept = victim if victim in {d.request_id for d in small.divergences} else None
@@ -596,12 +597,12 @@ class CampaignTriage:
         end = self.campaign_end
         if end is not None:
             box = min(box, end - t0)
-        if box < 2 * self._run_seconds:
+        if box < self._original_replays * self._run_seconds:
             return small  # the campaign's budget cannot pay for it: the conflict stands
         self.status(f"finding {small.id}: its key differs from a bucket's only on {', '.join(split)}: "
                     "minimizing further (rule 5.21)")
         smaller = finish_finding(self.session, small, out=self.out, do_minimize=True, controls=False,
-                                 max_seconds=max(1.0, MINIMIZE_BOX * box), victim=victim)
+                                 max_seconds=max(1.0, MINIMIZE_BOX * box), victim=victim, recorded_here=True)
         if len(smaller.trace.sends) >= len(small.trace.sends):
             return small
         kept = victim if victim in {d.request_id for d in smaller.divergences} else None
@@ -610,6 +611,12 @@ class CampaignTriage:
                                       f"requests) before the merge check: on the larger witness its key differed "
                                       f"from a bucket's only on {', '.join(split)}")
         return smaller
+
+    @property
+    def _original_replays(self) -> int:
+        """Replays of the whole trace a minimization that shrinks nothing makes: verifying it,
+        and on a wall-clock engine accepting it first."""
+        return 1 if self.session.step_exact else 2
 
     def _confirm(self, checked: Checked, deadline: float | None = None) -> Checked:
         """The same trace up to ``confirm_runs`` times in every arm it ran in: the rate. A new

@@ -53,16 +53,19 @@ def acceptance_for(step_exact: bool, repeats: int | None = None, min_hits: int |
 
 def minimize(session: Session, finding: Finding, *, victim: str | None = None, acceptance: Acceptance | None = None,
              strategy: Literal["probdd", "ddmin"] = "probdd", max_replays: int | None = 400,
-             max_seconds: float | None = None, engine: bool = True, original_path: str | None = None) -> Finding:
+             max_seconds: float | None = None, engine: bool = True, original_path: str | None = None,
+             recorded_here: bool = False) -> Finding:
     """``minimize_finding`` with the acceptance and clock of the session's engine."""
     opts = Options(acceptance=acceptance or default_acceptance(session.step_exact),
                    budget=Budget(max_replays=max_replays, max_seconds=max_seconds), strategy=strategy,
                    clock="step" if session.step_exact else "offset", engine=engine)
-    return minimize_finding(session, finding, victim=victim, options=opts, original_path=original_path)
+    return minimize_finding(session, finding, victim=victim, options=opts, original_path=original_path,
+                            recorded_here=recorded_here)
 
 
 def finish_finding(session: Session, finding: Finding, *, out: Path, do_minimize: bool = True,
-                   controls: bool = True, max_seconds: float | None = 120.0, victim: str | None = None) -> Finding:
+                   controls: bool = True, max_seconds: float | None = 120.0, victim: str | None = None,
+                   recorded_here: bool = False) -> Finding:
     """The minimized finding (unless disabled), attributed to toggles like its original was,
     with its control arms. The original is written to ``out/originals/`` and linked both ways;
     the returned finding is the one the campaign records.
@@ -71,12 +74,14 @@ def finish_finding(session: Session, finding: Finding, *, out: Path, do_minimize
     witness they cost a fraction of what they cost on the trace as found (each arm replays it,
     serialized runs request by request), and they are what a maintainer reads. The original
     gets them only when there is nothing smaller (minimization off or not reproduced).
-    ``victim``: the request minimization keeps (default: ``choose_target``'s)."""
+    ``victim``: the request minimization keeps (default: ``choose_target``'s); ``recorded_here``:
+    its runs were recorded by ``session`` (``minimize_finding``)."""
     if not do_minimize:
         return escalate(add_controls(session, finding) if controls else finding)
     rel = finding_path(Path("originals"), finding)
     try:
-        small = minimize(session, finding, victim=victim, max_seconds=max_seconds, original_path=str(rel))
+        small = minimize(session, finding, victim=victim, max_seconds=max_seconds, original_path=str(rel),
+                         recorded_here=recorded_here)
     except NotReproduced as e:
         shown = escalate(add_controls(session, finding) if controls else finding)
         shown.notes["minimize"] = f"not minimized: {e}"
