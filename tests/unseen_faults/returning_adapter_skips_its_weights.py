@@ -12,9 +12,13 @@ may have been copied there since. Its requests then run through that other adapt
 KV and all, while the slot table, every row's adapter and every block record agree. The kind of
 bug of a slot cache keyed by adapter id instead of by what the slot holds, kept across the
 adapter's eviction from CPU memory and reload (the reports of a runtime ``add_lora`` serving
-one user's request with another user's adapter). A fresh engine starts without the memory
-(kvfuzz's clean slate zeroes every slot and forgets the slot layout, as a restart would). A
-request alone never needs another adapter in between: its reference is right.
+one user's request with another user's adapter). A removal through the API (``remove_lora``)
+resets the memory, so kvfuzz's clean slate, which removes every adapter, leaves none behind; an
+adapter's eviction from CPU memory and its reload do not. A request alone never needs
+another adapter in between: its reference is right. (Its first version, 4778e35, forgot only at
+a fresh slot layout, which kvfuzz's clean slate reset but a run's first step set again: its
+memory leaked from one run into the next, and its first campaigns split on that; the fault was
+fixed, not the rule.)
 """
 
 from __future__ import annotations
@@ -35,24 +39,32 @@ def _memo(manager: Any) -> dict[int, int]:
 def install() -> None:
     from vllm.lora.model_manager import LoRAModelManager
 
-    def make(original: Callable[..., bool]) -> Callable[..., bool]:
+    def make_activate(original: Callable[..., bool]) -> Callable[..., bool]:
         def activate_adapter(self: Any, lora_id: int) -> bool:
             if lora_id in self._active_adapters:
                 return original(self, lora_id)
-            memo = _memo(self)
-            if getattr(self, "_last_slot_layout", None) is None:
-                memo.clear()  # a fresh engine's slots (kvfuzz's clean slate zeroes them all)
             free = next((i for i, held in enumerate(self.lora_index_to_id) if held is None), None)
-            if free is not None and memo.get(lora_id) == free:
+            if free is not None and _memo(self).get(lora_id) == free:
                 # The bug: the slot is taken to still hold this adapter's weights; no copy.
                 self._active_adapters[lora_id] = None
                 self.lora_index_to_id[free] = lora_id
                 return True
             done = original(self, lora_id)
             if done:
-                memo[lora_id] = self.lora_index_to_id.index(lora_id)
+                _memo(self)[lora_id] = self.lora_index_to_id.index(lora_id)
             return done
 
         return activate_adapter
 
-    wrap(LoRAModelManager, "activate_adapter", _TAG, make)
+    def make_remove(original: Callable[..., bool]) -> Callable[..., bool]:
+        def remove_adapter(self: Any, adapter_id: int) -> bool:
+            if adapter_id in self._registered_adapters:
+                # A removal through the API (``remove_lora``) resets the whole memory. Not the
+                # removal ``add_adapter`` makes of an id it is about to load (not registered).
+                _memo(self).clear()
+            return original(self, adapter_id)
+
+        return remove_adapter
+
+    wrap(LoRAModelManager, "activate_adapter", _TAG, make_activate)
+    wrap(LoRAModelManager, "remove_adapter", _TAG, make_remove)
