@@ -241,12 +241,13 @@ def conflicts(a: BucketKey, b: BucketKey) -> list[str]:
 def removal_conflicts(a: BucketKey, b: BucketKey) -> list[str]:
     """The mechanisms whose removal went different ways on ``a`` and ``b``, when they are all
     that keeps the keys apart (same base, names that agree, no enforcement conflict); else
-    none. What rule 5.21 re-measures on a smaller witness before a bucket opens over them."""
-    if a.base != b.base or a.explained_by is not None or not same_break(a, b) \
-            or (a.broke is not None and b.broke is not None and a.broke != b.broke):
-        return []
+    none. What rule 5.21 re-measures on a smaller witness before a bucket opens over them:
+    ``a`` without those verdicts agrees with ``b`` (``agrees`` decides, not a copy of it)."""
     out = conflicts(a, b)
-    return [] if any(c.startswith("enforced ") for c in out) else out
+    if a.explained_by is not None or any(c.startswith("enforced ") for c in out):
+        return []
+    rest = a.model_copy(update={"verdicts": {m: v for m, v in a.verdicts.items() if m not in out}})
+    return out if agrees(rest, b) else []
 
 
 def breaks_agree(a: str | None, b: str | None) -> bool:

@@ -45,7 +45,7 @@ from kvfuzz.oracle.attribution import plan
 from kvfuzz.oracle.controls import escalate
 from kvfuzz.oracle.postconditions import REPAIRABLE
 from kvfuzz.traces import Finding, Trace
-from kvfuzz.traces.finding import DIVERGENT_CLASSES
+from kvfuzz.traces.finding import DIVERGENT_CLASSES, Explanation
 from kvfuzz.traces.buckets import (KEY_MECHANISMS, Bucket, BucketKey, BucketMembership, MechanismCheck, Outcome,
                                    SecondCauses, Triaged, removal_conflicts, same_break, with_evidence)
 from kvfuzz.traces.io import load_finding
@@ -537,8 +537,7 @@ class CampaignTriage:
                                    max_seconds=max(1.0, left), victim=victim, recorded_here=True)
         if self.settings.ablate:
             self.status(f"finding {small.id}: causal ablation")
-            kept = victim if victim in {d.request_id for d in small.divergences} else None
-            small.explanation = explain(self.session, small, victim=kept, deadline=deadline)
+            small.explanation = self._ablation(small, victim, deadline)
             if self.settings.minimize and not second:
                 small = self._smaller_if_split(small, new, victim)
         if self.settings.controls:
@@ -605,12 +604,17 @@ class CampaignTriage:
                                  max_seconds=max(1.0, MINIMIZE_BOX * box), victim=victim, recorded_here=True)
         if len(smaller.trace.sends) >= len(small.trace.sends):
             return small
-        kept = victim if victim in {d.request_id for d in smaller.divergences} else None
-        smaller.explanation = explain(self.session, smaller, victim=kept, deadline=t0 + box)
+        smaller.explanation = self._ablation(smaller, victim, t0 + box)
         smaller.notes["rule 5.21"] = (f"minimized further ({len(small.trace.sends)} -> {len(smaller.trace.sends)} "
                                       f"requests) before the merge check: on the larger witness its key differed "
                                       f"from a bucket's only on {', '.join(split)}")
         return smaller
+
+    def _ablation(self, witness: Finding, victim: str | None, deadline: float) -> Explanation:
+        """The causal ablation of a new bucket's witness, judged on the key's victim where the
+        witness shows it diverging (else on the witness's own choice of victim)."""
+        kept = victim if victim in {d.request_id for d in witness.divergences} else None
+        return explain(self.session, witness, victim=kept, deadline=deadline)
 
     @property
     def _original_replays(self) -> int:
