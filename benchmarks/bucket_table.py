@@ -56,7 +56,8 @@ def row(out: Path, label: str) -> str:
             key = verdicts(b.key.verdicts) if b.key.explained_by is None else needs_text(b)
             if b.key.broke:
                 key = f"broke `{b.key.broke}`, {key}"
-            parts.append(f"{b.count} ({b.assigned} assigned) {what}, {key}")
+            unsettled = f", {b.unsettled} on an unsettled split" if b.unsettled else ""
+            parts.append(f"{b.count} ({b.assigned} assigned{unsettled}) {what}, {key}")
         return f"**{len(bs)}**: " + "; ".join(parts)
 
     broke = ", ".join(f"{name} {n}" for name, n in broken_counts(d.get("coverage") or {})) or "none"

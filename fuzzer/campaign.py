@@ -430,6 +430,7 @@ class Campaign:
                 bucket.key = union(bucket.key, m.key)
             bucket.count += 1
             bucket.assigned += m.status == "assigned"
+            bucket.unsettled += bool(m.unsettled)
             bucket.findings.append(rel)
             touched.add(bucket.id)
         touched |= self.merge_buckets()
@@ -446,6 +447,7 @@ class Campaign:
             keep.key = union(keep.key, gone.key)
             keep.count += gone.count
             keep.assigned += gone.assigned
+            keep.unsettled += gone.unsettled
             keep.findings += gone.findings
             keep.merged_from += [gone.id, *gone.merged_from]
             st.merges[gone.id] = keep.id

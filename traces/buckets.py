@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from collections.abc import Iterable, Mapping
+from collections.abc import Container, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -153,6 +153,10 @@ class BucketMembership(_Data):
     # with its outcome and why, kept even when they gave no verdict (moved, failed): the
     # reason a finding joined or did not is readable after the campaign.
     checks: list[MechanismCheck] = Field(default_factory=list)
+    # Rule 5.22: the mechanisms on which this finding's key differed from the bucket's when it
+    # joined anyway: each "disappears" there was measured on a witness whose minimization did
+    # not finish, and the campaign's budget left no box to finish it (``unsettled``).
+    unsettled: list[str] = Field(default_factory=list)
 
 
 class Bucket(_Data):
@@ -170,6 +174,9 @@ class Bucket(_Data):
     report: str | None = None  # the command that shows the representative
     findings: list[str] = Field(default_factory=list)
     merged_from: list[str] = Field(default_factory=list)
+    # Of count: findings that joined on a split left unsettled (rule 5.22, ``unsettled``): a
+    # possible second cause a maintainer settles with `kvfuzz minimize` + `kvfuzz explain`.
+    unsettled: int = 0
     # The previous text key of campaigns written before issue 30 (kept, never matched on).
     prekey: str | None = None
 
@@ -248,6 +255,22 @@ def removal_conflicts(a: BucketKey, b: BucketKey) -> list[str]:
         return []
     rest = a.model_copy(update={"verdicts": {m: v for m, v in a.verdicts.items() if m not in out}})
     return out if agrees(rest, b) else []
+
+
+def unsettled(key: BucketKey, bucket: BucketKey, *, key_minimal: Container[str], bucket_minimal: bool) -> list[str]:
+    """Rule 5.22: the mechanisms that alone keep ``key`` from ``bucket`` (``removal_conflicts``)
+    when, on every one of them, the side whose removal made the divergence disappear was
+    measured on a witness whose minimization did not finish; else none. ``key_minimal``: the
+    mechanisms whose verdict in ``key`` was measured on a minimal witness; ``bucket_minimal``:
+    whether the bucket's own witness is minimal. "Persists" shows the cause acting without the
+    mechanism, whatever the witness; "disappears" on a large witness may only show its schedule
+    hanging on it (fault AJ's 9-request witness, rule 5.21), so such a split is evidence of a
+    second cause only once that side is minimal."""
+    split = removal_conflicts(key, bucket)
+    for m in split:
+        if (m in key_minimal) if key.verdicts[m] == "disappears" else bucket_minimal:
+            return []
+    return split
 
 
 def breaks_agree(a: str | None, b: str | None) -> bool:
@@ -394,4 +417,4 @@ def bucket_from_state(bid: str, data: dict[str, Any]) -> Bucket:
 
 __all__ = ["KEY_MECHANISMS", "Bucket", "BucketDescription", "BucketKey", "BucketMembership", "MechanismCheck", "Status", "Triaged", "agrees",
            "breaks_agree", "bucket_from_state", "candidates", "conflicts", "live", "memberships_from_notes", "mergeable", "name_unearned", "resolve",
-           "same_break", "union", "with_evidence"]
+           "same_break", "union", "unsettled", "with_evidence"]

@@ -47,7 +47,8 @@ from kvfuzz.oracle.postconditions import REPAIRABLE
 from kvfuzz.traces import Finding, Trace
 from kvfuzz.traces.finding import DIVERGENT_CLASSES, Explanation
 from kvfuzz.traces.buckets import (KEY_MECHANISMS, Bucket, BucketKey, BucketMembership, MechanismCheck, Outcome,
-                                   SecondCauses, Triaged, removal_conflicts, same_break, with_evidence)
+                                   SecondCauses, Triaged, removal_conflicts, same_break, unsettled,
+                                   with_evidence)
 from kvfuzz.traces.io import load_finding
 from kvfuzz.traces.result import Checked
 
@@ -123,6 +124,8 @@ class CampaignTriage:
     # Rule 5.19: later break names enforcing the first break refuted or confirmed as a second
     # cause: the campaign's committed record (``restore``) plus this process's own replays.
     second: SecondCauses = field(default_factory=SecondCauses)
+    # Rule 5.22: the current new bucket's rule 5.21 box was asked for and the budget could not pay.
+    _unpaid: bool = False
 
     def restore(self, buckets: dict[str, Bucket], merges: dict[str, str] | None = None,
                 second: SecondCauses | None = None) -> None:
@@ -508,6 +511,7 @@ class CampaignTriage:
               start: float, box: float) -> Triaged:
         deadline = start + box
         small = finding
+        self._unpaid = False
         # The witness of the new key's own victim (rule 5.6: in a finding two causes hit, the
         # victim that broke the key's post-condition, not the other cause's).
         victim = rule.victim_of(finding, new[0]) if new else None
@@ -554,6 +558,9 @@ class CampaignTriage:
             joined, new = [], rule.keys_of(small)
         self.status("fuzzing")
         measured = rule.verdicts_of(small.explanation)
+        # Rule 5.22: the new key's verdicts measured on a minimal witness (the rest came from the
+        # original's checks, or from a witness the box cut short).
+        minimal = set(measured) if _minimal(small) else set()
         out = list(joined)
         for key in new:
             if key.explained_by is None:
@@ -565,9 +572,18 @@ class CampaignTriage:
             key, measured_cands = self._enforce_on(small, key, measured_cands)  # rule 5.20 here too
             cands = [b for b in measured_cands if rule.agrees(key, b.key)
                      and not rule.name_unearned(key, b.key, b.key.verdicts)]  # rule 5.7 here too
+            unsettled_in = None if cands else self._unsettled(key, minimal)
             if cands:
                 out.append(BucketMembership(bucket=cands[0].id, key=key, status="triaged",
                                             how="merge check: agrees after full triage"))
+            elif unsettled_in is not None:
+                b, split = unsettled_in
+                out.append(BucketMembership(
+                    bucket=b.id, key=key, status="triaged", unsettled=split,
+                    how=(f"split unsettled (rule 5.22): its key differs from this bucket's only on {', '.join(split)}, "
+                         "where the divergence disappeared on a witness whose minimization did not finish, and the "
+                         "campaign's budget left no box to finish it (`kvfuzz minimize` then `kvfuzz explain` on "
+                         "both witnesses settle it)")))
             else:
                 out.append(BucketMembership(bucket=key.digest(), key=key, status="opened",
                                             description=rule.describe(key, small), how="new key"))
@@ -583,8 +599,7 @@ class CampaignTriage:
         writes short ("needs chunked prefill, KV pressure"), while its 2-request minimum needs
         neither, as the bucket's witness did. A second cause whose needs really differ keeps
         the difference on its smaller witness, and opens its bucket with it."""
-        m = small.minimization
-        if m is not None and m.stopped is None and m.verified:
+        if _minimal(small):
             return small  # minimal already: its verdicts are the key's
         measured = rule.verdicts_of(small.explanation)
         split = sorted({c for key in new if key.explained_by is None for b in self.alive
@@ -592,12 +607,10 @@ class CampaignTriage:
                                                    b.key)})
         if not split:
             return small
-        t0, box = time.monotonic(), self.new_bucket_box
-        end = self.campaign_end
-        if end is not None:
-            box = min(box, end - t0)
+        t0, box = time.monotonic(), self._another_box()
         if box < self._original_replays * self._run_seconds:
-            return small  # the campaign's budget cannot pay for it: the conflict stands
+            self._unpaid = True  # the campaign's budget cannot pay for it: rule 5.22 decides
+            return small
         self.status(f"finding {small.id}: its key differs from a bucket's only on {', '.join(split)}: "
                     "minimizing further (rule 5.21)")
         smaller = finish_finding(self.session, small, out=self.out, do_minimize=True, controls=False,
@@ -609,6 +622,41 @@ class CampaignTriage:
                                       f"requests) before the merge check: on the larger witness its key differed "
                                       f"from a bucket's only on {', '.join(split)}")
         return smaller
+
+    def _unsettled(self, key: BucketKey, minimal: set[str]) -> tuple[Bucket, list[str]] | None:
+        """Rule 5.22: the earliest live bucket ``key`` differs from only on removal verdicts whose
+        "disappears" side was measured on a witness whose minimization did not finish, where the
+        campaign's budget left no box to finish it — rule 5.21 was not paid for on the new
+        witness, or there is no box left at all for the bucket's own (no rule minimizes a
+        bucket's witness again). With the mechanisms. Fault AQ (written after rule 5.21) split
+        in-process at 3 minutes so: its two findings came at traces 35 and 41 of 42, each witness
+        cut by its box at 5 requests, one "needing chunked prefill"."""
+        if key.explained_by is not None:
+            return None
+        for b in self.alive:
+            if b.key.base != key.base:
+                continue
+            witness = self._witness(b)
+            split = unsettled(key, b.key, key_minimal=minimal,
+                              bucket_minimal=witness is None or _minimal(witness))  # unreadable: no claim
+            if not split:
+                continue
+            if any(key.verdicts[m] == "disappears" for m in split) and not self._unpaid:
+                continue  # rule 5.21 was paid for (or not asked): its smaller witness's verdicts stand
+            if any(key.verdicts[m] == "persists" for m in split) and self._box_pays():
+                continue  # the bucket's unfinished witness, mid-campaign: the split stands (a limit)
+            return b, split
+        return None
+
+    def _another_box(self) -> float:
+        """Seconds of one more new-bucket box from now, capped by the campaign's budget."""
+        end = self.campaign_end
+        return self.new_bucket_box if end is None else min(self.new_bucket_box, end - time.monotonic())
+
+    def _box_pays(self) -> bool:
+        """Whether one more box pays for the replays of the trace a minimization makes (rule
+        5.21's test)."""
+        return self._another_box() >= self._original_replays * self._run_seconds
 
     def _ablation(self, witness: Finding, victim: str | None, deadline: float) -> Explanation:
         """The causal ablation of a new bucket's witness, judged on the key's victim where the
@@ -694,6 +742,12 @@ class CampaignTriage:
     @property
     def over_share(self) -> bool:
         return self.known_seconds > self.share * max(1.0, time.monotonic() - self.started)
+
+
+def _minimal(f: Finding) -> bool:
+    """Whether ``f``'s minimization ran to its end and was verified (a 1-minimal witness)."""
+    m = f.minimization
+    return m is not None and m.stopped is None and m.verified
 
 
 def _enforced_words(key: BucketKey) -> list[str]:

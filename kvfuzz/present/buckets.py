@@ -31,6 +31,7 @@ class BucketRow:
     report: str
     listing: str | None
     merged: int  # buckets merged into this one
+    unsettled: int = 0  # of count: joined on a split left unsettled (rule 5.22)
 
     @property
     def near_tie(self) -> bool:
@@ -50,9 +51,19 @@ def rows(buckets: Mapping[str, Bucket], merges: Mapping[str, str]) -> list[Bucke
             why = "unexplained: candidate vLLM bug" + (f"; broke {k.broke}" if k.broke else "")
         out.append(BucketRow(b.id, k.cls, b.count, b.assigned, b.first_index, b.representative, why, needs_text(b),
                              f"kvfuzz report {b.representative}" if b.representative else "", b.listing,
-                             len(b.merged_from)))
+                             len(b.merged_from), b.unsettled))
     out.sort(key=lambda r: (-r.count, r.first_index if r.first_index is not None else 1 << 40, r.id))
     return out
+
+
+def count_text(count: int, assigned: int, unsettled: int, *, short: bool = False) -> str:
+    """A bucket's findings: how many, of them assigned (not triaged) and joined on a split left
+    unsettled (rule 5.22: a possible second cause, settled by `kvfuzz minimize` + `kvfuzz explain`)."""
+    parts = [f"{assigned} assigned" + ("" if short else ", not triaged")] if assigned else []
+    if unsettled:
+        parts.append(f"{unsettled} on an unsettled split" + ("" if short else " (rule 5.22: `kvfuzz minimize`, "
+                                                                                  "then `kvfuzz explain` settle it)"))
+    return f"{count}" + (f" ({'; '.join(parts)})" if parts else "")
 
 
 def sections(rs: Iterable[BucketRow]) -> tuple[list[BucketRow], list[BucketRow]]:
@@ -104,7 +115,7 @@ def rich_tables(rs: list[BucketRow]) -> list[Any]:
         for col in ("bucket", "findings", "first trace", "explanation", "needs", "report"):
             table.add_column(col, overflow="fold")
         for r in part:
-            count = str(r.count) + (f" ({r.assigned} assigned, not triaged)" if r.assigned else "")
+            count = count_text(r.count, r.assigned, r.unsettled)
             why = Text(f"{r.cls}, {r.explanation}", style=CLASS_STYLE.get(r.cls, ""))
             table.add_row(r.id + (f" (+{r.merged} merged)" if r.merged else ""), count,
                           "?" if r.first_index is None else str(r.first_index), why, r.needs, r.report or "-")
@@ -120,7 +131,7 @@ def markdown(rs: list[BucketRow], findings: int) -> str:
         lines += [f"## {title}", "", "| bucket | findings | first trace | explanation | needs | report |",
                   "|---|---|---|---|---|---|"]
         for r in part:
-            lines.append(f"| `{r.id}` | {r.count}{f' ({r.assigned} assigned)' if r.assigned else ''} | "
+            lines.append(f"| `{r.id}` | {count_text(r.count, r.assigned, r.unsettled, short=True)} | "
                          f"{'' if r.first_index is None else r.first_index} | {r.cls}, {r.explanation} | {r.needs} | "
                          f"`{r.report}` |")
         lines.append("")
@@ -154,4 +165,4 @@ def load_campaign(path: Path) -> tuple[list[BucketRow], int]:
     return rows(buckets, data.get("merges") or {}), int(data.get("findings", 0))
 
 
-__all__ = ["BucketRow", "broken_counts", "broken_line", "finding_lines", "membership_text", "load_campaign", "markdown", "rich_tables", "rows", "sections", "summary_line"]
+__all__ = ["BucketRow", "broken_counts", "broken_line", "count_text", "finding_lines", "membership_text", "load_campaign", "markdown", "rich_tables", "rows", "sections", "summary_line"]

@@ -22,6 +22,7 @@ from .report import Bullets, Code, Heading, Para, Report, Table
 from kvfuzz.traces import Finding, KvfuzzError, atomic_write_text, load_finding
 
 from .deps import PLOTS_HINT, have_matplotlib
+from .buckets import count_text
 from .data import BucketView, campaign_view, divergence_data, gate_view, grid_data, schedule_data
 
 log = logging.getLogger("kvfuzz.present")
@@ -248,7 +249,7 @@ def _bucket_table(buckets: list[BucketView], reports: Mapping[str, str | None]) 
         if b.case:
             links.append(f'<a href="{escape(b.case)}">regression case</a>')
         cmd = f"kvfuzz report {b.representative}" if b.representative else ""
-        count = f"{b.count}" + (f" ({b.assigned} assigned, not triaged)" if b.assigned else "")
+        count = count_text(b.count, b.assigned, b.unsettled)
         trs.append(f"<tr><td><code>{escape(b.id)}</code></td><td class=\"r\">{count}</td><td class=\"r\">"
                    f"{'' if b.first_index is None else b.first_index}</td><td>{escape(b.text)}</td><td>"
                    f"{' · '.join(links)}<br><code>{escape(cmd)}</code></td></tr>")

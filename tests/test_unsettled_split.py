@@ -1,0 +1,141 @@
+"""Rule 5.22 (issue 30; fault AQ, written after rule 5.21, split in-process at 3 minutes): near
+a campaign's end, a finding that would open a bucket only because removal verdicts differ from
+a live bucket's, where each "disappears" was measured on a witness whose minimization did not
+finish and the budget leaves no box to finish it, joins that bucket, marked unsettled, instead
+of opening a second one. Mid-campaign rule 5.21's box decides, as before. Pure logic:
+minimization and ablation answer from a table here; the campaigns ran on the real engine
+(docs/benchmarks.md)."""
+
+import time
+
+from test_smaller_witness import ALL_PERSIST, Session, explanation, unexplained
+
+from kvfuzz.driver.settings import TriageSettings
+from kvfuzz.traces import save
+from kvfuzz.traces.buckets import Bucket, BucketKey, BucketMembership, unsettled
+from kvfuzz.traces.finding import Minimization
+from kvfuzz.traces.result import Checked, Recording
+from kvfuzz.triage import campaign as tc
+
+CUT = Minimization(requests=5, verified=True, stopped="time budget of 12 s spent")
+CP_GONE = BucketKey(cls="corruption", verdicts={"chunked-prefill": "disappears", "preemption": "persists"})
+CP_KEPT = BucketKey(cls="corruption", verdicts={"chunked-prefill": "persists", "preemption": "persists"})
+
+
+def test_the_pure_rule_reads_which_side_disappeared_and_whether_it_was_minimal():
+    # The new key's "disappears" on an unfinished witness, the bucket persisting: unsettled.
+    assert unsettled(CP_GONE, CP_KEPT, key_minimal=set(), bucket_minimal=True) == ["chunked-prefill"]
+    # ...measured on a minimal witness: a real difference (fault T's shape stays a split).
+    assert unsettled(CP_GONE, CP_KEPT, key_minimal={"chunked-prefill"}, bucket_minimal=False) == []
+    # The bucket's "disappears" on its unfinished witness, the new minimal key persisting.
+    assert unsettled(CP_KEPT, CP_GONE, key_minimal={"chunked-prefill", "preemption"},
+                     bucket_minimal=False) == ["chunked-prefill"]
+    assert unsettled(CP_KEPT, CP_GONE, key_minimal=set(), bucket_minimal=True) == []
+    # A difference that is not a removal verdict (names, a self-only name, an enforcement) is
+    # never unsettled: it is not measured on a schedule.
+    for a, b in ((CP_GONE.model_copy(update={"broke": "worker-token"}), CP_KEPT.model_copy(update={"broke": "worker-row"})),
+                 (CP_GONE.model_copy(update={"broke": "worker-seq-len"}), CP_KEPT),
+                 (CP_GONE.model_copy(update={"enforced": {"worker-token": "persists"}}),
+                  CP_KEPT.model_copy(update={"broke": "worker-token"}))):
+        assert unsettled(a, b, key_minimal=set(), bucket_minimal=False) == []
+    # Agreeing keys have nothing to settle.
+    assert unsettled(CP_KEPT, CP_KEPT, key_minimal=set(), bucket_minimal=False) == []
+
+
+def _triage(tmp_path, monkeypatch, bucket_key, *, seconds_left, further_shrinks=True, case=None):
+    """A triage whose box-cut witness (5 requests) "needs chunked prefill"; minimized further it
+    needs nothing. ``seconds_left`` of the campaign's budget, each replay of the trace 5 s."""
+    calls = {"minimize": 0}
+
+    def finish_finding(session, f, *, out, do_minimize, controls, max_seconds, victim, recorded_here):
+        calls["minimize"] += 1
+        g = f.model_copy(deep=True)
+        if calls["minimize"] == 1:
+            g.minimization = CUT
+        elif further_shrinks:
+            g.trace = g.trace.model_copy(update={"events": [e for e in g.trace.events if e.request_id != "C"]})
+            g.minimization = Minimization(requests=2, verified=True)
+        return g
+
+    def explain(session, f, *, victim=None, deadline=None, mechanisms=None):
+        big = len(f.trace.sends) > 2
+        return explanation(chunked_prefill="disappears") if big else explanation()
+
+    monkeypatch.setattr(tc, "finish_finding", finish_finding)
+    monkeypatch.setattr(tc, "explain", explain)
+    t = tc.CampaignTriage(Session(), None, {}, tmp_path, clean_arm=[],  # type: ignore[arg-type]
+                          settings=TriageSettings(controls=False, budget_s=180.0))
+    t.started = time.monotonic() - 180.0 + seconds_left
+    t._run_seconds = 5.0
+    t.restore({"P": Bucket(id="P", key=bucket_key, first_index=0, count=1, case=case)}, {})
+    return t, calls
+
+
+def _open(t, f):
+    rec = Recording(trace=f.trace, histories=list(f.runs), references=dict(f.references), environment=f.environment,
+                    arms=dict(f.arms))
+    return t._open(Checked(rec, list(f.verdicts), f), f, [], [BucketKey(cls="corruption")], time.monotonic(), 20.0)
+
+
+def test_at_the_campaigns_end_a_box_cut_witness_joins_instead_of_splitting(tmp_path, monkeypatch):
+    t, calls = _triage(tmp_path, monkeypatch, ALL_PERSIST, seconds_left=2.0)
+    out = _open(t, unexplained())
+    assert calls["minimize"] == 1  # rule 5.21 could not be paid for
+    assert out.status == "joined" and [(m.bucket, m.status, m.unsettled) for m in out.buckets] == \
+        [("P", "triaged", ["chunked-prefill"])]
+    assert "rule 5.22" in out.buckets[0].how
+
+
+def test_mid_campaign_rule_5_21_decides_and_a_real_difference_still_opens(tmp_path, monkeypatch):
+    # A box left: the witness is minimized further and joins on its smaller form (rule 5.21).
+    t, calls = _triage(tmp_path, monkeypatch, ALL_PERSIST, seconds_left=100.0)
+    out = _open(t, unexplained())
+    assert calls["minimize"] == 2 and [(m.bucket, m.unsettled) for m in out.buckets] == [("P", [])]
+    # Its smaller form still needs chunked prefill (paid for, not smaller): the split stands.
+    t, calls = _triage(tmp_path, monkeypatch, ALL_PERSIST, seconds_left=100.0, further_shrinks=False)
+    out = _open(t, unexplained())
+    assert out.status == "opened" and out.buckets[0].bucket != "P" and not out.buckets[0].unsettled
+
+
+def test_the_buckets_own_unfinished_witness_counts_only_when_no_box_is_left(tmp_path, monkeypatch):
+    """The bucket's witness (its regression case) was cut by its box and "needs chunked
+    prefill"; the new witness is minimal and does not."""
+    bucket_witness = unexplained(CUT)
+    save(bucket_witness, tmp_path / "buckets" / "P.json")
+
+    def minimal_new():
+        f = unexplained(Minimization(requests=2, verified=True))
+        f.explanation = explanation()
+        return f
+
+    def finish_finding(session, f, **kw):
+        return f  # already minimal: nothing to do
+
+    for left, want in ((2.0, ("joined", "P", ["chunked-prefill"])), (100.0, ("opened", None, []))):
+        t, _ = _triage(tmp_path, monkeypatch, CP_GONE, seconds_left=left, case="buckets/P.json")
+        monkeypatch.setattr(tc, "finish_finding", finish_finding)
+        monkeypatch.setattr(tc, "explain", lambda session, f, **kw: explanation())
+        out = _open(t, minimal_new())
+        m = out.buckets[0]
+        assert (out.status, m.bucket if m.status != "opened" else None, m.unsettled) == want
+
+
+def test_the_campaign_counts_and_shows_them(tmp_path):
+    from kvfuzz.fuzzer.campaign import Campaign, CampaignOptions
+    from kvfuzz.present.buckets import count_text, markdown, rows
+
+    from test_report import finding
+
+    camp = Campaign(CampaignOptions(seed=0, max_traces=2, out=tmp_path))
+    key = BucketKey(cls="corruption")
+    first, second = finding(), finding()
+    first.divergences[0].explained_by = second.divergences[0].explained_by = None
+    camp.record_finding(0, first.trace, "fresh", first,
+                        [BucketMembership(bucket="P", key=key, status="opened", how="new key")])
+    camp.record_finding(1, second.trace, "fresh", second,
+                        [BucketMembership(bucket="P", key=key, status="triaged", how="rule 5.22",
+                                          unsettled=["chunked-prefill"])])
+    b = camp.state.bug_buckets["P"]
+    assert (b.count, b.unsettled) == (2, 1)
+    assert "1 on an unsettled split" in markdown(rows(camp.state.bug_buckets, camp.state.merges), 2)
+    assert count_text(3, 1, 0) == "3 (1 assigned, not triaged)" and count_text(3, 0, 0) == "3"
