@@ -131,6 +131,10 @@ And after rule 5.21 (287382b: a smaller witness before a split, which AJ in bflo
   adapter activated into the slot its weights were last copied to skips the copy, though another
   adapter has used the slot since, so its requests run through that adapter's weights. The slot
   table, every row's adapter and every record agree.
+And after rule 5.22 (2b860da: an unsettled split near a campaign's end joins, which AQ had shown):
+- ``preempting_step_drops_first_write`` (AR, the KV cache write under KV pressure): in a step
+  whose scheduling preempted a request, the cache write skips the first row's last token, so its
+  slot keeps its old content. Every record and every kernel input agrees.
 """
 
 from collections.abc import Callable
