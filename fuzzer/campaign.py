@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from kvfuzz.traces import CampaignOrigin, EngineConfig, Finding, LineageLink, Trace, atomic_write_text, save, sweep_partial_writes
-from kvfuzz.traces.buckets import (Bucket, BucketDescription, BucketKey, BucketMembership, SecondCauses, Triaged,
-                                   bucket_from_state, live, mergeable, resolve, union, with_evidence)
+from kvfuzz.traces.buckets import (Bucket, BucketDescription, BucketKey, BucketMembership, Rewitness, SecondCauses,
+                                   Triaged, bucket_from_state, live, mergeable, resolve, union, with_evidence)
 from kvfuzz.traces.errors import BadInput
 from kvfuzz.traces.io import finding_path
 from kvfuzz.traces.result import Checked
@@ -408,6 +408,8 @@ class Campaign:
         st.by_class = dict(counts)
         touched = set()
         for m in members:
+            if m.rewitness is not None:
+                touched |= self._rewitness(m.rewitness)
             for other in {*m.evidence, *m.enforced}:
                 # Measured on that bucket's own witness by this finding's merge check.
                 b = st.bug_buckets.get(resolve(other, st.merges))
@@ -436,6 +438,22 @@ class Campaign:
         touched |= self.merge_buckets()
         for bid in touched:
             self.write_bucket(bid)
+
+    def _rewitness(self, r: Rewitness) -> set[str]:
+        """Rule 5.22: a bucket's witness minimized further by a later finding's triage becomes its
+        regression case (the larger one is in OUT/originals, where the minimizer put it), and its
+        ablation's verdicts replace the bucket's on what it measured. The ids that changed."""
+        b = self.state.bug_buckets.get(resolve(r.bucket, self.state.merges))
+        src = self.out / r.case
+        if b is None or not src.is_file():
+            return set()
+        dst = self.out / (b.case or f"buckets/{b.id}.json")
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(src, dst)
+        b.case = str(dst.relative_to(self.out))
+        b.key = b.key.model_copy(update={"verdicts": {**b.key.verdicts, **r.verdicts}})
+        b.description = r.description
+        return {b.id}
 
     def merge_buckets(self) -> set[str]:
         """Merge every pair of live buckets whose keys agree (their evidence grew as findings

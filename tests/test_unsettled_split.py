@@ -139,3 +139,47 @@ def test_the_campaign_counts_and_shows_them(tmp_path):
     assert (b.count, b.unsettled) == (2, 1)
     assert "1 on an unsettled split" in markdown(rows(camp.state.bug_buckets, camp.state.merges), 2)
     assert count_text(3, 1, 0) == "3 (1 assigned, not triaged)" and count_text(3, 0, 0) == "3"
+
+
+def test_mid_campaign_the_buckets_unfinished_witness_is_minimized_again_and_the_finding_joins(tmp_path, monkeypatch):
+    """Fault AQ at 10 minutes (2b860da): the bucket's witness, cut by its box at 5 requests,
+    "needed chunked prefill"; a later minimal witness did not, and opened a second bucket. Now
+    the bucket's witness is minimized further; its smaller form needs nothing either, so the
+    finding joins, and the campaign makes the smaller witness the bucket's case and its verdicts
+    the bucket's."""
+    from kvfuzz.fuzzer.campaign import Campaign, CampaignOptions
+    from kvfuzz.traces import load_finding
+
+    save(unexplained(CUT), tmp_path / "buckets" / "P.json")
+    t, _ = _triage(tmp_path, monkeypatch, CP_GONE, seconds_left=100.0, case="buckets/P.json")
+    shrunk = []
+
+    def finish_finding(session, f, *, out, do_minimize, controls, max_seconds, victim, recorded_here):
+        g = f.model_copy(deep=True)
+        g.trace = g.trace.model_copy(update={"events": [e for e in g.trace.events if e.request_id != "C"]})
+        g.minimization = Minimization(requests=2, verified=True)
+        shrunk.append(len(f.trace.sends))
+        return g
+
+    def explain(session, f, **kw):
+        return explanation(chunked_prefill="disappears") if len(f.trace.sends) > 2 else explanation()
+
+    monkeypatch.setattr(tc, "finish_finding", finish_finding)
+    monkeypatch.setattr(tc, "explain", explain)
+    new = unexplained(Minimization(requests=2, verified=True))
+    new.trace = new.trace.model_copy(update={"events": [e for e in new.trace.events if e.request_id != "C"]})
+    new.explanation = explanation()
+    out = _open(t, new)
+    m = out.buckets[0]
+    assert shrunk == [2, 3] and (out.status, m.bucket, m.unsettled) == ("joined", "P", [])
+    assert m.rewitness is not None and m.rewitness.requests == (3, 2)
+    assert m.rewitness.verdicts["chunked-prefill"] == "persists" and (tmp_path / m.rewitness.case).is_file()
+
+    # The campaign applies it: the smaller witness is the bucket's case, its verdicts the key's.
+    camp = Campaign(CampaignOptions(seed=0, max_traces=2, out=tmp_path))
+    camp.state.bug_buckets["P"] = Bucket(id="P", key=CP_GONE, first_index=0, count=1, case="buckets/P.json")
+    camp.record_finding(1, out.finding.trace, "fresh", out.finding, out.buckets)
+    b = camp.state.bug_buckets["P"]
+    assert (b.count, b.key.verdicts["chunked-prefill"], b.case) == (2, "persists", "buckets/P.json")
+    assert len(load_finding(tmp_path / "buckets" / "P.json").trace.sends) == 2
+    assert not (tmp_path / m.rewitness.case).exists()

@@ -133,6 +133,19 @@ class MechanismCheck(_Data):
         return f"with {self.mechanism} enforced" if self.kind == "enforced" else f"without {self.mechanism}"
 
 
+class Rewitness(_Data):
+    """Rule 5.22: a bucket's own witness, whose minimization had not finished, minimized further
+    and ablated again by a later finding's triage (the split that finding would have opened
+    rested on that witness's "disappears"). The campaign makes it the bucket's regression case
+    and lets its verdicts replace the bucket's on the mechanisms it measured."""
+
+    bucket: str
+    case: str  # the smaller witness, relative to OUT (``rewitnessed/<bucket>.json``)
+    verdicts: dict[str, Outcome] = Field(default_factory=dict)
+    description: BucketDescription
+    requests: tuple[int, int] = (0, 0)  # the witness's requests before and after
+
+
 class BucketMembership(_Data):
     """A finding's place in a campaign's bucket (``Finding.buckets``)."""
 
@@ -157,6 +170,8 @@ class BucketMembership(_Data):
     # joined anyway: each "disappears" there was measured on a witness whose minimization did
     # not finish, and the campaign's budget left no box to finish it (``unsettled``).
     unsettled: list[str] = Field(default_factory=list)
+    # Rule 5.22: the bucket witness this finding's triage minimized further (see ``Rewitness``).
+    rewitness: Rewitness | None = None
 
 
 class Bucket(_Data):
@@ -415,6 +430,6 @@ def bucket_from_state(bid: str, data: dict[str, Any]) -> Bucket:
                   findings=list(data.get("findings") or []), prekey=prekey)
 
 
-__all__ = ["KEY_MECHANISMS", "Bucket", "BucketDescription", "BucketKey", "BucketMembership", "MechanismCheck", "Status", "Triaged", "agrees",
+__all__ = ["KEY_MECHANISMS", "Bucket", "BucketDescription", "BucketKey", "BucketMembership", "MechanismCheck", "Rewitness", "Status", "Triaged", "agrees",
            "breaks_agree", "bucket_from_state", "candidates", "conflicts", "live", "memberships_from_notes", "mergeable", "name_unearned", "resolve",
            "same_break", "union", "unsettled", "with_evidence"]

@@ -44,10 +44,10 @@ from kvfuzz.oracle import buckets as rule
 from kvfuzz.oracle.attribution import plan
 from kvfuzz.oracle.controls import escalate
 from kvfuzz.oracle.postconditions import REPAIRABLE
-from kvfuzz.traces import Finding, Trace
+from kvfuzz.traces import Finding, Trace, save
 from kvfuzz.traces.finding import DIVERGENT_CLASSES, Explanation
 from kvfuzz.traces.buckets import (KEY_MECHANISMS, Bucket, BucketKey, BucketMembership, MechanismCheck, Outcome,
-                                   SecondCauses, Triaged, removal_conflicts, same_break, unsettled,
+                                   Rewitness, SecondCauses, Triaged, removal_conflicts, same_break, unsettled,
                                    with_evidence)
 from kvfuzz.traces.io import load_finding
 from kvfuzz.traces.result import Checked
@@ -572,10 +572,17 @@ class CampaignTriage:
             key, measured_cands = self._enforce_on(small, key, measured_cands)  # rule 5.20 here too
             cands = [b for b in measured_cands if rule.agrees(key, b.key)
                      and not rule.name_unearned(key, b.key, b.key.verdicts)]  # rule 5.7 here too
-            unsettled_in = None if cands else self._unsettled(key, minimal)
+            again = None if cands else self._rewitnessed(key, minimal)
+            unsettled_in = None if cands or again is not None else self._unsettled(key, minimal)
             if cands:
                 out.append(BucketMembership(bucket=cands[0].id, key=key, status="triaged",
                                             how="merge check: agrees after full triage"))
+            elif again is not None and again[1]:
+                r = again[0]
+                out.append(BucketMembership(
+                    bucket=r.bucket, key=key, status="triaged", rewitness=r,
+                    how=(f"merge check after rule 5.22: the bucket's own witness, not minimal, was minimized further "
+                         f"({r.requests[0]} -> {r.requests[1]} requests) and agrees")))
             elif unsettled_in is not None:
                 b, split = unsettled_in
                 out.append(BucketMembership(
@@ -586,7 +593,8 @@ class CampaignTriage:
                          "both witnesses settle it)")))
             else:
                 out.append(BucketMembership(bucket=key.digest(), key=key, status="opened",
-                                            description=rule.describe(key, small), how="new key"))
+                                            description=rule.describe(key, small), how="new key",
+                                            rewitness=again[0] if again is not None else None))
         return self._done(dataclasses.replace(checked, finding=small), small, out,
                           "opened" if any(m.status == "opened" for m in out) else "joined")
 
@@ -622,6 +630,48 @@ class CampaignTriage:
                                       f"requests) before the merge check: on the larger witness its key differed "
                                       f"from a bucket's only on {', '.join(split)}")
         return smaller
+
+    def _rewitnessed(self, key: BucketKey, minimal: set[str]) -> tuple[Rewitness, bool] | None:
+        """Rule 5.22, mid-campaign: the earliest live bucket ``key`` differs from only on removal
+        verdicts where the bucket's own witness (its regression case, whose minimization did not
+        finish) made the divergence disappear and ``key`` persisted, is minimized further in one
+        more box and ablated again (rule 5.21 from the bucket's side). Returns the smaller
+        witness (written to ``OUT/rewitnessed/<id>.json`` for the campaign to make the bucket's
+        case) and whether ``key`` agrees with the bucket on it; None when no bucket is so, no box
+        pays, or the witness did not shrink. Fault AQ at 10 minutes (2b860da): trace 35's
+        witness, cut by its box at 5 requests, "needed chunked prefill"; trace 41's, minimal at 3
+        requests, did not, and opened a second bucket."""
+        if key.explained_by is not None or not (self.settings.minimize and self.settings.ablate):
+            return None
+        for b in self.alive:
+            if b.key.base != key.base:
+                continue
+            split = unsettled(key, b.key, key_minimal=minimal, bucket_minimal=False)
+            if not split or any(key.verdicts[m] == "disappears" for m in split):
+                continue
+            witness = self._witness(b)
+            if witness is None or _minimal(witness) or not self._box_pays():
+                continue
+            t0, box = time.monotonic(), self._another_box()
+            victim = rule.victim_of(witness, b.key)
+            self.status(f"bucket {b.id}: its witness differs from finding's only on {', '.join(split)}: "
+                        "minimizing it further (rule 5.22)")
+            smaller = finish_finding(self.session, witness, out=self.out, do_minimize=True, controls=False,
+                                     max_seconds=max(1.0, MINIMIZE_BOX * box), victim=victim, recorded_here=True)
+            if len(smaller.trace.sends) >= len(witness.trace.sends):
+                continue
+            smaller.explanation = self._ablation(smaller, victim, t0 + box)
+            measured = rule.verdicts_of(smaller.explanation)
+            again = b.key.model_copy(update={"verdicts": {**b.key.verdicts, **measured}})
+            smaller.notes["rule 5.22"] = (f"bucket {b.id}'s witness minimized further ({len(witness.trace.sends)} -> "
+                                          f"{len(smaller.trace.sends)} requests): on the larger one it differed from "
+                                          f"a later finding's key only on {', '.join(split)}")
+            rel = Path("rewitnessed") / f"{b.id}.json"
+            save(smaller, self.out / rel)
+            r = Rewitness(bucket=b.id, case=str(rel), verdicts=measured, description=rule.describe(again, smaller),
+                          requests=(len(witness.trace.sends), len(smaller.trace.sends)))
+            return r, rule.agrees(key, again) and not rule.name_unearned(key, again, again.verdicts)
+        return None
 
     def _unsettled(self, key: BucketKey, minimal: set[str]) -> tuple[Bucket, list[str]] | None:
         """Rule 5.22: the earliest live bucket ``key`` differs from only on removal verdicts whose
