@@ -350,3 +350,39 @@ def test_a_campaign_finding_on_a_step_exact_engine_is_not_replayed_to_accept_it(
     r = Counting()
     minimize_finding(r, orig, recorded_here=True)
     assert r.originals == 1
+
+
+def test_a_minimization_cut_after_its_structure_passes_goes_on_at_the_numbers_pass():
+    """Fault AQ's 5-request witness at 2b860da: cut by its box after the request, cancel, adapter
+    and engine passes, its further minimization (rule 5.22) ran those passes again first, found
+    nothing, and never reached the prompt lengths. Minimizing it again starts with the numbers."""
+    from kvfuzz.traces import Minimization
+    from kvfuzz.triage.minimize import resumes_at_numbers, size
+
+    cut = Minimization(stopped="time budget of 36 s spent",
+                       passes=["probdd: 11 -> 5 requests (15 replays)", "cancels: 1 -> 1 (1 replay)"])
+    assert resumes_at_numbers(cut)
+    assert not resumes_at_numbers(cut.model_copy(update={"stopped": None}))  # it finished
+    assert not resumes_at_numbers(cut.model_copy(update={"passes": [*cut.passes, "numbers: 900 -> 80 tokens"]}))
+    assert not resumes_at_numbers(Minimization(stopped="budget", passes=[])) and not resumes_at_numbers(None)
+    order = []
+
+    class Recording(Minimizer):
+        def numbers_pass(self, trace):
+            order.append("numbers")
+            return super().numbers_pass(trace)
+
+        def events_pass(self, trace):
+            order.append("events")
+            return super().events_pass(trace)
+
+    Recording(Target("corruption", "victim"), fake_bug, Options(engine=False, numbers_first=True)).run(noisy_trace())
+    assert order[:2] == ["numbers", "events"] and order.count("numbers") <= 3
+    order.clear()
+    Recording(Target("corruption", "victim"), fake_bug, Options(engine=False)).run(noisy_trace())
+    assert order[:2] == ["events", "numbers"]
+    # Smaller: fewer requests, or as many with fewer tokens.
+    t = noisy_trace()
+    shorter = t.model_copy(update={"events": [e.model_copy(update={"max_tokens": 1}) if isinstance(e, SendEvent) else e
+                                              for e in t.events]})
+    assert size(shorter) < size(t) and size(shorter)[0] == size(t)[0]

@@ -55,6 +55,7 @@ from kvfuzz.traces.result import Checked
 from .attribution import explain_guarded
 from .explain import enforce_check, explain, repair_check
 from .finish import add_controls, finish_finding
+from .minimize import size
 
 # A campaign spends at most this share of its time on findings of buckets it already has...
 KNOWN_BUCKET_SHARE = 0.1
@@ -621,14 +622,22 @@ class CampaignTriage:
             return small
         self.status(f"finding {small.id}: its key differs from a bucket's only on {', '.join(split)}: "
                     "minimizing further (rule 5.21)")
-        smaller = finish_finding(self.session, small, out=self.out, do_minimize=True, controls=False,
+        smaller = self._further(small, victim, t0, box, "rule 5.21", "before the merge check: on the larger witness "
+                                f"its key differed from a bucket's only on {', '.join(split)}")
+        return small if smaller is None else smaller
+
+    def _further(self, witness: Finding, victim: str | None, t0: float, box: float, rule_name: str,
+                 why: str) -> Finding | None:
+        """Rules 5.21 and 5.22: ``witness`` minimized further (``MINIMIZE_BOX`` of ``box``; a
+        minimization its budget cut after the structure passes goes on at the numbers pass) and
+        ablated again by ``t0 + box``, its note saying so; None when it did not get smaller."""
+        smaller = finish_finding(self.session, witness, out=self.out, do_minimize=True, controls=False,
                                  max_seconds=max(1.0, MINIMIZE_BOX * box), victim=victim, recorded_here=True)
-        if len(smaller.trace.sends) >= len(small.trace.sends):
-            return small
+        if size(smaller.trace) >= size(witness.trace):
+            return None
         smaller.explanation = self._ablation(smaller, victim, t0 + box)
-        smaller.notes["rule 5.21"] = (f"minimized further ({len(small.trace.sends)} -> {len(smaller.trace.sends)} "
-                                      f"requests) before the merge check: on the larger witness its key differed "
-                                      f"from a bucket's only on {', '.join(split)}")
+        (n0, k0), (n1, k1) = size(witness.trace), size(smaller.trace)
+        smaller.notes[rule_name] = f"minimized further ({n0} -> {n1} requests, {k0} -> {k1} tokens) {why}"
         return smaller
 
     def _rewitnessed(self, key: BucketKey, minimal: set[str]) -> tuple[Rewitness, bool] | None:
@@ -656,16 +665,12 @@ class CampaignTriage:
             victim = rule.victim_of(witness, b.key)
             self.status(f"bucket {b.id}: its witness differs from finding's only on {', '.join(split)}: "
                         "minimizing it further (rule 5.22)")
-            smaller = finish_finding(self.session, witness, out=self.out, do_minimize=True, controls=False,
-                                     max_seconds=max(1.0, MINIMIZE_BOX * box), victim=victim, recorded_here=True)
-            if len(smaller.trace.sends) >= len(witness.trace.sends):
+            smaller = self._further(witness, victim, t0, box, "rule 5.22", f"as bucket {b.id}'s witness: on the "
+                                    f"larger one it differed from a later finding's key only on {', '.join(split)}")
+            if smaller is None:
                 continue
-            smaller.explanation = self._ablation(smaller, victim, t0 + box)
             measured = rule.verdicts_of(smaller.explanation)
             again = b.key.model_copy(update={"verdicts": {**b.key.verdicts, **measured}})
-            smaller.notes["rule 5.22"] = (f"bucket {b.id}'s witness minimized further ({len(witness.trace.sends)} -> "
-                                          f"{len(smaller.trace.sends)} requests): on the larger one it differed from "
-                                          f"a later finding's key only on {', '.join(split)}")
             rel = Path("rewitnessed") / f"{b.id}.json"
             save(smaller, self.out / rel)
             r = Rewitness(bucket=b.id, case=str(rel), verdicts=measured, description=rule.describe(again, smaller),

@@ -26,6 +26,7 @@ engine and a managed server. The reducers are pure (triage/reduce.py).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -121,6 +122,11 @@ class Options:
     engine: bool = True
     # Rounds of all passes; later rounds catch what earlier changes enabled.
     max_rounds: int = 3
+    # Begin with the numbers pass: a minimization that goes on from one its budget cut after the
+    # structure passes (``resumes_at_numbers``) would only repeat them first (fault AQ's 5-request
+    # witness at 2b860da: its further 36 s ran requests, cancels, adapters and engine again, found
+    # nothing, and never reached the prompt lengths that let a request go).
+    numbers_first: bool = False
 
 
 @dataclass
@@ -199,6 +205,8 @@ class Minimizer:
         cur = trace
         stopped = None
         try:
+            if self.opts.numbers_first:
+                cur = self.numbers_pass(cur)
             for rnd in range(self.opts.max_rounds):
                 before = cur.trace_id()
                 cur = self.events_pass(cur)
@@ -211,7 +219,7 @@ class Minimizer:
                         cur = self.events_pass(changed)
                 # The numbers pass is the expensive one: after the first round, only when the
                 # structure (requests, cancels, adapters, engine) changed again.
-                if rnd == 0 or cur.trace_id() != before:
+                if (rnd == 0 and not self.opts.numbers_first) or cur.trace_id() != before:
                     cur = self.numbers_pass(cur)
                 if cur.trace_id() == before:
                     break
@@ -503,6 +511,20 @@ def _recorded_holds(finding: Finding, target: Target) -> bool:
     return d is not None and d.runs > 0 and d.runs_diverged == d.runs and target.holds(d.class_, d.broke)
 
 
+def resumes_at_numbers(done: Minimization | None) -> bool:
+    """Whether ``done`` (a finding's own minimization record) was cut by its budget after its
+    structure passes and before any numbers pass: minimizing the finding again goes on there."""
+    if done is None or done.stopped is None:
+        return False
+    return any(p.startswith(("probdd:", "ddmin:")) for p in done.passes) and \
+        not any(p.startswith("numbers:") for p in done.passes)
+
+
+def size(trace: Trace) -> tuple[int, int]:
+    """How big a witness is, for "is it smaller": requests, then prompt and generated tokens."""
+    return len(trace.sends), sum(s.prompt.length + s.max_tokens for s in trace.sends)
+
+
 def minimize_finding(replayer: Replayer, finding: Finding, *, victim: str | None = None,
                      options: Options | None = None, runs: int | None = None,
                      original_path: str | None = None, recorded_here: bool = False) -> Finding:
@@ -514,6 +536,8 @@ def minimize_finding(replayer: Replayer, finding: Finding, *, victim: str | None
     target = choose_target(finding, victim, named=replayer.step_exact)
     opts = options or Options(acceptance=default_acceptance(replayer.step_exact),
                               clock="step" if replayer.step_exact else "offset")
+    if resumes_at_numbers(finding.minimization):
+        opts = dataclasses.replace(opts, numbers_first=True)
     probe = Probe(replayer, target)
     mini = Minimizer(target, probe, opts)
     t0 = time.monotonic()
