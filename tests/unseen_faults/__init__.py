@@ -135,6 +135,11 @@ And after rule 5.22 (2b860da: an unsettled split near a campaign's end joins, wh
 - ``preempting_step_drops_first_write`` (AR, the KV cache write under KV pressure): in a step
   whose scheduling preempted a request, the cache write skips the first row's last token, so its
   slot keeps its old content. Every record and every kernel input agrees.
+And after rule 5.22's second part (edfe58c: a bucket's own unfinished witness minimized again)
+and the numbers-first further minimization (01cfbe0), both of which AQ at 10 minutes had shown:
+- ``finished_output_swaps_with_next`` (AS, the output processor): when a request finishes in a
+  step, its output and the next one carrying tokens trade them, so each request is handed the
+  other's token; the engine's own state is right.
 """
 
 from collections.abc import Callable
