@@ -159,6 +159,17 @@ def wrap(owner: Any, attr: str, tag: str, make: Callable[[Any], Callable[..., An
     setattr(owner, attr, patched)
 
 
+def attention_metadata(layer: Any) -> Any:
+    """The attention metadata of ``layer`` in the step being run (faults AJ and AR, inside a
+    cache write); None on paths that are not the CPU one (micro-batches)."""
+    from vllm.forward_context import get_forward_context
+
+    meta = get_forward_context().attn_metadata
+    if isinstance(meta, list):  # micro-batches: not the CPU path
+        return None
+    return meta.get(layer.layer_name) if isinstance(meta, dict) else meta
+
+
 def wrap_slot_mapping(tag: str, edit: Callable[[Any, int, int, int, Any], None]) -> None:
     """A fault in the worker's slot mapping (``BlockTable.compute_slot_mapping``, where each
     scheduled token's KV is written): after vLLM computes it, in a batch of two requests or

@@ -17,20 +17,11 @@ wrong, and only under KV pressure. A request alone is never preempted, so its re
 
 from __future__ import annotations
 
-from . import wrap
+from . import attention_metadata, wrap
 
 _TAG = "unseen-fault-preempting-step-drops-first-write"
 # Whether the step being executed preempted a request (set around ``execute_model``).
 _STEP = {"preempted": False}
-
-
-def _metadata(layer):
-    from vllm.forward_context import get_forward_context
-
-    meta = get_forward_context().attn_metadata
-    if isinstance(meta, list):  # micro-batches: not the CPU path
-        return None
-    return meta.get(layer.layer_name) if isinstance(meta, dict) else meta
 
 
 def _make_execute(original):
@@ -46,7 +37,7 @@ def _make_execute(original):
 
 def _make_write(original):
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
-        m = _metadata(layer) if _STEP["preempted"] else None
+        m = attention_metadata(layer) if _STEP["preempted"] else None
         if m is not None and int(m.query_start_loc.numel()) >= 2:
             skip = int(m.query_start_loc[1]) - 1  # the bug: the first row's last token
             if 0 <= skip < int(slot_mapping.numel()):

@@ -15,23 +15,14 @@ wrong. A request alone is never hit, so its reference is right.
 
 from __future__ import annotations
 
-from . import wrap
+from . import attention_metadata, wrap
 
 _TAG = "unseen-fault-write-drops-batch-last-token"
 
 
-def _metadata(layer):
-    from vllm.forward_context import get_forward_context
-
-    meta = get_forward_context().attn_metadata
-    if isinstance(meta, list):  # micro-batches: not the CPU path
-        return None
-    return meta.get(layer.layer_name) if isinstance(meta, dict) else meta
-
-
 def _make(original):
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
-        m = _metadata(layer)
+        m = attention_metadata(layer)
         if m is not None and int(m.query_start_loc.numel()) - 1 >= 2:
             n = int(m.num_actual_tokens) - 1  # the bug: the write's count is one short
             key, value, slot_mapping = key[:n], value[:n], slot_mapping[:n]
