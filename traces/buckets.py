@@ -144,6 +144,7 @@ class Rewitness(_Data):
     verdicts: dict[str, Outcome] = Field(default_factory=dict)
     description: BucketDescription
     requests: tuple[int, int] = (0, 0)  # the witness's requests before and after
+    tokens: tuple[int, int] = (0, 0)  # its prompt and generated tokens before and after
 
 
 class BucketMembership(_Data):

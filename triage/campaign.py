@@ -583,7 +583,8 @@ class CampaignTriage:
                 out.append(BucketMembership(
                     bucket=r.bucket, key=key, status="triaged", rewitness=r,
                     how=(f"merge check after rule 5.22: the bucket's own witness, not minimal, was minimized further "
-                         f"({r.requests[0]} -> {r.requests[1]} requests) and agrees")))
+                         f"({r.requests[0]} -> {r.requests[1]} requests, {r.tokens[0]} -> {r.tokens[1]} tokens) and "
+                         "agrees")))
             elif unsettled_in is not None:
                 b, split = unsettled_in
                 out.append(BucketMembership(
@@ -673,8 +674,9 @@ class CampaignTriage:
             again = b.key.model_copy(update={"verdicts": {**b.key.verdicts, **measured}})
             rel = Path("rewitnessed") / f"{b.id}.json"
             save(smaller, self.out / rel)
+            (n0, k0), (n1, k1) = size(witness.trace), size(smaller.trace)
             r = Rewitness(bucket=b.id, case=str(rel), verdicts=measured, description=rule.describe(again, smaller),
-                          requests=(len(witness.trace.sends), len(smaller.trace.sends)))
+                          requests=(n0, n1), tokens=(k0, k1))
             return r, rule.agrees(key, again) and not rule.name_unearned(key, again, again.verdicts)
         return None
 
@@ -682,10 +684,10 @@ class CampaignTriage:
         """Rule 5.22: the earliest live bucket ``key`` differs from only on removal verdicts whose
         "disappears" side was measured on a witness whose minimization did not finish, where the
         campaign's budget left no box to finish it — rule 5.21 was not paid for on the new
-        witness, or there is no box left at all for the bucket's own (no rule minimizes a
-        bucket's witness again). With the mechanisms. Fault AQ (written after rule 5.21) split
-        in-process at 3 minutes so: its two findings came at traces 35 and 41 of 42, each witness
-        cut by its box at 5 requests, one "needing chunked prefill"."""
+        witness, or no box pays for minimizing the bucket's own further (``_rewitnessed``). With
+        the mechanisms. Fault AQ (written after rule 5.21) split in-process at 3 minutes so: its
+        two findings came at traces 35 and 41 of 42, each witness cut by its box at 5 requests,
+        one "needing chunked prefill"."""
         if key.explained_by is not None:
             return None
         for b in self.alive:
@@ -699,7 +701,7 @@ class CampaignTriage:
             if any(key.verdicts[m] == "disappears" for m in split) and not self._unpaid:
                 continue  # rule 5.21 was paid for (or not asked): its smaller witness's verdicts stand
             if any(key.verdicts[m] == "persists" for m in split) and self._box_pays():
-                continue  # the bucket's unfinished witness, mid-campaign: the split stands (a limit)
+                continue  # a box paid for the bucket's witness and it did not shrink: the split stands
             return b, split
         return None
 
