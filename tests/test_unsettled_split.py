@@ -4,7 +4,8 @@ a live bucket's, where each "disappears" was measured on a witness whose minimiz
 finish and the budget leaves no box to finish it, joins that bucket, marked unsettled, instead
 of opening a second one. Mid-campaign rule 5.21's box decides, as before. Pure logic:
 minimization and ablation answer from a table here; the campaigns ran on the real engine
-(docs/benchmarks.md)."""
+(docs/benchmarks.md). Last, a new bucket's 16-bit near tie gets its float32 control first (the
+class decides the section its bucket is shown in)."""
 
 import time
 
@@ -183,3 +184,40 @@ def test_mid_campaign_the_buckets_unfinished_witness_is_minimized_again_and_the_
     assert (b.count, b.key.verdicts["chunked-prefill"], b.case) == (2, "persists", "buckets/P.json")
     assert len(load_finding(tmp_path / "buckets" / "P.json").trace.sends) == 2
     assert not (tmp_path / m.rewitness.case).exists()
+
+
+def test_a_16_bit_near_tie_gets_its_float32_control_before_anything_else(tmp_path, monkeypatch):
+    """Fault AR in bfloat16 at 79c3552: an 18-request witness spent its box before its float32
+    control, so a corruption (the same trace corrupts in float32) was filed among the near ties.
+    A new 16-bit near tie now runs that control first; corruption there re-files it."""
+    from kvfuzz.traces import ControlResult
+
+    def near_tie(dtype):
+        f = unexplained()
+        f.trace = f.trace.model_copy(update={"engine": f.trace.engine.with_dtype(dtype)})
+        f.divergences = [d.model_copy(update={"class_": "numeric-near-tie"}) for d in f.divergences]
+        f.verdicts = [v.model_copy(update={"class_": "numeric-near-tie"}) if v.request_id == f.divergences[0].request_id
+                      else v for v in f.verdicts]
+        f.controls = []
+        return f
+
+    for dtype, f32_class, want in (("bfloat16", "corruption", "corruption"), ("bfloat16", "ok", "numeric-near-tie"),
+                                   ("float32", "corruption", "numeric-near-tie")):
+        t, _ = _triage(tmp_path, monkeypatch, ALL_PERSIST, seconds_left=100.0)
+        t.settings = TriageSettings(controls=True, budget_s=180.0)
+        calls = []
+
+        def float32_control(session, f, *, runs, toggles, f32_class=f32_class):
+            calls.append(len(f.trace.sends))
+            v = f.divergences[0].model_copy(update={"class_": f32_class, "arm": "float32"})
+            return ControlResult(name="float32", reproduced=f32_class == "corruption", available=True, verdicts=[v])
+
+        monkeypatch.setattr(tc, "float32_control", float32_control)
+        monkeypatch.setattr(tc, "add_controls", lambda session, f, deadline=None: f)  # the later, full set
+        f = near_tie(dtype)
+        rec = Recording(trace=f.trace, histories=list(f.runs), references=dict(f.references),
+                        environment=f.environment, arms=dict(f.arms))
+        out = t._open(Checked(rec, list(f.verdicts), f), f, [], [BucketKey(cls="numeric-near-tie")],
+                      time.monotonic(), 20.0)
+        assert calls == ([] if dtype == "float32" else [3])
+        assert [m.key.cls for m in out.buckets] == [want] and out.finding.worst_class() == want
