@@ -131,7 +131,9 @@ class ManagedServer:
             # Before vLLM spawns its EngineCore and workers (seconds of imports later): they
             # inherit it. preexec_fn would be exact but is unsafe in a threaded parent.
             try:
-                os.setpriority(os.PRIO_PROCESS, self.proc.pid, self.nice)
+                # Relative to ours, as nice(1): set absolutely, a kvfuzz run under `nice 10` gave
+                # its server 7, ahead of the client it was meant to yield to.
+                os.setpriority(os.PRIO_PROCESS, self.proc.pid, os.getpriority(os.PRIO_PROCESS, 0) + self.nice)
             except OSError as e:  # e.g. a negative value without privilege: run at our priority
                 log.warning("could not renice the vLLM server to %d: %s", self.nice, e)
         (self.log_path.parent / "server.pid").write_text(f"{self.proc.pid}\n")
