@@ -39,6 +39,12 @@ def test_the_pure_rule_reads_which_side_disappeared_and_whether_it_was_minimal()
                  (CP_GONE.model_copy(update={"enforced": {"worker-token": "persists"}}),
                   CP_KEPT.model_copy(update={"broke": "worker-token"}))):
         assert unsettled(a, b, key_minimal=set(), bucket_minimal=False) == []
+    # A name on one side only (faults Y + P in bfloat16 at 68acb5f: P's named witness joined Y's
+    # unnamed bucket as unsettled and lent it the name): not a removal-only difference.
+    assert unsettled(CP_GONE.model_copy(update={"broke": "map-entry-orphaned"}), CP_KEPT, key_minimal=set(),
+                     bucket_minimal=True) == []
+    assert unsettled(CP_GONE.model_copy(update={"broke": "worker-row"}), CP_KEPT.model_copy(update={"broke": "worker-row"}),
+                     key_minimal=set(), bucket_minimal=True) == ["chunked-prefill"]
     # Agreeing keys have nothing to settle.
     assert unsettled(CP_KEPT, CP_KEPT, key_minimal=set(), bucket_minimal=False) == []
 

@@ -281,7 +281,12 @@ def unsettled(key: BucketKey, bucket: BucketKey, *, key_minimal: Container[str],
     whether the bucket's own witness is minimal. "Persists" shows the cause acting without the
     mechanism, whatever the witness; "disappears" on a large witness may only show its schedule
     hanging on it (fault AJ's 9-request witness, rule 5.21), so such a split is evidence of a
-    second cause only once that side is minimal."""
+    second cause only once that side is minimal. Only between keys that name the same
+    post-condition, or none: a name one side broke and the other did not is evidence that no
+    witness's schedule makes (faults Y + P in bfloat16 at 68acb5f: P's unminimized 18-request
+    witness, named ``map-entry-orphaned``, joined Y's unnamed bucket here and lent it the name)."""
+    if key.broke != bucket.broke:
+        return []
     split = removal_conflicts(key, bucket)
     for m in split:
         if (m in key_minimal) if key.verdicts[m] == "disappears" else bucket_minimal:
