@@ -140,6 +140,11 @@ and the numbers-first further minimization (01cfbe0), both of which AQ at 10 min
 - ``finished_output_swaps_with_next`` (AS, the output processor): when a request finishes in a
   step, its output and the next one carrying tokens trade them, so each request is handed the
   other's token; the engine's own state is right.
+And after rule 5.22's name condition (d6515d9, which Y + P had shown) and the near tie's float32
+control first (e644786, which AR in bfloat16 had shown):
+- ``batched_rows_lose_precision`` (AT, the attention kernel's precision): in a batch of two or
+  more, every row below the first has its attention output rounded to a coarser precision than
+  the dtype's. Systematic drift far past the noise; nothing recorded is wrong.
 """
 
 from collections.abc import Callable
