@@ -360,3 +360,45 @@ def test_after_full_triage_a_new_name_joins_an_unnamed_bucket_only_on_every_verd
         key = BucketKey(cls="corruption", broke="map-entry-orphaned", verdicts=verdicts)
         out = t._triage(Checked(rec, list(f.verdicts), f), [], [key])
         assert out.status == status, out.buckets
+
+
+def test_a_full_match_that_would_take_the_known_buckets_past_their_share_is_not_started(tmp_path):
+    """Fault AS (frequent) in bfloat16 at bce9bfc spent 28% of a 3-minute campaign in triage: the
+    share was checked only before each match, and a match (attribution and up to three check
+    replays, 15-20 s each on that machine) overshot it by its whole cost. A match whose estimated
+    cost (its runs, each as long as the trace's own) would pass the share is not started: the
+    finding is assigned."""
+    from kvfuzz.driver.settings import TriageSettings
+    from kvfuzz.traces.result import Checked, Recording
+
+    f = finding()
+    rec = Recording(trace=f.trace, histories=list(f.runs), references=dict(f.references), environment=f.environment,
+                    arms=dict(f.arms))
+    t = CampaignTriage(session=None, guard=None, arms={}, out=tmp_path,  # type: ignore[arg-type]
+                       settings=TriageSettings(budget_s=None), clean_arm=[])
+    t.started = time.monotonic() - 100  # a 10 s share so far
+    c = Checked(rec, list(f.verdicts), f)
+    runs = 1 + 3  # the clean arm's attribution re-run, three checks
+    assert not t._outlasts_share(c, 9.0 / runs)
+    assert t._outlasts_share(c, 11.0 / runs)
+    t.known_seconds = 5.0
+    assert t._outlasts_share(c, 6.0 / runs) and not t._outlasts_share(c, 4.0 / runs)
+    t.settings, t.known_seconds = TriageSettings(attribute=False), 0.0
+    assert not t._outlasts_share(c, 9.0 / 3) and t._outlasts_share(c, 11.0 / 3)
+    # Through the campaign's call: a known bucket, 2 s into the campaign (a 0.2 s share), a 0.3 s
+    # trace whose match would cost four of its runs: assigned by its pre-key, nothing replayed.
+    from kvfuzz.traces.buckets import Bucket, BucketKey
+
+    class Guard:
+        def check(self, trace, *, runs=None, arms=None):
+            time.sleep(0.3)
+            return Checked(rec, list(f.verdicts), f.model_copy(deep=True))
+
+    f.divergences[0].explained_by = None
+    f.verdicts = [v.model_copy(update={"explained_by": None}) for v in f.verdicts]
+    t2 = CampaignTriage(session=NoJudge(), guard=Guard(), arms={}, out=tmp_path,  # type: ignore[arg-type]
+                        settings=TriageSettings(attribute=False), clean_arm=[])
+    t2.restore({"A": Bucket(id="A", key=BucketKey(cls="corruption"), first_index=0, count=1)})
+    t2._calls, t2.started = 1, time.monotonic() - 2
+    out = t2(f.trace)
+    assert out.status == "assigned" and out.buckets[0].bucket == "A"

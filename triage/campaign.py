@@ -176,7 +176,7 @@ class CampaignTriage:
         if not self.settled and not self._could_join(f):
             return self._defer(checked, f)  # before attribution: no known bucket can take it
         ending = self.over_budget or self._outlasts_budget(checked, t_run)
-        if self.alive and (self.over_share or ending):
+        if self.alive and (self.over_share or ending or self._outlasts_share(checked, t_run)):
             # Past the campaign's budget (its last trace), no replay at all: it must end on time.
             out = self._assign(checked, replays=not ending)
             self.known_seconds += time.monotonic() - t0
@@ -805,10 +805,28 @@ class CampaignTriage:
         end = self.campaign_end
         if end is None or not self.settings.attribute or checked.finding is None:
             return False
+        return time.monotonic() + t_run * self._attribution_runs(checked) > end
+
+    def _attribution_runs(self, checked: Checked) -> int:
+        """The re-runs attribution may add for ``checked``'s finding (one per arm), each about as
+        long as the trace's own run."""
         f = checked.finding
-        extra = plan({d.arm for d in f.divergences if d.class_ in DIVERGENT_CLASSES}, checked.recording.arms,
-                     self.clean, self._inert(f))
-        return time.monotonic() + t_run * len(extra) > end
+        if f is None or not self.settings.attribute:
+            return 0
+        return len(plan({d.arm for d in f.divergences if d.class_ in DIVERGENT_CLASSES}, checked.recording.arms,
+                        self.clean, self._inert(f)))
+
+    def _outlasts_share(self, checked: Checked, t_run: float) -> bool:
+        """Whether matching this finding in full (its attribution re-runs and up to
+        ``rule.MAX_CHECKS`` check replays, each about as long as the trace's own run) would take
+        the time on known buckets past the share: it is then assigned. The share was checked
+        only before a match, so each match could overshoot it by its whole cost: fault AS, a
+        frequent one, spent 28% of a 3-minute bfloat16 campaign in triage at bce9bfc (ran at
+        0.60x the clean rate), its matches 15-20 s each on this machine."""
+        if checked.finding is None:
+            return False
+        cost = t_run * (self._attribution_runs(checked) + rule.MAX_CHECKS)
+        return self.known_seconds + cost > self.share * max(1.0, time.monotonic() - self.started)
 
     @property
     def over_share(self) -> bool:
