@@ -220,6 +220,8 @@ def test_a_16_bit_near_tie_gets_its_float32_control_before_anything_else(tmp_pat
 
         monkeypatch.setattr(tc, "float32_control", float32_control)
         monkeypatch.setattr(tc, "add_controls", lambda session, f, deadline=None: f)  # the later, full set
+        said = []
+        monkeypatch.setattr(t, "status", said.append)
         f = near_tie(dtype)
         rec = Recording(trace=f.trace, histories=list(f.runs), references=dict(f.references),
                         environment=f.environment, arms=dict(f.arms))
@@ -227,3 +229,5 @@ def test_a_16_bit_near_tie_gets_its_float32_control_before_anything_else(tmp_pat
                       time.monotonic(), 20.0)
         assert calls == ([] if dtype == "float32" else [3])
         assert [m.key.cls for m in out.buckets] == [want] and out.finding.worst_class() == want
+        # A re-filed finding has a new id: the log names it, so the id it printed is in a file.
+        assert (f"recorded as {out.finding.id}" in " ".join(said)) == (want == "corruption")

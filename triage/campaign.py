@@ -524,6 +524,9 @@ class CampaignTriage:
                                     runs=max(1, sum(1 for h in finding.runs if h.arm == arm)))
             up = escalate(finding.model_copy(update={"controls": [early]}))
             if up.worst_class() != finding.worst_class():
+                # Its id is a hash of its content, class included: name the new one, or the
+                # id in the log is found in no file (fault AR in bfloat16, 10 minutes, ecc5b15).
+                self.status(f"finding {finding.id}: {up.worst_class()} in float32: recorded as {up.id}")
                 finding, joined, new = up, [], rule.keys_of(up)
         small = finding
         self._unpaid = False
