@@ -145,6 +145,8 @@ def test_the_campaign_counts_and_shows_them(tmp_path):
     b = camp.state.bug_buckets["P"]
     assert (b.count, b.unsettled) == (2, 1)
     assert "1 on an unsettled split" in markdown(rows(camp.state.bug_buckets, camp.state.merges), 2)
+    # --resume reads the mark back from campaign.json (no finding loses its bucket's mark).
+    assert _resumed(camp, tmp_path).bug_buckets["P"].unsettled == 1
     assert count_text(3, 1, 0) == "3 (1 assigned, not triaged)" and count_text(3, 0, 0) == "3"
 
 
@@ -189,6 +191,7 @@ def test_mid_campaign_the_buckets_unfinished_witness_is_minimized_again_and_the_
     b = camp.state.bug_buckets["P"]
     assert (b.count, b.key.verdicts["chunked-prefill"], b.case) == (2, "persists", "buckets/P.json")
     assert len(load_finding(tmp_path / "buckets" / "P.json").trace.sends) == 2
+    assert _resumed(camp, tmp_path).bug_buckets["P"].key.verdicts["chunked-prefill"] == "persists"
     assert not (tmp_path / m.rewitness.case).exists()
 
 
@@ -231,3 +234,14 @@ def test_a_16_bit_near_tie_gets_its_float32_control_before_anything_else(tmp_pat
         assert [m.key.cls for m in out.buckets] == [want] and out.finding.worst_class() == want
         # A re-filed finding has a new id: the log names it, so the id it printed is in a file.
         assert (f"recorded as {out.finding.id}" in " ".join(said)) == (want == "corruption")
+
+
+def _resumed(camp, out):
+    """The state `--resume` starts from, after the campaign committed its own."""
+    import dataclasses
+
+    from kvfuzz.fuzzer.campaign import CAMPAIGN_FILE, load_state
+    from kvfuzz.traces.io import atomic_write_text
+
+    atomic_write_text(out / CAMPAIGN_FILE, camp.state.to_json())
+    return load_state(out, dataclasses.replace(camp.opts, resume=True))
