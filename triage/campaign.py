@@ -828,12 +828,16 @@ class CampaignTriage:
         0.60x the clean rate), its matches 15-20 s each on this machine."""
         if checked.finding is None:
             return False
-        cost = t_run * (self._attribution_runs(checked) + rule.MAX_CHECKS)
-        return self.known_seconds + cost > self.share * max(1.0, time.monotonic() - self.started)
+        return t_run * (self._attribution_runs(checked) + rule.MAX_CHECKS) > self._share_left()
+
+    def _share_left(self) -> float:
+        """Seconds the known buckets may still take: their share of the time so far, less what
+        they took (negative past it)."""
+        return self.share * max(1.0, time.monotonic() - self.started) - self.known_seconds
 
     @property
     def over_share(self) -> bool:
-        return self.known_seconds > self.share * max(1.0, time.monotonic() - self.started)
+        return self._share_left() < 0
 
 
 def _minimal(f: Finding) -> bool:
