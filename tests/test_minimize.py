@@ -112,6 +112,25 @@ def test_minimizer_respects_the_replay_budget():
     assert fake_bug(r.trace)  # the last accepted candidate, never an untested one
 
 
+def test_minimizer_starts_no_candidate_its_time_budget_cannot_pay_for():
+    """Y + P at 3 minutes: a 12 s minimization of an 18-request witness whose replays took 7 s
+    ran 27 s (it checked the clock only before each candidate) and left its box's ablation
+    no time. A candidate starts only when it and the verification replay after it, each as
+    long as the longest replay so far, still end within the budget."""
+    clock = [0.0]
+
+    def slow_bug(t):
+        clock[0] += 3.0  # every replay takes 3 s
+        return fake_bug(t)
+
+    m = Minimizer(Target("corruption", "victim"), slow_bug, Options(engine=False, budget=Budget(max_seconds=10.0)),
+                  clock=lambda: clock[0])
+    r = m.run(noisy_trace())
+    # 0 s: a candidate (nothing measured yet); 3 s: 3 + 2 x 3 < 10, another; 6 s: 6 + 6 >= 10, stop.
+    assert r.replays == 2 and r.stopped == "time budget of 10 s spent" and clock[0] == 6.0
+    assert fake_bug(r.trace)
+
+
 def test_minimizer_engine_pass_and_adapter_unification():
     # Reproduces whenever two LoRA requests share one adapter and the victim runs with them.
     def bug(t):

@@ -212,6 +212,12 @@ def test_control_arms_past_the_box_are_recorded_as_not_run():
     out = run_controls(Recorder(), f, deadline=time.monotonic() - 1)
     assert [c.name for c in out] == ["serialized", "float32", "batch-invariant"]
     assert all(not c.available and c.detail == SPENT for c in out)
+    # Nor one that would end past it: 30 s left, the finding's own run took 40 s (Y + P at 3
+    # minutes: an 18-request witness's serialized control ran 10 s past its box).
+    for h in f.runs:
+        h.wall_seconds = 40.0
+    out = run_controls(Recorder(), f, runs=1, deadline=time.monotonic() + 30)
+    assert all(not c.available and c.detail == SPENT for c in out)
 
 
 class NoJudge:
@@ -402,3 +408,34 @@ def test_a_full_match_that_would_take_the_known_buckets_past_their_share_is_not_
     t2._calls, t2.started = 1, time.monotonic() - 2
     out = t2(f.trace)
     assert out.status == "assigned" and out.buckets[0].bucket == "A"
+
+
+def test_ablation_starts_no_replay_that_would_end_past_its_deadline(monkeypatch):
+    """Y + P at 3 minutes: an unminimized witness whose replays took 15 s started its ablation
+    1 s before its 20 s box ended and ran 34 s. A replay is started only when the time left
+    pays for one: the witness's own recorded run, then the longest replay so far."""
+    from kvfuzz.triage import explain as ex_mod
+
+    clock = [1000.0]
+    monkeypatch.setattr(ex_mod.time, "monotonic", lambda: clock[0])
+
+    class Slow(Recorder):
+        def judge(self, trace, **kw):
+            clock[0] += 10.0  # each replay takes 10 s
+            return super().judge(trace, **kw)
+
+    f = finding()
+    for h in f.runs:
+        h.wall_seconds = 1.0
+    r = Slow()
+    ex = explain(r, f, deadline=clock[0] + 25.0)
+    # 25 s left: one replay (1 s expected), 15 s left: another (10 s now), 5 s left: none.
+    assert r.replays == 2
+    skipped = [a for a in ex.ablations if a.outcome == "skipped"]
+    assert skipped and all(a.detail == "triage time box: 5.0 s left, a replay takes about 10.0 s" for a in skipped)
+    # A witness whose own run took longer than the box starts none at all.
+    for h in f.runs:
+        h.wall_seconds = 30.0
+    r = Slow()
+    explain(r, f, deadline=clock[0] + 25.0)
+    assert r.replays == 0

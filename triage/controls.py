@@ -99,15 +99,29 @@ def batch_invariant_support(device: str) -> tuple[bool, str | None]:
 SPENT = "not run: the triage time box was spent (`kvfuzz minimize FINDING` runs it)"
 
 
+def replay_seconds(finding: Finding) -> float:
+    """About how long one replay of ``finding``'s trace takes: its longest recorded run (0 when
+    its histories carry no wall time)."""
+    return max((h.wall_seconds for h in finding.runs), default=0.0)
+
+
+def _spent(deadline: float | None, cost: float) -> bool:
+    """Whether a replay of about ``cost`` seconds started now would end past ``deadline``."""
+    return deadline is not None and time.monotonic() + cost > deadline
+
+
 def run_controls(replayer: Replayer, finding: Finding, *, device: str = "cpu", runs: int | None = None,
                  isolated: IsolatedCheck | None = None, deadline: float | None = None) -> list[ControlResult]:
     """Re-run ``finding`` in each control arm; returns one ControlResult per arm. An arm that
-    would start past ``deadline`` (time.monotonic()) is recorded as not run, saying why."""
+    would end past ``deadline`` (time.monotonic(); each at least as long as the finding's own
+    run) is recorded as not run, saying why: Y + P at 3 minutes, an 18-request witness's
+    serialized control started 1 s before its box ended and ran 10 s."""
     arm, toggles = primary_arm(finding)
     runs = runs or max(1, sum(1 for h in finding.runs if h.arm == arm))
     out: list[ControlResult] = []
     names = [SERIALIZED, *([FLOAT32] if finding.trace.engine.dtype in ("bfloat16", "float16") else []), BATCH_INVARIANT]
-    if deadline is not None and time.monotonic() > deadline:
+    cost = runs * replay_seconds(finding)
+    if _spent(deadline, cost):
         return [ControlResult(name=n, reproduced=False, available=False, toggles=toggles, detail=SPENT) for n in names]
 
     ser = serialize(finding.trace)
@@ -120,13 +134,13 @@ def run_controls(replayer: Replayer, finding: Finding, *, device: str = "cpu", r
                               runs=runs, toggles=toggles, trace=ser, note=note))
 
     if finding.trace.engine.dtype in ("bfloat16", "float16"):
-        if deadline is not None and time.monotonic() > deadline:
+        if _spent(deadline, cost):
             out.append(ControlResult(name=FLOAT32, reproduced=False, available=False, toggles=toggles, detail=SPENT))
         else:
             out.append(float32_control(replayer, finding, runs=runs, toggles=toggles))
 
     ok, why = batch_invariant_support(device)
-    if ok and isolated is not None and deadline is not None and time.monotonic() > deadline:
+    if ok and isolated is not None and _spent(deadline, cost):
         out.append(ControlResult(name=BATCH_INVARIANT, reproduced=False, available=False, toggles=toggles, detail=SPENT))
     elif not ok or isolated is None:
         out.append(ControlResult(name=BATCH_INVARIANT, reproduced=False, available=False, toggles=toggles,

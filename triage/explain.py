@@ -43,7 +43,7 @@ from kvfuzz.traces.errors import BadInput, InfraError
 from kvfuzz.traces.finding import SEVERITY
 from kvfuzz.traces.result import Judged
 
-from .controls import steps_alone
+from .controls import replay_seconds, steps_alone
 from .minimize import Target, choose_target
 from .probe import Replayer
 
@@ -147,7 +147,8 @@ def _valid(trace: Trace) -> Trace:
 
 
 def explain(replayer: Replayer, finding: Finding, *, victim: str | None = None,
-            mechanisms: list[str] | None = None, deadline: float | None = None) -> Explanation:
+            mechanisms: list[str] | None = None, deadline: float | None = None,
+            first: list[str] | None = None) -> Explanation:
     """Replay ``finding`` once per mechanism taken away, judged on its victim (default: the
     one minimization would keep). Past ``deadline`` (time.monotonic()), the mechanisms left are
     recorded as skipped."""
@@ -160,7 +161,8 @@ def explain(replayer: Replayer, finding: Finding, *, victim: str | None = None,
     # on the schedule ablations left fault P's bucket with no key evidence, and a second fault
     # joined it), the ones that keep the engine (no restart) first within each group; the
     # record keeps the canonical order either way.
-    order = (sorted(names, key=lambda m: (m not in KEY_MECHANISMS, m not in CHEAP_MECHANISMS))
+    # ``first``: the mechanisms a caller most needs a verdict on (rule 5.21: those a split hangs on).
+    order = (sorted(names, key=lambda m: (m not in (first or ()), m not in KEY_MECHANISMS, m not in CHEAP_MECHANISMS))
              if deadline is not None else names)
     # Rule 5.6: the finding's other victims of the same unexplained corruption (the same
     # post-condition broken, or none) are judged too when the victim no longer corrupts.
@@ -170,19 +172,29 @@ def explain(replayer: Replayer, finding: Finding, *, victim: str | None = None,
         others = sorted({d.request_id for d in same_key_victims(finding, "corruption", me.broke)
                          if d.arm == arm and d.request_id != target.victim})
     done: dict[str, Ablation] = {}
+    # What one replay costs: the witness's own longest recorded run, then the longest ablation
+    # replay so far. A replay that would end past the deadline is not started (Y + P at 3
+    # minutes: an unminimized 15 s witness's ablation started 1 s before its 20 s box ended
+    # and ran 34 s).
+    cost = replay_seconds(finding)
     for name in order:
         ablated, change = ABLATIONS[name](finding.trace)
         if ablated is None:
             done[name] = Ablation(mechanism=name, change=change, outcome="n/a")
             continue
-        if deadline is not None and time.monotonic() > deadline:
-            done[name] = Ablation(mechanism=name, change=change, outcome="skipped", detail="triage time box spent")
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left < cost:
+            done[name] = Ablation(mechanism=name, change=change, outcome="skipped",
+                                  detail="triage time box spent" if left <= 0 else
+                                  f"triage time box: {left:.1f} s left, a replay takes about {cost:.1f} s")
             continue
+        t_replay = time.monotonic()
         try:
             j = replayer.judge_victim(_valid(ablated), victim=target.victim, arm=arm, toggles=toggles, others=others)
         except (BadInput, InfraError, ValueError) as e:  # e.g. vLLM rejects the changed engine
             done[name] = Ablation(mechanism=name, change=change, outcome="failed", detail=str(e).splitlines()[0][:300])
             continue
+        cost = max(cost, time.monotonic() - t_replay)
         out.replays += 1
         # It persists when the victim still diverges at least as badly, or, for corruption,
         # when no token flipped but the logprobs drifted past noise: the KV is still wrong, the
