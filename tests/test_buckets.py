@@ -263,6 +263,11 @@ def test_against_a_deadline_the_key_mechanisms_are_ablated_first():
     applicable = [m for m in KEY_MECHANISMS if m in ablated]
     assert applicable and set(r.seen[: len(applicable)]) == set(applicable)
     assert set(r.seen) - set(KEY_MECHANISMS)  # the schedule ablations still ran, after
+    # Rule 5.21's box: the mechanisms its split hangs on go before every other.
+    last = r.seen[len(applicable) - 1]  # the last key mechanism in the default order
+    r2 = Order()
+    explain(r2, f, deadline=_t.monotonic() + 3600, first=[last])
+    assert r2.seen[0] == last and r2.seen[0] != r.seen[0]
 
 
 def campaign(tmp_path):
@@ -604,6 +609,29 @@ def test_a_name_is_lent_to_a_bucket_only_on_a_verdict_for_every_check(tmp_path):
     t2 = triage(MovedBut("chunked-prefill"), bs, tmp_path)
     out = t2._assign(checked_of(unexplained()))
     assert out is not None and out.buckets[0].bucket == "Y" and [c.outcome for c in out.finding.buckets[0].checks] == ["persists"]
+
+
+def test_a_name_whose_checks_cost_more_than_a_box_goes_to_the_box_unchecked(tmp_path):
+    """Y + P at 3 minutes: P's first named finding, a 15 s trace, spent 30 s on its checks
+    against Y's bucket before its 20 s box. Where the checks (one replay of the whole trace
+    each) cost more than the box that triages it as a new cause, none is replayed: the box's
+    merge check compares its minimized witness instead."""
+    from kvfuzz.oracle import buckets as rule
+
+    bs = {"Y": bucket("Y", {"chunked-prefill": "persists", "preemption": "persists", "prefix-caching": "persists"}, 1)}
+    f, _ = _two_victims(broke="map-entry-orphaned")
+    f.divergences[0].broke = "map-entry-orphaned"
+    r = MovedBut("chunked-prefill")
+    t = triage(r, bs, tmp_path)
+    t._run_seconds = t.new_bucket_box / 2  # three checks: 1.5 boxes
+    assert t._assign(checked_of(f)) is None and r.replays == 0 and t._unchecked
+    (k,) = [k for k in rule.keys_of(f) if k.broke == "map-entry-orphaned"]
+    assert t._match(f, k, max_checks=0)[0] is None and r.replays == 0  # a new key: the box
+    # Cheap checks are still made, on every verdict (rule 5.5).
+    r2 = MovedBut("chunked-prefill")
+    t2 = triage(r2, bs, tmp_path)
+    t2._run_seconds = t2.new_bucket_box / 4
+    assert t2._assign(checked_of(f)) is None and r2.replays == 2 and not t2._unchecked
 
 
 class StateDependent(Table):

@@ -48,7 +48,7 @@ def triage(tmp_path, monkeypatch, bucket_key, *, shrinks=True):
         g.minimization = Minimization(requests=len(g.trace.sends), verified=True)
         return g
 
-    def explain(session, f, *, victim=None, deadline=None, mechanisms=None):
+    def explain(session, f, *, victim=None, deadline=None, mechanisms=None, first=None):
         calls["explain"] += 1
         return explanation()
 
@@ -93,6 +93,18 @@ def test_not_when_the_witness_is_minimal_or_another_difference_keeps_them_apart(
         key = BucketKey(cls="corruption", enforced={"worker-token": "disappears"}) if other.enforced else \
             BucketKey(cls="corruption", broke="worker-position")
         assert t._smaller_if_split(unexplained(), [key], "B").trace.sends and calls["minimize"] == 0
+    # A witness whose replays are too long for the box's ablation part to measure the split
+    # again (two mechanisms, 5 s each, 8 s of a 20 s box): not minimized; rule 5.22 decides.
+    t, calls = triage(tmp_path, monkeypatch, ALL_PERSIST)
+    t.settings = t.settings.model_copy(update={"minimize_seconds": 20.0})
+    slow = unexplained(Minimization(requests=3, verified=True, stopped="time budget of 12 s spent"))
+    for h in slow.runs:
+        h.wall_seconds = 5.0
+    assert t._smaller_if_split(slow, [BucketKey(cls="corruption")], "B") is slow and calls["minimize"] == 0
+    assert t._unpaid
+    for h in slow.runs:
+        h.wall_seconds = 3.0  # 6 s of the 8: measured again
+    assert t._smaller_if_split(slow, [BucketKey(cls="corruption")], "B") is not slow and calls["minimize"] == 1
     # A smaller witness that is not smaller: the larger one stays.
     t, calls = triage(tmp_path, monkeypatch, ALL_PERSIST, shrinks=False)
     f = unexplained()
@@ -118,7 +130,7 @@ def test_the_merge_check_joins_the_bucket_on_the_smaller_witness(tmp_path, monke
             g.minimization = Minimization(requests=2, verified=True)
         return g
 
-    def explain(session, f, *, victim=None, deadline=None, mechanisms=None):
+    def explain(session, f, *, victim=None, deadline=None, mechanisms=None, first=None):
         big = len(f.trace.sends) > 2
         return explanation(chunked_prefill="disappears", preemption="disappears") if big else explanation()
 
@@ -142,7 +154,7 @@ def test_a_check_this_trace_already_made_is_not_replayed_again(tmp_path, monkeyp
     first answer is reused (AJ's 9-request witness replayed without chunked prefill twice)."""
     n = {"explain": 0}
 
-    def explain(session, f, *, victim=None, deadline=None, mechanisms=None):
+    def explain(session, f, *, victim=None, deadline=None, mechanisms=None, first=None):
         n["explain"] += 1
         return explanation(chunked_prefill="disappears")
 

@@ -64,7 +64,7 @@ def _triage(tmp_path, monkeypatch, bucket_key, *, seconds_left, further_shrinks=
             g.minimization = Minimization(requests=2, verified=True)
         return g
 
-    def explain(session, f, *, victim=None, deadline=None, mechanisms=None):
+    def explain(session, f, *, victim=None, deadline=None, mechanisms=None, first=None):
         big = len(f.trace.sends) > 2
         return explanation(chunked_prefill="disappears") if big else explanation()
 

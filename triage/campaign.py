@@ -54,7 +54,7 @@ from kvfuzz.traces.result import Checked
 
 from .attribution import explain_guarded
 from .controls import float32_control
-from .explain import enforce_check, explain, repair_check
+from .explain import enforce_check, explain, repair_check, replay_seconds
 from .finish import add_controls, finish_finding
 from .minimize import size
 
@@ -128,6 +128,8 @@ class CampaignTriage:
     second: SecondCauses = field(default_factory=SecondCauses)
     # Rule 5.22: the current new bucket's rule 5.21 box was asked for and the budget could not pay.
     _unpaid: bool = False
+    # The current finding goes to a new bucket's box unchecked: its check replays would cost more.
+    _unchecked: bool = False
 
     def restore(self, buckets: dict[str, Bucket], merges: dict[str, str] | None = None,
                 second: SecondCauses | None = None) -> None:
@@ -172,7 +174,7 @@ class CampaignTriage:
             # costs the trace deadline each time).
             return self._place(checked, f, rule.keys_of(f), status="triaged", how="class")
         t0 = time.monotonic()
-        self._evidence, self._checks, self._enforced = {}, [], {}
+        self._evidence, self._checks, self._enforced, self._unchecked = {}, [], {}, False
         if not self.settled and not self._could_join(f):
             return self._defer(checked, f)  # before attribution: no known bucket can take it
         ending = self.over_budget or self._outlasts_budget(checked, t_run)
@@ -191,7 +193,7 @@ class CampaignTriage:
         joined: list[BucketMembership] = []
         new: list[BucketKey] = []
         for key in rule.keys_of(f):
-            bucket, key, how = self._match(f, key)
+            bucket, key, how = self._match(f, key, max_checks=0 if self._unchecked else rule.MAX_CHECKS)
             if bucket is None:
                 new.append(key)
             else:
@@ -450,6 +452,13 @@ class CampaignTriage:
                     # chunked prefill, which neither needs, joined Y's bucket and lent it P's
                     # name; every later P finding then joined by name).
                     mechs = tried[:rule.MAX_CHECKS]
+                    if self._run_seconds * len(mechs) > self.new_bucket_box:
+                        # Unless those replays of the whole trace cost more than the box that
+                        # triages it as a new cause, whose merge check then compares its
+                        # minimized witness (Y + P at 3 minutes: P's first, a 15 s trace, spent
+                        # 30 s on two checks before its 20 s box).
+                        self._unchecked = True
+                        return None
                 else:
                     n, self.assigned_n = self.assigned_n, self.assigned_n + 1
                     mechs = [tried[(n // ASSIGN_CHECK_EVERY) % len(tried)]] if n % ASSIGN_CHECK_EVERY == 0 else []
@@ -635,17 +644,21 @@ class CampaignTriage:
         if not split:
             return small
         t0, box = time.monotonic(), self._another_box()
-        if box < self._original_replays * self._run_seconds:
-            self._unpaid = True  # the campaign's budget cannot pay for it: rule 5.22 decides
+        if box < self._original_replays * self._run_seconds or \
+                (1 - MINIMIZE_BOX) * box < len(split) * (replay_seconds(small) or self._run_seconds):
+            # The campaign's budget cannot pay for it, or its ablation could not measure the split
+            # again on a witness no smaller (Y + P at 3 minutes: P's 18-request witness, 7 s a
+            # replay, came back from a further minimization with nothing measured): rule 5.22 decides.
+            self._unpaid = True
             return small
         self.status(f"finding {small.id}: its key differs from a bucket's only on {', '.join(split)}: "
                     "minimizing further (rule 5.21)")
         smaller = self._further(small, victim, t0, box, "rule 5.21", "before the merge check: on the larger witness "
-                                f"its key differed from a bucket's only on {', '.join(split)}")
+                                f"its key differed from a bucket's only on {', '.join(split)}", split)
         return small if smaller is None else smaller
 
     def _further(self, witness: Finding, victim: str | None, t0: float, box: float, rule_name: str,
-                 why: str) -> Finding | None:
+                 why: str, split: list[str]) -> Finding | None:
         """Rules 5.21 and 5.22: ``witness`` minimized further (``MINIMIZE_BOX`` of ``box``; a
         minimization its budget cut after the structure passes goes on at the numbers pass) and
         ablated again by ``t0 + box``, its note saying so; None when it did not get smaller."""
@@ -653,7 +666,7 @@ class CampaignTriage:
                                  max_seconds=max(1.0, MINIMIZE_BOX * box), victim=victim, recorded_here=True)
         if size(smaller.trace) >= size(witness.trace):
             return None
-        smaller.explanation = self._ablation(smaller, victim, t0 + box)
+        smaller.explanation = self._ablation(smaller, victim, t0 + box, first=split)
         (n0, k0), (n1, k1) = size(witness.trace), size(smaller.trace)
         smaller.notes[rule_name] = f"minimized further ({n0} -> {n1} requests, {k0} -> {k1} tokens) {why}"
         return smaller
@@ -684,7 +697,8 @@ class CampaignTriage:
             self.status(f"bucket {b.id}: its witness differs from finding's only on {', '.join(split)}: "
                         "minimizing it further (rule 5.22)")
             smaller = self._further(witness, victim, t0, box, "rule 5.22", f"as bucket {b.id}'s witness: on the "
-                                    f"larger one it differed from a later finding's key only on {', '.join(split)}")
+                                    f"larger one it differed from a later finding's key only on {', '.join(split)}",
+                                    split)
             if smaller is None:
                 continue
             measured = rule.verdicts_of(smaller.explanation)
@@ -732,11 +746,13 @@ class CampaignTriage:
         5.21's test)."""
         return self._another_box() >= self._original_replays * self._run_seconds
 
-    def _ablation(self, witness: Finding, victim: str | None, deadline: float) -> Explanation:
+    def _ablation(self, witness: Finding, victim: str | None, deadline: float,
+                  first: list[str] | None = None) -> Explanation:
         """The causal ablation of a new bucket's witness, judged on the key's victim where the
-        witness shows it diverging (else on the witness's own choice of victim)."""
+        witness shows it diverging (else on the witness's own choice of victim); ``first``
+        ablated first (the mechanisms a split hangs on)."""
         kept = victim if victim in {d.request_id for d in witness.divergences} else None
-        return explain(self.session, witness, victim=kept, deadline=deadline)
+        return explain(self.session, witness, victim=kept, deadline=deadline, first=first)
 
     @property
     def _original_replays(self) -> int:
