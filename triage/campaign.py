@@ -53,8 +53,8 @@ from kvfuzz.traces.io import load_finding
 from kvfuzz.traces.result import Checked
 
 from .attribution import explain_guarded
-from .controls import float32_control
-from .explain import enforce_check, explain, repair_check, replay_seconds
+from .controls import float32_control, replay_seconds
+from .explain import enforce_check, explain, repair_check
 from .finish import add_controls, finish_finding
 from .minimize import size
 
