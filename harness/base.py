@@ -49,9 +49,12 @@ class Engine(Protocol):
     def compatible(self, config: EngineConfig) -> bool: ...
 
     def replay(self, trace: Trace, *, arm: str = "default", run_index: int = 0,
-               toggles: Iterable[str] | None = None, repair: Iterable[str] = ()) -> History:
+               toggles: Iterable[str] | None = None, repair: Iterable[str] = (),
+               until: Iterable[str] = ()) -> History:
         """``trace`` once; ``repair``: worker post-conditions the run enforces (rules 5.19 and
-        5.20; only an engine whose worker kvfuzz steps can, the others raise ``BadInput``)."""
+        5.20; only an engine whose worker kvfuzz steps can, the others raise ``BadInput``).
+        ``until``: the only requests the caller reads; an engine kvfuzz steps stops once they have
+        all finished (nothing later can change them), the others run the whole trace."""
         ...
 
     def run_alone(self, send: SendEvent, *, max_tokens: int | None = None,

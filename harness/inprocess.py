@@ -510,11 +510,15 @@ class InProcessEngine:
         toggles: Iterable[str] | None = None,
         max_steps: int | None = None,
         repair: Iterable[str] = (),
+        until: Iterable[str] = (),
     ) -> History:
         """Run ``trace`` once from a clean slate and record its history. ``repair``: worker
         post-conditions (``REPAIRABLE``) this run enforces: the model is handed the positions or
         token ids they expect, each row runs through its request's adapter (rules 5.19 and 5.20:
-        triage's checks of a second cause and of a name's cause)."""
+        triage's checks of a second cause and of a name's cause). ``until``: when given, the run
+        stops (the rest aborted) once these requests have all finished or been cancelled: later
+        steps cannot change them (a request's harmful breaks are on its own reads, while it runs),
+        and a victim's replay need not pay for the trace's tail (rule 5.24)."""
         if self._llm is None:
             self.start()
         self._use_kv_agent()
@@ -525,12 +529,13 @@ class InProcessEngine:
         self._repair = tuple(repair)
         try:
             with toggle_registry.activate(names):
-                return self._replay(trace, arm=arm, run_index=run_index, toggles=names, max_steps=max_steps)
+                return self._replay(trace, arm=arm, run_index=run_index, toggles=names, max_steps=max_steps,
+                                    until=frozenset(until))
         finally:
             self._repair = ()
 
     def _replay(self, trace: Trace, *, arm: str, run_index: int, toggles: list[str],
-                max_steps: int | None) -> History:
+                max_steps: int | None, until: frozenset[str] = frozenset()) -> History:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -641,6 +646,12 @@ class InProcessEngine:
                     still.append((i, ev))
             pending_rel = still
 
+            if until and all(r in recs and r not in live for r in until):
+                # Every request the caller reads is done: the rest is aborted, as a cancel
+                # would (clean_slate starts the next run from nothing either way).
+                llm.abort_request(sorted(live))
+                hist.stopped_at = step
+                break
             if not llm.has_unfinished_requests():
                 if cursor >= len(timed):
                     for i, ev in pending_rel:  # their request never ran long enough

@@ -284,8 +284,9 @@ class ServerEngine(HttpEngineBase):
             raise
 
     def replay(self, trace: Trace, *, arm: str = "default", run_index: int = 0,
-               toggles: Iterable[str] | None = None, repair: Iterable[str] = ()) -> History:
-        self._refuse_repair(repair)
+               toggles: Iterable[str] | None = None, repair: Iterable[str] = (),
+               until: Iterable[str] = ()) -> History:
+        self._refuse_repair(repair)  # ``until``: a wall-clock server runs the whole trace
         if not self.compatible(trace.engine):
             raise BadInput("trace engine configuration differs from the running server's", field="engine")
         names = list(trace.engine.toggles if toggles is None else toggles)

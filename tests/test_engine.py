@@ -105,6 +105,27 @@ def test_cpu_lora_bug_base_request_in_mixed_batch(session, lora_engine_config):
     assert session.check(two, runs=1).finding is None
 
 
+def test_a_replay_until_its_victim_is_done_is_that_run_cut_short(session, lora_engine_config):
+    """Rule 5.24: a replay that only reads some requests stops once they are done. What it
+    records of them is what the whole run records, it ends earlier, and the engine is left as a
+    clean slate: the next whole run is the run it always was."""
+    cfg = lora_engine_config
+    events = [SendEvent(request_id="short", at=At(step=0), prompt=GenPrompt(length=120, prefix_group="p", prefix_len=64, seed=1),
+                        max_tokens=3),
+              SendEvent(request_id="long", at=At(step=1), prompt=GenPrompt(length=150, prefix_group="p", prefix_len=64, seed=2),
+                        max_tokens=24),
+              SendEvent(request_id="late", at=At(step=12), prompt=GenPrompt(length=90, seed=3), max_tokens=6)]
+    t = Trace(engine=cfg, events=events)
+    eng = session.engine_for(cfg)
+    whole = eng.replay(t)
+    cut = eng.replay(t, until=["short"])
+    assert whole.stopped_at is None and cut.stopped_at is not None
+    assert cut.stopped_at == whole.requests["short"].finished_step + 1 < max(r.finished_step for r in whole.requests.values())
+    assert step_view(cut)["requests"]["short"] == step_view(whole)["requests"]["short"]
+    assert "late" not in cut.requests and len(cut.requests["long"].token_ids) < 24  # aborted, not run
+    assert step_view(eng.replay(t)) == step_view(whole)
+
+
 def test_lora_slots_do_not_leak_between_traces(session, lora_engine_config):
     """Removing an adapter leaves its weights in the slot; the clean slate must zero them, or a
     trace's outputs depend on what earlier traces loaded (the CPU LoRA bug reads that slot)."""

@@ -127,7 +127,7 @@ def test_confirmation_runs_stop_at_the_new_buckets_deadline(tmp_path):
         def compatible(self, config):
             return True
 
-        def replay(self, trace, *, arm, run_index, toggles, repair=()):
+        def replay(self, trace, *, arm, run_index, toggles, repair=(), until=()):
             self.replays += 1
             return f.runs[0].model_copy(update={"arm": arm, "run_index": run_index})
 
@@ -439,3 +439,35 @@ def test_ablation_starts_no_replay_that_would_end_past_its_deadline(monkeypatch)
     r = Slow()
     explain(r, f, deadline=clock[0] + 25.0)
     assert r.replays == 0
+
+
+def test_a_replay_that_stops_at_its_victim_is_estimated_to_the_victims_end(monkeypatch):
+    """Rule 5.24: a victim's replay stops once the victim (and the other victims judged with
+    it) are done, so it costs the recorded run up to where they ended, not the whole run (Y + P:
+    Y's victims ended a quarter of the way into 9 s traces)."""
+    from kvfuzz.triage import explain as ex_mod
+    from kvfuzz.triage.controls import replay_seconds
+
+    f = finding()
+    victim = f.divergences[0].request_id
+    for h in f.runs:
+        h.wall_seconds = 30.0
+        for rid, rec in h.requests.items():
+            rec.finished_ms, rec.cancel_ms = (2000.0, None) if rid == victim else (29000.0, None)
+    assert replay_seconds(f) == 30.0
+    assert replay_seconds(f, [victim]) == 2.0
+    assert replay_seconds(f, [victim, "not-in-the-run"]) == 30.0  # one never ended: the whole run
+    others = [r for r in f.runs[0].requests if r != victim]
+    assert replay_seconds(f, [victim, *others[:1]]) == 29.0
+
+    clock = [1000.0]
+    monkeypatch.setattr(ex_mod.time, "monotonic", lambda: clock[0])
+
+    class Quick(Recorder):
+        def judge(self, trace, **kw):
+            clock[0] += 2.0
+            return super().judge(trace, **kw)
+
+    r = Quick()
+    explain(r, f, deadline=clock[0] + 25.0)
+    assert r.replays >= 2  # a 30 s witness whose victim ends at 2 s is ablated in a 25 s box

@@ -213,6 +213,10 @@ class History(_Data):
     crashed: bool = False
     crash_kind: Literal["died", "hang"] | None = None
     crash_detail: str | None = None
+    # In-process engine: the step at which the run stopped because every request its caller
+    # reads had finished (``replay(until=...)``); the other requests were aborted there, so
+    # only those are complete. None: the whole trace ran.
+    stopped_at: int | None = None
 
 
 _WALL_CLOCK = {"planned_offset_ms", "sent_ms", "first_token_ms", "cancel_ms", "finished_ms", "actual_offset_ms"}

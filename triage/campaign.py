@@ -363,6 +363,12 @@ class CampaignTriage:
         self._evidence[b.id] = {**self._evidence.get(b.id, {}), **got}
         return b.model_copy(update={"key": with_evidence(b.key, got)})
 
+    def _check_seconds(self, f: Finding, key: BucketKey) -> float:
+        """About how long one check of ``f`` against a bucket takes: its run, up to where the
+        victims ``key`` speaks for ended (the replay stops there: rule 5.24)."""
+        victims = [d.request_id for d in rule.same_key_victims(f, key.cls, key.broke)]
+        return (replay_seconds(f, victims) if victims else 0.0) or self._run_seconds
+
     def _check(self, f: Finding, mechanism: str, key: BucketKey) -> dict[str, Outcome]:
         """One replay of ``f`` without ``mechanism``, judged on ``key``'s victim: its verdict,
         if it could be judged."""
@@ -452,7 +458,7 @@ class CampaignTriage:
                     # chunked prefill, which neither needs, joined Y's bucket and lent it P's
                     # name; every later P finding then joined by name).
                     mechs = tried[:rule.MAX_CHECKS]
-                    if self._run_seconds * len(mechs) > self.new_bucket_box:
+                    if self._check_seconds(f, key) * len(mechs) > self.new_bucket_box:
                         # Unless those replays of the whole trace cost more than the box that
                         # triages it as a new cause, whose merge check then compares its
                         # minimized witness (Y + P at 3 minutes: P's first, a 15 s trace, spent

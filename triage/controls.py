@@ -24,7 +24,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from kvfuzz.oracle.controls import (
     BATCH_INVARIANT,
@@ -36,6 +36,7 @@ from kvfuzz.oracle.controls import (
 )
 from kvfuzz.traces import CancelEvent, ControlResult, Divergence, Finding, Lineage, SendEvent, Trace
 from kvfuzz.traces.errors import BadInput, InfraError
+from kvfuzz.traces.history import History, RequestRecord
 
 from .probe import Replayer
 
@@ -99,10 +100,23 @@ def batch_invariant_support(device: str) -> tuple[bool, str | None]:
 SPENT = "not run: the triage time box was spent (`kvfuzz minimize FINDING` runs it)"
 
 
-def replay_seconds(finding: Finding) -> float:
+def replay_seconds(finding: Finding, until: Collection[str] = ()) -> float:
     """About how long one replay of ``finding``'s trace takes: its longest recorded run (0 when
-    its histories carry no wall time)."""
-    return max((h.wall_seconds for h in finding.runs), default=0.0)
+    its histories carry no wall time). ``until``: a replay that stops once these requests are
+    done (rule 5.24): in each run, until the last of them ended (the whole run if one never did)."""
+    def one(h: History) -> float:
+        ends = [_end_ms(h.requests.get(r)) for r in until]
+        if not ends or any(e is None for e in ends):
+            return h.wall_seconds
+        return min(h.wall_seconds, max(e for e in ends if e is not None) / 1000.0)
+
+    return max((one(h) for h in finding.runs), default=0.0)
+
+
+def _end_ms(rec: RequestRecord | None) -> float | None:
+    if rec is None:
+        return None
+    return rec.finished_ms if rec.finished_ms is not None else rec.cancel_ms
 
 
 def _spent(deadline: float | None, cost: float) -> bool:

@@ -267,7 +267,10 @@ class Session:
         requests judged (and, for a near tie, the victim's teacher-forced scoring) are needed,
         so shrinking other requests' prompts costs no reference runs."""
         engine = self.engine_for(trace.engine)
-        h = engine.replay(trace, arm=arm, run_index=0, toggles=list(toggles), repair=list(repair))
+        # Only the victim and ``others`` are read: the replay may stop once they are done (rule
+        # 5.24). An engine crash is judged on the whole run.
+        until = [] if victim == ENGINE else [victim, *others]
+        h = engine.replay(trace, arm=arm, run_index=0, toggles=list(toggles), repair=list(repair), until=until)
         if victim == ENGINE:
             return Judged("engine-crash" if h.crashed else "ok")
         bounds = self.bounds_for(trace.engine)
