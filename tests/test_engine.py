@@ -105,18 +105,21 @@ def test_cpu_lora_bug_base_request_in_mixed_batch(session, lora_engine_config):
     assert session.check(two, runs=1).finding is None
 
 
-def test_a_replay_until_its_victim_is_done_is_that_run_cut_short(session, lora_engine_config):
-    """Rule 5.24: a replay that only reads some requests stops once they are done. What it
-    records of them is what the whole run records, it ends earlier, and the engine is left as a
-    clean slate: the next whole run is the run it always was."""
-    cfg = lora_engine_config
+def _short_then_long(cfg):
     events = [SendEvent(request_id="short", at=At(step=0), prompt=GenPrompt(length=120, prefix_group="p", prefix_len=64, seed=1),
                         max_tokens=3),
               SendEvent(request_id="long", at=At(step=1), prompt=GenPrompt(length=150, prefix_group="p", prefix_len=64, seed=2),
                         max_tokens=24),
               SendEvent(request_id="late", at=At(step=12), prompt=GenPrompt(length=90, seed=3), max_tokens=6)]
-    t = Trace(engine=cfg, events=events)
-    eng = session.engine_for(cfg)
+    return Trace(engine=cfg, events=events)
+
+
+def test_a_replay_until_its_victim_is_done_is_that_run_cut_short(session, lora_engine_config):
+    """Rule 5.24: a replay that only reads some requests stops once they are done. What it
+    records of them is what the whole run records, it ends earlier, and the engine is left as a
+    clean slate: the next whole run is the run it always was."""
+    t = _short_then_long(lora_engine_config)
+    eng = session.engine_for(t.engine)
     whole = eng.replay(t)
     cut = eng.replay(t, until=["short"])
     assert whole.stopped_at is None and cut.stopped_at is not None
@@ -124,6 +127,30 @@ def test_a_replay_until_its_victim_is_done_is_that_run_cut_short(session, lora_e
     assert step_view(cut)["requests"]["short"] == step_view(whole)["requests"]["short"]
     assert "late" not in cut.requests and len(cut.requests["long"].token_ids) < 24  # aborted, not run
     assert step_view(eng.replay(t)) == step_view(whole)
+
+
+def test_judging_a_victim_stops_at_it_and_goes_on_only_for_the_others_it_reads(session, lora_engine_config,
+                                                                                monkeypatch):
+    """Rule 5.24 in ``judge_victim``: one replay, stopped once the victim is done; the other
+    victims are read only when the victim no longer corrupts, and then the run goes on until
+    they are done too."""
+    t = _short_then_long(lora_engine_config)
+    eng = session.engine_for(t.engine)
+    calls, real = [], eng.replay
+
+    def spy(trace, **kw):
+        h = real(trace, **kw)
+        if trace == t:  # not a reference's run alone
+            calls.append((list(kw.get("until", ())), h.stopped_at))
+        return h
+
+    monkeypatch.setattr(eng, "replay", spy)
+    j = session.judge_victim(t, victim="short", arm="default", toggles=[])
+    assert j.cls == "ok" and len(calls) == 1 and calls[0][0] == ["short"] and calls[0][1] is not None
+    calls.clear()
+    j = session.judge_victim(t, victim="short", arm="default", toggles=[], others=["long"])
+    assert [c[0] for c in calls] == [["short"], ["short", "long"]]
+    assert dict(j.others)["long"].cls == "ok"
 
 
 def test_lora_slots_do_not_leak_between_traces(session, lora_engine_config):

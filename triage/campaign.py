@@ -365,9 +365,9 @@ class CampaignTriage:
 
     def _check_seconds(self, f: Finding, key: BucketKey) -> float:
         """About how long one check of ``f`` against a bucket takes: its run, up to where the
-        victims ``key`` speaks for ended (the replay stops there: rule 5.24)."""
-        victims = [d.request_id for d in rule.same_key_victims(f, key.cls, key.broke)]
-        return (replay_seconds(f, victims) if victims else 0.0) or self._run_seconds
+        victim ``key`` speaks for ended (the replay stops there: rule 5.24)."""
+        victim = rule.victim_of(f, key)
+        return (replay_seconds(f, [victim]) if victim is not None else 0.0) or self._run_seconds
 
     def _check(self, f: Finding, mechanism: str, key: BucketKey) -> dict[str, Outcome]:
         """One replay of ``f`` without ``mechanism``, judged on ``key``'s victim: its verdict,

@@ -172,11 +172,11 @@ def explain(replayer: Replayer, finding: Finding, *, victim: str | None = None,
         others = sorted({d.request_id for d in same_key_victims(finding, "corruption", me.broke)
                          if d.arm == arm and d.request_id != target.victim})
     done: dict[str, Ablation] = {}
-    # What one replay costs: the witness's own longest recorded run up to where the judged
-    # requests ended (the replay stops there: rule 5.24), then the longest ablation replay so
-    # far. A replay that would end past the deadline is not started (Y + P at 3 minutes: an
+    # What one replay costs: the witness's own longest recorded run up to where the victim
+    # ended (the replay stops there: rule 5.24), then the longest ablation replay so far. A
+    # replay that would end past the deadline is not started (Y + P at 3 minutes: an
     # unminimized 15 s witness's ablation started 1 s before its 20 s box ended and ran 34 s).
-    cost = replay_seconds(finding, [target.victim, *others])
+    cost = replay_seconds(finding, [target.victim])
     for name in order:
         ablated, change = ABLATIONS[name](finding.trace)
         if ablated is None:

@@ -25,6 +25,7 @@ from kvfuzz.oracle.postconditions import origin
 from kvfuzz.traces import Attribution, Divergence, EngineConfig, Finding, Scoring, Trace
 from kvfuzz.traces.calibration import CalibrationProfile, find_profile
 from kvfuzz.traces.errors import BadInput
+from kvfuzz.traces.history import RequestRecord
 from kvfuzz.traces.result import Checked, Judged, Recording
 from kvfuzz.driver.settings import SessionSettings
 from kvfuzz.traces.timing import CONFIRM, ENGINE_START, Ledger
@@ -267,10 +268,11 @@ class Session:
         requests judged (and, for a near tie, the victim's teacher-forced scoring) are needed,
         so shrinking other requests' prompts costs no reference runs."""
         engine = self.engine_for(trace.engine)
-        # Only the victim and ``others`` are read: the replay may stop once they are done (rule
-        # 5.24). An engine crash is judged on the whole run.
-        until = [] if victim == ENGINE else [victim, *others]
-        h = engine.replay(trace, arm=arm, run_index=0, toggles=list(toggles), repair=list(repair), until=until)
+        # Rule 5.24: the replay stops once the victim is done; the others are read only when it
+        # no longer corrupts, and then the run goes on until they are done too (a second replay,
+        # the same run on a step-exact engine). An engine crash is judged on the whole run.
+        h = engine.replay(trace, arm=arm, run_index=0, toggles=list(toggles), repair=list(repair),
+                          until=[] if victim == ENGINE else [victim])
         if victim == ENGINE:
             return Judged("engine-crash" if h.crashed else "ok")
         bounds = self.bounds_for(trace.engine)
@@ -296,6 +298,9 @@ class Session:
 
         j = one(victim, score=True)
         if others and not j.corrupt:
+            if h.stopped_at is not None and not all(_ended(h.requests.get(r)) for r in others):
+                h = engine.replay(trace, arm=arm, run_index=0, toggles=list(toggles), repair=list(repair),
+                                  until=[victim, *others])
             j = replace(j, others=tuple((r, one(r, score=False)) for r in others if r != victim))
         return j
 
@@ -337,6 +342,11 @@ class Session:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _ended(rec: RequestRecord | None) -> bool:
+    """Whether a request's record is complete: it finished or was cancelled in the run."""
+    return rec is not None and (rec.finished_step is not None or rec.cancelled)
 
 
 # -- the one construction path (kvfuzz.driver.settings) ---------------------------------------------------
