@@ -87,6 +87,12 @@ class RequestRecord(_Data):
     # Runs of a trace keep theirs in ``History.breaks``.
     breaks: list[Break] = Field(default_factory=list)
 
+    @property
+    def end_ms(self) -> float | None:
+        """When it finished or was cancelled (ms from the run's start); None: it never ended in
+        the run (aborted where a run stopped early, or the run hung)."""
+        return self.finished_ms if self.finished_ms is not None else self.cancel_ms
+
 
 class EventRecord(_Data):
     """Where one trace event actually landed."""

@@ -36,7 +36,7 @@ from kvfuzz.oracle.controls import (
 )
 from kvfuzz.traces import CancelEvent, ControlResult, Divergence, Finding, Lineage, SendEvent, Trace
 from kvfuzz.traces.errors import BadInput, InfraError
-from kvfuzz.traces.history import History, RequestRecord
+from kvfuzz.traces.history import History
 
 from .probe import Replayer
 
@@ -105,18 +105,12 @@ def replay_seconds(finding: Finding, until: Collection[str] = ()) -> float:
     its histories carry no wall time). ``until``: a replay that stops once these requests are
     done (rule 5.24): in each run, until the last of them ended (the whole run if one never did)."""
     def one(h: History) -> float:
-        ends = [_end_ms(h.requests.get(r)) for r in until]
+        ends = [r.end_ms if r is not None else None for r in map(h.requests.get, until)]
         if not ends or any(e is None for e in ends):
             return h.wall_seconds
         return min(h.wall_seconds, max(e for e in ends if e is not None) / 1000.0)
 
     return max((one(h) for h in finding.runs), default=0.0)
-
-
-def _end_ms(rec: RequestRecord | None) -> float | None:
-    if rec is None:
-        return None
-    return rec.finished_ms if rec.finished_ms is not None else rec.cancel_ms
 
 
 def _spent(deadline: float | None, cost: float) -> bool:

@@ -25,7 +25,6 @@ from kvfuzz.oracle.postconditions import origin
 from kvfuzz.traces import Attribution, Divergence, EngineConfig, Finding, Scoring, Trace
 from kvfuzz.traces.calibration import CalibrationProfile, find_profile
 from kvfuzz.traces.errors import BadInput
-from kvfuzz.traces.history import RequestRecord
 from kvfuzz.traces.result import Checked, Judged, Recording
 from kvfuzz.driver.settings import SessionSettings
 from kvfuzz.traces.timing import CONFIRM, ENGINE_START, Ledger
@@ -298,7 +297,7 @@ class Session:
 
         j = one(victim, score=True)
         if others and not j.corrupt:
-            if h.stopped_at is not None and not all(_ended(h.requests.get(r)) for r in others):
+            if h.stopped_at is not None and any(r not in h.requests or h.requests[r].end_ms is None for r in others):
                 h = engine.replay(trace, arm=arm, run_index=0, toggles=list(toggles), repair=list(repair),
                                   until=[victim, *others])
             j = replace(j, others=tuple((r, one(r, score=False)) for r in others if r != victim))
@@ -342,11 +341,6 @@ class Session:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _ended(rec: RequestRecord | None) -> bool:
-    """Whether a request's record is complete: it finished or was cancelled in the run."""
-    return rec is not None and (rec.finished_step is not None or rec.cancelled)
 
 
 # -- the one construction path (kvfuzz.driver.settings) ---------------------------------------------------
