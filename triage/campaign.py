@@ -459,10 +459,10 @@ class CampaignTriage:
                     # name; every later P finding then joined by name).
                     mechs = tried[:rule.MAX_CHECKS]
                     if self._check_seconds(f, key) * len(mechs) > self.new_bucket_box:
-                        # Unless those replays of the whole trace cost more than the box that
-                        # triages it as a new cause, whose merge check then compares its
-                        # minimized witness (Y + P at 3 minutes: P's first, a 15 s trace, spent
-                        # 30 s on two checks before its 20 s box).
+                        # Unless those replays (each to where its victim ended) cost more than
+                        # the box that triages it as a new cause, whose merge check then compares
+                        # its minimized witness (Y + P at 3 minutes: P's first, a 15 s trace,
+                        # spent 30 s on two checks before its 20 s box).
                         self._unchecked = True
                         return None
                 else:
