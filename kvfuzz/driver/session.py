@@ -22,7 +22,7 @@ from kvfuzz.oracle import NoiseBounds, bounds_from, check, classify_run, default
 from kvfuzz.oracle.check import ENGINE
 from kvfuzz.oracle.diff import logprob_drift
 from kvfuzz.oracle.postconditions import origin
-from kvfuzz.traces import Attribution, Divergence, EngineConfig, Finding, Scoring, Trace
+from kvfuzz.traces import Attribution, Divergence, EngineConfig, Finding, History, Scoring, Trace
 from kvfuzz.traces.calibration import CalibrationProfile, find_profile
 from kvfuzz.traces.errors import BadInput
 from kvfuzz.traces.result import Checked, Judged, Recording
@@ -270,8 +270,10 @@ class Session:
         # Rule 5.24: the replay stops once the victim is done; the others are read only when it
         # no longer corrupts, and then the run goes on until they are done too (a second replay,
         # the same run on a step-exact engine). An engine crash is judged on the whole run.
-        h = engine.replay(trace, arm=arm, run_index=0, toggles=list(toggles), repair=list(repair),
-                          until=[] if victim == ENGINE else [victim])
+        def run(until: list[str]) -> History:
+            return engine.replay(trace, arm=arm, run_index=0, toggles=list(toggles), repair=list(repair), until=until)
+
+        h = run([] if victim == ENGINE else [victim])
         if victim == ENGINE:
             return Judged("engine-crash" if h.crashed else "ok")
         bounds = self.bounds_for(trace.engine)
@@ -298,8 +300,7 @@ class Session:
         j = one(victim, score=True)
         if others and not j.corrupt:
             if h.stopped_at is not None and any(r not in h.requests or h.requests[r].end_ms is None for r in others):
-                h = engine.replay(trace, arm=arm, run_index=0, toggles=list(toggles), repair=list(repair),
-                                  until=[victim, *others])
+                h = run([victim, *others])  # ``one`` reads this run from here on
             j = replace(j, others=tuple((r, one(r, score=False)) for r in others if r != victim))
         return j
 
