@@ -45,7 +45,7 @@ from kvfuzz.traces.trace import (
 
 from . import toggles as toggle_registry
 from .adapters import AdapterBook, AdapterWorkdir, Bound, resolve_source, solo_engine
-from .base import EngineKind
+from .base import EngineKind, Settled
 from .blocks import BlockEdges
 from .postconditions import Monitor, worker_batch, worker_input_ids, worker_positions, worker_runner
 from .compat import check_inprocess
@@ -511,6 +511,7 @@ class InProcessEngine:
         max_steps: int | None = None,
         repair: Iterable[str] = (),
         until: Iterable[str] = (),
+        settled: Settled | None = None,
     ) -> History:
         """Run ``trace`` once from a clean slate and record its history. ``repair``: worker
         post-conditions (``REPAIRABLE``) this run enforces: the model is handed the positions or
@@ -518,7 +519,9 @@ class InProcessEngine:
         triage's checks of a second cause and of a name's cause). ``until``: when given, the run
         stops (the rest aborted) once these requests have all finished or been cancelled: later
         steps cannot change them (a request's harmful breaks are on its own reads, while it runs),
-        and a victim's replay need not pay for the trace's tail (rule 5.24)."""
+        and a victim's replay need not pay for the trace's tail (rule 5.24). ``settled``: a request
+        of ``until`` still running counts as done once it says so (rule 5.25: its verdict is
+        already corruption); it is aborted with the rest."""
         if self._llm is None:
             self.start()
         self._use_kv_agent()
@@ -530,12 +533,13 @@ class InProcessEngine:
         try:
             with toggle_registry.activate(names):
                 return self._replay(trace, arm=arm, run_index=run_index, toggles=names, max_steps=max_steps,
-                                    until=frozenset(until))
+                                    until=frozenset(until), settled=settled)
         finally:
             self._repair = ()
 
     def _replay(self, trace: Trace, *, arm: str, run_index: int, toggles: list[str],
-                max_steps: int | None, until: frozenset[str] = frozenset()) -> History:
+                max_steps: int | None, until: frozenset[str] = frozenset(),
+                settled: Settled | None = None) -> History:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -646,9 +650,10 @@ class InProcessEngine:
                     still.append((i, ev))
             pending_rel = still
 
-            if until and all(r in recs and r not in live for r in until):
-                # Every request the caller reads is done: the rest is aborted, as a cancel
-                # would (clean_slate starts the next run from nothing either way).
+            if until and all(r in recs and (r not in live or (settled is not None and settled(hist, recs[r])))
+                             for r in until):
+                # Every request the caller reads is done (or settled): the rest is aborted, as
+                # a cancel would (clean_slate starts the next run from nothing either way).
                 llm.abort_request(sorted(live))
                 hist.stopped_at = step
                 break

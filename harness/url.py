@@ -30,7 +30,7 @@ from kvfuzz.traces.errors import BadInput, InfraError, Unreachable
 from kvfuzz.traces.history import TopLogprobs
 from kvfuzz.traces.trace import Binding
 
-from .base import EngineKind
+from .base import EngineKind, Settled
 from .http import control
 from .http.engine import HttpEngineBase
 from .http.replay import replay_trace
@@ -135,8 +135,8 @@ class UrlEngine(HttpEngineBase):
 
     def replay(self, trace: Trace, *, arm: str = "default", run_index: int = 0,
                toggles: Iterable[str] | None = None, repair: Iterable[str] = (),
-               until: Iterable[str] = ()) -> History:
-        self._refuse_repair(repair)  # ``until``: a wall-clock server runs the whole trace
+               until: Iterable[str] = (), settled: Settled | None = None) -> History:
+        self._refuse_repair(repair)  # ``until``, ``settled``: a wall-clock server runs the whole trace
         self.start()
         names = list(trace.engine.toggles if toggles is None else toggles)
         if names:

@@ -85,7 +85,7 @@ class Table:
                 "lora": not e.lora.enabled}
         return "ok" if any(gone.get(m) for m in self.needs) else "corruption"
 
-    def judge_victim(self, trace, *, victim, arm, toggles, others=()):
+    def judge_victim(self, trace, *, victim, arm, toggles, others=(), settle=False):
         return Judged(self.judge(trace, victim=victim, arm=arm, toggles=toggles))
 
 
@@ -451,7 +451,7 @@ class Drifting(Table):
         super().__init__([])
         self.drift, self.bound = drift, bound
 
-    def judge_victim(self, trace, *, victim, arm, toggles, others=()):
+    def judge_victim(self, trace, *, victim, arm, toggles, others=(), settle=False):
         return Judged("ok", drift=self.drift, bound=self.bound)
 
 
@@ -495,7 +495,7 @@ class Moving(Table):
         super().__init__([])
         self.still, self.asked = still, []
 
-    def judge_victim(self, trace, *, victim, arm, toggles, others=()):
+    def judge_victim(self, trace, *, victim, arm, toggles, others=(), settle=False):
         self.asked.append(tuple(others))
         return Judged("ok", drift=0.0, bound=1e-5, others=tuple((r, Judged("corruption" if self.still else "ok"))
                                                                for r in others))
@@ -545,7 +545,7 @@ class ByVictim(Table):
         super().__init__([])
         self.victims = []
 
-    def judge_victim(self, trace, *, victim, arm, toggles, others=()):
+    def judge_victim(self, trace, *, victim, arm, toggles, others=(), settle=False):
         self.victims.append(victim)
         gone = not trace.engine.enable_prefix_caching and victim == "B"
         return Judged("ok" if gone else "corruption")
@@ -581,7 +581,7 @@ class MovedBut(Table):
         super().__init__([])
         self.persists_without, self.others_broke = persists_without, others_broke
 
-    def judge_victim(self, trace, *, victim, arm, toggles, others=()):
+    def judge_victim(self, trace, *, victim, arm, toggles, others=(), settle=False):
         self.replays += 1
         if not trace.engine.enable_chunked_prefill and self.persists_without == "chunked-prefill":
             return Judged("corruption")
@@ -644,7 +644,7 @@ class StateDependent(Table):
     def __init__(self):
         super().__init__([])
 
-    def judge_victim(self, trace, *, victim, arm, toggles, others=()):
+    def judge_victim(self, trace, *, victim, arm, toggles, others=(), settle=False):
         self.replays += 1
         return Judged("ok")
 

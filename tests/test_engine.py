@@ -153,6 +153,41 @@ def test_judging_a_victim_stops_at_it_and_goes_on_only_for_the_others_it_reads(s
     assert dict(j.others)["long"].cls == "ok"
 
 
+def test_a_victim_judged_for_its_class_stops_where_its_corruption_is_final(session, lora_engine_config,
+                                                                             monkeypatch):
+    """Rule 5.25: a caller that reads only the victim's class lets its replay stop at the first
+    flipped token that makes it corruption. The class is the whole run's; a victim that never
+    flips still runs to its end. (The CPU LoRA bug: the base request in a batch with LoRA rows
+    reads the last adapter slot from its first token.)"""
+    cfg = lora_engine_config
+    t = Trace(engine=cfg, events=[
+        SendEvent(request_id="first", at=At(step=0), adapter="a", max_tokens=2, prompt=GenPrompt(length=40, seed=1)),
+        SendEvent(request_id="lora", at=At(step=1), adapter="b", max_tokens=24, prompt=GenPrompt(length=40, seed=3)),
+        SendEvent(request_id="base", at=At(step=1), max_tokens=24, prompt=GenPrompt(length=40, seed=2)),
+    ])
+    eng = session.engine_for(cfg)
+    stops, real = [], eng.replay
+
+    def spy(trace, **kw):
+        h = real(trace, **kw)
+        if trace == t:
+            stops.append(h.stopped_at)
+        return h
+
+    monkeypatch.setattr(eng, "replay", spy)
+    whole = real(t, arm="vanilla")
+    base_end = whole.requests["base"].finished_step
+    assert session.judge_victim(t, victim="base", arm="vanilla", toggles=[]).cls == "corruption"
+    assert stops == [base_end + 1]
+    stops.clear()
+    assert session.judge_victim(t, victim="base", arm="vanilla", toggles=[], settle=True).cls == "corruption"
+    assert stops[0] is not None and stops[0] < base_end - 10  # stopped near its first tokens, not its 24th
+    stops.clear()
+    assert session.judge(t, victim="lora", arm="vanilla", toggles=[]) == "ok"  # ``judge`` settles too
+    assert stops == [whole.requests["lora"].finished_step + 1]
+    assert step_view(real(t, arm="vanilla")) == step_view(whole)  # the engine is left as it was
+
+
 def test_lora_slots_do_not_leak_between_traces(session, lora_engine_config):
     """Removing an adapter leaves its weights in the slot; the clean slate must zero them, or a
     trace's outputs depend on what earlier traces loaded (the CPU LoRA bug reads that slot)."""

@@ -73,7 +73,7 @@ class Enforcing:
         self.left = left
         self.repairs: list[list[str]] = []
 
-    def judge_victim(self, trace, *, victim, arm, toggles, others=(), repair=()):
+    def judge_victim(self, trace, *, victim, arm, toggles, others=(), repair=(), settle=False):
         self.repairs.append(list(repair))
         return Judged(self.left if WA in repair else "corruption")
 

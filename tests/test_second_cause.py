@@ -75,7 +75,7 @@ class Enforcing:
         self.left, self.then = left, then
         self.repairs: list[list[str]] = []
 
-    def judge_victim(self, trace, *, victim, arm, toggles, others=(), repair=()):
+    def judge_victim(self, trace, *, victim, arm, toggles, others=(), repair=(), settle=False):
         self.repairs.append(list(repair))
         if repair:
             return Judged(self.left, broke=self.then if self.left != "ok" else None)

@@ -24,7 +24,7 @@ class Recorder:
         self.replays += 1
         return "ok"  # every mechanism "needed": the divergence disappears
 
-    def judge_victim(self, trace, *, others=(), **kw):
+    def judge_victim(self, trace, *, others=(), settle=False, **kw):
         return Judged(self.judge(trace, **kw))
 
 
@@ -127,7 +127,7 @@ def test_confirmation_runs_stop_at_the_new_buckets_deadline(tmp_path):
         def compatible(self, config):
             return True
 
-        def replay(self, trace, *, arm, run_index, toggles, repair=(), until=()):
+        def replay(self, trace, *, arm, run_index, toggles, repair=(), until=(), settled=None):
             self.replays += 1
             return f.runs[0].model_copy(update={"arm": arm, "run_index": run_index})
 

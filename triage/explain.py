@@ -190,7 +190,8 @@ def explain(replayer: Replayer, finding: Finding, *, victim: str | None = None,
             continue
         t_replay = time.monotonic()
         try:
-            j = replayer.judge_victim(_valid(ablated), victim=target.victim, arm=arm, toggles=toggles, others=others)
+            j = replayer.judge_victim(_valid(ablated), victim=target.victim, arm=arm, toggles=toggles, others=others,
+                                      settle=True)
         except (BadInput, InfraError, ValueError) as e:  # e.g. vLLM rejects the changed engine
             done[name] = Ablation(mechanism=name, change=change, outcome="failed", detail=str(e).splitlines()[0][:300])
             continue
@@ -272,7 +273,7 @@ def enforce_check(replayer: Replayer, finding: Finding, name: str, victim: str |
     arm, toggles = primary_arm(finding)
     try:
         j = replayer.judge_victim(_valid(finding.trace), victim=target.victim, arm=arm, toggles=toggles,
-                                  repair=[name])
+                                  repair=[name], settle=True)
     except (BadInput, InfraError, ValueError):
         return None
     if _still_diverges(j, target):
@@ -304,7 +305,8 @@ def _unless_reproducible(replayer: Replayer, finding: Finding, target: Target, m
         why = f"the victim diverged in only {me.runs_diverged} of its {me.runs} runs with nothing removed"
     else:
         try:
-            j = replayer.judge_victim(_valid(finding.trace), victim=target.victim, arm=arm, toggles=toggles)
+            j = replayer.judge_victim(_valid(finding.trace), victim=target.victim, arm=arm, toggles=toggles,
+                                      settle=True)
         except (BadInput, InfraError, ValueError):
             return  # no control: the removals stand as measured
         out.replays += 1

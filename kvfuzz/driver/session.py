@@ -10,22 +10,23 @@ replays through a session.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from kvfuzz.harness.base import Engine, EngineKind
+from kvfuzz.harness.base import Engine, EngineKind, Settled
 from kvfuzz.harness.environment import stamp
 from kvfuzz.harness.runner import ReferenceStore, ScoreStore, record, score_diverged
 from kvfuzz.oracle import NoiseBounds, bounds_from, check, classify_run, default_bounds, divergent, make_finding
 from kvfuzz.oracle.check import ENGINE
 from kvfuzz.oracle.diff import logprob_drift
 from kvfuzz.oracle.postconditions import origin
-from kvfuzz.traces import Attribution, Divergence, EngineConfig, Finding, History, Scoring, Trace
+from kvfuzz.traces import Attribution, Divergence, EngineConfig, Finding, History, RequestRecord, Scoring, Trace
 from kvfuzz.traces.calibration import CalibrationProfile, find_profile
 from kvfuzz.traces.errors import BadInput
 from kvfuzz.traces.result import Checked, Judged, Recording
+from kvfuzz.traces.trace import Binding, ReloadAdapterEvent
 from kvfuzz.driver.settings import SessionSettings
 from kvfuzz.traces.timing import CONFIRM, ENGINE_START, Ledger
 
@@ -257,27 +258,32 @@ class Session:
 
     def judge(self, trace: Trace, *, victim: str, arm: str, toggles: Sequence[str]) -> str:
         """The verdict class of ``victim`` in one replay of ``trace`` (``judge_victim``)."""
-        return self.judge_victim(trace, victim=victim, arm=arm, toggles=toggles).cls
+        return self.judge_victim(trace, victim=victim, arm=arm, toggles=toggles, settle=True).cls
 
     def judge_victim(self, trace: Trace, *, victim: str, arm: str, toggles: Sequence[str],
-                     others: Sequence[str] = (), repair: Sequence[str] = ()) -> Judged:
+                     others: Sequence[str] = (), repair: Sequence[str] = (), settle: bool = False) -> Judged:
         """``victim`` in one replay of ``trace``: its verdict and, when its tokens equal the
         reference's, its logprob drift against the bound; when it no longer corrupts, the
         requests in ``others`` judged alike in the same replay. Only the references of the
         requests judged (and, for a near tie, the victim's teacher-forced scoring) are needed,
-        so shrinking other requests' prompts costs no reference runs."""
+        so shrinking other requests' prompts costs no reference runs. ``settle`` (for callers
+        that read only the class): the replay may stop at the victim's first flipped token once
+        that makes it corruption (rule 5.25); ``broke`` then says what broke by there."""
         engine = self.engine_for(trace.engine)
+        bounds = self.bounds_for(trace.engine)
+        bindings = trace.bindings_at_admission()
+        settled = self._corrupt_at_flip(trace, victim, engine, bounds, bindings) if settle else None
+
         # Rule 5.24: the replay stops once the victim is done; the others are read only when it
         # no longer corrupts, and then the run goes on until they are done too (a second replay,
         # the same run on a step-exact engine). An engine crash is judged on the whole run.
         def run(until: list[str]) -> History:
-            return engine.replay(trace, arm=arm, run_index=0, toggles=list(toggles), repair=list(repair), until=until)
+            return engine.replay(trace, arm=arm, run_index=0, toggles=list(toggles), repair=list(repair), until=until,
+                                 settled=settled)
 
         h = run([] if victim == ENGINE else [victim])
         if victim == ENGINE:
             return Judged("engine-crash" if h.crashed else "ok")
-        bounds = self.bounds_for(trace.engine)
-        bindings = trace.bindings_at_admission()
 
         def one(rid: str, *, score: bool) -> Judged:
             send = trace.send(rid)
@@ -303,6 +309,23 @@ class Session:
                 h = run([victim, *others])  # ``one`` reads this run from here on
             j = replace(j, others=tuple((r, one(r, score=False)) for r in others if r != victim))
         return j
+
+    def _corrupt_at_flip(self, trace: Trace, victim: str, engine: Engine, bounds: NoiseBounds,
+                         bindings: Mapping[str, Binding | None]) -> Settled | None:
+        """Rule 5.25: ``victim``'s verdict is final once a flipped token makes it corruption —
+        its margin and the drift before it are read at the flip, and teacher forcing (which
+        runs after the whole output) can only turn a near tie into corruption, never back. None
+        where a later step could still change the verdict: an in-place adapter reload (a
+        reload while the victim runs makes any output legal, ``reloaded_while_running``)."""
+        if victim == ENGINE or any(isinstance(e, ReloadAdapterEvent) for e in trace.events):
+            return None
+        send = trace.send(victim)
+        ref = self.references.get(engine, send, bindings.get(victim))
+
+        def settled(h: History, rec: RequestRecord) -> bool:
+            return rec.request_id == victim and classify_run(send, ref, rec, h, bounds).cls == "corruption"
+
+        return settled
 
     def close(self) -> None:
         """Done with the engine: closed, or back to the process's engine pool if there is one."""
