@@ -180,8 +180,11 @@ def test_a_victim_judged_for_its_class_stops_where_its_corruption_is_final(sessi
     assert session.judge_victim(t, victim="base", arm="vanilla", toggles=[]).cls == "corruption"
     assert stops == [base_end + 1]
     stops.clear()
+    refs = session.references
+    looked_up = refs.hits + refs.computed
     assert session.judge_victim(t, victim="base", arm="vanilla", toggles=[], settle=True).cls == "corruption"
     assert stops[0] is not None and stops[0] < base_end - 10  # stopped near its first tokens, not its 24th
+    assert refs.hits + refs.computed - looked_up == 1  # the victim's reference, looked up once
     stops.clear()
     assert session.judge(t, victim="lora", arm="vanilla", toggles=[]) == "ok"  # ``judge`` settles too
     assert stops == [whole.requests["lora"].finished_step + 1]

@@ -10,7 +10,7 @@ replays through a session.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
@@ -26,7 +26,7 @@ from kvfuzz.traces import Attribution, Divergence, EngineConfig, Finding, Histor
 from kvfuzz.traces.calibration import CalibrationProfile, find_profile
 from kvfuzz.traces.errors import BadInput
 from kvfuzz.traces.result import Checked, Judged, Recording
-from kvfuzz.traces.trace import Binding, ReloadAdapterEvent
+from kvfuzz.traces.trace import ReloadAdapterEvent
 from kvfuzz.driver.settings import SessionSettings
 from kvfuzz.traces.timing import CONFIRM, ENGINE_START, Ledger
 
@@ -272,7 +272,16 @@ class Session:
         engine = self.engine_for(trace.engine)
         bounds = self.bounds_for(trace.engine)
         bindings = trace.bindings_at_admission()
-        settled = self._corrupt_at_flip(trace, victim, engine, bounds, bindings) if settle else None
+        refs: dict[str, RequestRecord] = {}
+
+        def reference(rid: str) -> RequestRecord:
+            # Looked up once per request: a settled replay needs the victim's before it runs,
+            # and every lookup counts as a store hit (and may be verified by a re-run).
+            if rid not in refs:
+                refs[rid] = self.references.get(engine, trace.send(rid), bindings.get(rid))
+            return refs[rid]
+
+        settled = self._corrupt_at_flip(trace, victim, reference, bounds) if settle and victim != ENGINE else None
 
         # Rule 5.24: the replay stops once the victim is done; the others are read only when it
         # no longer corrupts, and then the run goes on until they are done too (a second replay,
@@ -288,7 +297,7 @@ class Session:
         def one(rid: str, *, score: bool) -> Judged:
             send = trace.send(rid)
             binding = bindings.get(rid)
-            ref = self.references.get(engine, send, binding)
+            ref = reference(rid)
             rec = h.requests.get(rid)
             verdict = classify_run(send, ref, rec, h, bounds)
             if score and verdict.cls == "numeric-near-tie" and rec is not None:
@@ -310,17 +319,17 @@ class Session:
             j = replace(j, others=tuple((r, one(r, score=False)) for r in others if r != victim))
         return j
 
-    def _corrupt_at_flip(self, trace: Trace, victim: str, engine: Engine, bounds: NoiseBounds,
-                         bindings: Mapping[str, Binding | None]) -> Settled | None:
+    @staticmethod
+    def _corrupt_at_flip(trace: Trace, victim: str, reference: Callable[[str], RequestRecord],
+                         bounds: NoiseBounds) -> Settled | None:
         """Rule 5.25: ``victim``'s verdict is final once a flipped token makes it corruption —
         its margin and the drift before it are read at the flip, and teacher forcing (which
         runs after the whole output) can only turn a near tie into corruption, never back. None
         where a later step could still change the verdict: an in-place adapter reload (a
         reload while the victim runs makes any output legal, ``reloaded_while_running``)."""
-        if victim == ENGINE or any(isinstance(e, ReloadAdapterEvent) for e in trace.events):
+        if any(isinstance(e, ReloadAdapterEvent) for e in trace.events):
             return None
-        send = trace.send(victim)
-        ref = self.references.get(engine, send, bindings.get(victim))
+        send, ref = trace.send(victim), reference(victim)
 
         def settled(h: History, rec: RequestRecord) -> bool:
             return rec.request_id == victim and classify_run(send, ref, rec, h, bounds).cls == "corruption"
