@@ -48,10 +48,10 @@ from .adapters import AdapterBook, AdapterWorkdir, Bound, resolve_source, solo_e
 from .base import EngineKind, Settled
 from .blocks import BlockEdges
 from .postconditions import Monitor, worker_batch, worker_input_ids, worker_positions, worker_runner
-from .compat import check_inprocess
+from .compat import check_inprocess, engine_arg_names
 from .embedded import ResolvedModel, resolve_model
 from .logs import quiet_stderr, read_tail, route_vllm_logs
-from .vllm_args import engine_args
+from .vllm_args import LOGPROBS_MODE, engine_args, greedy_logprobs, request_fields
 
 log = logging.getLogger("kvfuzz.harness")
 
@@ -188,6 +188,8 @@ class InProcessEngine:
             # that the engine instantiates.
             toggle_registry.install(self.config.toggles)
             args = engine_args(self.config, self._model.model_path, device=self.device)
+            if LOGPROBS_MODE[0] in (engine_arg_names() or ()):
+                args.setdefault(*LOGPROBS_MODE)
             if isinstance(args.get("kv_transfer_config"), dict):
                 # EngineArgs takes the config object (the server's CLI parses the same JSON into it).
                 from vllm.config import KVTransferConfig
@@ -566,6 +568,8 @@ class InProcessEngine:
         # A KV connector writes the KV it loads outside the step's slot mapping.
         self._monitor = Monitor(ext=lambda rid: internal.get(rid, rid), writes=not self.config.kv_connector)
         live: set[str] = set()
+        # A send's request id -> its records: itself, then the other children of its ``n``.
+        children: dict[str, list[str]] = {}
         scheduled_once: set[str] = set()
         t0 = time.perf_counter()
         step = 0
@@ -593,10 +597,13 @@ class InProcessEngine:
             if effective and rec is not None:
                 llm.abort_request([ev.request_id])
                 live.discard(ev.request_id)
-                rec.cancelled = True
-                rec.cancel_step = step
-                rec.cancel_ms = now_ms()
-                rec.finish_reason = "abort"
+                for child in children[ev.request_id]:
+                    c = recs[child]
+                    if c.finished_step is None:
+                        c.cancelled = True
+                        c.cancel_step = step
+                        c.cancel_ms = now_ms()
+                        c.finish_reason = "abort"
 
         while True:
             # What this step records starts here: adapter loads by lifecycle events count in it.
@@ -606,8 +613,8 @@ class InProcessEngine:
                 planned, i, ev = timed[cursor]
                 cursor += 1
                 if isinstance(ev, SendEvent):
-                    params = SamplingParams(temperature=0.0, max_tokens=ev.max_tokens, logprobs=2,
-                                            ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+                    params = SamplingParams(max_tokens=ev.max_tokens, logprobs=2, output_kind=RequestOutputKind.DELTA,
+                                            **request_fields(ev.sampling))
                     tokens = expand(ev.prompt)
                     bound = book.get(ev.adapter) if (book is not None and ev.adapter) else None
                     if ev.adapter and bound is None:
@@ -616,14 +623,19 @@ class InProcessEngine:
                     prompt: dict[str, Any] = {"prompt_token_ids": tokens}
                     if ev.cache_salt is not None:
                         prompt["cache_salt"] = ev.cache_salt
-                    iid = llm.add_request(ev.request_id, prompt, params, lora_request=lora)
+                    iid = llm.add_request(ev.request_id, prompt, params, lora_request=lora,
+                                          **({"priority": ev.priority} if ev.priority else {}))
                     internal[iid] = ev.request_id
                     live.add(ev.request_id)
-                    recs[ev.request_id] = RequestRecord(
-                        request_id=ev.request_id, adapter=ev.adapter, prompt_len=len(tokens),
-                        max_tokens=ev.max_tokens, sent_step=step, planned_offset_ms=ev.at.offset_ms,
-                        sent_ms=now_ms(), adapter_source=bound.source if bound else None,
-                        adapter_hash=bound.content_hash if bound else None)
+                    children[ev.request_id] = ev.completion_ids
+                    for k, child in enumerate(children[ev.request_id]):
+                        if ev.sampling.n > 1:  # vLLM's ids of the fan-out (ParentRequest.get_child_info)
+                            internal[f"{k}_{iid}"] = child
+                        recs[child] = RequestRecord(
+                            request_id=child, adapter=ev.adapter, prompt_len=len(tokens),
+                            max_tokens=ev.max_tokens, sent_step=step, planned_offset_ms=ev.at.offset_ms,
+                            sent_ms=now_ms(), adapter_source=bound.source if bound else None,
+                            adapter_hash=bound.content_hash if bound else None)
                     hist.events.append(EventRecord(index=i, kind="send", request_id=ev.request_id,
                                                    planned_step=planned, actual_step=step,
                                                    planned_offset_ms=ev.at.offset_ms, actual_offset_ms=now_ms()))
@@ -683,25 +695,29 @@ class InProcessEngine:
             self._record_step(hist, recs, step, internal, scheduled_once)
             produced = False
             for out in outputs:
-                comp = out.outputs[0] if out.outputs else None
-                produced = produced or out.finished or bool(comp is not None and comp.token_ids)
                 rid = out.request_id
-                rec = recs.get(rid)
-                if rec is None or rec.cancelled:
+                produced = produced or out.finished or any(c.token_ids for c in out.outputs)
+                if rid not in children:
                     continue
-                if comp is not None:
+                # One completion per child of ``n`` (``index``); n = 1 has the one, index 0.
+                for comp in out.outputs:
+                    rec = recs[children[rid][comp.index]]
+                    if rec.cancelled or rec.finished_step is not None:
+                        continue
                     if comp.token_ids and rec.first_token_step is None:
                         rec.first_token_step = step
                         rec.first_token_ms = now_ms()
                     rec.token_ids.extend(comp.token_ids)
-                    for pos in comp.logprobs or []:
+                    for pos in (comp.logprobs or []) if greedy_logprobs(trace.send(rid).sampling) else []:
                         top = sorted(pos.items(), key=lambda kv: kv[1].rank)[:2]
                         rec.logprobs.append([(int(t), float(lp.logprob)) for t, lp in top])
+                    if comp.finish_reason is not None:
+                        self._finish(rec, comp.finish_reason, step, now_ms(), out)
                 if out.finished:
-                    rec.finish_reason = (comp.finish_reason if comp is not None else None) or "stop"
-                    rec.finished_step = step
-                    rec.finished_ms = now_ms()
-                    rec.num_cached_tokens = getattr(out, "num_cached_tokens", None)
+                    for child in children[rid]:
+                        rec = recs[child]
+                        if not rec.cancelled and rec.finished_step is None:
+                            self._finish(rec, "stop", step, now_ms(), out)
                     live.discard(rid)
             scheduled = self._step_capture.get("scheduled") or {}
             if not produced and not self._step_capture.get("partial") and all(n == 1 for n in scheduled.values()):
@@ -719,6 +735,13 @@ class InProcessEngine:
         self._monitor.disabled = True
         hist.wall_seconds = time.perf_counter() - t0
         return hist
+
+    @staticmethod
+    def _finish(rec: RequestRecord, reason: str, step: int, ms: float, out: Any) -> None:
+        rec.finish_reason = reason
+        rec.finished_step = step
+        rec.finished_ms = ms
+        rec.num_cached_tokens = getattr(out, "num_cached_tokens", None)
 
     # -- adapters --------------------------------------------------------------------------------
     def _lora_request(self, bound: Bound) -> Any:
@@ -808,8 +831,7 @@ class InProcessEngine:
         ``binding``: the weights its adapter name was bound to at its admission (default: the
         engine configuration's); the reference runs with exactly those."""
         one = Trace(engine=solo_engine(self.config, send, binding),
-                    events=[send.model_copy(update={"at": send.at.model_copy(update={"step": 0, "offset_ms": None}),
-                                                   "max_tokens": max_tokens or send.max_tokens})])
+                    events=[send.alone(max_tokens)])
         h = self.replay(one, arm="reference", toggles=self.reference_toggles)
         if h.crashed:
             raise InfraError(f"reference run for {send.request_id!r} failed: {h.crash_detail}")

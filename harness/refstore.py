@@ -151,7 +151,20 @@ def reference_key(engine: Engine, send: SendEvent, binding: Binding | None) -> d
         adapter = adapter_identity(source) if source is not None else f"name:{send.adapter}"
     prompt = hashlib.sha256(json.dumps(expand(send.prompt)).encode()).hexdigest()
     return {"settings": solo_settings(engine.config, list(engine.reference_toggles)), "adapter": adapter,
-            "prompt_sha256": prompt, "sampling": "greedy"}
+            "prompt_sha256": prompt, "sampling": sampling_key(send)}
+
+
+def sampling_key(send: SendEvent) -> object:
+    """What of a send's per-request state can change its solo output: its sampling fields for
+    one completion ("greedy" when it sets none, the key of every reference before they existed)."""
+    alone = send.sampling.alone()
+    return "greedy" if alone.is_default else alone.model_dump(mode="json")
+
+
+def complete(rec: RequestRecord, max_tokens: int) -> bool:
+    """Whether a stored reference answers a request of ``max_tokens``: it ran that far, or it
+    stopped (EOS or a stop rule) before: a longer budget would not have made it go on."""
+    return len(rec.token_ids) >= max_tokens or rec.finish_reason == "stop"
 
 
 def _hash(key: dict[str, object]) -> str:
@@ -236,7 +249,7 @@ class DiskTiers:
         except (KeyError, ValidationError) as e:
             self.warn(f"corrupt reference store entry {path} ({str(e).splitlines()[0][:80]}): recomputed")
             return None
-        if len(rec.token_ids) < min_tokens:
+        if not complete(rec, min_tokens):
             return None  # too short: computed again, longer, and overwritten
         return rec, str(data.get("writer"))
 

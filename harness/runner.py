@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import random
 from collections import OrderedDict
 from collections.abc import Callable
@@ -16,7 +17,7 @@ from kvfuzz.traces.trace import Binding
 
 from .base import Engine
 from .environment import stamp
-from .refstore import DiskTiers, ReferenceMismatch, reference_key, same_reference
+from .refstore import DiskTiers, ReferenceMismatch, complete, reference_key, same_reference, sampling_key
 
 
 class ReferenceStore:
@@ -52,13 +53,14 @@ class ReferenceStore:
         # adapter is named by the weights bound at admission, not by its name: a name rebound
         # by a lifecycle event is other weights, and two names bound to one source are one.
         config = engine.config.engine_key() + "/" + ",".join(engine.reference_toggles)
-        return (config, binding.source if binding is not None else None, digest)
+        return (config, binding.source if binding is not None else None,
+                digest + "/" + json.dumps(sampling_key(send), sort_keys=True))
 
     def get(self, engine: Engine, send: SendEvent, binding: Binding | None) -> RequestRecord:
         """The reference of ``send`` admitted with ``binding`` (``Trace.bindings_at_admission``)."""
         k = self.key(engine, send, binding)
         have = self._memo.get(k)
-        if have is not None and len(have.token_ids) >= send.max_tokens:
+        if have is not None and complete(have, send.max_tokens):
             with self.ledger.span(REF_STORE):
                 self._hit(engine, send, binding, have, shared=False)
                 self._memo.move_to_end(k)
@@ -187,6 +189,8 @@ def score_diverged(engine: Engine, rec: Recording, verdicts: list[Divergence], s
             continue
         ref = rec.references[v.request_id]
         send = rec.trace.send(v.request_id)
+        if send.sampling.processes_logits:
+            continue  # its run's logprobs are processed, a teacher-forced scoring's are the model's
         seen: set[tuple[int, ...]] = set()
         for h in rec.histories:
             r = h.requests.get(v.request_id)

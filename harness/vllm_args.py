@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvfuzz.traces import EngineConfig
+from kvfuzz.traces import EngineConfig, Sampling
 
 from .toggles.base import ENV_VAR as TOGGLES_ENV
 
@@ -48,8 +48,38 @@ def engine_args(config: EngineConfig, model_path: str, *, device: str = "cpu") -
             args["max_cpu_loras"] = config.lora.max_cpu_loras
     if config.kv_connector is not None:
         args["kv_transfer_config"] = kv_transfer_config(config.kv_connector)
+    if config.scheduling_policy is not None:
+        args["scheduling_policy"] = config.scheduling_policy
     args.update(config.extra_args)
     return args
+
+
+# What the oracle reads as a request's logprobs: after its own logits processing (allowed
+# tokens, bias, bad words, min_tokens, penalties), so the top entry is the token a greedy
+# request chose and the margin is the one its choice was made on. For a request with none of
+# those, the values equal vLLM's default (raw) logprobs. Releases without the argument: raw.
+LOGPROBS_MODE = ("logprobs_mode", "processed_logprobs")
+
+
+def request_fields(sampling: Sampling) -> dict[str, Any]:
+    """A send's per-request state as vLLM names it: ``SamplingParams`` keyword arguments and,
+    the same names, fields of an OpenAI-compatible /v1/completions body (pure). The temperature
+    and ``ignore_eos`` are always given; the rest only where set.
+
+    vLLM refuses ``n`` > 1 at temperature 0; ``top_k`` 1 at temperature 1 chooses the same
+    token (the largest logit) through the random sampler, so each child is still greedy. Its
+    logprobs are then those of the one token top-k left (0, the rest -inf): ``greedy_logprobs``
+    says whether a request's logprobs carry a margin."""
+    out: dict[str, Any] = {"temperature": 0.0, "ignore_eos": sampling.ignore_eos}
+    for name in sampling.fields_set():
+        out[name] = getattr(sampling, name)
+    if sampling.n > 1:
+        out.update(temperature=1.0, top_k=1)
+    return out
+
+
+def greedy_logprobs(sampling: Sampling) -> bool:
+    return sampling.n == 1
 
 
 # kvfuzz's own connector, loaded by module path in the EngineCore (harness/kv_connector.py).

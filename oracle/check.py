@@ -73,6 +73,10 @@ def classify_run(send: SendEvent, ref: RequestRecord | None, rec: RequestRecord 
             why = "cancelled" if rec.cancelled else f"ended after {cmp.compared} tokens ({rec.finish_reason})"
             return RunVerdict("truncation", cmp, detail=why)
     got = "end of sequence" if cmp.got_token is None else str(cmp.got_token)
+    if cmp.ref_token is None:
+        return RunVerdict("corruption", cmp, evidence=("stop",),
+                          detail=f"token {cmp.first_divergence}: the reference stopped there ({ref.finish_reason}), "
+                                 f"the run went on with {got} after the same tokens: a stop rule was not applied")
     head = f"token {cmp.first_divergence}: reference {cmp.ref_token}, got {got}"
     drifts = teacher_drifts(rec, scoring) if scoring is not None else None
     teacher = max(drifts) if drifts else None
@@ -161,21 +165,22 @@ def check(trace: Trace, histories: list[History], references: dict[str, RequestR
         by_arm[h.arm].append(h)
     out: list[Divergence] = []
     for arm, hs in by_arm.items():
-        accs = {s.request_id: _Acc(s) for s in trace.sends}
+        # One verdict per completion: every child of a send's ``n`` is judged by its reference.
+        accs = {cid: _Acc(s) for s in trace.sends for cid in s.completion_ids}
         crash_only: list[History] = []
         for h in hs:
             touched = False
             for rid, acc in accs.items():
                 rec = h.requests.get(rid)
-                v = classify_run(acc.send, references.get(rid), rec, h, th, scored.get((h.arm, h.run_index, rid)))
+                ref = references.get(acc.send.request_id)
+                v = classify_run(acc.send, ref, rec, h, th, scored.get((h.arm, h.run_index, rid)))
                 touched |= v.cls == "engine-crash"
                 acc.verdicts.append(v)
                 if acc.broke is None and v.cls in DIVERGENT_CLASSES:
-                    ref = references.get(rid)
                     # The run's own state first; else the reference's (rule 5.3: a fault that
                     # fires when the request runs alone corrupts the reference instead).
                     own = origin(h.breaks, rid)
-                    acc.broke = own or (origin(ref.breaks, rid) if ref is not None else None)
+                    acc.broke = own or (origin(ref.breaks, acc.send.request_id) if ref is not None else None)
                     if own is not None:  # rule 5.19: a later break of the run's own
                         acc.later = later(h.breaks, rid)
                 if rec is not None and not rec.cancelled and v.cls != "engine-crash":
@@ -183,7 +188,7 @@ def check(trace: Trace, histories: list[History], references: dict[str, RequestR
             if h.crashed and not touched:
                 crash_only.append(h)
         for rid, acc in accs.items():
-            out.append(_aggregate(rid, arm, acc, references.get(rid)))
+            out.append(_aggregate(rid, arm, acc, references.get(acc.send.request_id)))
         if crash_only:
             lo, hi = wilson(len(crash_only), len(hs))
             out.append(Divergence(request_id=ENGINE, class_="engine-crash", arm=arm, runs_diverged=len(crash_only),

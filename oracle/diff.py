@@ -20,6 +20,7 @@ class Comparison:
     ref_margin: float | None = None
     # The same margin in the observed run, when it carried logprobs.
     run_margin: float | None = None
+    # None with kind "diverged": the reference stopped where the run went on.
     ref_token: int | None = None
     # None with kind "diverged": the run ended (end of sequence) where the reference went on.
     got_token: int | None = None
@@ -84,9 +85,15 @@ def compare(ref: RequestRecord, got: RequestRecord, expected_len: int) -> Compar
     if len(got_tokens) < len(ref_tokens):
         return Comparison("prefix", compared=len(got_tokens))
     if len(got_tokens) > len(ref_tokens):
+        n = len(ref_tokens)
+        if ref.finish_reason == "stop" and not ref.cancelled and ref.error is None:
+            # The reference stopped here (EOS or a stop rule); the run, on the same tokens,
+            # went on. A stop rule is a function of the tokens, so no numeric noise does that.
+            return Comparison("diverged", compared=n, first_divergence=n, ref_token=None,
+                              got_token=got_tokens[n], prefix_drift=logprob_drift(ref, got, n))
         # The reference itself was cut short (e.g. a reference run failed part way): we can
         # only vouch for the common part.
-        return Comparison("same", compared=len(ref_tokens))
+        return Comparison("same", compared=n)
     return Comparison("same", compared=len(got_tokens))
 
 

@@ -54,6 +54,7 @@ from .trace import (
     GenPrompt,
     Lineage,
     LoraSettings,
+    Sampling,
     SendEvent,
     TokenPrompt,
     Trace,
@@ -74,7 +75,7 @@ __all__ = [
     "EMBEDDED_HYBRID", "EMBEDDED_MODEL", "EngineConfig", "Environment", "Expectation", "Explanation", "EventRecord",
     "Finding", "GenPrompt",
     "History", "InfraError", "KvfuzzError", "Lineage", "LoraSettings", "Minimization", "Repair",
-    "RequestRecord", "SCHEMA_VERSION", "Scoring", "SendEvent", "StepRecord", "TokenPrompt", "Trace", "VersionResult",
+    "RequestRecord", "SCHEMA_VERSION", "Sampling", "Scoring", "SendEvent", "StepRecord", "TokenPrompt", "Trace", "VersionResult",
     "atomic_write_text", "expand", "json_schemas", "load_any", "load_finding", "load_trace",
     "parse_finding", "parse_trace", "save", "sweep_partial_writes",
 ]

@@ -16,9 +16,10 @@ from typing import Annotated, Any, Final, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
 # 2: adapter lifecycle events (load / unload / reload), ``cache_salt`` on sends,
-# ``lora.max_cpu_loras``. Version 1 files still load (they cannot carry those).
-SCHEMA_VERSION: Final = 2
-SCHEMA_VERSIONS = (1, 2)
+# ``lora.max_cpu_loras``. 3: a send's per-request state (``sampling``, ``priority``) and the
+# engine's ``scheduling_policy``. Older files still load (they cannot carry those).
+SCHEMA_VERSION: Final = 3
+SCHEMA_VERSIONS = (1, 2, 3)
 
 # Embedded default model (see harness/embedded.py); a path or hub name selects another model.
 EMBEDDED_MODEL = "embedded:tiny-qwen2"
@@ -99,6 +100,9 @@ class EngineConfig(_Strict):
     # A KV connector serving external KV (one of KV_CONNECTORS), or none. Written out only when
     # set, so traces without it keep their bytes, trace ids and reference keys.
     kv_connector: str | None = None
+    # vLLM's scheduling policy: "priority" admits and preempts by each send's ``priority``.
+    # None is vLLM's default (fcfs), and is not written out.
+    scheduling_policy: Literal["fcfs", "priority"] | None = None
 
     @field_validator("kv_connector")
     @classmethod
@@ -117,10 +121,7 @@ class EngineConfig(_Strict):
 
     @model_serializer(mode="wrap")
     def _drop_unset_connector(self, handler: Any) -> Any:
-        data = handler(self)
-        if isinstance(data, dict) and data.get("kv_connector") is None:
-            data.pop("kv_connector", None)
-        return data
+        return _drop_none(handler(self), ("kv_connector", "scheduling_policy"))
 
     def with_dtype(self, dtype: str) -> "EngineConfig":
         """This engine in another dtype, its KV cache keeping its capacity in tokens (16-bit KV
@@ -200,6 +201,77 @@ class GenPrompt(_Strict):
 
 Prompt = Union[TokenPrompt, GenPrompt]
 
+TokenId = Annotated[int, Field(ge=0, lt=2**31)]
+# vLLM's own bounds (vllm/sampling_params.py): penalties, bias and the fan-out it accepts.
+MAX_N = 16
+
+
+class Sampling(_Strict):
+    """The per-request state vLLM keeps for a temperature-0 request beside its KV: what it may
+    sample, how its logits are processed, and when it stops. vLLM carries all of it in the
+    persistent batch's row (``InputBatch``), which moves when other requests finish, so a wrong
+    row shows as a request answering with another's rules. Defaults are vLLM's, except
+    ``ignore_eos``: true, as every send before schema 3 was (they ran to ``max_tokens``). Only
+    fields that differ from the defaults are written out."""
+
+    allowed_token_ids: list[TokenId] | None = Field(default=None, min_length=1, max_length=4096)
+    logit_bias: dict[int, Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False)]] | None = \
+        Field(default=None, max_length=4096)
+    # Words as the tokenizer reads them; each bans its last token after the ones before it.
+    bad_words: list[Annotated[str, Field(min_length=1, max_length=256)]] | None = \
+        Field(default=None, min_length=1, max_length=64)
+    min_tokens: int = Field(default=0, ge=0, le=MAX_LEN)
+    stop: list[Annotated[str, Field(min_length=1, max_length=256)]] | None = \
+        Field(default=None, min_length=1, max_length=16)
+    stop_token_ids: list[TokenId] | None = Field(default=None, min_length=1, max_length=64)
+    ignore_eos: bool = True
+    presence_penalty: float = Field(default=0.0, ge=-2, le=2, allow_inf_nan=False)
+    frequency_penalty: float = Field(default=0.0, ge=-2, le=2, allow_inf_nan=False)
+    repetition_penalty: float = Field(default=1.0, gt=0, le=2, allow_inf_nan=False)
+    # Completions of the same prompt; at temperature 0 each equals the request with n = 1.
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    # Logprobs of the prompt's tokens (top-k), computed by the prefill.
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_keys(cls, v: dict[int, float] | None) -> dict[int, float] | None:
+        if v is not None:
+            for k in v:
+                if not 0 <= k < 2**31:
+                    raise ValueError(f"token id {k} out of range")
+        return v
+
+    @model_serializer(mode="wrap")
+    def _drop_defaults(self, handler: Any) -> Any:
+        data = handler(self)
+        if isinstance(data, dict):
+            for name, f in type(self).model_fields.items():
+                if name in data and data[name] == f.default:
+                    data.pop(name)
+        return data
+
+    @property
+    def is_default(self) -> bool:
+        return self == Sampling()
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether vLLM changes this request's logits before choosing (a mask, a bias, a
+        penalty): its logprobs are then not the model's own, and a prompt scored alone (teacher
+        forcing, prompt logprobs) is not comparable with them."""
+        return bool(self.allowed_token_ids or self.logit_bias or self.bad_words or self.min_tokens
+                    or self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+    def alone(self) -> "Sampling":
+        """These parameters for one completion: what a child of ``n`` is referenced by."""
+        return self.model_copy(update={"n": 1})
+
+    def fields_set(self) -> list[str]:
+        """The fields that differ from vLLM's defaults (for coverage and the campaign summary)."""
+        default = Sampling()
+        return [name for name in type(self).model_fields if getattr(self, name) != getattr(default, name)]
+
 
 class SendEvent(_Strict):
     kind: Literal["send"] = "send"
@@ -212,15 +284,49 @@ class SendEvent(_Strict):
     # Multi-tenant isolation: vLLM mixes the salt into the first block's hash, so requests of
     # different salts never share prefix-cache blocks. It cannot change a solo output.
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
+    sampling: Sampling = Field(default_factory=Sampling)
+    # Lower is served first under ``engine.scheduling_policy`` "priority" (vLLM's rule); it
+    # cannot change a solo output.
+    priority: int = Field(default=0, ge=-(2**31), lt=2**31)
 
     @field_validator("at")
     @classmethod
     def _no_relative_send(cls, at: At) -> At:
         return _absolute(at, "send")
 
+    @model_validator(mode="after")
+    def _min_within_max(self) -> "SendEvent":
+        if self.sampling.min_tokens > self.max_tokens:
+            raise ValueError(f"sampling.min_tokens {self.sampling.min_tokens} exceeds max_tokens {self.max_tokens}")
+        return self
+
+    @property
+    def completion_ids(self) -> list[str]:
+        """The ids its completions are recorded under: its own, then ``ID#k`` for the other
+        children of ``n``."""
+        return [self.request_id] + [f"{self.request_id}#{k}" for k in range(1, self.sampling.n)]
+
+    def alone(self, max_tokens: int | None = None) -> "SendEvent":
+        """This send as its reference runs it: first, by itself, one completion (every child
+        of ``n`` is judged by it) and the default priority (alone, no one to be ahead of)."""
+        return self.model_copy(update={"at": At(step=0), "max_tokens": max_tokens or self.max_tokens,
+                                       "sampling": self.sampling.alone(), "priority": 0})
+
+    @property
+    def per_request_fields(self) -> list[str]:
+        """The per-request state this send sets beyond a plain greedy request."""
+        return self.sampling.fields_set() + (["priority"] if self.priority else [])
+
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler: Any) -> Any:
-        return _drop_none(handler(self), ("cache_salt",))
+        data = _drop_none(handler(self), ("cache_salt",))
+        if isinstance(data, dict):
+            # Written only when set: older sends keep their bytes, trace ids and reference keys.
+            if not data.get("sampling"):
+                data.pop("sampling", None)
+            if data.get("priority") == 0:
+                data.pop("priority", None)
+        return data
 
 
 class CancelEvent(_Strict):
@@ -350,7 +456,7 @@ class Expectation(_Strict):
 
 
 class Trace(_Strict):
-    schema_version: Literal[1, 2] = SCHEMA_VERSION
+    schema_version: Literal[1, 2, 3] = SCHEMA_VERSION
     name: str | None = None
     engine: EngineConfig = Field(default_factory=EngineConfig)
     events: list[Event] = Field(default_factory=list)
@@ -372,6 +478,11 @@ class Trace(_Strict):
                     raise ValueError(f"events[{i}].adapter: {ev.adapter!r} used but engine.lora.enabled is false")
                 if ev.cache_salt is not None and self.schema_version < 2:
                     raise ValueError(f"events[{i}].cache_salt: needs schema_version 2")
+                if ev.per_request_fields and self.schema_version < 3:
+                    raise ValueError(f"events[{i}].{ev.per_request_fields[0]}: needs schema_version 3")
+                if ev.priority and self.engine.scheduling_policy != "priority":
+                    raise ValueError(f"events[{i}].priority: needs engine.scheduling_policy \"priority\" "
+                                     f"(vLLM refuses a priority under fcfs)")
                 need = ev.prompt.length + ev.max_tokens
                 if need > self.engine.max_model_len:
                     raise ValueError(
@@ -383,6 +494,8 @@ class Trace(_Strict):
                     raise ValueError(f"events[{i}]: {ev.kind} needs engine.lora.enabled")
                 if self.schema_version < 2:
                     raise ValueError(f"events[{i}]: {ev.kind} needs schema_version 2")
+        if self.engine.scheduling_policy is not None and self.schema_version < 3:
+            raise ValueError("engine.scheduling_policy: needs schema_version 3")
         for i, ev in enumerate(self.events):
             if isinstance(ev, CancelEvent) and ev.request_id not in sends:
                 raise ValueError(f"events[{i}].request_id: cancel of unknown request {ev.request_id!r}")

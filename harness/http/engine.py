@@ -67,9 +67,7 @@ class HttpEngineBase:
                      binding: Binding | None = None) -> Trace:
         """``send`` alone at time 0. Its adapter name is bound to ``binding``'s source in the
         engine section (a name a lifecycle event loaded is not among the configuration's)."""
-        at = send.at.model_copy(update={"step": 0, "offset_ms": 0.0})
-        one = send.model_copy(update={"at": at, "max_tokens": max_tokens or send.max_tokens})
-        return Trace(engine=solo_engine(config, send, binding), events=[one])
+        return Trace(engine=solo_engine(config, send, binding), events=[send.alone(max_tokens)])
 
     # -- adapters across runs ----------------------------------------------------------------------
     def _initial_adapters(self) -> dict[str, str]:

@@ -16,7 +16,9 @@ from urllib.parse import urlsplit
 
 import h11
 
-from kvfuzz.traces import SendEvent, expand
+from kvfuzz.traces import BadInput, SendEvent, expand
+
+from ..vllm_args import request_fields
 
 TOKEN_PREFIX = "token_id:"
 
@@ -72,18 +74,23 @@ class HttpTarget:
 
 def completion_payload(send: SendEvent, model: str, *, stream: bool, cache_salt: str | None = None) -> dict[str, Any]:
     """The /v1/completions body for one send (pure; unit-tested)."""
+    if send.sampling.n > 1:
+        # One record per completion is what the oracle judges; this harness keeps one per request.
+        raise BadInput("n > 1 is replayed by the in-process engine only (the HTTP harness records one "
+                       "completion per request)", field=f"events[{send.request_id}].sampling.n")
     body: dict[str, Any] = {
         "model": model,
         "prompt": expand(send.prompt),
         "max_tokens": send.max_tokens,
-        "temperature": 0.0,
         "logprobs": 2,
         "return_tokens_as_token_ids": True,
-        # The in-process harness ignores EOS too: every request runs to max_tokens, so a
-        # shorter output is a cancel or an error, never a stop token.
-        "ignore_eos": True,
         "stream": stream,
+        # The same fields, by the same names, as the in-process engine's SamplingParams (the
+        # temperature and ignore_eos among them).
+        **request_fields(send.sampling),
     }
+    if send.priority:
+        body["priority"] = send.priority
     salt = combine_salts(cache_salt, send.cache_salt)
     if salt:
         body["cache_salt"] = salt
