@@ -161,10 +161,20 @@ class CampaignState:
     worker_deaths: list[dict] = field(default_factory=list)
     # Adapter-lifecycle generation (``kvfuzz run --lifecycle``; GenOptions.lifecycle).
     lifecycle: bool = False
+    # Requests run, and how many of them set each per-request field (SendEvent.per_request_fields).
+    requests: int = 0
+    request_fields: dict[str, int] = field(default_factory=dict)
     # Where the time went, seconds per phase, and the reference store's counts and hit rate
     # (traces/timing.py TimeBreakdown.state_parts; summed over resumed sessions).
     time: dict[str, float] = field(default_factory=dict)
     reference_store: dict[str, float] = field(default_factory=dict)
+
+    def count_requests(self, trace: Trace) -> None:
+        for send in trace.sends:
+            self.requests += 1
+            fields = send.per_request_fields
+            for f in [*fields, "any"] if fields else []:
+                self.request_fields[f] = self.request_fields.get(f, 0) + 1
 
     @property
     def time_breakdown(self) -> TimeBreakdown:
@@ -553,6 +563,7 @@ def run_campaign(opts: CampaignOptions, check_trace: Callable[[Trace], Checked |
             if finding is not None:
                 camp.record_finding(i, trace, source, finding, members)
             state.traces += 1
+            state.count_requests(trace)
             state.next_index = i + 1
             state.sources[source] = state.sources.get(source, 0) + 1
             state.seconds = round(base_seconds + time.monotonic() - start, 3)

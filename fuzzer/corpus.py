@@ -61,6 +61,8 @@ def rebase(trace: Trace, engine: EngineConfig) -> Trace | None:
     on a LoRA engine."""
     if trace.lifecycle and engine.lora.enabled:
         engine = engine.model_copy(update={"lora": trace.engine.lora})
+    if trace.engine.scheduling_policy is not None:  # drawn per trace (fuzzer/requests.py)
+        engine = engine.model_copy(update={"scheduling_policy": trace.engine.scheduling_policy})
     if trace.engine.key() == engine.key() and trace.engine.toggles == engine.toggles:
         return trace
     try:

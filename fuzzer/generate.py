@@ -9,7 +9,8 @@ preemption. On top of that, some traces carry one of the reported shapes whole
 preemption. Without them random traces reached those states in a few traces per hundred.
 
 ``random-v2`` draws the v1 trace first and only then the additions, so a seed's v1 events are
-a prefix of its v2 events.
+a prefix of its v2 events. ``random-v3`` is v2's schedule with per-request state on a share of
+its sends (fuzzer/requests.py, its own random stream): the same sends at the same steps.
 
 ``GenOptions(lifecycle=True)`` selects the lifecycle generator (``lifecycle-v1``,
 ``generate_lifecycle``): adapter names loaded, unloaded and reloaded between sends (docs/fuzzer.md,
@@ -31,10 +32,10 @@ from kvfuzz.traces.trace import (
     UnloadAdapterEvent,
 )
 
-from . import hybrid, lifecycle, shapes
+from . import hybrid, lifecycle, requests, shapes
 from .reuse import reuse_prompts
 
-GENERATOR = "random-v2"
+GENERATOR = "random-v3"
 
 EMBEDDED_ADAPTERS = {"a": "embedded:a", "b": "embedded:b", "c": "embedded:c"}
 
@@ -97,6 +98,11 @@ class GenOptions:
     prompt_reuse: float = 0.0
     pool_seed: int = 0
     pool_size: int = 32
+    # Per-request state (fuzzer/requests.py): the share of sends that carry some, and the
+    # probability that the engine schedules by priority (every send then has one). The share
+    # is chosen in docs/benchmarks.md ("Per-request state"). 0 and 0: random-v2's traces.
+    request_state: float = 0.4
+    p_priority: float = 0.25
 
 
 def _length(rng: random.Random, bs: int, opts: GenOptions) -> int:
@@ -152,8 +158,10 @@ def generate(seed: int, engine: EngineConfig | None = None, opts: GenOptions | N
         # Its own RNG: the trace drawn above is the same whatever the reuse probability.
         events = reuse_prompts(events, seed, engine, opts)
     events = _additions(rng, engine, opts, events, step)
-    return Trace(engine=engine, events=events, lineage=Lineage(generator=GENERATOR, seed=seed),
-                 name=f"random-{seed}")
+    dressed, engine = requests.dress(events, seed, engine, share=opts.request_state, p_priority=opts.p_priority)
+    plain = opts.request_state <= 0 and opts.p_priority <= 0
+    return Trace(engine=engine, events=dressed, name=f"random-{seed}",
+                 lineage=Lineage(generator="random-v2" if plain else GENERATOR, seed=seed))
 
 
 def _additions(rng: random.Random, engine: EngineConfig, opts: GenOptions, events: list, last: int) -> list:

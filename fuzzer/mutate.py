@@ -681,8 +681,12 @@ def graft(base: Trace, donor: Trace, rng: random.Random, *, max_sends: int = 8) 
     to start at a random step within ``base``'s span. Prefix groups keep their names, so a
     grafted request may share a prefix with the base's. The bounded window keeps the traces of
     a graft-of-a-graft lineage from growing without end. The lineage is the donor's plus
-    ``graft``; ``generator``/``seed`` name the base (see ``mutate_into``)."""
+    ``graft``; ``generator``/``seed`` name the base (see ``mutate_into``). The scheduling policy
+    is drawn per trace: a donor's priorities take the result to priority scheduling, where the
+    base's sends have the default priority."""
     eng = base.engine
+    if donor.engine.scheduling_policy == "priority":
+        eng = eng.model_copy(update={"scheduling_policy": "priority"})
     sends = sorted(donor.sends, key=lambda s: s.at.step_or(donor.engine.ms_per_step))
     w = min(len(sends), rng.randint(2, max(2, max_sends)))
     start = rng.randint(0, len(sends) - w)
@@ -704,7 +708,7 @@ def graft(base: Trace, donor: Trace, rng: random.Random, *, max_sends: int = 8) 
             renamed[e.request_id] = fresh_id(events, f"x.{e.request_id}")
         at = e.at if step_of(e, donor) is None else moved(e.at, shift, eng)
         events.append(e.model_copy(update={"request_id": renamed[e.request_id], "at": at}))
-    child = _rebuild(base, events) or base
+    child = _rebuild(base, events, engine=eng) or base
     lin = Lineage(parent=donor.lineage.parent, operators=[*donor.lineage.operators, "graft"],
                   generator=base.lineage.generator, seed=base.lineage.seed)
     return child.model_copy(update={"lineage": lin, "name": f"graft-{child.trace_id()}"})
@@ -721,7 +725,7 @@ def mutate_into(base: Trace, parent: Trace, rng: random.Random, *, allow_engine_
     ``operators`` the operators applied to it and then ``graft``, ``generator``/``seed`` the
     fresh trace it was grafted into."""
     donor = mutate(parent, rng, allow_engine_changes=allow_engine_changes, allowed=allowed, lifecycle=lifecycle)
-    if donor.engine != base.engine:
+    if donor.engine.model_copy(update={"scheduling_policy": base.engine.scheduling_policy}) != base.engine:
         return donor  # an engine-changing operator: the donor's engine cannot host the base
     return graft(base, donor, rng)
 

@@ -23,10 +23,10 @@ from collections.abc import Sequence
 
 from hypothesis import strategies as st
 
-from kvfuzz.traces import At, CancelEvent, EngineConfig, GenPrompt, Lineage, LoraSettings, SendEvent, Trace
+from kvfuzz.traces import At, CancelEvent, EngineConfig, GenPrompt, Lineage, LoraSettings, Sampling, SendEvent, Trace
 from kvfuzz.traces.trace import LoadAdapterEvent, ReloadAdapterEvent, UnloadAdapterEvent
 
-from . import lifecycle
+from . import lifecycle, requests
 from .generate import default_engine
 from .mutate import OPERATORS, apply, at_step, with_lineage
 
@@ -68,13 +68,46 @@ def _engine(engine: EngineConfig | None) -> EngineConfig:
 
 
 @st.composite
+def samplings(draw: st.DrawFn, *, max_tokens: int = 16, vocab: int = requests.EMBEDDED_VOCAB) -> Sampling:
+    """A send's per-request state (allowed tokens, bias, EOS and stop rules, ``min_tokens``,
+    penalties, ``n``, prompt logprobs) over token ids below ``vocab``. Shrinks towards a plain
+    greedy request."""
+    tokens = st.integers(0, vocab - 1)
+    fields: dict[str, object] = {}
+    if draw(st.booleans()):
+        fields["allowed_token_ids"] = draw(st.lists(tokens, min_size=1, max_size=16, unique=True))
+    if draw(st.booleans()):
+        fields["logit_bias"] = draw(st.dictionaries(tokens, st.floats(-10, 10, allow_nan=False), min_size=1,
+                                                    max_size=4))
+    if draw(st.booleans()):
+        fields["ignore_eos"] = False
+        fields["min_tokens"] = draw(st.integers(0, max_tokens))
+    if draw(st.booleans()):
+        fields["stop_token_ids"] = draw(st.lists(tokens, min_size=1, max_size=3, unique=True))
+    if draw(st.booleans()):
+        fields["stop"] = [f"<t{t}>" for t in draw(st.lists(tokens, min_size=1, max_size=2, unique=True))]
+    if draw(st.booleans()):
+        fields["presence_penalty"] = draw(st.floats(-2, 2, allow_nan=False))
+        fields["frequency_penalty"] = draw(st.floats(-2, 2, allow_nan=False))
+        fields["repetition_penalty"] = draw(st.floats(0.5, 2, allow_nan=False))
+    fields["n"] = draw(st.integers(1, 4))
+    if draw(st.booleans()):
+        fields["prompt_logprobs"] = draw(st.integers(0, 2))
+    return Sampling(**fields)  # type: ignore[arg-type]
+
+
+@st.composite
 def traces(draw: st.DrawFn, engine: EngineConfig | None = None, *, min_requests: int = 1, max_requests: int = 6,
            max_prompt_len: int = 1024, max_tokens: tuple[int, int] = (1, 16), max_gap: int = 8,
            adapters: Sequence[str] | None = None, cancel: bool = True,
-           prefix_groups: Sequence[str] = ("p0", "p1")) -> Trace:
+           prefix_groups: Sequence[str] = ("p0", "p1"), request_state: bool = True) -> Trace:
     """Valid traces for ``engine`` (default: the embedded model). ``adapters`` defaults to the
-    engine's LoRA adapters (none if LoRA is off); pass ``[]`` for base-model requests only."""
+    engine's LoRA adapters (none if LoRA is off); pass ``[]`` for base-model requests only.
+    ``request_state``: sends may carry per-request state (``samplings``) and the engine may
+    schedule by priority (every send then has one); shrinks towards neither."""
     eng = _engine(engine)
+    if request_state and draw(st.booleans()):
+        eng = eng.model_copy(update={"scheduling_policy": "priority"})
     if adapters is None:
         adapters = sorted(eng.lora.adapters) if eng.lora.enabled else []
     lo_tok, hi_tok = max_tokens
@@ -85,14 +118,17 @@ def traces(draw: st.DrawFn, engine: EngineConfig | None = None, *, min_requests:
         st.none() | st.sampled_from(list(adapters)) if adapters else st.none(),
         st.integers(lo_tok, hi_tok),
         st.none() | cancels(max_tokens=hi_tok) if cancel else st.none(),
+        st.just(Sampling()) | samplings(max_tokens=lo_tok) if request_state else st.just(Sampling()),
+        st.integers(-2, 2) if eng.scheduling_policy == "priority" else st.just(0),
     )
     specs = draw(st.lists(spec, min_size=min_requests, max_size=max_requests))
     events: list[SendEvent | CancelEvent] = []
     step = 0
-    for i, (gap, prompt, adapter, n, when) in enumerate(specs):
+    for i, (gap, prompt, adapter, n, when, sampling, priority) in enumerate(specs):
         step += gap
         rid = f"r{i}"
-        events.append(SendEvent(request_id=rid, at=at_step(step, eng), prompt=prompt, adapter=adapter, max_tokens=n))
+        events.append(SendEvent(request_id=rid, at=at_step(step, eng), prompt=prompt, adapter=adapter, max_tokens=n,
+                                sampling=sampling, priority=priority))
         if when is not None:
             at = when if when.after_tokens is not None else at_step(step + (when.step or 0), eng)
             events.append(CancelEvent(request_id=rid, at=at))

@@ -9,8 +9,9 @@ from kvfuzz.fuzzer.strategies import (
     mutants,
     prompt_lengths,
     prompts,
+    samplings,
     traces,
 )
 
 __all__ = ["adapter_events", "adapter_sources", "cancels", "lifecycle_traces", "mutants", "prompt_lengths", "prompts",
-           "traces"]
+           "samplings", "traces"]

@@ -168,7 +168,9 @@ def test_seeds_from_another_engine_are_rebased_or_skipped(tmp_path):
     save(generate(7, other), corpus / "other.json")
     c = Corpus(corpus)
     seeds, skipped = c.seeds(ENG)
-    assert len(seeds) == 1 and seeds[0].trace.engine == ENG and not skipped
+    # The scheduling policy is drawn per trace: it stays the trace's own.
+    own = ENG.model_copy(update={"scheduling_policy": generate(7, other).engine.scheduling_policy})
+    assert len(seeds) == 1 and seeds[0].trace.engine == own and not skipped
     lora_trace = generate(8, ENG)
     assert any(s.adapter for s in lora_trace.sends)
     save(lora_trace, corpus / "lora.json")
@@ -195,8 +197,8 @@ def test_findings_record_lineage(tmp_path):
     # A feedback mutant is grafted into that iteration's fresh trace: the link names both.
     assert f.trace.lineage.operators[-1] == "graft"
     assert chain[0] == LineageLink(parent=f.trace.lineage.parent, operators=f.trace.lineage.operators,
-                                   into=GraftInto(generator="random-v2", seed=f.trace.lineage.seed))
-    assert chain[-1].root and chain[-1].generator == "random-v2"
+                                   into=GraftInto(generator="random-v3", seed=f.trace.lineage.seed))
+    assert chain[-1].root and chain[-1].generator == "random-v3"
     assert f.provenance.campaign.source == "mutant"
 
 

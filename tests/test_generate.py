@@ -34,8 +34,9 @@ def test_v2_keeps_each_seeds_v1_events_and_adds_after_them():
     eng = default_engine(lora=True)
     adapters = sorted(eng.lora.adapters)
     for seed in range(40):
-        v1 = generate(seed, eng, GenOptions(adapters=adapters, p_retry=0, p_interrupted_prefill=0, p_pressure=0))
-        v2 = generate(seed, eng)
+        plain = dict(adapters=adapters, request_state=0.0, p_priority=0.0)  # the schedule alone
+        v1 = generate(seed, eng, GenOptions(**plain, p_retry=0, p_interrupted_prefill=0, p_pressure=0))
+        v2 = generate(seed, eng, GenOptions(**plain))
         ids = {e.request_id for e in v1.sends}
         assert [e for e in v2.events if e.request_id in ids] == v1.events, seed
 
@@ -69,18 +70,20 @@ def test_retries_and_reported_shapes_are_generated():
 
 
 def test_default_generation_and_mutation_are_pinned():
-    """The lifecycle mode must not change what a default campaign generates for a seed: the
-    trace ids of fresh traces and their mutants (with and without LoRA), as before it existed."""
+    """Neither the lifecycle mode nor per-request state changes the schedule a seed draws: without
+    per-request state, the trace ids of fresh traces and their mutants (with and without LoRA)
+    are those of random-v2, as before either existed."""
     import hashlib
     import random
 
-    from kvfuzz.fuzzer import mutate
+    from kvfuzz.fuzzer import GenOptions, mutate
 
     ids = []
     for lora in (False, True):
         eng = default_engine(lora=lora)
+        plain = GenOptions(adapters=sorted(eng.lora.adapters) if lora else [], request_state=0.0, p_priority=0.0)
         for s in range(25):
-            t = generate(s, eng)
+            t = generate(s, eng, plain)
             ids += [t.trace_id(), mutate(t, random.Random(s)).trace_id()]
     assert hashlib.sha256(" ".join(ids).encode()).hexdigest()[:16] == "557157654ec7efae"
 

@@ -122,6 +122,11 @@ class CampaignDisplay:
         table.add_row("mode", str(getattr(state, "mode", "random")))
         table.add_row("corpus entries", str(len(getattr(state, "corpus", []))))
         table.add_row("coverage buckets", str(len(getattr(state, "coverage", {}))))
+        fields = dict(getattr(state, "request_fields", {}))
+        if fields:
+            table.add_row("requests with per-request state", f"{fields.pop('any', 0)} of {state.requests}")
+            for name, n in sorted(fields.items(), key=lambda kv: -kv[1]):
+                table.add_row(f"  {name}", str(n))
         table.add_row("findings", str(state.findings))
         for cls, n in sorted(state.by_class.items()):
             table.add_row(f"  {cls}", Text(str(n), style=CLASS_STYLE.get(cls, "")))

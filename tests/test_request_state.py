@@ -1,0 +1,175 @@
+"""Per-request state in the trace format, the oracle's contract for it and its generation (pure;
+the real engine's side is tests/test_request_state_engine.py)."""
+
+import json
+
+import pytest
+from hypothesis import given, settings
+
+from kvfuzz.fuzzer.generate import GenOptions, default_engine, generate
+from kvfuzz.fuzzer.requests import dress
+from kvfuzz.harness.refstore import complete, sampling_key
+from kvfuzz.harness.vllm_args import engine_args, request_fields
+from kvfuzz.oracle import NoiseBounds, check
+from kvfuzz.strategies import samplings, traces
+from kvfuzz.traces import At, BadInput, GenPrompt, History, RequestRecord, Sampling, SendEvent, Trace, parse_trace
+from kvfuzz.traces.io import load_trace
+from kvfuzz.gate.gate import bundled_corpus
+
+FP32 = NoiseBounds(dtype="float32", near_tie=1e-3, drift=1e-3, teacher=1e-3)
+
+
+def send(rid="r0", **kw):
+    return SendEvent(request_id=rid, at=At(step=0), prompt=GenPrompt(length=8, seed=1), max_tokens=4, **kw)
+
+
+def rec(rid, tokens, finish="length", **kw):
+    lps = [[(t, -0.1), (t + 1, -2.0)] for t in tokens]
+    return RequestRecord(request_id=rid, token_ids=list(tokens), logprobs=lps, finish_reason=finish, **kw)
+
+
+def hist(*records):
+    return History(trace_id="t", engine="inprocess", requests={r.request_id: r for r in records})
+
+
+# -- format ------------------------------------------------------------------------------------
+
+def test_a_plain_send_writes_no_new_field_and_keeps_its_trace_id():
+    for f in sorted(bundled_corpus().glob("*.json")):
+        data = json.loads(f.read_text())
+        t = load_trace(f)
+        assert t.trace_id() == Trace.model_validate({**data, "schema_version": 2}).trace_id(), f.name
+        dumped = t.model_dump(mode="json")
+        assert all("sampling" not in e and "priority" not in e for e in dumped["events"])
+        assert "scheduling_policy" not in dumped["engine"]
+
+
+def test_set_fields_round_trip_and_defaults_are_not_written():
+    s = Sampling(allowed_token_ids=[5, 9], logit_bias={1: 4.5}, stop=["<t9>"], ignore_eos=False, n=3)
+    t = Trace(engine=default_engine(scheduling_policy="priority"), events=[send(sampling=s, priority=2)])
+    data = t.model_dump(mode="json")
+    assert data["events"][0]["sampling"] == {"allowed_token_ids": [5, 9], "logit_bias": {"1": 4.5},
+                                             "stop": ["<t9>"], "ignore_eos": False, "n": 3}
+    assert parse_trace(json.loads(t.model_dump_json())) == t
+    assert s.fields_set() == ["allowed_token_ids", "logit_bias", "stop", "ignore_eos", "n"]
+    assert send(sampling=s).completion_ids == ["r0", "r0#1", "r0#2"]
+
+
+@pytest.mark.parametrize("event,engine,needle", [
+    ({"sampling": {"min_tokens": 9}}, {}, "min_tokens 9 exceeds max_tokens 4"),
+    ({"priority": 1}, {}, "events[0].priority: needs engine.scheduling_policy"),
+    ({"sampling": {"n": 99}}, {}, "events.0.send.sampling.n"),
+    ({"sampling": {"logit_bias": {"7": 500}}}, {}, "logit_bias"),
+    ({"sampling": {"repetition_penalty": 0}}, {}, "repetition_penalty"),
+    ({}, {"scheduling_policy": "lottery"}, "engine.scheduling_policy"),
+])
+def test_bad_values_name_the_event_and_field(event, engine, needle):
+    data = Trace(events=[send()]).model_dump(mode="json")
+    data["events"][0].update(event)
+    data["engine"].update(engine)
+    with pytest.raises(BadInput) as ei:
+        parse_trace(data)
+    assert needle in str(ei.value) and "\n" not in str(ei.value)
+
+
+def test_older_schemas_cannot_carry_the_new_fields():
+    data = Trace(events=[send(sampling=Sampling(n=2))]).model_dump(mode="json")
+    data["schema_version"] = 2
+    with pytest.raises(BadInput, match=r"events\[0\]\.n: needs schema_version 3"):
+        parse_trace(data)
+
+
+# -- what reaches vLLM -------------------------------------------------------------------------
+
+def test_request_fields_use_vllms_names_and_keep_children_greedy():
+    assert request_fields(Sampling()) == {"temperature": 0.0, "ignore_eos": True}
+    got = request_fields(Sampling(min_tokens=2, ignore_eos=False, stop_token_ids=[7], presence_penalty=0.5))
+    assert got == {"temperature": 0.0, "ignore_eos": False, "min_tokens": 2, "stop_token_ids": [7],
+                   "presence_penalty": 0.5}
+    # vLLM refuses n > 1 at temperature 0: top_k 1 is the same choice through the random sampler.
+    assert request_fields(Sampling(n=3)) == {"temperature": 1.0, "top_k": 1, "ignore_eos": True, "n": 3}
+    assert engine_args(default_engine(scheduling_policy="priority"), "m")["scheduling_policy"] == "priority"
+    assert "scheduling_policy" not in engine_args(default_engine(), "m")
+
+
+def test_the_reference_key_holds_what_changes_a_solo_output_and_nothing_else():
+    assert sampling_key(send()) == "greedy"  # every reference stored before the fields existed
+    assert sampling_key(send(sampling=Sampling(n=4))) == "greedy"
+    s = Sampling(allowed_token_ids=[3, 4])
+    assert sampling_key(send(sampling=s)) == {"allowed_token_ids": [3, 4]}
+    assert sampling_key(send(sampling=s.model_copy(update={"n": 2}))) == sampling_key(send(sampling=s))
+    alone = send(sampling=Sampling(n=3, min_tokens=2)).alone()
+    assert alone.sampling.n == 1 and alone.sampling.min_tokens == 2 and alone.priority == 0
+    # A reference that stopped serves any longer request; one cut at its budget does not.
+    assert complete(rec("r0", [5, 1], finish="stop"), 16) and not complete(rec("r0", [5, 1]), 16)
+
+
+# -- the oracle's contract -------------------------------------------------------------------------
+
+def test_every_child_of_n_is_judged_by_the_one_reference():
+    t = Trace(events=[send(sampling=Sampling(n=3))])
+    ref = rec("r0", [4, 5, 6, 7])
+    runs = [hist(rec("r0", [4, 5, 6, 7]), rec("r0#1", [4, 5, 6, 7]), rec("r0#2", [4, 5, 9, 7]))]
+    v = {d.request_id: d for d in check(t, runs, {"r0": ref}, FP32)}
+    assert sorted(v) == ["r0", "r0#1", "r0#2"]
+    assert v["r0"].class_ == "ok" and v["r0#1"].class_ == "ok"
+    assert v["r0#2"].class_ == "corruption" and v["r0#2"].first_divergence == 2
+
+
+def test_a_run_that_goes_on_where_its_reference_stopped_broke_a_stop_rule():
+    t = Trace(events=[send(sampling=Sampling(stop_token_ids=[6]))])
+    ref = rec("r0", [4, 6], finish="stop")
+    (v,) = check(t, [hist(rec("r0", [4, 6, 8, 9]))], {"r0": ref}, FP32)
+    assert v.class_ == "corruption" and v.first_divergence == 2 and v.evidence == ["stop"]
+    (ok,) = check(t, [hist(rec("r0", [4, 6], finish="stop"))], {"r0": ref}, FP32)
+    assert ok.class_ == "ok"
+    # A reference cut short for another reason vouches for its common part only, as before.
+    (same,) = check(t, [hist(rec("r0", [4, 6, 8, 9]))], {"r0": rec("r0", [4, 6])}, FP32)
+    assert same.class_ == "ok"
+
+
+# -- generation ------------------------------------------------------------------------------------
+
+def test_a_default_campaign_covers_the_fields_in_a_share_of_its_requests():
+    sends = [s for seed in range(100) for s in generate(seed).sends]
+    used = [s for s in sends if s.per_request_fields]
+    assert len(used) >= 0.3 * len(sends)
+    fields = {f for s in used for f in s.per_request_fields}
+    assert fields >= {"allowed_token_ids", "logit_bias", "ignore_eos", "min_tokens", "stop", "stop_token_ids",
+                      "presence_penalty", "frequency_penalty", "repetition_penalty", "n", "prompt_logprobs",
+                      "priority"}
+    finishes = {("eos" if not s.sampling.ignore_eos else "length") for s in used}
+    assert finishes == {"eos", "length"}
+    # A retry keeps the state of the request it retries, as a client's would.
+    for seed in range(100):
+        t = generate(seed)
+        for s in t.sends:
+            if "_retry" in s.request_id:
+                assert s.sampling == t.send(s.request_id.split("_retry")[0]).sampling
+
+
+def test_the_state_is_drawn_apart_from_the_schedule():
+    plain = generate(7, opts=GenOptions(request_state=0.0, p_priority=0.0))
+    dressed = generate(7)
+    assert plain.lineage.generator == "random-v2" and dressed.lineage.generator == "random-v3"
+    strip = [s.model_copy(update={"sampling": Sampling(), "priority": 0}) for s in dressed.sends]
+    assert [s.model_dump() for s in strip] == [s.model_dump() for s in plain.sends]
+    events, engine = dress(plain.events, 7, plain.engine, share=1.0, p_priority=1.0)
+    assert engine.scheduling_policy == "priority"
+    assert all(e.per_request_fields for e in events if isinstance(e, SendEvent))
+
+
+@settings(max_examples=60, deadline=None)
+@given(traces(max_tokens=(2, 8)))
+def test_the_strategies_draw_valid_traces_with_state(t):
+    for s in t.sends:
+        assert s.sampling.min_tokens <= s.max_tokens
+        assert s.priority == 0 or t.engine.scheduling_policy == "priority"
+    assert parse_trace(json.loads(t.model_dump_json())) == t
+
+
+@settings(max_examples=30, deadline=None)
+@given(samplings(max_tokens=4))
+def test_samplings_keep_to_vllms_bounds(s):
+    assert 1 <= s.n <= 4 and s.min_tokens <= 4
+    assert Sampling.model_validate(s.model_dump(mode="json")) == s
