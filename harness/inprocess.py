@@ -708,9 +708,13 @@ class InProcessEngine:
                         rec.first_token_step = step
                         rec.first_token_ms = now_ms()
                     rec.token_ids.extend(comp.token_ids)
-                    for pos in (comp.logprobs or []) if greedy_logprobs(trace.send(rid).sampling) else []:
-                        top = sorted(pos.items(), key=lambda kv: kv[1].rank)[:2]
-                        rec.logprobs.append([(int(t), float(lp.logprob)) for t, lp in top])
+                    positions = (comp.logprobs or []) if greedy_logprobs(trace.send(rid).sampling) else []
+                    for tok, pos in zip(comp.token_ids, positions):
+                        # The chosen token, then the best other: vLLM ranks a token by how many
+                        # are at least as likely, so in a 16-bit tie the chosen one ranks second.
+                        others = sorted(((t, lp.logprob) for t, lp in pos.items() if t != tok), key=lambda x: -x[1])
+                        top = ([(tok, pos[tok].logprob)] if tok in pos else []) + others[: 2 - (tok in pos)]
+                        rec.logprobs.append([(int(t), float(lp)) for t, lp in top])
                     if comp.finish_reason is not None:
                         self._finish(rec, comp.finish_reason, step, now_ms(), out)
                 if out.finished:

@@ -1,0 +1,61 @@
+"""Per-request state on the real vLLM CPU engine, in float32 and bfloat16: each field takes effect
+as vLLM documents it, and a clean engine's runs equal their references (the oracle's contract,
+docs/oracle.md "Per-request state")."""
+
+import pytest
+
+from kvfuzz.fuzzer.generate import default_engine
+from kvfuzz.oracle import divergent
+from kvfuzz.traces import At, CancelEvent, GenPrompt, Sampling, SendEvent, Trace
+
+pytestmark = pytest.mark.engine
+
+EOS = 1
+S = Sampling
+# One request per field (and a plain one), sharing a prefix, sent over three steps: rows finish
+# at different steps and for different reasons while the others keep running.
+SPECS = {
+    "plain": S(),
+    "allowed": S(allowed_token_ids=[5, 9, 17, 33]),
+    "eos": S(ignore_eos=False, logit_bias={EOS: 6.0}),
+    "min_tokens": S(ignore_eos=False, min_tokens=6, logit_bias={EOS: 8.0}),
+    "stop_string": S(stop=["<t17>"], allowed_token_ids=[17, 20, 21, 22]),
+    "stop_token": S(stop_token_ids=[20], allowed_token_ids=[20, 21, 22, 23]),
+    "penalties": S(presence_penalty=1.5, frequency_penalty=0.5, repetition_penalty=1.3),
+    "n": S(n=3),
+    "n_cancelled": S(n=2, allowed_token_ids=[3, 4, 5, 6, 7]),
+    "prompt_logprobs": S(prompt_logprobs=2),
+}
+
+
+def _trace(dtype: str) -> Trace:
+    events: list = [SendEvent(request_id=name, at=At(step=i % 3), max_tokens=16, sampling=s, priority=i % 3,
+                              prompt=GenPrompt(length=40 + 30 * i, prefix_group="g", prefix_len=32, seed=i))
+                    for i, (name, s) in enumerate(SPECS.items())]
+    events.append(CancelEvent(request_id="n_cancelled", at=At(after_tokens=4)))
+    engine = default_engine(dtype=dtype, kv_cache_bytes=8 * 2**20, max_model_len=4096, scheduling_policy="priority")
+    return Trace(engine=engine, events=events)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_each_field_takes_effect_and_a_clean_engine_matches_its_references(session, dtype):
+    t = _trace(dtype)
+    checked = session.check(t, runs=1)
+    assert not divergent(checked.verdicts), [(v.request_id, v.class_, v.detail) for v in divergent(checked.verdicts)]
+    (h,) = checked.histories
+    r = h.requests
+    assert set(r["allowed"].token_ids) <= {5, 9, 17, 33}
+    assert r["eos"].finish_reason == "stop" and r["eos"].token_ids[-1] == EOS
+    # min_tokens holds EOS back although its bias is larger than eos's.
+    assert r["min_tokens"].finish_reason == "stop" and len(r["min_tokens"].token_ids) > 6
+    assert EOS not in r["min_tokens"].token_ids[:6]
+    assert r["stop_string"].finish_reason == "stop" and r["stop_string"].token_ids[-1] == 17
+    assert r["stop_token"].finish_reason == "stop" and r["stop_token"].token_ids[-1] == 20
+    assert r["plain"].finish_reason == "length" and len(r["plain"].token_ids) == 16
+    # n: every child is recorded and equals the request alone (its reference).
+    children = [r[c] for c in ("n", "n#1", "n#2")]
+    assert all(c.token_ids == checked.recording.references["n"].token_ids[:16] for c in children)
+    assert r["n_cancelled"].cancelled and r["n_cancelled#1"].cancelled
+    # A processed request's logprobs are the processed ones: its chosen token is their top entry.
+    assert all(lp[0][0] == tok for tok, lp in zip(r["allowed"].token_ids, r["allowed"].logprobs))
+    assert all(v.class_ in ("ok", "truncation") for v in checked.verdicts)
