@@ -63,6 +63,13 @@ compares vLLM's own records with each other, the way vLLM's invariants say they 
   sampled rows are counted apart from its scheduled ones (padding, a reordered batch) hands a
   request its neighbour's next token. That breaks ``worker-sample-row`` on the request (not
   checked with speculative decoding, which samples several rows a request);
+- each request's row of the persistent batch carries the request's own sampling state
+  (``Request.sampling_params`` against ``InputBatch``): its allowed-token mask, its logit bias
+  and ``min_tokens`` entries (the built-in logits processors' per-row state), its bad words, its
+  penalties and the output tokens they count, its temperature and top-k, and a generator only
+  when it has a seed. A row that moved (``condense``, ``swap_states``) without its state, or a
+  reused row that kept its previous request's, breaks ``worker-sampling`` on the request: it
+  chooses its tokens by another request's rules (on right KV, so nothing derives from it);
 - a block is read by one request only as the KV of the tokens it holds: once a request broke a
   harmful post-condition (it read wrong KV, or was handed a wrong position, token, length,
   adapter or slot), the KV it computes from that step on is wrong past the first layer, and the blocks it
@@ -101,7 +108,7 @@ MAX_MAP_BREAKS = 8
 ROOTED: tuple[BreakName, ...] = ("held-block-foreign", "held-block-repeated", "held-block-unwritten")
 # A request's breaks after which its KV is not wrong: a latent count (nothing read yet), and a
 # wrong sampled row (the tokens after it are computed right for what they follow).
-UNDERIVED: tuple[BreakName, ...] = ("held-block-undercounted", "worker-sample-row")
+UNDERIVED: tuple[BreakName, ...] = ("held-block-undercounted", "worker-sample-row", "worker-sampling")
 
 
 def _map_blocks(value: Any) -> Iterable[Any]:
@@ -172,6 +179,7 @@ class Monitor:
         self._held_ids: Counter[int] = Counter()
         self._adapters: dict[str, int] = {}  # request scheduled this step -> its LoRA id (0: none)
         self._lora_requests: dict[str, Any] = {}  # ... -> its LoRARequest (None: none), to enforce it
+        self._requests: dict[str, Any] = {}  # ... -> the scheduler's Request (its sampling state)
         self._kernel: list[np.ndarray] = []  # the step's kernels' sequence lengths, per row
         self._sampled: np.ndarray | None = None  # the step's sampled hidden-state row, per request
         # Request (trace id) -> its first break after which its KV is wrong, and the step's
@@ -199,6 +207,7 @@ class Monitor:
                 self._guarded(lambda: self._check_tokens(self.step, batch, input_ids, self.ext))
             if self._sampled is not None:
                 self._guarded(lambda: self._check_sampled(self.step, batch, self.ext))
+            self._guarded(lambda: self._check_sampling(self.step, batch, self.ext))
             if not self._slots_off and not self.disabled and not self._full:
                 try:
                     self._check_slots(self.step, batch, self.ext)
@@ -283,6 +292,7 @@ class Monitor:
             if len(toks) == n:  # not with speculative tokens scheduled beyond them
                 self._want_tokens[rid] = np.asarray(toks, dtype=np.int64)
         self._lora_requests = {rid: getattr(scheduler.requests[rid], "lora_request", None) for rid in self._spans}
+        self._requests = {rid: scheduler.requests[rid] for rid in self._spans}
         self._adapters = {rid: int(getattr(lora, "lora_int_id", 0) or 0) for rid, lora in self._lora_requests.items()}
         mgr = scheduler.kv_cache_manager
         pool, managers = mgr.block_pool, mgr.coordinator.single_type_managers
@@ -620,6 +630,17 @@ class Monitor:
                                f"{got[at] if at < len(got) else 'missing'}, the scheduler's is "
                                f"{want[at] if at < len(want) else 'none'} ({len(got)} vs {len(want)} blocks)")
 
+    def _check_sampling(self, step: int, batch: Any, ext: Callable[[str], str]) -> None:
+        """Each row's sampling state against its request's (``sampling_state``)."""
+        for rid, row in batch.req_id_to_index.items():
+            req = self._requests.get(rid)
+            params = getattr(req, "sampling_params", None)
+            if params is None:
+                continue
+            wrong = sampling_state_mismatch(batch, rid, row, params, list(req.output_token_ids))
+            if wrong:
+                self._once(step, "worker-sampling", ext(rid), -1, f"row {row}: {wrong}")
+
     def _check_slots(self, step: int, batch: Any, ext: Callable[[str], str]) -> None:
         """Each token computed this step against its row's slot for its position (rows are laid
         out in the batch's order, each with its scheduled tokens)."""
@@ -749,6 +770,55 @@ class Monitor:
                 "the attention reads the null block's content" if read == self._null else
                 ", but the scheduler released that block from the request's row, and another request holds it now"))
             return
+
+
+def _processor(batch: Any, name: str) -> Any | None:
+    procs = getattr(batch, "logitsprocs", None)
+    for p in (procs.all if procs is not None else ()):
+        if type(p).__name__ == name:
+            return p
+    return None
+
+
+def sampling_state_mismatch(batch: Any, rid: str, row: int, params: Any, output: list[int]) -> str | None:
+    """What of a row's sampling state differs from its request's ``SamplingParams`` (and output
+    tokens so far), or None. Only state vLLM's ``InputBatch`` keeps per row is read; a field of
+    another layout raises (the monitor then stops checking: no evidence rather than a wrong one)."""
+    greedy = params.temperature < 1e-5
+    if not np.isclose(batch.temperature_cpu[row], 0.0 if greedy else params.temperature):
+        return f"temperature {batch.temperature_cpu[row]:g}, the request's {params.temperature:g}"
+    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+        got = float(getattr(batch, name.replace("_penalty", "_penalties") + "_cpu")[row])
+        if not np.isclose(got, getattr(params, name)):
+            return f"{name} {got:g}, the request's {getattr(params, name):g}"
+    k = params.top_k if 0 < params.top_k < batch.vocab_size else batch.vocab_size
+    if int(batch.top_k_cpu[row]) != k:
+        return f"top_k {int(batch.top_k_cpu[row])}, the request's {k}"
+    allowed = sorted(set(params.allowed_token_ids or ()))
+    if (rid in batch.has_allowed_token_ids) != bool(allowed):
+        return "an allowed-token mask" + (" missing" if allowed else " where the request has none")
+    if allowed:
+        got = np.flatnonzero(~batch.allowed_token_ids_mask_cpu_tensor[row].numpy()).tolist()
+        if got != allowed:
+            return f"allowed tokens {got[:8]}, the request's {allowed[:8]}"
+    bad = getattr(params, "bad_words_token_ids", None) or None
+    if batch.bad_words_token_ids.get(row) != bad:
+        return f"bad words {batch.bad_words_token_ids.get(row)}, the request's {bad}"
+    if (row in batch.generators) != (params.seed is not None):
+        return "a generator" + (" missing" if params.seed is not None else " where the request has no seed")
+    # The output tokens penalties and min_tokens count (a prefix: the runner may hold one more).
+    counted = batch.req_output_token_ids[row]
+    if counted is not None and list(counted[:len(output)]) != output[:len(counted)]:
+        return f"counts output tokens {list(counted)[:8]}, the request's are {output[:8]}"
+    bias = _processor(batch, "LogitBiasLogitsProcessor")
+    if bias is not None and (bias.biases.get(row) or None) != (params.logit_bias or None):
+        return f"logit bias {bias.biases.get(row)}, the request's {params.logit_bias}"
+    mins = _processor(batch, "MinTokensLogitsProcessor")
+    entry = mins.min_toks.get(row) if mins is not None else None
+    if entry is not None and (entry[0] != params.min_tokens or set(entry[2]) != set(params.all_stop_token_ids)):
+        return f"min_tokens {entry[0]} stopping {sorted(entry[2])}, the request's {params.min_tokens} stopping " \
+               f"{sorted(params.all_stop_token_ids)}"
+    return None
 
 
 def _ints(values: Any) -> np.ndarray:

@@ -24,7 +24,7 @@ from collections.abc import Iterable
 from kvfuzz.traces.history import Break
 
 HARMFUL: tuple[str, ...] = ("worker-row", "worker-adapter", "worker-slot", "worker-seq-len", "worker-position",
-                            "worker-token", "worker-sample-row",
+                            "worker-token", "worker-sample-row", "worker-sampling",
                             "held-block-foreign", "held-block-repeated", "held-block-unwritten",
                             "held-block-released", "held-block-derived")
 

@@ -110,7 +110,8 @@ def test_build_arms_vocabulary(toggles_apply):
     assert arms["without:fix-lora-reload-prefix-identity"] == cpu_clean[:2]
     assert {a for a in arms if a.startswith("with:")} == {
         "with:fault-cancel-frees-shared-blocks", "with:fault-cross-group-one-phase", "with:fault-lora-hash-namespace",
-        "with:fault-preempt-resume-stale-blocks", "with:fault-prefix-hit-before-write"}
+        "with:fault-preempt-resume-stale-blocks", "with:fault-prefix-hit-before-write",
+        "with:fault-condense-leaves-sampling-state"}
     assert build_arms(arms="vanilla,clean", with_=[ns]) == {f"vanilla,with:{ns}": [ns],
                                                             f"clean,with:{ns}": sorted([*cpu_clean, ns])}
 

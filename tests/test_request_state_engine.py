@@ -59,3 +59,23 @@ def test_each_field_takes_effect_and_a_clean_engine_matches_its_references(sessi
     # A processed request's logprobs are the processed ones: its chosen token is their top entry.
     assert all(lp[0][0] == tok for tok, lp in zip(r["allowed"].token_ids, r["allowed"].logprobs))
     assert all(v.class_ in ("ok", "truncation") for v in checked.verdicts)
+
+
+def test_a_row_that_moves_without_its_state_is_caught_and_named(session):
+    """A request finishes early and frees its row; a later-admitted restricted request is moved
+    into it. With the fault its mask stays behind: the oracle sees corruption, the monitor names
+    worker-sampling on the moved request, and a clean run breaks nothing."""
+    from kvfuzz.harness.toggles.builtin import ROW_STATE
+
+    engine = default_engine(kv_cache_bytes=8 * 2**20, max_model_len=4096)
+    first = SendEvent(request_id="short", at=At(step=0), max_tokens=2, prompt=GenPrompt(length=40, seed=1))
+    moved = SendEvent(request_id="moved", at=At(step=0), max_tokens=12, prompt=GenPrompt(length=50, seed=2),
+                      sampling=S(allowed_token_ids=[5, 6, 7], presence_penalty=1.0))
+    t = Trace(engine=engine, events=[first, moved])
+    clean = session.check(t, runs=1)
+    assert not divergent(clean.verdicts) and not clean.histories[0].breaks
+    faulty = session.check(t.model_copy(update={"engine": engine.model_copy(update={"toggles": [ROW_STATE]})}),
+                           runs=1)
+    (v,) = divergent(faulty.verdicts)
+    assert v.request_id == "moved" and v.class_ == "corruption" and v.broke == "worker-sampling"
+    assert not set(faulty.histories[0].requests["moved"].token_ids) <= {5, 6, 7}

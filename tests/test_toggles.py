@@ -18,6 +18,7 @@ from kvfuzz.harness.toggles.builtin import (
     LORA_IDENTITY,
     LORA_NS,
     PREEMPT_STALE,
+    ROW_STATE,
     SAME_STEP_GUARD,
     STALE_TAIL,
     ZERO_RECYCLED,
@@ -25,7 +26,7 @@ from kvfuzz.harness.toggles.builtin import (
 from kvfuzz.traces import At, CancelEvent, EngineConfig, GenPrompt, SendEvent, Trace
 
 ALL = [CANCEL_FREES_SHARED, CROSS_GROUP_ONE_PHASE, EARLY_HIT, LORA_BATCH_IDS, LORA_CPU_MASK, LORA_IDENTITY, LORA_NS,
-       PREEMPT_STALE, SAME_STEP_GUARD, STALE_TAIL, ZERO_RECYCLED]
+       PREEMPT_STALE, ROW_STATE, SAME_STEP_GUARD, STALE_TAIL, ZERO_RECYCLED]
 
 
 def send(rid, step, length, *, group=None, plen=0, seed=0, mt=16, adapter=None):
@@ -49,7 +50,7 @@ def test_registry_has_every_named_toggle_with_metadata():
                                                      ZERO_RECYCLED]
     # What changes outputs on CPU, and the clean arm there.
     assert reg.output_changing("cpu") == sorted([CANCEL_FREES_SHARED, CROSS_GROUP_ONE_PHASE, EARLY_HIT, LORA_BATCH_IDS,
-                                                 LORA_CPU_MASK, LORA_IDENTITY, LORA_NS, PREEMPT_STALE])
+                                                 LORA_CPU_MASK, LORA_IDENTITY, LORA_NS, PREEMPT_STALE, ROW_STATE])
     assert reg.clean_set("cpu") == [LORA_BATCH_IDS, LORA_CPU_MASK, LORA_IDENTITY]
     assert set(reg.clean_set("cuda")) == {LORA_BATCH_IDS, LORA_IDENTITY, SAME_STEP_GUARD, ZERO_RECYCLED}
 
@@ -374,12 +375,12 @@ def test_allocator_faults_keep_the_allocator_books_balanced(session):
     full of cancels, shared prefixes and preemption neither crash vLLM nor leak a block."""
     from kvfuzz.fuzzer import GenOptions, generate
 
-    eng = session.engine_for(SMALL)
-    pool = eng._core().scheduler.kv_cache_manager.block_pool
     faults = [CANCEL_FREES_SHARED, PREEMPT_STALE, EARLY_HIT]
     preempted = 0
     for seed in range(4):
         t = generate(100 + seed, SMALL, GenOptions(min_requests=8, p_cancel=0.5, p_prefix=0.9, p_long=0.0, max_tokens=(48, 128), gaps=(0, 0, 1)))
+        eng = session.engine_for(t.engine)  # the scheduling policy is drawn per trace
+        pool = eng._core().scheduler.kv_cache_manager.block_pool
         h = eng.replay(t, toggles=faults)
         assert not h.crashed, h.crash_detail
         preempted += sum(len(s.preempted) for s in h.steps)

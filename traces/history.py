@@ -21,7 +21,7 @@ class _Data(BaseModel):
 BreakName = Literal["map-entry-orphaned", "map-entry-stolen", "held-block-foreign", "held-block-repeated",
                     "held-block-undercounted", "worker-row", "worker-slot", "held-block-unwritten",
                     "held-block-released", "worker-adapter", "worker-seq-len", "worker-position",
-                    "worker-sample-row", "held-block-derived", "worker-token"]
+                    "worker-sample-row", "held-block-derived", "worker-token", "worker-sampling"]
 # Broken on the allocator's own state (no request named); the others are a request's own state.
 MAP_BREAKS: tuple[str, ...] = ("map-entry-orphaned", "map-entry-stolen")
 # Breaks that can harm only the request that broke them (rule 5.14): a kernel told a wrong
@@ -32,7 +32,7 @@ MAP_BREAKS: tuple[str, ...] = ("map-entry-orphaned", "map-entry-stolen")
 # A victim that broke none of these was not harmed by their cause (rules 5.14, 5.16). (A wrong
 # slot, position, row or adapter writes wrong KV that a later prefix hit can read: another
 # request can be their victim without breaking anything itself.)
-SELF_ONLY_BREAKS: tuple[str, ...] = ("worker-seq-len", "worker-sample-row")
+SELF_ONLY_BREAKS: tuple[str, ...] = ("worker-seq-len", "worker-sample-row", "worker-sampling")
 
 
 class Break(_Data):
@@ -174,10 +174,13 @@ class StepRecord(_Data):
 #   row whose token ids were not refreshed: its KV is computed from another request's token);
 # - worker-sample-row: a request's next token is sampled from another hidden state than its own
 #   last scheduled token's (it answers with another token's next token; every KV is right);
+# - worker-sampling: the persistent batch's row of a request carries other sampling state than
+#   the request's own (allowed-token mask, bias, bad words, min_tokens, penalties and the output
+#   tokens they count, temperature, top-k, generator): it chooses by another's rules, on right KV;
 # - held-block-derived: a request holds a block whose KV another request computed after that
 #   request's own harmful break (rule 5.17: past the first layer, KV computed from a wrong read
 #   is wrong too), e.g. a retry's prefix hit; its ``root`` is the writer's first break.
-# The map entries and the count are latent (no request reads wrong KV yet); the other twelve are
+# The map entries and the count are latent (no request reads wrong KV yet); the other thirteen are
 # harmful, and a foreign, repeated or unwritten block carries its block's latent break as
 # ``root`` (harness/postconditions.py ``ROOTED``; oracle/postconditions.py).
 class Scoring(_Data):
