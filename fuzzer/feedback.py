@@ -75,6 +75,8 @@ def signature(history: History, trace: Trace | None = None) -> Signature:
     else:
         _metric_features(history, bs, f)
     _request_features(history, bs, f)
+    if trace is not None:
+        _request_state_features(history, trace, f)
     _event_features(history, f)
     if is_lifecycle_run(history, trace):
         _lifecycle_features(history, trace, f)
@@ -195,6 +197,33 @@ def _metric_features(h: History, bs: int, f: set[str]) -> None:
     ext = delta("vllm:external_prefix_cache_hits_total")
     if ext > 0:
         f.add(f"ext-tokens:{bucket(int(ext) // bs)}")
+
+
+def _request_state_features(h: History, trace: Trace, f: set[str]) -> None:
+    """Per-request state (fuzzer/requests.py): which fields a trace sets, how its requests
+    finished (EOS or a stop rule, their budget, a cancel) with or without state of their own,
+    and the persistent-batch rows that moved or were taken over while such requests ran."""
+    state = {cid: s.per_request_fields for s in trace.sends for cid in s.completion_ids}
+    for fields in state.values():
+        f.update(f"field:{name}" for name in fields)
+    stops = 0
+    for rid, r in h.requests.items():
+        if r.finish_reason is not None:
+            f.add(f"finish:{r.finish_reason}/{'state' if state.get(rid) else 'plain'}")
+            stops += r.finish_reason == "stop"
+    f.add(f"finishes-stop:{bucket(stops)}")
+    moved = [r for s in h.steps for r in s.rows_moved]
+    reused = sum(s.rows_reused for s in h.steps)
+    f.add(f"rows-moved:{bucket(len(moved))}")
+    f.add(f"rows-reused:{bucket(reused)}")
+    if moved:
+        f.update(f"row-move:{'state' if state.get(r) else 'plain'}" for r in moved)
+    if trace.engine.scheduling_policy == "priority" and any(s.preempted for s in h.steps):
+        f.add("preempt:priority")
+    for s in trace.sends:
+        if s.sampling.n > 1 and any(h.requests.get(c) is not None and h.requests[c].cancelled
+                                    for c in s.completion_ids):
+            f.add("n-cancelled")
 
 
 def _request_features(h: History, bs: int, f: set[str]) -> None:

@@ -153,6 +153,7 @@ class InProcessEngine:
         self._adapters = AdapterWorkdir()
         self._step_capture: dict[str, Any] = {}
         self._edges = BlockEdges()
+        self._rows: dict[str, int] = {}
         # Checks only inside a replay (the schedule hook also fires on clean-slate aborts and
         # teacher-forced scoring, whose steps no history records).
         self._monitor = Monitor(enabled=False)
@@ -564,6 +565,7 @@ class InProcessEngine:
         recs: dict[str, RequestRecord] = {}
         book = self._adapters.book(trace) if trace.engine.lora.enabled else None
         self._edges = BlockEdges()
+        self._rows: dict[str, int] = {}  # request -> its persistent-batch row after the last step
         internal: dict[str, str] = {}  # vLLM internal id -> our request id
         # A KV connector writes the KV it loads outside the step's slot mapping.
         self._monitor = Monitor(ext=lambda rid: internal.get(rid, rid), writes=not self.config.kv_connector)
@@ -815,9 +817,23 @@ class InProcessEngine:
         for r in rec.preempted:
             if r in recs:
                 recs[r].num_preemptions += 1
-        hist.steps.append(rec)
         core = self._core()
-        self._monitor.after_step(worker_batch(core), worker_positions(core), worker_input_ids(core))
+        batch = worker_batch(core)
+        self._record_rows(rec, batch, ext)
+        hist.steps.append(rec)
+        self._monitor.after_step(batch, worker_positions(core), worker_input_ids(core))
+
+    def _record_rows(self, rec: StepRecord, batch: Any, ext: Callable[[str], str]) -> None:
+        """Row moves and reuses of the persistent batch since the last step (coverage)."""
+        try:
+            rows = {ext(r): int(i) for r, i in batch.req_id_to_index.items()}
+        except AttributeError:
+            return  # another layout: not recorded
+        before = self._rows
+        rec.rows_moved = sorted(r for r, i in rows.items() if r in before and before[r] != i)
+        owner = {i: r for r, i in before.items()}
+        rec.rows_reused = sum(1 for r, i in rows.items() if r not in before and owner.get(i, r) != r)
+        self._rows = rows
 
     # -- references ----------------------------------------------------------------------------
     @property

@@ -6,13 +6,15 @@ import json
 import pytest
 from hypothesis import given, settings
 
+from kvfuzz.fuzzer.feedback import signature
 from kvfuzz.fuzzer.generate import GenOptions, default_engine, generate
 from kvfuzz.fuzzer.requests import dress
 from kvfuzz.harness.refstore import complete, sampling_key
 from kvfuzz.harness.vllm_args import engine_args, request_fields
 from kvfuzz.oracle import NoiseBounds, check
 from kvfuzz.strategies import samplings, traces
-from kvfuzz.traces import At, BadInput, GenPrompt, History, RequestRecord, Sampling, SendEvent, Trace, parse_trace
+from kvfuzz.traces import (At, BadInput, GenPrompt, History, RequestRecord, Sampling, SendEvent, StepRecord, Trace,
+                           parse_trace)
 from kvfuzz.traces.io import load_trace
 from kvfuzz.gate.gate import bundled_corpus
 
@@ -173,3 +175,16 @@ def test_the_strategies_draw_valid_traces_with_state(t):
 def test_samplings_keep_to_vllms_bounds(s):
     assert 1 <= s.n <= 4 and s.min_tokens <= 4
     assert Sampling.model_validate(s.model_dump(mode="json")) == s
+
+
+def test_coverage_counts_fields_finishes_and_row_moves():
+    t = Trace(engine=default_engine(scheduling_policy="priority"),
+              events=[send("a", sampling=Sampling(n=2, ignore_eos=False)), send("b", priority=1)])
+    h = hist(rec("a", [4, 1], finish="stop"), rec("a#1", [4], cancelled=True, finish="abort"), rec("b", [5, 6, 7, 8]))
+    h.steps = [StepRecord(step=0, preempted=["b"]), StepRecord(step=1, rows_moved=["b"], rows_reused=1)]
+    sig = signature(h, t)
+    assert {"field:n", "field:ignore_eos", "field:priority", "finish:stop/state", "finish:abort/state",
+            "finish:length/state", "finishes-stop:1", "rows-moved:1", "rows-reused:1", "row-move:state",
+            "preempt:priority", "n-cancelled"} <= sig
+    plain = Trace(events=[send("a")])
+    assert "finish:length/plain" in signature(hist(rec("a", [4, 5, 6, 7])), plain)

@@ -59,6 +59,9 @@ def test_each_field_takes_effect_and_a_clean_engine_matches_its_references(sessi
     # A processed request's logprobs are the processed ones: its chosen token is their top entry.
     assert all(lp[0][0] == tok for tok, lp in zip(r["allowed"].token_ids, r["allowed"].logprobs))
     assert all(v.class_ in ("ok", "truncation") for v in checked.verdicts)
+    # Rows moved as requests finished, and the restricted ones moved with their state.
+    moved = {r for s in h.steps for r in s.rows_moved}
+    assert moved and moved & {name for name, s in SPECS.items() if not s.is_default}
 
 
 def test_a_row_that_moves_without_its_state_is_caught_and_named(session):

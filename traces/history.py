@@ -145,6 +145,11 @@ class StepRecord(_Data):
     lora_evictions: int = 0
     lora_slot_changes: int = 0
     lora_reloads: int = 0
+    # The worker's persistent batch this step (in-process): requests whose row changed since the
+    # last step (a row moved by ``condense`` or ``swap_states``; their sampling state moved with
+    # them), and rows a new request took over from another.
+    rows_moved: list[str] = Field(default_factory=list)
+    rows_reused: int = 0
 
 
 # The post-conditions of vLLM's KV bookkeeping that the in-process harness checks after every
