@@ -153,7 +153,7 @@ class InProcessEngine:
         self._adapters = AdapterWorkdir()
         self._step_capture: dict[str, Any] = {}
         self._edges = BlockEdges()
-        self._rows: dict[str, int] = {}
+        self._rows: dict[str, int] = {}  # request -> its persistent-batch row after the last step
         # Checks only inside a replay (the schedule hook also fires on clean-slate aborts and
         # teacher-forced scoring, whose steps no history records).
         self._monitor = Monitor(enabled=False)
@@ -565,7 +565,7 @@ class InProcessEngine:
         recs: dict[str, RequestRecord] = {}
         book = self._adapters.book(trace) if trace.engine.lora.enabled else None
         self._edges = BlockEdges()
-        self._rows: dict[str, int] = {}  # request -> its persistent-batch row after the last step
+        self._rows = {}  # request -> its persistent-batch row after the last step
         internal: dict[str, str] = {}  # vLLM internal id -> our request id
         # A KV connector writes the KV it loads outside the step's slot mapping.
         self._monitor = Monitor(ext=lambda rid: internal.get(rid, rid), writes=not self.config.kv_connector)

@@ -635,7 +635,7 @@ class Monitor:
         for rid, row in batch.req_id_to_index.items():
             req = self._requests.get(rid)
             params = getattr(req, "sampling_params", None)
-            if params is None:
+            if req is None or params is None:
                 continue
             wrong = sampling_state_mismatch(batch, rid, row, params, list(req.output_token_ids))
             if wrong:

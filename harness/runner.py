@@ -131,7 +131,11 @@ def record(engine: Engine, trace: Trace, *, runs: int = 3, arms: dict[str, list[
             if on_run:
                 on_run(h)
     bindings = trace.bindings_at_admission()
-    references = {s.request_id: store.get(engine, s, bindings.get(s.request_id)) for s in trace.sends}
+    references: dict[str, RequestRecord] = {}
+    for s in trace.sends:
+        ref = store.get(engine, s, bindings.get(s.request_id))
+        # Every completion of its n is judged by it, under its own id.
+        references.update({cid: ref.model_copy(update={"request_id": cid}) for cid in s.completion_ids})
     env = engine.environment()
     env.toggles = sorted({t for ts in arms.values() for t in ts})
     return Recording(trace=trace, histories=histories, references=references, environment=env, arms=arms)

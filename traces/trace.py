@@ -478,6 +478,9 @@ class Trace(_Strict):
                     raise ValueError(f"events[{i}].adapter: {ev.adapter!r} used but engine.lora.enabled is false")
                 if ev.cache_salt is not None and self.schema_version < 2:
                     raise ValueError(f"events[{i}].cache_salt: needs schema_version 2")
+                if ev.sampling.min_tokens > ev.max_tokens:
+                    raise ValueError(f"events[{i}].sampling.min_tokens: {ev.sampling.min_tokens} exceeds max_tokens "
+                                     f"{ev.max_tokens}")
                 if ev.per_request_fields and self.schema_version < 3:
                     raise ValueError(f"events[{i}].{ev.per_request_fields[0]}: needs schema_version 3")
                 if ev.priority and self.engine.scheduling_policy != "priority":
@@ -546,9 +549,14 @@ class Trace(_Strict):
         return at_admission
 
     def bindings_at_admission(self) -> dict[str, Binding | None]:
-        """Request id -> the adapter binding it is admitted with (None: the base model). The
-        oracle's contract: a request's reference runs with these weights (docs/oracle.md)."""
-        return self._plan_bindings()
+        """Request id (and each completion id of its ``n``) -> the adapter binding it is
+        admitted with (None: the base model). The oracle's contract: a request's reference runs
+        with these weights (docs/oracle.md)."""
+        plan = self._plan_bindings()
+        for s in self.sends:
+            for cid in s.completion_ids[1:]:
+                plan[cid] = plan.get(s.request_id)
+        return plan
 
     @property
     def lifecycle(self) -> list[AdapterEvent]:
@@ -564,9 +572,16 @@ class Trace(_Strict):
         return [e for e in self.events if isinstance(e, CancelEvent)]
 
     def send(self, request_id: str) -> SendEvent:
+        """The send of ``request_id``: a send's own id, or a completion id of its ``n``
+        (``ID#k``), whose send is the same request."""
         for e in self.sends:
             if e.request_id == request_id:
                 return e
+        base, _, k = request_id.rpartition("#")
+        if base and k.isdigit():
+            for e in self.sends:
+                if e.request_id == base and 0 < int(k) < e.sampling.n:
+                    return e
         raise KeyError(request_id)
 
     def trace_id(self) -> str:

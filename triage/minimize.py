@@ -35,7 +35,7 @@ from typing import Any, Literal
 from pydantic import ValidationError
 
 from kvfuzz.oracle.check import ENGINE
-from kvfuzz.traces import (CancelEvent, EngineConfig, Finding, GenPrompt, MinimizedFrom, Minimization, SendEvent, TokenPrompt,
+from kvfuzz.traces import (CancelEvent, EngineConfig, Finding, GenPrompt, MinimizedFrom, Minimization, Sampling, SendEvent, TokenPrompt,
                            Trace)
 from kvfuzz.traces.finding import DIVERGENT_CLASSES
 from kvfuzz.traces.trace import ADAPTER_EVENT_TYPES, Event
@@ -188,7 +188,7 @@ class Minimizer:
         key = cand.trace_id()
         if key in self._cache:
             return self._cache[key]
-        if not any(s.request_id == self.target.victim for s in cand.sends) and self.target.victim != ENGINE:
+        if self.target.victim not in {c for s in cand.sends for c in s.completion_ids} and self.target.victim != ENGINE:
             return False
         self._check_budget()
 
@@ -241,7 +241,8 @@ class Minimizer:
 
     # -- pass 1: events --------------------------------------------------------------------------
     def events_pass(self, trace: Trace) -> Trace:
-        victim = self.target.victim
+        # The victim's send (a completion of n is its send's).
+        victim = self.target.victim if self.target.victim == ENGINE else trace.send(self.target.victim).request_id
         others = [s.request_id for s in trace.sends if s.request_id != victim]
         if not others:
             return trace
@@ -374,6 +375,14 @@ class Minimizer:
             return False
 
         for rid in [s.request_id for s in trace.sends]:
+            s = box[0].send(rid)
+            # Per-request state: all of it, else one field at a time, back to vLLM's default.
+            if not s.sampling.is_default and not attempt(rid, sampling=Sampling()):
+                for name in s.sampling.fields_set():
+                    now = box[0].send(rid).sampling
+                    attempt(rid, sampling=now.model_copy(update={name: Sampling.model_fields[name].default}))
+            if s.priority:
+                attempt(rid, priority=0)
             s = box[0].send(rid)
             shrink_int(s.max_tokens, 1, lambda v: attempt(rid, max_tokens=v))
             s = box[0].send(rid)
