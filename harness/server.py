@@ -31,7 +31,8 @@ from .http.engine import HttpEngineBase
 from .http.replay import replay_trace
 from .http.wire import HttpTarget
 from .process import ManagedServer, free_port, port_free
-from .vllm_args import HOST, server_command, server_env, vllm_launcher
+from .compat import engine_arg_names
+from .vllm_args import HOST, LOGPROBS_MODE, server_command, server_env, vllm_launcher
 
 log = logging.getLogger("kvfuzz.server")
 
@@ -112,9 +113,14 @@ class ServerEngine(HttpEngineBase):
 
     def command(self, port: int) -> list[str]:
         assert self._model_path is not None
+        flags = list(self.options.extra_flags)
+        if self.options.python == sys.executable and LOGPROBS_MODE[0] in (engine_arg_names() or ()):
+            # The logprobs the oracle reads, as in-process (a server of another environment's
+            # release is not asked: its flags are not known here).
+            flags = ["--logprobs-mode", LOGPROBS_MODE[1], *flags]
         return server_command(self.config, model_path=self._model_path, adapter_paths=self._adapter_paths,
                               port=port, device=self.options.device,
-                              launcher=vllm_launcher(self.options.python), extra_flags=self.options.extra_flags)
+                              launcher=vllm_launcher(self.options.python), extra_flags=flags)
 
     def start(self) -> "ServerEngine":
         if self.server is not None and self.server.alive():

@@ -36,7 +36,7 @@ from kvfuzz.oracle import check
 from kvfuzz.driver.recovery import Recovering
 from kvfuzz.driver.session import Session
 from kvfuzz.driver.settings import SessionSettings
-from kvfuzz.traces import At, CancelEvent, GenPrompt, SendEvent, Trace, load_finding, save
+from kvfuzz.traces import At, CancelEvent, GenPrompt, Sampling, SendEvent, Trace, load_finding, save
 
 pytestmark = pytest.mark.server
 
@@ -116,6 +116,32 @@ def test_three_concurrent_streams_and_mid_stream_cancels(server):
             for s in t.sends}
     verdicts = {v.request_id: v.class_ for v in check(t, [h], refs)}
     assert verdicts == {"s0": "ok", "s1": "truncation", "s2": "truncation"}
+
+
+def test_per_request_state_over_http(server):
+    """The send's per-request fields reach the server by vLLM's names, children of n come back as
+    their own records, and each equals its reference (the request alone)."""
+    S = Sampling
+    specs = {"allowed": S(allowed_token_ids=[5, 9, 17, 33]), "eos": S(ignore_eos=False, logit_bias={1: 6.0}),
+             "stop": S(stop=["<t17>"], allowed_token_ids=[17, 20, 21]), "stop_id": S(stop_token_ids=[20],
+             allowed_token_ids=[20, 21, 22]), "min": S(ignore_eos=False, min_tokens=5, logit_bias={1: 8.0}),
+             "pen": S(presence_penalty=1.5, repetition_penalty=1.3), "n": S(n=3), "n_json": S(n=2)}
+    t = Trace(engine=_cfg(server), events=[
+        SendEvent(request_id=k, at=At(offset_ms=3 * i), max_tokens=12, sampling=s, stream=k != "n_json",
+                  prompt=GenPrompt(length=60 + 10 * i, prefix_group="rs", prefix_len=32, seed=i))
+        for i, (k, s) in enumerate(specs.items())])
+    h = server.replay(t)
+    r = h.requests
+    assert set(r) == {"allowed", "eos", "stop", "stop_id", "min", "pen", "n", "n#1", "n#2", "n_json", "n_json#1"}
+    assert all(x.error is None and x.http_status == 200 for x in r.values())
+    assert set(r["allowed"].token_ids) <= {5, 9, 17, 33}
+    assert r["eos"].finish_reason == "stop" and r["eos"].token_ids[-1] == 1
+    assert r["stop"].finish_reason == "stop" and r["stop_id"].finish_reason == "stop"
+    assert 1 not in r["min"].token_ids[:5]
+    assert r["n"].token_ids == r["n#1"].token_ids == r["n#2"].token_ids and not r["n#1"].logprobs
+    refs = {s.request_id: server.run_alone(s) for s in t.sends}
+    refs.update({c: refs[s.request_id] for s in t.sends for c in s.completion_ids})
+    assert {v.request_id: v.class_ for v in check(t, [h], refs) if v.class_ != "ok"} == {}
 
 
 def hc_metrics(server):

@@ -378,7 +378,9 @@ def test_allocator_faults_keep_the_allocator_books_balanced(session):
     faults = [CANCEL_FREES_SHARED, PREEMPT_STALE, EARLY_HIT]
     preempted = 0
     for seed in range(4):
-        t = generate(100 + seed, SMALL, GenOptions(min_requests=8, p_cancel=0.5, p_prefix=0.9, p_long=0.0, max_tokens=(48, 128), gaps=(0, 0, 1)))
+        # Plain requests (no early EOS finishes): the pressure these faults need.
+        t = generate(100 + seed, SMALL, GenOptions(min_requests=8, p_cancel=0.5, p_prefix=0.9, p_long=0.0, max_tokens=(48, 128),
+                                                   gaps=(0, 0, 1), request_state=0.0, p_priority=0.0))
         eng = session.engine_for(t.engine)  # the scheduling policy is drawn per trace
         pool = eng._core().scheduler.kv_cache_manager.block_pool
         h = eng.replay(t, toggles=faults)

@@ -56,6 +56,7 @@ from kvfuzz.traces.trace import (
 from ..adapters import AdapterBook, Bound
 from ..priority import send_priority
 from .control import scrape
+from ..vllm_args import greedy_logprobs
 from .wire import HttpTarget, adapter_request, completion_payload, error_text, parse_choice
 
 # The last ~2 ms before a planned instant are spent yielding in a loop: the event loop's
@@ -103,6 +104,10 @@ class _Req:
         self.record = RequestRecord(request_id=send.request_id, adapter=send.adapter,
                                     prompt_len=send.prompt.length, max_tokens=send.max_tokens,
                                     planned_offset_ms=round(planned_ms, 3))
+        # One record per completion of ``n`` (choice index k): the request's own, then ``ID#k``.
+        self.completions = [self.record] + [self.record.model_copy(update={"request_id": cid}, deep=True)
+                                            for cid in send.completion_ids[1:]]
+        self.greedy = greedy_logprobs(send.sampling)
         self.task: asyncio.Task[None] | None = None
         self.done = False
         self.cancel_reason: str | None = None
@@ -113,6 +118,20 @@ class _Req:
         # Set once the request's bytes are written / the server answered (status line) or it ended.
         self.written = asyncio.Event()
         self.resolved = asyncio.Event()
+
+
+def _synced(child: RequestRecord, own: RequestRecord) -> RequestRecord:
+    """A completion of ``n`` with what the request's own record holds for all of them: when it
+    was sent, the server's answer, the weights it ran with, an error that ended the request."""
+    if child is own:
+        return own
+    child.sent_ms, child.http_status = own.sent_ms, own.http_status
+    child.adapter_source, child.adapter_hash = own.adapter_source, own.adapter_hash
+    if own.error and child.error is None:
+        child.error, child.finish_reason = own.error, own.finish_reason
+    if child.finished_ms is None and not child.cancelled:
+        child.finished_ms = own.finished_ms
+    return child
 
 
 class _Life:
@@ -324,10 +343,10 @@ class Replayer:
             return True
         for choice in chunk.get("choices") or []:
             tokens, tops, finish = parse_choice(choice)
-            self._append(r, tokens, tops)
+            one = self._append(r, tokens, tops, choice.get("index", 0))
             if finish:
-                rec.finish_reason = finish
-                rec.finished_ms = round(self.now_ms(), 3)
+                one.finish_reason = finish
+                one.finished_ms = round(self.now_ms(), 3)
         if rec.finish_reason is None:
             self._check_relative(r)
         return False
@@ -341,29 +360,36 @@ class Replayer:
         choices = body.get("choices") or []
         if not choices:
             raise ValueError("completion without choices")
-        tokens, tops, finish = parse_choice(choices[0])
-        self._append(r, tokens, tops)
-        rec.finish_reason = finish or "stop"
-        rec.finished_ms = round(self.now_ms(), 3)
+        for choice in choices:
+            tokens, tops, finish = parse_choice(choice)
+            one = self._append(r, tokens, tops, choice.get("index", 0))
+            one.finish_reason = finish or "stop"
+            one.finished_ms = round(self.now_ms(), 3)
         usage = body.get("usage") or {}
         details = usage.get("prompt_tokens_details") or {}
         if isinstance(details, dict) and details.get("cached_tokens") is not None:
             rec.num_cached_tokens = int(details["cached_tokens"])
 
     def _mark_cancelled(self, r: _Req) -> None:
-        rec = r.record
-        rec.cancelled = True
-        rec.finish_reason = "abort"
-        rec.cancel_ms = round(self.now_ms(), 3)
-        rec.finished_ms = rec.cancel_ms
+        for rec in r.completions:
+            if rec is r.record or rec.finish_reason is None:
+                rec.cancelled = True
+                rec.finish_reason = "abort"
+                rec.cancel_ms = round(self.now_ms(), 3)
+                rec.finished_ms = rec.cancel_ms
 
-    def _append(self, r: _Req, tokens: list[int], tops: list[list[tuple[int, float]]]) -> None:
-        rec = r.record
+    def _append(self, r: _Req, tokens: list[int], tops: list[list[tuple[int, float]]],
+                index: int = 0) -> RequestRecord:
+        if not 0 <= index < len(r.completions):
+            raise ValueError(f"choice index {index} for a request of n = {len(r.completions)}")
+        rec = r.completions[index]
         # A non-streamed response shows no first-token time, only its end.
         if tokens and rec.first_token_ms is None and r.stream:
             rec.first_token_ms = round(self.now_ms(), 3)
         rec.token_ids.extend(tokens)
-        rec.logprobs.extend(tops)
+        if r.greedy:  # a child of n has no margin of its own (harness/vllm_args.py)
+            rec.logprobs.extend(tops)
+        return rec
 
     def _check_relative(self, r: _Req) -> None:
         n = len(r.record.token_ids)
@@ -523,7 +549,7 @@ class Replayer:
             self.hist.metrics_after = await scrape(self.target)
         self.hist.events.sort(key=lambda e: (e.actual_offset_ms if e.actual_offset_ms is not None else float("inf"),
                                              e.index))
-        self.hist.requests = {rid: r.record for rid, r in self.reqs.items()}
+        self.hist.requests = {c.request_id: _synced(c, r.record) for r in self.reqs.values() for c in r.completions}
         return self.hist
 
 
