@@ -22,6 +22,7 @@ from kvfuzz.traces.errors import BadInput
 from kvfuzz.traces.io import parse_finding, parse_trace, read_json, validation_message
 
 from .feedback import Coverage
+from .requests import with_knobs_of
 
 
 class CorpusEntry(BaseModel):
@@ -61,8 +62,7 @@ def rebase(trace: Trace, engine: EngineConfig) -> Trace | None:
     on a LoRA engine."""
     if trace.lifecycle and engine.lora.enabled:
         engine = engine.model_copy(update={"lora": trace.engine.lora})
-    if trace.engine.scheduling_policy is not None:  # drawn per trace (fuzzer/requests.py)
-        engine = engine.model_copy(update={"scheduling_policy": trace.engine.scheduling_policy})
+    engine = with_knobs_of(engine, trace.engine)  # drawn per trace (fuzzer/requests.py)
     if trace.engine.key() == engine.key() and trace.engine.toggles == engine.toggles:
         return trace
     try:

@@ -103,6 +103,9 @@ class GenOptions:
     # is chosen in docs/benchmarks.md ("Per-request state"). 0 and 0: random-v2's traces.
     request_state: float = 0.4
     p_priority: float = 0.25
+    # The probability that a trace's engine takes prompt embeddings and some of its sends give
+    # their prompts as embeddings (in-process engines only: `kvfuzz run` turns it off elsewhere).
+    p_embeds: float = 0.15
 
 
 def _length(rng: random.Random, bs: int, opts: GenOptions) -> int:
@@ -158,8 +161,9 @@ def generate(seed: int, engine: EngineConfig | None = None, opts: GenOptions | N
         # Its own RNG: the trace drawn above is the same whatever the reuse probability.
         events = reuse_prompts(events, seed, engine, opts)
     events = _additions(rng, engine, opts, events, step)
-    dressed, engine = requests.dress(events, seed, engine, share=opts.request_state, p_priority=opts.p_priority)
-    plain = opts.request_state <= 0 and opts.p_priority <= 0
+    dressed, engine = requests.dress(events, seed, engine, share=opts.request_state, p_priority=opts.p_priority,
+                                     p_embeds=opts.p_embeds)
+    plain = opts.request_state <= 0 and opts.p_priority <= 0 and opts.p_embeds <= 0
     return Trace(engine=engine, events=dressed, name=f"random-{seed}",
                  lineage=Lineage(generator="random-v2" if plain else GENERATOR, seed=seed))
 

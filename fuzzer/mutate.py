@@ -34,6 +34,7 @@ from kvfuzz.traces.trace import Event, LoadAdapterEvent, Prompt, ReloadAdapterEv
 
 from . import lifecycle, shapes
 from .lifecycle import overwrites_in_flight
+from .requests import with_knobs_of, without_knobs
 from .shapes import at_step, embedded_bytes_per_token, fresh_id, kv_capacity_tokens  # noqa: F401  (kv_capacity_tokens: public)
 
 OperatorFn = Callable[[Trace, random.Random], Trace | None]
@@ -126,7 +127,8 @@ def _rebuild(trace: Trace, events: list[Event], *, engine: EngineConfig | None =
     """A validated copy with new events, both clocks filled in, in time order
     (``shapes.in_time_order``)."""
     eng = engine or trace.engine
-    events = [e.model_copy(update={"at": both_clocks(e.at, eng)}) for e in events]
+    events = [(e.fitted() if isinstance(e, SendEvent) else e).model_copy(update={"at": both_clocks(e.at, eng)})
+              for e in events]
     if sort:
         events = shapes.in_time_order(events, eng)
     data = trace.model_dump(mode="python", exclude={"events", "engine"})
@@ -681,12 +683,10 @@ def graft(base: Trace, donor: Trace, rng: random.Random, *, max_sends: int = 8) 
     to start at a random step within ``base``'s span. Prefix groups keep their names, so a
     grafted request may share a prefix with the base's. The bounded window keeps the traces of
     a graft-of-a-graft lineage from growing without end. The lineage is the donor's plus
-    ``graft``; ``generator``/``seed`` name the base (see ``mutate_into``). The scheduling policy
-    is drawn per trace: a donor's priorities take the result to priority scheduling, where the
-    base's sends have the default priority."""
-    eng = base.engine
-    if donor.engine.scheduling_policy == "priority":
-        eng = eng.model_copy(update={"scheduling_policy": "priority"})
+    ``graft``; ``generator``/``seed`` name the base (see ``mutate_into``). The engine settings
+    drawn per trace (``requests.with_knobs_of``) follow the donor's sends: priorities take the
+    result to priority scheduling, embeddings to an engine that takes them."""
+    eng = with_knobs_of(base.engine, donor.engine)
     sends = sorted(donor.sends, key=lambda s: s.at.step_or(donor.engine.ms_per_step))
     w = min(len(sends), rng.randint(2, max(2, max_sends)))
     start = rng.randint(0, len(sends) - w)
@@ -725,7 +725,7 @@ def mutate_into(base: Trace, parent: Trace, rng: random.Random, *, allow_engine_
     ``operators`` the operators applied to it and then ``graft``, ``generator``/``seed`` the
     fresh trace it was grafted into."""
     donor = mutate(parent, rng, allow_engine_changes=allow_engine_changes, allowed=allowed, lifecycle=lifecycle)
-    if donor.engine.model_copy(update={"scheduling_policy": base.engine.scheduling_policy}) != base.engine:
+    if without_knobs(donor.engine) != without_knobs(base.engine):
         return donor  # an engine-changing operator: the donor's engine cannot host the base
     return graft(base, donor, rng)
 

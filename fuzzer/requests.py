@@ -19,7 +19,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from kvfuzz.traces import EMBEDDED_MODEL, EngineConfig, Sampling, SendEvent
+from kvfuzz.traces import EMBEDDED_MODEL, EngineConfig, PromptEmbeds, Sampling, SendEvent
 from kvfuzz.traces.trace import EMBEDDED_HYBRID, Event
 
 # The embedded models' vocabulary and end-of-sequence token (harness/embedded.py).
@@ -30,6 +30,24 @@ FEATURES = ("allowed", "bias", "eos", "min_tokens", "stop", "penalties", "n", "p
 # Those that need the model's vocabulary.
 VOCAB_FEATURES = frozenset({"allowed", "bias", "eos", "stop"})
 PRIORITIES = (-1, 0, 0, 1, 2)
+
+
+def with_knobs_of(engine: EngineConfig, other: EngineConfig) -> EngineConfig:
+    """``engine`` able to run ``other``'s sends too, for the engine settings drawn per trace
+    (``dress``): priority scheduling (sends without a priority have the default one) and prompt
+    embeddings (id prompts run as ever)."""
+    update: dict[str, object] = {}
+    if other.scheduling_policy == "priority":
+        update["scheduling_policy"] = "priority"
+    if other.enable_prompt_embeds:
+        update["enable_prompt_embeds"] = True
+    return engine.model_copy(update=update) if update else engine
+
+
+def without_knobs(engine: EngineConfig) -> EngineConfig:
+    """``engine`` without the settings drawn per trace: what two traces' engines must share to be
+    one engine but for those."""
+    return engine.model_copy(update={"scheduling_policy": None, "enable_prompt_embeds": False})
 
 
 def knows_vocab(engine: EngineConfig) -> bool:
@@ -87,19 +105,37 @@ def draw_sampling(rng: random.Random, engine: EngineConfig, max_tokens: int) -> 
     return Sampling(**fields)  # type: ignore[arg-type]
 
 
+def draw_embeds(rng: random.Random, length: int) -> PromptEmbeds:
+    """A prompt as embeddings: the tokens' own rows (half the time), else one to three perturbed
+    positions; now and then the first part of the prompt (a shared prefix, mostly) as ids."""
+    perturbed = sorted(rng.sample(range(length), min(length, rng.randint(1, 3)))) if rng.random() < 0.5 else []
+    as_ids: list[tuple[int, int]] = []
+    if length > 1 and rng.random() < 0.3:
+        as_ids = [(0, rng.randint(1, length - 1))]
+    return PromptEmbeds(perturbed=perturbed, scale=round(rng.uniform(0.5, 2.0), 2), seed=rng.randrange(1 << 30),
+                        as_ids=as_ids)
+
+
 def dress(events: Sequence[Event], seed: int, engine: EngineConfig, *, share: float,
-          p_priority: float) -> tuple[list[Event], EngineConfig]:
+          p_priority: float, p_embeds: float = 0.0) -> tuple[list[Event], EngineConfig]:
     """``events`` with a ``share`` of their sends given per-request state and, with probability
     ``p_priority``, the engine switched to priority scheduling with a priority on every send
-    (which request is preempted, and which waits, then follows the priorities). Sends that are
-    retries of an earlier send (the same prompt after a cancel) keep that send's state, as a
-    client's retry would."""
+    (which request is preempted, and which waits, then follows the priorities); with probability
+    ``p_embeds`` the engine takes prompt embeddings and some sends give their prompt as
+    embeddings (beside id prompts of the same prefix groups). Sends that are retries of an
+    earlier send (the same prompt after a cancel) keep that send's state, as a client's retry
+    would."""
     rng = random.Random(f"kvfuzz/request-state/{seed}")
-    if share <= 0 and p_priority <= 0:
+    if share <= 0 and p_priority <= 0 and p_embeds <= 0:
         return list(events), engine
     priority = rng.random() < p_priority
     if priority:
         engine = engine.model_copy(update={"scheduling_policy": "priority"})
+    # Drawn after the others, so a seed's other draws do not depend on it.
+    embeds = engine.model == EMBEDDED_MODEL and engine.kv_connector is None and rng.random() < p_embeds
+    if embeds:
+        engine = engine.model_copy(update={"enable_prompt_embeds": True})
+    drawn_embeds: dict[str, PromptEmbeds | None] = {}
     drawn: dict[str, Sampling] = {}
     out: list[Event] = []
     for ev in events:
@@ -114,6 +150,10 @@ def dress(events: Sequence[Event], seed: int, engine: EngineConfig, *, share: fl
             update: dict[str, object] = {"sampling": sampling}
             if priority:
                 update["priority"] = rng.choice(PRIORITIES)
+            if embeds:
+                if base not in drawn_embeds:
+                    drawn_embeds[base] = draw_embeds(rng, ev.prompt.length) if rng.random() < 0.4 else None
+                update["embeds"] = drawn_embeds[base]
             ev = ev.model_copy(update=update)
         out.append(ev)
     return out, engine

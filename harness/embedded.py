@@ -36,6 +36,7 @@ from kvfuzz.traces.errors import BadInput
 from kvfuzz.traces.paths import kvfuzz_cache
 
 if TYPE_CHECKING:
+    from kvfuzz.traces.trace import PromptEmbeds
     from kvfuzz.traces import EngineConfig
 
 BUILD_VERSION = 1
@@ -465,3 +466,40 @@ def resolve_model(config: "EngineConfig") -> ResolvedModel:
                 raise BadInput(f"adapter {name!r}: no such directory {adapter}", field="engine.lora.adapters")
             adapters[name] = str(adapter)
     return ResolvedModel(path, digest, adapters)
+
+
+# The embedding table's name in a Qwen2 / Llama checkpoint (the embedded models use both).
+EMBED_TABLE = "model.embed_tokens.weight"
+_TABLES: dict[str, "object"] = {}
+
+
+def embedding_table(model_path: str) -> "object":
+    """The model's input embedding table (a float32 torch tensor, vocab x hidden), read from its
+    safetensors files once per process."""
+    if model_path not in _TABLES:
+        from safetensors import safe_open
+
+        files = sorted(Path(model_path).glob("*.safetensors"))
+        for f in files:
+            with safe_open(str(f), framework="pt") as st:
+                if EMBED_TABLE in st.keys():
+                    _TABLES[model_path] = st.get_tensor(EMBED_TABLE).float()
+                    break
+        else:
+            raise BadInput(f"prompt embeddings need the model's embedding table ({EMBED_TABLE}), which no "
+                           f"safetensors file in {model_path} holds", field="events.embeds")
+    return _TABLES[model_path]
+
+
+def prompt_embeddings(model_path: str, tokens: list[int], spec: "PromptEmbeds") -> "object":
+    """A prompt's embeddings (``PromptEmbeds``): each token's own row of the table, perturbed
+    rows with deterministic noise (``spec.seed``) of ``spec.scale`` times the table's spread."""
+    import torch
+
+    table = embedding_table(model_path)
+    rows = table[torch.tensor(tokens, dtype=torch.long)].clone()  # type: ignore[index]
+    if spec.perturbed:
+        gen = torch.Generator().manual_seed(spec.seed)
+        noise = torch.randn((len(spec.perturbed), rows.shape[1]), generator=gen) * spec.scale * float(table.std())  # type: ignore[attr-defined]
+        rows[torch.tensor(spec.perturbed, dtype=torch.long)] += noise
+    return rows

@@ -49,7 +49,7 @@ from .base import EngineKind, Settled
 from .blocks import BlockEdges
 from .postconditions import Monitor, worker_batch, worker_input_ids, worker_positions, worker_runner
 from .compat import check_inprocess, engine_arg_names
-from .embedded import ResolvedModel, resolve_model
+from .embedded import ResolvedModel, prompt_embeddings, resolve_model
 from .logs import quiet_stderr, read_tail, route_vllm_logs
 from .vllm_args import LOGPROBS_MODE, engine_args, greedy_logprobs, request_fields
 
@@ -622,7 +622,7 @@ class InProcessEngine:
                     if ev.adapter and bound is None:
                         raise BadInput(f"adapter {ev.adapter!r} is not loaded", field=f"events[{i}].adapter")
                     lora = self._lora_request(bound) if bound is not None else None
-                    prompt: dict[str, Any] = {"prompt_token_ids": tokens}
+                    prompt = self._prompt(ev, tokens)
                     if ev.cache_salt is not None:
                         prompt["cache_salt"] = ev.cache_salt
                     iid = llm.add_request(ev.request_id, prompt, params, lora_request=lora,
@@ -741,6 +741,16 @@ class InProcessEngine:
         self._monitor.disabled = True
         hist.wall_seconds = time.perf_counter() - t0
         return hist
+
+    def _prompt(self, send: SendEvent, tokens: list[int]) -> dict[str, Any]:
+        """vLLM's prompt for a send: its token ids, or its embeddings (``PromptEmbeds``)."""
+        if send.embeds is None:
+            return {"prompt_token_ids": tokens}
+        assert self._model is not None
+        prompt: dict[str, Any] = {"prompt_embeds": prompt_embeddings(self._model.model_path, tokens, send.embeds)}
+        if send.embeds.as_ids:
+            prompt.update(prompt_token_ids=tokens, prompt_is_token_ids=send.embeds.id_mask(len(tokens)))
+        return prompt
 
     @staticmethod
     def _finish(rec: RequestRecord, reason: str, step: int, ms: float, out: Any) -> None:

@@ -68,6 +68,9 @@ def solo_settings(config: EngineConfig, reference_toggles: list[str]) -> dict[st
         "extra_args": config.extra_args,  # attention backend, enforce_eager, ...: all of them
         "kv_connector": config.kv_connector,
         "reference_toggles": sorted(reference_toggles),  # the clean arm's fixes run with references
+        # Id prompts too go through the embeddings path with it on (keyed only when on, so the
+        # keys of every engine without it stay as they were).
+        **({"prompt_embeds": True} if config.enable_prompt_embeds else {}),
     }
 
 
@@ -156,9 +159,13 @@ def reference_key(engine: Engine, send: SendEvent, binding: Binding | None) -> d
 
 def sampling_key(send: SendEvent) -> object:
     """What of a send's per-request state can change its solo output: its sampling fields for
-    one completion ("greedy" when it sets none, the key of every reference before they existed)."""
-    alone = send.sampling.alone()
-    return "greedy" if alone.is_default else alone.model_dump(mode="json")
+    one completion ("greedy" when it sets none, the key of every reference before they existed),
+    and embeddings that are not the tokens' own rows."""
+    alone = send.alone()
+    key: object = "greedy" if alone.sampling.is_default else alone.sampling.model_dump(mode="json")
+    if alone.embeds is not None:
+        key = {"sampling": key, "embeds": alone.embeds.model_dump(mode="json")}
+    return key
 
 
 def complete(rec: RequestRecord, max_tokens: int) -> bool:

@@ -193,8 +193,10 @@ def score_diverged(engine: Engine, rec: Recording, verdicts: list[Divergence], s
             continue
         ref = rec.references[v.request_id]
         send = rec.trace.send(v.request_id)
-        if send.sampling.processes_logits:
-            continue  # its run's logprobs are processed, a teacher-forced scoring's are the model's
+        if send.sampling.processes_logits or send.alone().embeds is not None:
+            # Its run's logprobs are processed, or its prompt is no token ids: a teacher-forced
+            # scoring (the model's own logits over token ids) is not comparable.
+            continue
         seen: set[tuple[int, ...]] = set()
         for h in rec.histories:
             r = h.requests.get(v.request_id)

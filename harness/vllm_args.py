@@ -50,6 +50,8 @@ def engine_args(config: EngineConfig, model_path: str, *, device: str = "cpu") -
         args["kv_transfer_config"] = kv_transfer_config(config.kv_connector)
     if config.scheduling_policy is not None:
         args["scheduling_policy"] = config.scheduling_policy
+    if config.enable_prompt_embeds:
+        args["enable_prompt_embeds"] = True
     args.update(config.extra_args)
     return args
 

@@ -168,8 +168,10 @@ def test_seeds_from_another_engine_are_rebased_or_skipped(tmp_path):
     save(generate(7, other), corpus / "other.json")
     c = Corpus(corpus)
     seeds, skipped = c.seeds(ENG)
-    # The scheduling policy is drawn per trace: it stays the trace's own.
-    own = ENG.model_copy(update={"scheduling_policy": generate(7, other).engine.scheduling_policy})
+    # The scheduling policy and prompt embeddings are drawn per trace: they stay the trace's own.
+    drawn = generate(7, other).engine
+    own = ENG.model_copy(update={"scheduling_policy": drawn.scheduling_policy,
+                                 "enable_prompt_embeds": drawn.enable_prompt_embeds})
     assert len(seeds) == 1 and seeds[0].trace.engine == own and not skipped
     lora_trace = generate(8, ENG)
     assert any(s.adapter for s in lora_trace.sends)

@@ -139,7 +139,7 @@ def test_a_default_campaign_covers_the_fields_in_a_share_of_its_requests():
     fields = {f for s in used for f in s.per_request_fields}
     assert fields >= {"allowed_token_ids", "logit_bias", "ignore_eos", "min_tokens", "stop", "stop_token_ids",
                       "presence_penalty", "frequency_penalty", "repetition_penalty", "n", "prompt_logprobs",
-                      "priority"}
+                      "priority", "embeds"}
     finishes = {("eos" if not s.sampling.ignore_eos else "length") for s in used}
     assert finishes == {"eos", "length"}
     # A retry keeps the state of the request it retries, as a client's would.
@@ -151,13 +151,14 @@ def test_a_default_campaign_covers_the_fields_in_a_share_of_its_requests():
 
 
 def test_the_state_is_drawn_apart_from_the_schedule():
-    plain = generate(7, opts=GenOptions(request_state=0.0, p_priority=0.0))
+    plain = generate(7, opts=GenOptions(request_state=0.0, p_priority=0.0, p_embeds=0.0))
     dressed = generate(7)
     assert plain.lineage.generator == "random-v2" and dressed.lineage.generator == "random-v3"
-    strip = [s.model_copy(update={"sampling": Sampling(), "priority": 0}) for s in dressed.sends]
+    strip = [s.model_copy(update={"sampling": Sampling(), "priority": 0, "embeds": None}) for s in dressed.sends]
     assert [s.model_dump() for s in strip] == [s.model_dump() for s in plain.sends]
-    events, engine = dress(plain.events, 7, plain.engine, share=1.0, p_priority=1.0)
-    assert engine.scheduling_policy == "priority"
+    events, engine = dress(plain.events, 7, plain.engine, share=1.0, p_priority=1.0, p_embeds=1.0)
+    assert engine.scheduling_policy == "priority" and engine.enable_prompt_embeds
+    assert any(e.embeds is not None for e in events if isinstance(e, SendEvent))
     assert all(e.per_request_fields for e in events if isinstance(e, SendEvent))
 
 

@@ -82,3 +82,33 @@ def test_a_row_that_moves_without_its_state_is_caught_and_named(session):
     (v,) = divergent(faulty.verdicts)
     assert v.request_id == "moved" and v.class_ == "corruption" and v.broke == "worker-sampling"
     assert not set(faulty.histories[0].requests["moved"].token_ids) <= {5, 6, 7}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_prompt_embeddings_mean_their_tokens_unless_perturbed(session, dtype):
+    """Embeddings of the tokens' own rows are the same prompt as the ids (the reference is the id
+    prompt); perturbed ones (no token's row) and mixed ones are judged by themselves alone. Id and
+    embeddings prompts share a prefix group: vLLM keys cached blocks by the embeddings, so none of
+    them reads another's KV."""
+    from kvfuzz.traces import PromptEmbeds
+
+    engine = default_engine(dtype=dtype, enable_prompt_embeds=True, kv_cache_bytes=8 * 2**20, max_model_len=4096)
+
+    def prompt(i: int) -> GenPrompt:
+        return GenPrompt(length=70, prefix_group="g", prefix_len=64, seed=i)
+
+    t = Trace(engine=engine, events=[
+        SendEvent(request_id="ids", at=At(step=0), prompt=prompt(1), max_tokens=12),
+        SendEvent(request_id="own", at=At(step=0), prompt=prompt(1), max_tokens=12, embeds=PromptEmbeds()),
+        SendEvent(request_id="perturbed", at=At(step=1), prompt=prompt(2), max_tokens=12,
+                  embeds=PromptEmbeds(perturbed=[3, 40], scale=2.0, seed=5)),
+        SendEvent(request_id="mixed", at=At(step=1), prompt=prompt(3), max_tokens=12,
+                  embeds=PromptEmbeds(perturbed=[50], scale=2.0, as_ids=[(0, 33)])),
+        SendEvent(request_id="ids2", at=At(step=2), prompt=prompt(2), max_tokens=12)])
+    checked = session.check(t, runs=1)
+    assert not divergent(checked.verdicts), [(v.request_id, v.detail) for v in divergent(checked.verdicts)]
+    (h,) = checked.histories
+    r, refs = h.requests, checked.recording.references
+    assert r["own"].token_ids == r["ids"].token_ids
+    assert r["perturbed"].token_ids != r["ids2"].token_ids  # the noise changed what the prompt means
+    assert refs["perturbed"].token_ids == r["perturbed"].token_ids and not h.breaks

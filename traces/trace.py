@@ -103,6 +103,9 @@ class EngineConfig(_Strict):
     # vLLM's scheduling policy: "priority" admits and preempts by each send's ``priority``.
     # None is vLLM's default (fcfs), and is not written out.
     scheduling_policy: Literal["fcfs", "priority"] | None = None
+    # Prompts may be given as embeddings (``SendEvent.embeds``; vLLM's ``enable_prompt_embeds``,
+    # which also routes id prompts through the embeddings path). Written out only when on.
+    enable_prompt_embeds: bool = False
 
     @field_validator("kv_connector")
     @classmethod
@@ -121,7 +124,10 @@ class EngineConfig(_Strict):
 
     @model_serializer(mode="wrap")
     def _drop_unset_connector(self, handler: Any) -> Any:
-        return _drop_none(handler(self), ("kv_connector", "scheduling_policy"))
+        data = _drop_none(handler(self), ("kv_connector", "scheduling_policy"))
+        if isinstance(data, dict) and data.get("enable_prompt_embeds") is False:
+            data.pop("enable_prompt_embeds")
+        return data
 
     def with_dtype(self, dtype: str) -> "EngineConfig":
         """This engine in another dtype, its KV cache keeping its capacity in tokens (16-bit KV
@@ -273,6 +279,50 @@ class Sampling(_Strict):
         return [name for name in type(self).model_fields if getattr(self, name) != getattr(default, name)]
 
 
+class PromptEmbeds(_Strict):
+    """The prompt given to vLLM as embeddings (``prompt_embeds``) instead of token ids: at each
+    position the row of the model's own embedding table for the prompt's token there, except at
+    ``perturbed`` positions (that row plus deterministic noise, ``scale`` times the table's
+    spread: no token's row); the ``as_ids`` ranges [start, end) go as token ids instead (a mixed
+    prompt: vLLM's ``prompt_is_token_ids``)."""
+
+    perturbed: list[Annotated[int, Field(ge=0, lt=MAX_LEN)]] = Field(default_factory=list, max_length=4096)
+    scale: float = Field(default=0.5, gt=0, le=10, allow_inf_nan=False)
+    seed: int = Field(default=0, ge=0, lt=2**63)
+    as_ids: list[tuple[Annotated[int, Field(ge=0, lt=MAX_LEN)], Annotated[int, Field(ge=1, le=MAX_LEN)]]] = \
+        Field(default_factory=list, max_length=64)
+
+    @model_validator(mode="after")
+    def _ranges(self) -> "PromptEmbeds":
+        for a, b in self.as_ids:
+            if a >= b:
+                raise ValueError(f"as_ids range [{a}, {b}) is empty")
+        return self
+
+    def check_length(self, length: int) -> None:
+        """ValueError naming what lies past a prompt of ``length`` tokens."""
+        past = [p for p in self.perturbed if p >= length] + [b for _, b in self.as_ids if b > length]
+        if past:
+            raise ValueError(f"position {past[0]} lies past the prompt's {length} tokens")
+
+    def id_mask(self, length: int) -> list[bool]:
+        """Per position, whether it goes as a token id (vLLM's ``prompt_is_token_ids``)."""
+        mask = [False] * length
+        for a, b in self.as_ids:
+            mask[a:b] = [True] * (b - a)
+        return mask
+
+    def fit(self, length: int) -> "PromptEmbeds":
+        """These embeddings on a prompt of ``length`` tokens: what lies past it dropped."""
+        ranges = [(a, min(b, length)) for a, b in self.as_ids if a < length]
+        return self.model_copy(update={"perturbed": [p for p in self.perturbed if p < length], "as_ids": ranges})
+
+    @property
+    def own_rows(self) -> bool:
+        """Every embedding is its token's own row: the prompt means the same as its token ids."""
+        return not self.perturbed
+
+
 class SendEvent(_Strict):
     kind: Literal["send"] = "send"
     request_id: str = Field(min_length=1)
@@ -288,6 +338,8 @@ class SendEvent(_Strict):
     # Lower is served first under ``engine.scheduling_policy`` "priority" (vLLM's rule); it
     # cannot change a solo output.
     priority: int = Field(default=0, ge=-(2**31), lt=2**31)
+    # The prompt goes as embeddings (needs ``engine.enable_prompt_embeds``).
+    embeds: PromptEmbeds | None = None
 
     @field_validator("at")
     @classmethod
@@ -298,7 +350,15 @@ class SendEvent(_Strict):
     def _min_within_max(self) -> "SendEvent":
         if self.sampling.min_tokens > self.max_tokens:
             raise ValueError(f"sampling.min_tokens {self.sampling.min_tokens} exceeds max_tokens {self.max_tokens}")
+        if self.embeds is not None:
+            self.embeds.check_length(self.prompt.length)
         return self
+
+    def fitted(self) -> "SendEvent":
+        """This send with its embeddings fitted to its prompt (after an edit of the prompt)."""
+        if self.embeds is None:
+            return self
+        return self.model_copy(update={"embeds": self.embeds.fit(self.prompt.length)})
 
     @property
     def completion_ids(self) -> list[str]:
@@ -310,16 +370,19 @@ class SendEvent(_Strict):
         """This send as its reference runs it: first, by itself, one completion (every child
         of ``n`` is judged by it) and the default priority (alone, no one to be ahead of)."""
         return self.model_copy(update={"at": At(step=0), "max_tokens": max_tokens or self.max_tokens,
-                                       "sampling": self.sampling.alone(), "priority": 0})
+                                       "sampling": self.sampling.alone(), "priority": 0,
+                                       # Embeddings of the tokens' own rows mean the token ids.
+                                       "embeds": None if self.embeds is None or self.embeds.own_rows else self.embeds})
 
     @property
     def per_request_fields(self) -> list[str]:
         """The per-request state this send sets beyond a plain greedy request."""
-        return self.sampling.fields_set() + (["priority"] if self.priority else [])
+        return (self.sampling.fields_set() + (["priority"] if self.priority else [])
+                + (["embeds"] if self.embeds is not None else []))
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler: Any) -> Any:
-        data = _drop_none(handler(self), ("cache_salt",))
+        data = _drop_none(handler(self), ("cache_salt", "embeds"))
         if isinstance(data, dict):
             # Written only when set: older sends keep their bytes, trace ids and reference keys.
             if not data.get("sampling"):
@@ -483,6 +546,8 @@ class Trace(_Strict):
                                      f"{ev.max_tokens}")
                 if ev.per_request_fields and self.schema_version < 3:
                     raise ValueError(f"events[{i}].{ev.per_request_fields[0]}: needs schema_version 3")
+                if ev.embeds is not None and not self.engine.enable_prompt_embeds:
+                    raise ValueError(f"events[{i}].embeds: needs engine.enable_prompt_embeds")
                 if ev.priority and self.engine.scheduling_policy != "priority":
                     raise ValueError(f"events[{i}].priority: needs engine.scheduling_policy \"priority\" "
                                      f"(vLLM refuses a priority under fcfs)")
@@ -499,6 +564,8 @@ class Trace(_Strict):
                     raise ValueError(f"events[{i}]: {ev.kind} needs schema_version 2")
         if self.engine.scheduling_policy is not None and self.schema_version < 3:
             raise ValueError("engine.scheduling_policy: needs schema_version 3")
+        if self.engine.enable_prompt_embeds and self.schema_version < 3:
+            raise ValueError("engine.enable_prompt_embeds: needs schema_version 3")
         for i, ev in enumerate(self.events):
             if isinstance(ev, CancelEvent) and ev.request_id not in sends:
                 raise ValueError(f"events[{i}].request_id: cancel of unknown request {ev.request_id!r}")

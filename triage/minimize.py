@@ -146,7 +146,7 @@ def _rebuild(trace: Trace, events: Iterable[Event] | None = None, engine: Engine
     """A validated copy with new events / engine, or None if the result is not a valid trace."""
     data = trace.model_dump(mode="json")
     if events is not None:
-        data["events"] = [e.model_dump(mode="json") for e in events]
+        data["events"] = [(e.fitted() if isinstance(e, SendEvent) else e).model_dump(mode="json") for e in events]
     if engine is not None:
         data["engine"] = engine.model_dump(mode="json")
     try:

@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 
 import h11
 
-from kvfuzz.traces import SendEvent, expand
+from kvfuzz.traces import BadInput, SendEvent, expand
 
 from ..vllm_args import request_fields
 
@@ -74,6 +74,9 @@ class HttpTarget:
 
 def completion_payload(send: SendEvent, model: str, *, stream: bool, cache_salt: str | None = None) -> dict[str, Any]:
     """The /v1/completions body for one send (pure; unit-tested)."""
+    if send.embeds is not None:
+        raise BadInput("prompt embeddings are replayed by the in-process engine only",
+                       field=f"events[{send.request_id}].embeds")
     body: dict[str, Any] = {
         "model": model,
         "prompt": expand(send.prompt),

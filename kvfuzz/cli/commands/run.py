@@ -92,7 +92,7 @@ def run(
                                                 "real traffic repeats prompts (default 0: off, by measurement; docs/fuzzer.md).")] = None,
     request_state: Annotated[float, typer.Option(min=0.0, max=1.0, help="Share of generated requests that carry "
                                                  "per-request state (allowed tokens, bias, EOS and stop rules, "
-                                                 "min_tokens, penalties, n, prompt logprobs); some traces also "
+                                                 "min_tokens, penalties, n, prompt logprobs, prompt embeddings); some traces also "
                                                  "schedule by priority. 0: plain greedy requests only "
                                                  "(docs/fuzzer.md).")] = 0.4,
 ) -> None:
@@ -176,7 +176,9 @@ def run(
                      adapters=sorted(engine.lora.adapters) if engine.lora.enabled else [], lifecycle=lifecycle,
                      prompt_reuse=0.0 if lifecycle else (DEFAULT_PROMPT_REUSE if prompt_reuse is None else prompt_reuse),
                      pool_seed=seed, request_state=request_state,
-                     p_priority=GenOptions.p_priority if request_state > 0 else 0.0)
+                     p_priority=GenOptions.p_priority if request_state > 0 else 0.0,
+                     # Prompt embeddings go through the in-process engine only (harness/http/wire.py).
+                     p_embeds=GenOptions.p_embeds if request_state > 0 and kind == "inprocess" else 0.0)
     opts = CampaignOptions(seed=seed, budget_s=budget, max_traces=traces_n, runs=runs, out=out, engine=engine, gen=gen,
                            resume=resume, corpus=corpus, mode="feedback" if feedback else "random", operators=ops,
                            # Naming an engine-changing operator (small_kv) is asking for restarts.
