@@ -180,6 +180,7 @@ class Monitor:
         self._adapters: dict[str, int] = {}  # request scheduled this step -> its LoRA id (0: none)
         self._lora_requests: dict[str, Any] = {}  # ... -> its LoRARequest (None: none), to enforce it
         self._requests: dict[str, Any] = {}  # ... -> the scheduler's Request (its sampling state)
+        self._sampling_off = False  # the sampling-state check alone found another layout
         self._kernel: list[np.ndarray] = []  # the step's kernels' sequence lengths, per row
         self._sampled: np.ndarray | None = None  # the step's sampled hidden-state row, per request
         # Request (trace id) -> its first break after which its KV is wrong, and the step's
@@ -207,7 +208,13 @@ class Monitor:
                 self._guarded(lambda: self._check_tokens(self.step, batch, input_ids, self.ext))
             if self._sampled is not None:
                 self._guarded(lambda: self._check_sampled(self.step, batch, self.ext))
-            self._guarded(lambda: self._check_sampling(self.step, batch, self.ext))
+            if not (self._sampling_off or self.disabled or self._full):
+                try:
+                    self._check_sampling(self.step, batch, self.ext)
+                except (AttributeError, TypeError, IndexError, KeyError, ValueError):
+                    # Another layout of the batch's sampling state: only this check stops.
+                    log.debug("sampling state not checked on this vLLM layout", exc_info=True)
+                    self._sampling_off = True
             if not self._slots_off and not self.disabled and not self._full:
                 try:
                     self._check_slots(self.step, batch, self.ext)
@@ -631,7 +638,7 @@ class Monitor:
                                f"{want[at] if at < len(want) else 'none'} ({len(got)} vs {len(want)} blocks)")
 
     def _check_sampling(self, step: int, batch: Any, ext: Callable[[str], str]) -> None:
-        """Each row's sampling state against its request's (``sampling_state``)."""
+        """Each row's sampling state against its request's (``sampling_state_mismatch``)."""
         for rid, row in batch.req_id_to_index.items():
             req = self._requests.get(rid)
             params = getattr(req, "sampling_params", None)
@@ -797,10 +804,16 @@ def sampling_state_mismatch(batch: Any, rid: str, row: int, params: Any, output:
     allowed = sorted(set(params.allowed_token_ids or ()))
     if (rid in batch.has_allowed_token_ids) != bool(allowed):
         return "an allowed-token mask" + (" missing" if allowed else " where the request has none")
-    if allowed:
-        got = np.flatnonzero(~batch.allowed_token_ids_mask_cpu_tensor[row].numpy()).tolist()
-        if got != allowed:
+    mask = batch.allowed_token_ids_mask_cpu_tensor
+    if mask is not None:
+        # The sampler applies every row of the mask once any request in the batch has one: an
+        # unrestricted request's row must mask nothing.
+        got = np.flatnonzero(~mask[row].numpy()).tolist() if allowed else []
+        if allowed and got != allowed:
             return f"allowed tokens {got[:8]}, the request's {allowed[:8]}"
+        if not allowed and bool(mask[row].any()):
+            kept = np.flatnonzero(~mask[row].numpy()).tolist()
+            return f"an allowed-token mask of {len(kept)} tokens {kept[:8]} where the request has none"
     bad = getattr(params, "bad_words_token_ids", None) or None
     if batch.bad_words_token_ids.get(row) != bad:
         return f"bad words {batch.bad_words_token_ids.get(row)}, the request's {bad}"

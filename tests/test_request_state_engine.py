@@ -112,3 +112,20 @@ def test_prompt_embeddings_mean_their_tokens_unless_perturbed(session, dtype):
     assert r["own"].token_ids == r["ids"].token_ids
     assert r["perturbed"].token_ids != r["ids2"].token_ids  # the noise changed what the prompt means
     assert refs["perturbed"].token_ids == r["perturbed"].token_ids and not h.breaks
+
+
+def test_the_stale_allowed_mask_of_a_vacated_row_is_named_on_the_request_that_reads_it(session):
+    """vLLM #43894's witness (traces/regressions): on 0.32 clean it passes; with a row that keeps
+    its mask behind, the unrestricted request added to that row reads it, and its break says so."""
+    from kvfuzz.gate.gate import bundled_corpus
+    from kvfuzz.harness.toggles.builtin import ROW_STATE
+    from kvfuzz.traces import load_trace
+
+    t = load_trace(bundled_corpus() / "vllm-43894-condense-stale-allowed-mask.json")
+    assert not divergent(session.check(t, runs=1).verdicts)
+    faulty = session.check(t.model_copy(update={"engine": t.engine.model_copy(update={"toggles": [ROW_STATE]})}),
+                           runs=1)
+    v = {d.request_id: d for d in divergent(faulty.verdicts)}
+    assert v["r5"].class_ == "corruption" and v["r5"].broke == "worker-sampling"
+    (b,) = [b for b in faulty.histories[0].breaks if b.request == "r5"]
+    assert "where the request has none" in b.detail
