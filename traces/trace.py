@@ -269,6 +269,12 @@ class Sampling(_Strict):
         return bool(self.allowed_token_ids or self.logit_bias or self.bad_words or self.min_tokens
                     or self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
+    @property
+    def reads_prompt_ids(self) -> bool:
+        """Whether vLLM's processing reads the prompt's token ids: the repetition penalty counts
+        them, and a prompt given as embeddings carries none (vLLM sees placeholders there)."""
+        return self.repetition_penalty != 1.0
+
     def alone(self) -> "Sampling":
         """These parameters for one completion: what a child of ``n`` is referenced by."""
         return self.model_copy(update={"n": 1})
@@ -371,8 +377,10 @@ class SendEvent(_Strict):
         of ``n`` is judged by it) and the default priority (alone, no one to be ahead of)."""
         return self.model_copy(update={"at": At(step=0), "max_tokens": max_tokens or self.max_tokens,
                                        "sampling": self.sampling.alone(), "priority": 0,
-                                       # Embeddings of the tokens' own rows mean the token ids.
-                                       "embeds": None if self.embeds is None or self.embeds.own_rows else self.embeds})
+                                       # Embeddings of the tokens' own rows mean the token ids,
+                                       # unless the request's processing reads those ids.
+                                       "embeds": None if self.embeds is None or (
+                                           self.embeds.own_rows and not self.sampling.reads_prompt_ids) else self.embeds})
 
     @property
     def per_request_fields(self) -> list[str]:

@@ -54,7 +54,8 @@ def _patch() -> None:
 register(Toggle(
     name=ROW_STATE,
     kind="fault",
-    models="per-request sampling state in the persistent batch (InputBatch.condense)",
+    models="per-request sampling state in the persistent batch (InputBatch.condense); its vacated row "
+           "keeping the moved request's mask is vllm#43894",
     process="worker",
     target=f"{_IB}.InputBatch.condense",
     backends=("cpu", "cuda"),
