@@ -43,10 +43,11 @@ PRESSURE = {"scheduler_reserve_full_isl": False}
 
 
 def send(rid: str, step: int, length: int, mt: int, *, group: str | None = None, plen: int = 0, seed: int = 0,
-         adapter: str | None = None, offset_ms: float | None = None, stream: bool = True) -> SendEvent:
+         adapter: str | None = None, offset_ms: float | None = None, stream: bool = True,
+         sampling: Sampling | None = None) -> SendEvent:
     return SendEvent(request_id=rid, at=At(step=step, offset_ms=step * MS if offset_ms is None else offset_ms),
                      prompt=GenPrompt(length=length, prefix_group=group, prefix_len=plen, seed=seed),
-                     max_tokens=mt, adapter=adapter, stream=stream)
+                     max_tokens=mt, adapter=adapter, stream=stream, sampling=sampling or Sampling())
 
 
 def cancel(rid: str, step: int | None = None, *, after_tokens: int | None = None,
@@ -279,9 +280,8 @@ def condense_stale_allowed_mask_43894() -> Trace:
     # tokens, joins in row 1; r2 finishes, condense moves r4 to row 0 and leaves its mask in row
     # 1; "r5", unrestricted, is added to row 1 and chooses among r4's three tokens.
     eng = EngineConfig(max_model_len=4096)
-    r4 = send("r4", 18, 1, 9, seed=472949982)
     ev = [send("r2", 0, 1, 19, seed=870133545),
-          r4.model_copy(update={"sampling": Sampling(allowed_token_ids=[265, 313, 396])}),
+          send("r4", 18, 1, 9, seed=472949982, sampling=Sampling(allowed_token_ids=[265, 313, 396])),
           send("r5", 20, 1, 1, seed=607773522)]
     return regression("vllm-43894-condense-stale-allowed-mask", eng, ev,
                       report="https://github.com/vllm-project/vllm/issues/43894 (PR #43931)",
