@@ -565,13 +565,15 @@ class InProcessEngine:
         recs: dict[str, RequestRecord] = {}
         book = self._adapters.book(trace) if trace.engine.lora.enabled else None
         self._edges = BlockEdges()
-        self._rows = {}  # request -> its persistent-batch row after the last step
+        self._rows = {}
         internal: dict[str, str] = {}  # vLLM internal id -> our request id
         # A KV connector writes the KV it loads outside the step's slot mapping.
         self._monitor = Monitor(ext=lambda rid: internal.get(rid, rid), writes=not self.config.kv_connector)
         live: set[str] = set()
-        # A send's request id -> its records: itself, then the other children of its ``n``.
+        # A send's request id -> its records: itself, then the other children of its ``n``; and
+        # the sends whose logprobs carry a margin (greedy_logprobs).
         children: dict[str, list[str]] = {}
+        margins: set[str] = set()
         scheduled_once: set[str] = set()
         t0 = time.perf_counter()
         step = 0
@@ -630,6 +632,8 @@ class InProcessEngine:
                     internal[iid] = ev.request_id
                     live.add(ev.request_id)
                     children[ev.request_id] = ev.completion_ids
+                    if greedy_logprobs(ev.sampling):
+                        margins.add(ev.request_id)
                     for k, child in enumerate(children[ev.request_id]):
                         if ev.sampling.n > 1:  # vLLM's ids of the fan-out (ParentRequest.get_child_info)
                             internal[f"{k}_{iid}"] = child
@@ -710,7 +714,7 @@ class InProcessEngine:
                         rec.first_token_step = step
                         rec.first_token_ms = now_ms()
                     rec.token_ids.extend(comp.token_ids)
-                    positions = (comp.logprobs or []) if greedy_logprobs(trace.send(rid).sampling) else []
+                    positions = (comp.logprobs or []) if rid in margins else []
                     for tok, pos in zip(comp.token_ids, positions):
                         # The chosen token, then the best other: vLLM ranks a token by how many
                         # are at least as likely, so in a 16-bit tie the chosen one ranks second.
