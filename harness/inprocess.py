@@ -573,6 +573,7 @@ class InProcessEngine:
         # A send's request id -> its records: itself, then the other children of its ``n``; and
         # the sends whose logprobs carry a margin (greedy_logprobs).
         children: dict[str, list[str]] = {}
+        owner: dict[str, str] = {}  # a completion's send
         margins: set[str] = set()
         scheduled_once: set[str] = set()
         t0 = time.perf_counter()
@@ -583,6 +584,12 @@ class InProcessEngine:
 
         def now_ms() -> float:
             return (time.perf_counter() - t0) * 1000.0
+
+        def ended(cid: str) -> bool:
+            # A completion (a child of n among them) has finished or was cancelled; its send
+            # leaves ``live`` once all of its completions have.
+            rec = recs[cid]
+            return rec.finished_step is not None or rec.cancelled or owner[cid] not in live
 
         def hang(detail: str) -> None:
             # A hang the replay found itself: every step returned, so its unfinished requests
@@ -632,6 +639,7 @@ class InProcessEngine:
                     internal[iid] = ev.request_id
                     live.add(ev.request_id)
                     children[ev.request_id] = ev.completion_ids
+                    owner.update({c: ev.request_id for c in ev.completion_ids})
                     if greedy_logprobs(ev.sampling):
                         margins.add(ev.request_id)
                     for k, child in enumerate(children[ev.request_id]):
@@ -668,7 +676,7 @@ class InProcessEngine:
                     still.append((i, ev))
             pending_rel = still
 
-            if until and all(r in recs and (r not in live or (settled is not None and settled(hist, recs[r])))
+            if until and all(r in recs and (ended(r) or (settled is not None and settled(hist, recs[r])))
                              for r in until):
                 # Every request the caller reads is done (or settled): the rest is aborted, as
                 # a cancel would (clean_slate starts the next run from nothing either way).

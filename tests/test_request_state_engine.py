@@ -129,3 +129,15 @@ def test_the_stale_allowed_mask_of_a_vacated_row_is_named_on_the_request_that_re
     assert v["r5"].class_ == "corruption" and v["r5"].broke == "worker-sampling"
     (b,) = [b for b in faulty.histories[0].breaks if b.request == "r5"]
     assert "where the request has none" in b.detail
+
+
+def test_a_replay_stopped_at_a_child_of_n_waits_for_that_child(session):
+    """Triage replays a victim's trace until the victim is done: a completion of n is done when it
+    finishes, not when it is admitted (its send's id is the one vLLM tracks)."""
+    engine = default_engine(kv_cache_bytes=8 * 2**20, max_model_len=4096)
+    t = Trace(engine=engine, events=[
+        SendEvent(request_id="n", at=At(step=0), max_tokens=10, sampling=S(n=3), prompt=GenPrompt(length=40, seed=1)),
+        SendEvent(request_id="long", at=At(step=0), max_tokens=30, prompt=GenPrompt(length=50, seed=2))])
+    h = session.engine_for(engine).replay(t, until=["n#2"])
+    assert h.stopped_at is not None and h.requests["n#2"].finish_reason == "length"
+    assert len(h.requests["n#2"].token_ids) == 10 and h.requests["long"].finished_step is None

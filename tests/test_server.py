@@ -176,7 +176,10 @@ def test_campaign_through_the_managed_server(session, tmp_path):
                            # The campaign path, not long prefills (those are the in-process tests'):
                            # HTTP runs and references of 6k-token prompts and KV-pressure holders
                            # cost 20 s here and check nothing more.
-                           gen=GenOptions(adapters=[], max_requests=6, p_long=0.0, p_pressure=0.0))
+                           # Per-request state, without the engine settings drawn per trace (as
+                           # `kvfuzz run --engine server` does: each would restart the server).
+                           gen=GenOptions(adapters=[], max_requests=6, p_long=0.0, p_pressure=0.0, p_priority=0.0,
+                                          p_embeds=0.0))
     state = run_campaign(opts, lambda t: session.check(t))
     assert state.traces == 2 and state.complete
     assert state.findings == 0, json.loads((tmp_path / "campaign.json").read_text())

@@ -556,6 +556,11 @@ class Trace(_Strict):
                     raise ValueError(f"events[{i}].{ev.per_request_fields[0]}: needs schema_version 3")
                 if ev.embeds is not None and not self.engine.enable_prompt_embeds:
                     raise ValueError(f"events[{i}].embeds: needs engine.enable_prompt_embeds")
+                if ev.embeds is not None:
+                    try:
+                        ev.embeds.check_length(ev.prompt.length)
+                    except ValueError as e:
+                        raise ValueError(f"events[{i}].embeds: {e}") from None
                 if ev.priority and self.engine.scheduling_policy != "priority":
                     raise ValueError(f"events[{i}].priority: needs engine.scheduling_policy \"priority\" "
                                      f"(vLLM refuses a priority under fcfs)")
