@@ -16,8 +16,9 @@ from typing import Annotated, Any, Final, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
 # 2: adapter lifecycle events (load / unload / reload), ``cache_salt`` on sends,
-# ``lora.max_cpu_loras``. 3: a send's per-request state (``sampling``, ``priority``) and the
-# engine's ``scheduling_policy``. Older files still load (they cannot carry those).
+# ``lora.max_cpu_loras``. 3: a send's per-request state (``sampling``, ``priority``, ``embeds``)
+# and the engine's ``scheduling_policy`` and ``enable_prompt_embeds``. Older files still load
+# (they cannot carry those).
 SCHEMA_VERSION: Final = 3
 SCHEMA_VERSIONS = (1, 2, 3)
 
@@ -353,12 +354,23 @@ class SendEvent(_Strict):
         return _absolute(at, "send")
 
     @model_validator(mode="after")
-    def _min_within_max(self) -> "SendEvent":
-        if self.sampling.min_tokens > self.max_tokens:
-            raise ValueError(f"sampling.min_tokens {self.sampling.min_tokens} exceeds max_tokens {self.max_tokens}")
-        if self.embeds is not None:
-            self.embeds.check_length(self.prompt.length)
+    def _state_fits(self) -> "SendEvent":
+        problem = self.state_problem()
+        if problem is not None:
+            raise ValueError(" ".join(problem))
         return self
+
+    def state_problem(self) -> tuple[str, str] | None:
+        """(field, why) where its per-request state does not fit the send itself, else None.
+        Checked when a send is built and again when a trace is (an edited copy is not rebuilt)."""
+        if self.sampling.min_tokens > self.max_tokens:
+            return "sampling.min_tokens", f"{self.sampling.min_tokens} exceeds max_tokens {self.max_tokens}"
+        if self.embeds is not None:
+            try:
+                self.embeds.check_length(self.prompt.length)
+            except ValueError as e:
+                return "embeds", str(e)
+        return None
 
     def fitted(self) -> "SendEvent":
         """This send with its embeddings fitted to its prompt (after an edit of the prompt)."""
@@ -549,18 +561,13 @@ class Trace(_Strict):
                     raise ValueError(f"events[{i}].adapter: {ev.adapter!r} used but engine.lora.enabled is false")
                 if ev.cache_salt is not None and self.schema_version < 2:
                     raise ValueError(f"events[{i}].cache_salt: needs schema_version 2")
-                if ev.sampling.min_tokens > ev.max_tokens:
-                    raise ValueError(f"events[{i}].sampling.min_tokens: {ev.sampling.min_tokens} exceeds max_tokens "
-                                     f"{ev.max_tokens}")
+                problem = ev.state_problem()
+                if problem is not None:
+                    raise ValueError(f"events[{i}].{problem[0]}: {problem[1]}")
                 if ev.per_request_fields and self.schema_version < 3:
                     raise ValueError(f"events[{i}].{ev.per_request_fields[0]}: needs schema_version 3")
                 if ev.embeds is not None and not self.engine.enable_prompt_embeds:
                     raise ValueError(f"events[{i}].embeds: needs engine.enable_prompt_embeds")
-                if ev.embeds is not None:
-                    try:
-                        ev.embeds.check_length(ev.prompt.length)
-                    except ValueError as e:
-                        raise ValueError(f"events[{i}].embeds: {e}") from None
                 if ev.priority and self.engine.scheduling_policy != "priority":
                     raise ValueError(f"events[{i}].priority: needs engine.scheduling_policy \"priority\" "
                                      f"(vLLM refuses a priority under fcfs)")
