@@ -10,7 +10,8 @@ preemption. Without them random traces reached those states in a few traces per 
 
 ``random-v2`` draws the v1 trace first and only then the additions, so a seed's v1 events are
 a prefix of its v2 events. ``random-v3`` is v2's schedule with per-request state on a share of
-its sends (fuzzer/requests.py, its own random stream): the same sends at the same steps.
+its sends (fuzzer/requests.py, its own random stream): the same sends at the same steps;
+``random-v4`` draws bad words among that state too.
 
 ``GenOptions(lifecycle=True)`` selects the lifecycle generator (``lifecycle-v1``,
 ``generate_lifecycle``): adapter names loaded, unloaded and reloaded between sends (docs/fuzzer.md,
@@ -35,7 +36,7 @@ from kvfuzz.traces.trace import (
 from . import hybrid, lifecycle, requests, shapes
 from .reuse import reuse_prompts
 
-GENERATOR = "random-v3"
+GENERATOR = "random-v4"
 
 EMBEDDED_ADAPTERS = {"a": "embedded:a", "b": "embedded:b", "c": "embedded:c"}
 

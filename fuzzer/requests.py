@@ -26,9 +26,9 @@ from kvfuzz.traces.trace import EMBEDDED_HYBRID, Event
 EMBEDDED_VOCAB = 512
 EMBEDDED_EOS = 1
 # A send's state is drawn from these features, one to three at a time.
-FEATURES = ("allowed", "bias", "eos", "min_tokens", "stop", "penalties", "n", "prompt_logprobs")
+FEATURES = ("allowed", "bias", "eos", "min_tokens", "stop", "penalties", "n", "prompt_logprobs", "bad_words")
 # Those that need the model's vocabulary.
-VOCAB_FEATURES = frozenset({"allowed", "bias", "eos", "stop"})
+VOCAB_FEATURES = frozenset({"allowed", "bias", "eos", "stop", "bad_words"})
 PRIORITIES = (-1, 0, 0, 1, 2)
 
 
@@ -90,6 +90,15 @@ def draw_sampling(rng: random.Random, engine: EngineConfig, max_tokens: int) -> 
             fields["stop_token_ids"] = picks
         else:
             fields["stop"] = [f"<t{t}>" for t in picks]
+    if "bad_words" in chosen:
+        # Words the request may otherwise choose: from its allowed set where it has one. A
+        # two-word entry bans its second word only after its first.
+        pool = [t for t in (allowed or range(4, EMBEDDED_VOCAB)) if t != EMBEDDED_EOS]
+        words = rng.sample(pool, min(len(pool) - 1, rng.randint(1, 2 if allowed else 8)))
+        bad = [f"<t{t}>" for t in words]
+        if rng.random() < 0.3:
+            bad.append(f"<t{rng.choice(pool)}><t{rng.choice(pool)}>")
+        fields["bad_words"] = bad
     if "penalties" in chosen:
         kind = rng.choice(("presence_penalty", "frequency_penalty", "repetition_penalty", "all"))
         if kind in ("presence_penalty", "all"):

@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from kvfuzz.traces.trace import PromptEmbeds
     from kvfuzz.traces import EngineConfig
 
-BUILD_VERSION = 1
+BUILD_VERSION = 2
 MODEL_NAME = "tiny-qwen2"
 ADAPTERS = ("a", "b", "c")  # three adapters: with max_loras=2, using all three forces swaps
 LORA_RANK = 8
@@ -56,7 +56,7 @@ INIT_STD = 0.2
 
 # Content hash of a correct build (see tests/test_embedded.py): a change here is a change of the
 # embedded default and must bump BUILD_VERSION.
-EXPECTED_HASH = "d609bcffbf541ada"
+EXPECTED_HASH = "f7e501f003f8f558"
 MANIFEST = "kvfuzz-model.json"
 
 
@@ -72,10 +72,10 @@ class EmbeddedModel:
 # only with the full-attention group first can that group's external-token allocation evict
 # the sliding-window group's not-yet-touched prefix hits (vllm#44409; docs/hybrid.md).
 HYBRID_NAME = "tiny-hybrid"
-HYBRID_BUILD_VERSION = 1
+HYBRID_BUILD_VERSION = 2
 HYBRID_LAYER_TYPES = ("full_attention", "sliding_attention")
 HYBRID_WINDOW = 128  # 4 blocks of 32: wide enough that the window still holds prefix hits
-HYBRID_EXPECTED_HASH = "16e79ddcff48e839"
+HYBRID_EXPECTED_HASH = "e897047c16c360e6"
 
 
 def cache_root(name: str = MODEL_NAME, version: int = BUILD_VERSION) -> Path:
@@ -218,13 +218,15 @@ def _hybrid_config() -> dict[str, object]:
 
 
 def _tokenizer() -> dict[str, object]:
-    # Word-level: token i is the literal "<ti>"; kvfuzz always sends token ids, the tokenizer
-    # only has to exist (and detokenize) for vLLM's server and output processing.
+    # Word-level: token i is the literal "<ti>". kvfuzz sends token ids; vLLM tokenizes only the
+    # words of a request's state (bad words). Every word is also an added token, matched before
+    # the model runs: transformers >= 5 replaces a Qwen2 checkpoint's tokenizer model with its
+    # byte-level BPE, which would encode no word at all.
     vocab = {f"<t{i}>": i for i in range(VOCAB)}
     specials = [
         {"id": i, "content": f"<t{i}>", "single_word": False, "lstrip": False, "rstrip": False,
-         "normalized": False, "special": True}
-        for i in range(4)
+         "normalized": False, "special": i < 4}
+        for i in range(VOCAB)
     ]
     return {
         "version": "1.0",

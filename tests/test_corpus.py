@@ -9,6 +9,7 @@ import pytest
 from rich.console import Console
 
 from kvfuzz.fuzzer import CampaignOptions, Corpus, CorpusEntry, default_engine, generate, run_campaign
+from kvfuzz.fuzzer.generate import GENERATOR
 from kvfuzz.fuzzer.corpus import Item, Scheduler
 from kvfuzz.fuzzer.feedback import Coverage
 from kvfuzz.traces import (
@@ -199,8 +200,8 @@ def test_findings_record_lineage(tmp_path):
     # A feedback mutant is grafted into that iteration's fresh trace: the link names both.
     assert f.trace.lineage.operators[-1] == "graft"
     assert chain[0] == LineageLink(parent=f.trace.lineage.parent, operators=f.trace.lineage.operators,
-                                   into=GraftInto(generator="random-v3", seed=f.trace.lineage.seed))
-    assert chain[-1].root and chain[-1].generator == "random-v3"
+                                   into=GraftInto(generator=GENERATOR, seed=f.trace.lineage.seed))
+    assert chain[-1].root and chain[-1].generator == GENERATOR
     assert f.provenance.campaign.source == "mutant"
 
 

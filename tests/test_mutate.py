@@ -7,6 +7,7 @@ import pytest
 
 from kvfuzz.fuzzer import GenOptions, default_engine, generate
 from kvfuzz.fuzzer.mutate import OPERATORS, apply, clocks_consistent, kv_capacity_tokens, min_kv_bytes, mutate
+from kvfuzz.fuzzer.generate import GENERATOR
 from kvfuzz.traces import At, CancelEvent, GenPrompt, SendEvent, Trace, expand, parse_trace
 
 LORA = default_engine(lora=True)
@@ -204,7 +205,7 @@ def test_mutate_records_lineage_and_is_deterministic():
     assert a == b
     assert a.lineage.parent == t.trace_id()
     assert a.lineage.operators and all(o in OPERATORS for o in a.lineage.operators)
-    assert a.lineage.generator == "random-v3" and a.lineage.seed == 5
+    assert a.lineage.generator == GENERATOR and a.lineage.seed == 5
     grand = mutate(a, random.Random(1))
     assert grand.lineage.parent == a.trace_id()
     # Without permission no operator changes the engine (a restart per trace would be slow).

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 
 from kvfuzz.fuzzer.feedback import signature
-from kvfuzz.fuzzer.generate import GenOptions, default_engine, generate
+from kvfuzz.fuzzer.generate import GENERATOR, GenOptions, default_engine, generate
 from kvfuzz.fuzzer.requests import dress
 from kvfuzz.harness.refstore import complete, sampling_key
 from kvfuzz.harness.vllm_args import engine_args, request_fields
@@ -140,7 +140,7 @@ def test_a_default_campaign_covers_the_fields_in_a_share_of_its_requests():
     assert len(used) >= 0.3 * len(sends)
     fields = {f for s in used for f in s.per_request_fields}
     assert fields >= {"allowed_token_ids", "logit_bias", "ignore_eos", "min_tokens", "stop", "stop_token_ids",
-                      "presence_penalty", "frequency_penalty", "repetition_penalty", "n", "prompt_logprobs",
+                      "presence_penalty", "frequency_penalty", "repetition_penalty", "n", "prompt_logprobs", "bad_words",
                       "priority", "embeds"}
     finishes = {("eos" if not s.sampling.ignore_eos else "length") for s in used}
     assert finishes == {"eos", "length"}
@@ -155,7 +155,7 @@ def test_a_default_campaign_covers_the_fields_in_a_share_of_its_requests():
 def test_the_state_is_drawn_apart_from_the_schedule():
     plain = generate(7, opts=GenOptions(request_state=0.0, p_priority=0.0, p_embeds=0.0))
     dressed = generate(7)
-    assert plain.lineage.generator == "random-v2" and dressed.lineage.generator == "random-v3"
+    assert plain.lineage.generator == "random-v2" and dressed.lineage.generator == GENERATOR
     strip = [s.model_copy(update={"sampling": Sampling(), "priority": 0, "embeds": None}) for s in dressed.sends]
     assert [s.model_dump() for s in strip] == [s.model_dump() for s in plain.sends]
     events, engine = dress(plain.events, 7, plain.engine, share=1.0, p_priority=1.0, p_embeds=1.0)
@@ -207,3 +207,98 @@ def test_embeddings_are_referenced_as_ids_only_when_they_mean_the_ids():
     edited = send(embeds=PromptEmbeds(perturbed=[1, 7], as_ids=[(0, 6)])).model_copy(
         update={"prompt": GenPrompt(length=5, seed=1)}).fitted()
     assert edited.embeds is not None and edited.embeds.perturbed == [1] and edited.embeds.as_ids == [(0, 5)]
+
+
+# -- prompt embeddings over HTTP ---------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    from kvfuzz.harness import embedded
+
+    return str(embedded.build(tmp_path_factory.mktemp("model")).model_dir)
+
+
+def _decoded(body):
+    import base64
+    import io
+
+    import torch
+
+    return torch.load(io.BytesIO(base64.b64decode(body["prompt_embeds"], validate=True)), weights_only=True)
+
+
+def test_embeddings_go_over_http_as_the_in_process_tensor(tiny_model):
+    import torch
+
+    from kvfuzz.harness.embedded import embedding_table, prompt_embeddings
+    from kvfuzz.harness.http import wire
+    from kvfuzz.traces import PromptEmbeds, expand
+
+    for spec in (PromptEmbeds(), PromptEmbeds(perturbed=[0, 5], scale=2.0, seed=3)):
+        s = send(embeds=spec)
+        body = wire.completion_payload(s, "m", stream=True, embeds_model=tiny_model)
+        # The embeddings alone: vLLM would take a `prompt` beside them as a second prompt.
+        assert "prompt" not in body and body["logprobs"] == 2 and body["return_tokens_as_token_ids"] is True
+        got = _decoded(body)
+        assert got.dtype == torch.float32 and got.shape == (8, 128)
+        assert torch.equal(got, prompt_embeddings(tiny_model, expand(s.prompt), spec))
+        rows = embedding_table(tiny_model)[torch.tensor(expand(s.prompt))]
+        assert torch.equal(got, rows) == spec.own_rows
+    # The record of a send does not depend on its prompt's form.
+    assert wire.completion_payload(send(), "m", stream=True)["prompt"] == expand(send().prompt)
+
+
+def test_embeddings_http_cannot_carry_are_refused_in_one_line_naming_the_field(tiny_model):
+    from kvfuzz.harness.http import wire
+    from kvfuzz.traces import PromptEmbeds
+
+    cases = [(send(embeds=PromptEmbeds(as_ids=[(0, 4)])), tiny_model, "events[r0].embeds.as_ids"),
+             (send(embeds=PromptEmbeds(), sampling=Sampling(prompt_logprobs=1)), tiny_model,
+              "events[r0].sampling.prompt_logprobs"),
+             (send(embeds=PromptEmbeds()), None, "events[r0].embeds")]
+    for s, model, field in cases:
+        with pytest.raises(BadInput) as ei:
+            wire.completion_payload(s, "m", stream=False, embeds_model=model)
+        assert ei.value.field == field and str(ei.value).startswith(field + ": ")
+        assert "\n" not in str(ei.value) and "in-process" in str(ei.value)
+
+
+def test_the_replay_builds_embeddings_from_the_engines_model(tiny_model, monkeypatch, tmp_path):
+    """The managed server embeds with the table of the directory it loaded; a URL only with the
+    embedded default's (built here, deterministically); any other model is refused."""
+    from kvfuzz.harness import embedded
+    from kvfuzz.harness.http.replay import Replayer
+    from kvfuzz.harness.http.wire import HttpTarget
+    from kvfuzz.harness.server import ServerEngine
+    from kvfuzz.harness.url import UrlEngine
+    from kvfuzz.traces import PromptEmbeds
+
+    monkeypatch.setenv("KVFUZZ_CACHE", str(tmp_path))
+    engine = default_engine(enable_prompt_embeds=True)
+    t = Trace(engine=engine, events=[send("ids"), send("e", embeds=PromptEmbeds(perturbed=[2]))])
+    local = str(embedded.build().model_dir)
+    assert ServerEngine(engine)._embeds_model(t, t.send("e")) == local
+    assert UrlEngine(engine, "http://127.0.0.1:9")._embeds_model(t, t.send("e")) == local
+    other = t.model_copy(update={"engine": engine.model_copy(update={"model": "Qwen/Qwen2.5-0.5B"})})
+    with pytest.raises(BadInput) as ei:
+        UrlEngine(engine, "http://127.0.0.1:9")._embeds_model(other, other.send("e"))
+    assert ei.value.field == "events[e].embeds" and "Qwen/Qwen2.5-0.5B" in str(ei.value)
+    assert "\n" not in str(ei.value)
+    # The replay's request bytes carry them, built before the clock starts.
+    rep = Replayer(HttpTarget("http://127.0.0.1:9", "m"), t, engine="server", arm="a", run_index=0, toggles=[],
+                   cache_salt=None, timeout_s=1.0, lead_ms=0.0, embeds_model=tiny_model)
+    rep.plan()
+    bodies = {rid: json.loads(r.wire.partition(b"\r\n\r\n")[2]) for rid, r in rep.reqs.items()}
+    assert "prompt" in bodies["ids"] and "prompt_embeds" not in bodies["ids"]
+    assert "prompt_embeds" in bodies["e"] and "prompt" not in bodies["e"]
+
+
+def test_an_engine_with_prompt_embeds_starts_its_server_with_the_flag():
+    from kvfuzz.harness.vllm_args import server_command
+
+    def cmd(**kw):
+        return server_command(default_engine(**kw), model_path="/m", adapter_paths={}, port=9000,
+                              launcher=("python", "-m", "vllm.entrypoints.openai.api_server"))
+
+    assert "--enable-prompt-embeds" in cmd(enable_prompt_embeds=True)
+    assert not any("prompt-embeds" in f for f in cmd())

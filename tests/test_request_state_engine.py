@@ -17,6 +17,7 @@ S = Sampling
 SPECS = {
     "plain": S(),
     "allowed": S(allowed_token_ids=[5, 9, 17, 33]),
+    "bad_words": S(allowed_token_ids=[5, 9, 17, 33], bad_words=["<t5>", "<t9><t17>"]),
     "eos": S(ignore_eos=False, logit_bias={EOS: 6.0}),
     "min_tokens": S(ignore_eos=False, min_tokens=6, logit_bias={EOS: 8.0}),
     "stop_string": S(stop=["<t17>"], allowed_token_ids=[17, 20, 21, 22]),
@@ -45,6 +46,9 @@ def test_each_field_takes_effect_and_a_clean_engine_matches_its_references(sessi
     (h,) = checked.histories
     r = h.requests
     assert set(r["allowed"].token_ids) <= {5, 9, 17, 33}
+    # A one-word bad word never comes; a two-word one never completes.
+    bad = r["bad_words"].token_ids
+    assert set(bad) <= {9, 17, 33} and (9, 17) not in set(zip(bad, bad[1:])) and 9 in bad
     assert r["eos"].finish_reason == "stop" and r["eos"].token_ids[-1] == EOS
     # min_tokens holds EOS back although its bias is larger than eos's.
     assert r["min_tokens"].finish_reason == "stop" and len(r["min_tokens"].token_ids) > 6
