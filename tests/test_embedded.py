@@ -29,3 +29,14 @@ def test_existing_build_is_reused_and_tampering_detected(tmp_path):
     with pytest.raises(BadInput, match="changed since they were built"):
         embedded.build(tmp_path / "m", verify=True)
     assert embedded.build(tmp_path / "m", force=True).content_hash == embedded.EXPECTED_HASH
+
+
+def test_the_tokenizer_vllm_loads_encodes_every_word():
+    """Bad words reach vLLM as text: whichever class transformers picks for the checkpoint, each
+    word is its token, with or without a leading space, and ids decode back to the words."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(embedded.build().model_dir))
+    assert tok.encode("<t5>", add_special_tokens=False) == [5]
+    assert tok.encode(" <t9><t511> <t17>", add_special_tokens=False) == [9, 511, 17]
+    assert tok.decode([5, 9], skip_special_tokens=True).replace(" ", "") == "<t5><t9>"
