@@ -575,6 +575,7 @@ class InProcessEngine:
         children: dict[str, list[str]] = {}
         owner: dict[str, str] = {}  # a completion's send
         margins: set[str] = set()
+        prompt_of: dict[str, list[int]] = {}  # the prompts whose logprobs a send asked for
         scheduled_once: set[str] = set()
         t0 = time.perf_counter()
         step = 0
@@ -642,6 +643,8 @@ class InProcessEngine:
                     owner.update({c: ev.request_id for c in ev.completion_ids})
                     if greedy_logprobs(ev.sampling):
                         margins.add(ev.request_id)
+                    if ev.sampling.prompt_logprobs is not None:
+                        prompt_of[ev.request_id] = tokens
                     for k, child in enumerate(children[ev.request_id]):
                         if ev.sampling.n > 1:  # vLLM's ids of the fan-out (ParentRequest.get_child_info)
                             internal[f"{k}_{iid}"] = child
@@ -713,6 +716,10 @@ class InProcessEngine:
                 produced = produced or out.finished or any(c.token_ids for c in out.outputs)
                 if rid not in children:
                     continue
+                if out.prompt_logprobs and rid in prompt_of:
+                    scored = prompt_token_logprobs(out.prompt_logprobs, prompt_of.pop(rid))
+                    for child in children[rid]:
+                        recs[child].prompt_logprobs = scored
                 # One completion per child of ``n`` (``index``); n = 1 has the one, index 0.
                 for comp in out.outputs:
                     rec = recs[children[rid][comp.index]]
@@ -921,9 +928,7 @@ class InProcessEngine:
         self._step_capture.clear()
         if final is None or final.prompt_logprobs is None:
             raise InfraError(f"teacher-forced scoring of {send.request_id!r} returned no prompt logprobs")
-        rows = [None if d is None else {t: {"logprob": lp.logprob} for t, lp in d.items()}
-                for d in final.prompt_logprobs]
-        return scored_positions(rows, len(prompt), scored)
+        return scored_positions(_rows(final.prompt_logprobs), len(prompt), scored)
 
     def _step_budget_for(self, tokens: int) -> int:
         return 4 * (tokens // max(1, self.config.max_num_batched_tokens) + 1) + 100
@@ -944,6 +949,18 @@ class InProcessEngine:
         from .environment import describe
 
         return describe(engine="inprocess", config=self.config, device=self.device, model_hash=self.model_hash)
+
+
+def _rows(prompt_logprobs: Any) -> list[Any]:
+    """vLLM's prompt logprobs (None, then {token id: Logprob} per position) as plain rows."""
+    return [None if d is None else {t: {"logprob": lp.logprob} for t, lp in d.items()} for d in prompt_logprobs]
+
+
+def prompt_token_logprobs(prompt_logprobs: Any, prompt: list[int]) -> list[list[tuple[int, float]]]:
+    """A request's own prompt logprobs as recorded: its token and the best other per position."""
+    from .http.wire import scored_positions
+
+    return scored_positions(_rows(prompt_logprobs), 1, prompt[1:])
 
 
 def _changes(a: EngineConfig, b: EngineConfig) -> str:

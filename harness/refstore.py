@@ -168,9 +168,12 @@ def sampling_key(send: SendEvent) -> object:
     return key
 
 
-def complete(rec: RequestRecord, max_tokens: int) -> bool:
+def complete(rec: RequestRecord, max_tokens: int, *, prompt_logprobs: bool = False) -> bool:
     """Whether a stored reference answers a request of ``max_tokens``: it ran that far, or it
-    stopped (EOS or a stop rule) before: a longer budget would not have made it go on."""
+    stopped (EOS or a stop rule) before: a longer budget would not have made it go on. A
+    request that asks for prompt logprobs needs them recorded."""
+    if prompt_logprobs and rec.prompt_logprobs is None:
+        return False
     return len(rec.token_ids) >= max_tokens or rec.finish_reason == "stop"
 
 
@@ -245,7 +248,8 @@ class DiskTiers:
             atomic_write_text(self._path(root, ns, kind, key), text)
 
     # -- references ----------------------------------------------------------------------------
-    def load_reference(self, ns: Namespace, key: dict[str, object], min_tokens: int) -> tuple[RequestRecord, str] | None:
+    def load_reference(self, ns: Namespace, key: dict[str, object], min_tokens: int, *,
+                       prompt_logprobs: bool = False) -> tuple[RequestRecord, str] | None:
         """A stored reference of at least ``min_tokens`` tokens, and who wrote it."""
         got = self._load(ns, "ref", key)
         if got is None:
@@ -256,7 +260,7 @@ class DiskTiers:
         except (KeyError, ValidationError) as e:
             self.warn(f"corrupt reference store entry {path} ({str(e).splitlines()[0][:80]}): recomputed")
             return None
-        if not complete(rec, min_tokens):
+        if not complete(rec, min_tokens, prompt_logprobs=prompt_logprobs):
             return None  # too short: computed again, longer, and overwritten
         return rec, str(data.get("writer"))
 
@@ -290,7 +294,8 @@ class StoreService:
     def __init__(self, out: str, cache: bool = True) -> None:
         self.tiers = DiskTiers.for_campaign(Path(out), cache=cache)
 
-    def load_reference(self, ns: Namespace, key: dict[str, object], min_tokens: int) -> tuple[RequestRecord, str] | None:
+    def load_reference(self, ns: Namespace, key: dict[str, object], min_tokens: int, *,
+                       prompt_logprobs: bool = False) -> tuple[RequestRecord, str] | None:
         return self.tiers.load_reference(ns, key, min_tokens)
 
     def save_reference(self, ns: Namespace, key: dict[str, object], rec: RequestRecord, writer: str) -> None:
@@ -311,7 +316,8 @@ class RemoteTiers(DiskTiers):
         super().__init__(roots=[], writer=writer)
         self._call = call
 
-    def load_reference(self, ns: Namespace, key: dict[str, object], min_tokens: int) -> tuple[RequestRecord, str] | None:
+    def load_reference(self, ns: Namespace, key: dict[str, object], min_tokens: int, *,
+                       prompt_logprobs: bool = False) -> tuple[RequestRecord, str] | None:
         return self._call("load_reference", ns, key, min_tokens)  # type: ignore[return-value]
 
     def save_reference(self, ns: Namespace, key: dict[str, object], rec: RequestRecord,

@@ -60,7 +60,8 @@ class ReferenceStore:
         """The reference of ``send`` admitted with ``binding`` (``Trace.bindings_at_admission``)."""
         k = self.key(engine, send, binding)
         have = self._memo.get(k)
-        if have is not None and complete(have, send.max_tokens):
+        scored_prompt = send.sampling.prompt_logprobs is not None
+        if have is not None and complete(have, send.max_tokens, prompt_logprobs=scored_prompt):
             with self.ledger.span(REF_STORE):
                 self._hit(engine, send, binding, have, shared=False)
                 self._memo.move_to_end(k)
@@ -69,7 +70,8 @@ class ReferenceStore:
         if self.tiers is not None:
             with self.ledger.span(REF_STORE):
                 disk_key = reference_key(engine, send, binding)
-                got = self.tiers.load_reference(self.tiers.namespace(engine), disk_key, send.max_tokens)
+                got = self.tiers.load_reference(self.tiers.namespace(engine), disk_key, send.max_tokens,
+                                                prompt_logprobs=scored_prompt)
                 if got is not None:
                     self._hit(engine, send, binding, got[0], shared=got[1] != self.tiers.writer)
                     self._remember(k, got[0])

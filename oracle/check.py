@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from kvfuzz.traces import Divergence, EventRecord, History, RequestRecord, Scoring, SendEvent, Trace
 from kvfuzz.traces.finding import DIVERGENT_CLASSES, SEVERITY
 
-from .diff import Comparison, compare, early_stop_comparison, teacher_drifts
+from .diff import Comparison, compare, early_stop_comparison, prompt_drifts, teacher_drifts
 from .noise import NoiseBounds, default_bounds
 from .postconditions import later, origin
 from .stats import wilson
@@ -59,7 +59,8 @@ def classify_run(send: SendEvent, ref: RequestRecord | None, rec: RequestRecord 
     if ref is None:
         return RunVerdict("error", detail="no reference output")
     cmp = compare(ref, rec, send.max_tokens)
-    if cmp.kind == "same":
+    prompt = _prompt_broken(ref, rec, bounds)
+    if cmp.kind == "same" and prompt is None:
         return RunVerdict("ok", cmp)
     race = reloaded_while_running(hist, rec)
     if race is not None:
@@ -69,9 +70,11 @@ def classify_run(send: SendEvent, ref: RequestRecord | None, rec: RequestRecord 
             # The run chose end-of-sequence where the reference chose a token: that is a
             # different token (just not one in token_ids), judged by the same rule.
             cmp = early_stop_comparison(ref, rec, cmp.compared)
-        else:
+        elif prompt is None:
             why = "cancelled" if rec.cancelled else f"ended after {cmp.compared} tokens ({rec.finish_reason})"
             return RunVerdict("truncation", cmp, detail=why)
+    if cmp.kind != "diverged" and prompt is not None:
+        return RunVerdict("corruption", cmp, detail=prompt, evidence=("prompt",))
     got = "end of sequence" if cmp.got_token is None else str(cmp.got_token)
     if cmp.ref_token is None:
         return RunVerdict("corruption", cmp, evidence=("stop",),
@@ -93,6 +96,8 @@ def classify_run(send: SendEvent, ref: RequestRecord | None, rec: RequestRecord 
     if cmp.prefix_drift is not None and cmp.prefix_drift > bounds.drift:
         corrupt.append(("drift", f"the logprobs before it had drifted by {cmp.prefix_drift:.3g} "
                                  f"(> {bounds.drift:.3g})"))
+    if prompt is not None:
+        corrupt.append(("prompt", prompt))
     if teacher is not None and teacher > bounds.teacher:
         corrupt.append(("teacher", f"teacher-forced alone on a clean cache, the run's own tokens differ by up to "
                                    f"{teacher:.3g} at {over} of {len(drifts or [])} positions (> {bounds.teacher:.3g})"))
@@ -108,6 +113,19 @@ def classify_run(send: SendEvent, ref: RequestRecord | None, rec: RequestRecord 
                  else "not scored by teacher forcing")
     return RunVerdict("numeric-near-tie", cmp, detail=f"{head}: noise by every measure: " + ", ".join(noise),
                       teacher=teacher, teacher_over=over)
+
+
+def _prompt_broken(ref: RequestRecord, rec: RequestRecord, bounds: NoiseBounds) -> str | None:
+    """Why the run's prompt logprobs are not the reference's (requests that asked for them), or
+    None. Both are prefills of one prompt, a pair the teacher bound covers (a decode against a
+    prefill) with room to spare."""
+    drifts = prompt_drifts(ref, rec)
+    if not drifts or max(drifts) <= bounds.teacher:
+        return None
+    worst = max(range(len(drifts)), key=drifts.__getitem__)
+    over = sum(d > bounds.teacher for d in drifts)
+    return (f"the prompt logprobs differ from the reference's by up to {drifts[worst]:.3g} (prompt position "
+            f"{worst + 1}; {over} of {len(drifts)} positions > {bounds.teacher:.3g})")
 
 
 def reloaded_while_running(hist: History, rec: RequestRecord) -> str | None:

@@ -114,3 +114,14 @@ def teacher_drifts(rec: RequestRecord, scoring: Scoring) -> list[float]:
             continue  # not the same token: the scoring is of another run
         out.append(abs(float(run_lp) - float(scored_lp)))
     return out
+
+
+def prompt_drifts(ref: RequestRecord, rec: RequestRecord) -> list[float]:
+    """Per prompt position both recorded, |the run's logprob of the prompt's token - the
+    reference's|. Both are a prefill of the same prompt: batch order moves them by noise, wrong
+    KV by more."""
+    out: list[float] = []
+    for a, b in zip(ref.prompt_logprobs or [], rec.prompt_logprobs or []):
+        if a and b and int(a[0][0]) == int(b[0][0]):
+            out.append(abs(float(a[0][1]) - float(b[0][1])))
+    return out

@@ -132,6 +132,29 @@ def test_a_run_that_goes_on_where_its_reference_stopped_broke_a_stop_rule():
     assert same.class_ == "ok"
 
 
+def test_prompt_logprobs_are_judged_against_the_reference_s():
+    t = Trace(events=[send(sampling=Sampling(prompt_logprobs=1))])
+    prompt = [[(9, -1.0), (3, -2.0)], [(4, -0.5), (7, -3.0)]]
+    moved = [[(9, -1.0), (3, -2.0)], [(4, -0.5 - 0.8), (7, -1.0)]]
+    ref = rec("r0", [4, 5, 6, 7], prompt_logprobs=prompt)
+    (ok,) = check(t, [hist(rec("r0", [4, 5, 6, 7], prompt_logprobs=[[(9, -1.0 + 1e-4), (3, -2.0)], prompt[1]]))],
+                  {"r0": ref}, FP32)
+    assert ok.class_ == "ok"
+    # The same tokens after a prompt whose logprobs are not the reference's: corruption.
+    (v,) = check(t, [hist(rec("r0", [4, 5, 6, 7], prompt_logprobs=moved))], {"r0": ref}, FP32)
+    assert v.class_ == "corruption" and v.evidence == ["prompt"] and "prompt position 2" in (v.detail or "")
+    # A cancelled run is truncation, unless its prompt logprobs already were wrong.
+    cut = rec("r0", [4, 5], finish="abort", cancelled=True, prompt_logprobs=moved)
+    (c,) = check(t, [hist(cut)], {"r0": ref}, FP32)
+    assert c.class_ == "corruption" and c.evidence == ["prompt"]
+    # A differing token with a wrong prompt names both.
+    (d,) = check(t, [hist(rec("r0", [4, 9, 6, 7], prompt_logprobs=moved))], {"r0": ref}, FP32)
+    assert d.class_ == "corruption" and "prompt" in d.evidence
+    # A stored reference without them does not answer a request that asks.
+    assert not complete(rec("r0", [4, 5, 6, 7]), 4, prompt_logprobs=True)
+    assert complete(ref, 4, prompt_logprobs=True)
+
+
 # -- generation ------------------------------------------------------------------------------------
 
 def test_a_default_campaign_covers_the_fields_in_a_share_of_its_requests():

@@ -56,6 +56,11 @@ def test_each_field_takes_effect_and_a_clean_engine_matches_its_references(sessi
     assert r["stop_string"].finish_reason == "stop" and r["stop_string"].token_ids[-1] == 17
     assert r["stop_token"].finish_reason == "stop" and r["stop_token"].token_ids[-1] == 20
     assert r["plain"].finish_reason == "length" and len(r["plain"].token_ids) == 16
+    # Prompt logprobs: every position after the first, its own token first, judged by the
+    # reference's (the verdicts above); a request that asked for none records none.
+    own, ref = r["prompt_logprobs"], checked.recording.references["prompt_logprobs"]
+    assert own.prompt_logprobs and len(own.prompt_logprobs) == own.prompt_len - 1 == len(ref.prompt_logprobs or [])
+    assert r["plain"].prompt_logprobs is None
     # n: every child is recorded and equals the request alone (its reference).
     children = [r[c] for c in ("n", "n#1", "n#2")]
     assert all(c.token_ids == checked.recording.references["n"].token_ids[:16] for c in children)

@@ -63,6 +63,9 @@ class RequestRecord(_Data):
     token_ids: list[int] = Field(default_factory=list)
     # Per generated position, the top-k alternatives; may be empty if the server gave none.
     logprobs: list[TopLogprobs] = Field(default_factory=list)
+    # A request that asked for prompt logprobs: per prompt position after the first, the
+    # prompt's own token and its logprob, then the best other (vLLM's raw logprobs).
+    prompt_logprobs: list[TopLogprobs] | None = None
     finish_reason: str | None = None
     cancelled: bool = False
     # Error text (HTTP status + body, or engine exception) when the request failed.
