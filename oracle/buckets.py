@@ -25,7 +25,7 @@ from collections.abc import Iterable, Mapping
 
 from kvfuzz.oracle.attribution import candidates as attribution_candidates
 from kvfuzz.traces import Divergence, Finding
-from kvfuzz.traces.buckets import (KEY_MECHANISMS, Bucket, BucketDescription, BucketKey, Outcome, agrees,
+from kvfuzz.traces.buckets import (KEY_MECHANISMS, Bucket, BucketDescription, BucketKey, Outcome, ReleaseRange, agrees,
                                    breaks_agree, candidates, conflicts, live, mergeable, name_unearned, resolve, union)
 from kvfuzz.traces.finding import DIVERGENT_CLASSES, MECHANISM_WORDS, SEVERITY, Explanation
 
@@ -207,3 +207,33 @@ def severity_order(buckets: Iterable[Bucket]) -> list[Bucket]:
 __all__ = ["CHEAP_MECHANISMS", "MAX_CHECKS", "agrees", "candidates", "conflicts", "describe", "keys_of", "live",
            "mergeable", "name_unearned", "needs_text", "next_check", "prekey_candidates", "resolve", "same_key_victims",
            "same_name", "severity_order", "shape", "union", "verdicts_of", "victim_of"]
+
+
+def split_by_release(bucket: Bucket, ranges: Mapping[str, ReleaseRange]) -> list[Bucket]:
+    """``bucket`` after its findings were bisected (``ranges``: finding file -> its range): one
+    bucket when every conclusive range agrees, else one per distinct range — findings whose
+    bisections disagree are two bugs, whatever their key says. The group of the bucket's
+    representative (else the first) keeps the id; the others become ``<id>.r2``, ``<id>.r3``,
+    ... with the same key. Findings not bisected, or whose bisection concluded nothing, stay
+    with the bucket (a range says nothing about them). Pure."""
+    groups: list[ReleaseRange] = []
+    for f, r in ranges.items():
+        if not r.conclusive:
+            continue
+        same = next((g for g in groups if g.same(r)), None)
+        if same is None:
+            groups.append(r.model_copy(update={"findings": [f]}))
+        else:
+            same.findings.append(f)
+    if not groups:
+        return [bucket]
+    keep = next((g for g in groups if bucket.representative in g.findings or bucket.case in g.findings), groups[0])
+    others = [g for g in groups if g is not keep]
+    moved = {f for g in others for f in g.findings}
+    out = [bucket.model_copy(update={"releases": keep, "findings": [f for f in bucket.findings if f not in moved],
+                                     "count": bucket.count - sum(f in bucket.findings for f in moved)})]
+    for n, g in enumerate(others, start=2):
+        out.append(Bucket(id=f"{bucket.id}.r{n}", key=bucket.key, description=bucket.description,
+                          count=len(g.findings), findings=list(g.findings), representative=g.findings[0],
+                          releases=g, split_from=bucket.id))
+    return out

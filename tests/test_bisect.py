@@ -530,3 +530,89 @@ def test_cli_bisect_bad_input(kvfuzz_cli, tmp_path, probe_history, args, needle)
 def test_cli_bisect_missing_file(kvfuzz_cli, tmp_path, probe_history):
     p = kvfuzz_cli("bisect", tmp_path / "nope.json")
     assert p.returncode == 2 and "nope.json: no such file" in p.stderr and probe_history == []
+
+
+# -- a campaign's buckets ------------------------------------------------------------------------------
+
+def _campaign(tmp_path, files):
+    """A campaign directory with one corruption bucket holding ``files`` (its case first)."""
+    from kvfuzz.traces.buckets import Bucket, BucketKey
+
+    out = tmp_path / "out"
+    for rel in files:
+        save(small_finding(), out / rel)
+    b = Bucket(id="b1", key=BucketKey(cls="corruption"), count=len(files) - 1, representative=files[1],
+               case=files[0], findings=files[1:], first_index=0)
+    state = {"seed": 0, "findings": len(files) - 1, "merges": {},
+             "bug_buckets": {"b1": b.model_dump(mode="json", by_alias=True)}}
+    (out / "campaign.json").write_text(json.dumps(state))
+    return out
+
+
+def test_cli_bisect_a_campaign_records_each_bucket_s_range_and_splits_where_findings_disagree(
+        kvfuzz_cli, tmp_path, monkeypatch, releases):
+    files = ["buckets/b1.json", "findings/a.json", "findings/b.json", "findings/c.json", "findings/d.json"]
+    out = _campaign(tmp_path, files)
+    seen = []
+
+    def probe(version, *, file, **kw):
+        seen.append(str(file))
+        # c and d are another bug: bad in every release; the rest were fixed in 0.31.0.
+        bad = str(file).endswith(("c.json", "d.json")) or search.version_key(version) < (0, 31, 0)
+        return search.judge(version, 3 if bad else 0, 3)
+
+    monkeypatch.setattr(search, "replay_probe", probe)
+    p = kvfuzz_cli("bisect", out, "--versions", "0.29.0..0.32.0", "--members", "3")
+    assert p.returncode == 0, p.stderr
+    state = json.loads((out / "campaign.json").read_text())
+    kept, split = state["bug_buckets"]["b1"], state["bug_buckets"]["b1.r2"]
+    # The case and the members spread over the bucket (the first and the last) were bisected.
+    assert {s.rsplit("/", 2)[-2] + "/" + s.rsplit("/", 1)[-1] for s in seen} == {
+        "buckets/b1.json", "findings/b.json", "findings/d.json"}
+    assert kept["releases"]["verdict"] == "fixed" and kept["releases"]["first_good"] == "0.31.0"
+    assert split["releases"]["verdict"] == "reproduces in every release" and split["split_from"] == "b1"
+    assert split["findings"] == ["findings/d.json"] and "findings/d.json" not in kept["findings"]
+    assert kept["count"] == 3 and split["count"] == 1
+    assert "bucket b1 holds 2 bugs by release range" in p.stdout
+    # Each bisected finding carries its record; the bucket table shows the ranges.
+    assert load_finding(out / "findings/d.json").bisect.verdict == "reproduces in every release"
+    rows = kvfuzz_cli("report", out, "--markdown").stdout
+    assert "reproduces: first good 0.31.0" in rows and "split from b1 by release range" in rows
+
+
+def test_cli_bisect_a_campaign_whose_findings_agree_keeps_one_bucket(kvfuzz_cli, tmp_path, monkeypatch,
+                                                                     releases):
+    out = _campaign(tmp_path, ["buckets/b1.json", "findings/a.json", "findings/b.json"])
+    monkeypatch.setattr(search, "replay_probe", lambda v, **kw: search.judge(v, 3, 3))
+    p = kvfuzz_cli("bisect", out, "--versions", "0.30.0..0.32.0")
+    assert p.returncode == 0, p.stderr
+    state = json.loads((out / "campaign.json").read_text())
+    assert list(state["bug_buckets"]) == ["b1"]
+    assert state["bug_buckets"]["b1"]["releases"]["verdict"] == "reproduces in every release"
+    assert "bucket b1: every release 0.30.0–0.32.0" in p.stdout
+    bad = tmp_path / "empty"
+    bad.mkdir()
+    p = kvfuzz_cli("bisect", bad)
+    assert p.returncode == 2 and "campaign.json" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+    # Run again: every bucket has its range, nothing is probed.
+    monkeypatch.setattr(search, "replay_probe", lambda v, **kw: pytest.fail("probed again"))
+    p = kvfuzz_cli("bisect", out, "--versions", "0.30.0..0.32.0")
+    assert p.returncode == 0 and "no bug bucket left to bisect" in p.stdout
+
+
+def test_a_bisection_that_concluded_nothing_splits_nothing():
+    from kvfuzz.oracle.buckets import split_by_release
+    from kvfuzz.traces.buckets import Bucket, BucketKey, ReleaseRange
+
+    b = Bucket(id="b", key=BucketKey(cls="corruption"), count=3, case="c", representative="f1",
+               findings=["f1", "f2", "f3"])
+    fixed = ReleaseRange(verdict="fixed", first_good="0.31.0", last_bad="0.30.0")
+    table = [
+        ({}, [("b", 3, None)]),
+        ({"f2": ReleaseRange(verdict="reproduces in no release")}, [("b", 3, None)]),
+        ({"c": fixed, "f3": ReleaseRange(verdict="inconclusive")}, [("b", 3, "fixed")]),
+        ({"c": fixed, "f3": fixed.model_copy(update={"first_good": "0.29.0"})}, [("b", 2, "fixed"), ("b.r2", 1, "fixed")]),
+    ]
+    for ranges, want in table:
+        got = [(x.id, x.count, x.releases.verdict if x.releases else None) for x in split_by_release(b, ranges)]
+        assert got == want, (ranges, got)

@@ -175,6 +175,38 @@ class BucketMembership(_Data):
     rewitness: Rewitness | None = None
 
 
+class ReleaseRange(_Data):
+    """Where a bucket's findings reproduce among vLLM's releases (``kvfuzz bisect OUT/``): one
+    bisection's verdict and transition (``BisectRecord``), and the findings that gave it."""
+
+    verdict: str
+    first_bad: str | None = None
+    last_good: str | None = None
+    first_good: str | None = None
+    last_bad: str | None = None
+    searched: tuple[str, str] | None = None  # the oldest and newest release searched
+    findings: list[str] = Field(default_factory=list)  # the files bisected, relative to OUT
+
+    @property
+    def conclusive(self) -> bool:
+        """A range that tells a bug: it reproduced somewhere and the search ended."""
+        return self.verdict in ("reproduces in every release", "regression", "fixed")
+
+    def same(self, other: "ReleaseRange") -> bool:
+        return (self.verdict, self.first_bad, self.first_good) == (other.verdict, other.first_bad, other.first_good)
+
+    @property
+    def label(self) -> str:
+        span = f" {self.searched[0]}–{self.searched[1]}" if self.searched else ""
+        if self.verdict == "regression":
+            return f"first bad {self.first_bad} (last good {self.last_good})"
+        if self.verdict == "fixed":
+            return f"first good {self.first_good} (last bad {self.last_bad})"
+        if self.verdict == "reproduces in every release":
+            return f"every release{span}"
+        return f"{self.verdict}{span}"
+
+
 class Bucket(_Data):
     """One bucket of a campaign (``CampaignState.bug_buckets``)."""
 
@@ -195,6 +227,10 @@ class Bucket(_Data):
     unsettled: int = 0
     # The previous text key of campaigns written before issue 30 (kept, never matched on).
     prekey: str | None = None
+    # ``kvfuzz bisect OUT/``: the release range its bisected findings agree on, and the bucket it
+    # was split from when their ranges disagreed (two bugs under one key).
+    releases: ReleaseRange | None = None
+    split_from: str | None = None
 
     @property
     def near_tie(self) -> bool:
@@ -436,6 +472,6 @@ def bucket_from_state(bid: str, data: dict[str, Any]) -> Bucket:
                   findings=list(data.get("findings") or []), prekey=prekey)
 
 
-__all__ = ["KEY_MECHANISMS", "Bucket", "BucketDescription", "BucketKey", "BucketMembership", "MechanismCheck", "Rewitness", "Status", "Triaged", "agrees",
+__all__ = ["KEY_MECHANISMS", "Bucket", "ReleaseRange", "BucketDescription", "BucketKey", "BucketMembership", "MechanismCheck", "Rewitness", "Status", "Triaged", "agrees",
            "breaks_agree", "bucket_from_state", "candidates", "conflicts", "live", "memberships_from_notes", "mergeable", "name_unearned", "resolve",
            "same_break", "union", "unsettled", "with_evidence"]

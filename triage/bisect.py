@@ -27,6 +27,7 @@ from typing import Any
 
 from kvfuzz.oracle.stats import wilson
 from kvfuzz.traces import BisectRecord, VersionResult
+from kvfuzz.traces.buckets import ReleaseRange
 from kvfuzz.traces.errors import BadInput, InfraError
 from kvfuzz.traces.finding import DIVERGENT_CLASSES
 
@@ -351,3 +352,10 @@ def replay_probe(version: str, *, file: Path, out: Path, runs: int, flags: Seque
         return not_run(version, "error", f"the replay summary records no runs (log: {log})", seconds=seconds)
     detail = f"also diverged: {', '.join(others)}" if others else None
     return judge(version, k, K, min_rate=min_rate, seconds=seconds, vllm=vllm, detail=detail)
+
+
+def release_range(rec: BisectRecord) -> ReleaseRange:
+    """A bisection as a bucket's release range (without its findings)."""
+    return ReleaseRange(verdict=rec.verdict, first_bad=rec.first_bad, last_good=rec.last_good,
+                        first_good=rec.first_good, last_bad=rec.last_bad,
+                        searched=(rec.versions[0], rec.versions[-1]) if rec.versions else None)

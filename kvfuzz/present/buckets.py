@@ -49,6 +49,10 @@ def rows(buckets: Mapping[str, Bucket], merges: Mapping[str, str]) -> list[Bucke
             why = k.crash_kind
         else:
             why = "unexplained: candidate vLLM bug" + (f"; broke {k.broke}" if k.broke else "")
+        if b.releases is not None:
+            why += f"; reproduces: {b.releases.label}"
+        if b.split_from is not None:
+            why += f"; split from {b.split_from} by release range"
         out.append(BucketRow(b.id, k.cls, b.count, b.assigned, b.first_index, b.representative, why, needs_text(b),
                              f"kvfuzz report {b.representative}" if b.representative else "", b.listing,
                              len(b.merged_from), b.unsettled))

@@ -9,6 +9,7 @@ probed.
 from __future__ import annotations
 
 import datetime as _dt
+import json
 import time
 from pathlib import Path
 from typing import Annotated, Any, Optional
@@ -19,7 +20,9 @@ from rich.text import Text
 
 from kvfuzz.cli import options
 from kvfuzz.cli.app import app, console, err_console
+from kvfuzz.oracle.buckets import live
 from kvfuzz.traces import Finding, VersionResult, atomic_write_text, load_finding, save
+from kvfuzz.traces.buckets import Bucket, bucket_from_state
 from kvfuzz.traces.errors import BadInput
 from kvfuzz.triage import bisect as search
 
@@ -76,7 +79,8 @@ def _table(title: str, rows: list[list[str]]) -> Table:
 
 @app.command("bisect")
 def bisect_cmd(
-    file: Annotated[Path, typer.Argument(help="A kvfuzz finding, kvfuzz trace or foreign finding file.")],
+    file: Annotated[Path, typer.Argument(help="A kvfuzz finding, kvfuzz trace or foreign finding file, or a "
+                                              "campaign's output directory (every bug bucket).")],
     versions: Annotated[Optional[str], typer.Option(
         "--versions", metavar="A..B", help=f"Releases to search: A..B (inclusive), or a comma list (default: "
                                            f"{search.DEFAULT_OLDEST} to the newest published).")] = None,
@@ -86,8 +90,12 @@ def bisect_cmd(
     min_rate: Annotated[float, typer.Option("--min-rate", help="A release is bad when a victim diverged in at "
                                                                "least this fraction of its runs (and in one at "
                                                                "least; default: one run).")] = 0.0,
-    out: Annotated[Path, typer.Option(help="Output directory: OUT/<release>/ per probe (replay summary and "
-                                           "log), OUT/bisect.json for a trace.")] = Path("kvfuzz-out/bisect"),
+    members: Annotated[int, typer.Option("--members", min=1, help="A campaign: findings bisected per bucket (its "
+                                                                  "regression case, then members spread over "
+                                                                  "the bucket).")] = 3,
+    out: Annotated[Optional[Path], typer.Option(help="Output directory: OUT/<release>/ per probe (replay summary "
+                                                     "and log), OUT/bisect.json for a trace (default: "
+                                                     "kvfuzz-out/bisect; a campaign's: its bisect/).")] = None,
     engine: options.EngineOpt = "inprocess",
     device: options.DeviceOpt = "cpu",
     dtype: options.DtypeOpt = None,
@@ -100,72 +108,168 @@ def bisect_cmd(
 
     Releases run vLLM as shipped (the vanilla arm) unless --arms / --with / --without say
     otherwise. A finding gets the result written into it; a trace or foreign file gets
-    OUT/bisect.json."""
-    from kvfuzz.cli.commands.replay import load_item
-    from kvfuzz.harness.environment import kvfuzz_version
-    from kvfuzz.present.report import bisect_lines, bisect_rows
+    OUT/bisect.json. A campaign directory: each bug bucket's findings are bisected and the
+    bucket records its release range; a bucket whose findings disagree is split, one bucket
+    per range (docs/bisect.md)."""
     from kvfuzz.driver.settings import engine_kind
 
     engine_kind(engine, None, device)  # bad --engine / --device: exit 2 before any release runs
     if not 0.0 <= min_rate <= 1.0:
         raise BadInput(f"must be between 0 and 1, got {min_rate:g}", field="--min-rate")
-    item = load_item(file)
     with_, without = list(with_ or []), list(without or [])
     _check_arms(arms, with_, without)
     from kvfuzz.versions import releases
 
     chosen = search.parse_versions(versions, releases.known_releases(device), parse=releases.parse_version)
-
-    # Whose divergence counts: the file's victims; a trace expecting nothing: any request.
-    victims = {rid for _, rid in item.expected} if item.expected else None
     flags = ["--engine", engine, "--device", device]
     flags += ["--arms", arms] if arms else ([] if (with_ or without) else ["--arms", "vanilla"])
     flags += [x for t in with_ for x in ("--with", t)] + [x for t in without for x in ("--without", t)]
     flags += ["--dtype", dtype] if dtype else []
-    min_hits = search.threshold(runs, min_rate)
+    how = dict(runs=runs, min_rate=min_rate, arms=arms or ("clean" if with_ or without else "vanilla"),
+               with_=with_, without=without, engine=engine, device=device, dtype=dtype)
+    one = _Bisector(chosen, flags, how, exhaustive=exhaustive)
+    if file.is_dir():
+        raise typer.Exit(_bisect_campaign(file, one, members=members, out=out or file / "bisect"))
+    from kvfuzz.cli.commands.replay import load_item
 
-    bound = search.probe_bound(len(chosen), exhaustive)
-    count = 0
-
-    def say(*args: Any, **_: Any) -> None:
-        if args:
-            console.print(f"    {args[0]}", markup=False, highlight=False)
-
-    def probe(version: str) -> VersionResult:
-        nonlocal count
-        count += 1
-        console.print(f"probe {count}" + (f" of at most {bound}" if count <= bound else "")
-                      + f": vLLM {version} ({runs} run{'s' if runs != 1 else ''})", markup=False, highlight=False)
-        r = search.replay_probe(version, file=file, out=out, runs=runs, flags=flags, victims=victims,
-                                min_rate=min_rate, device=device, progress=say)
-        got = (f" ({r.k}/{r.runs} runs diverged, {r.seconds:.1f} s)" if r.status in search.USABLE
-               else f" — {r.detail or 'no detail'}")
-        console.print(f"  {version}: {r.status}{got}", markup=False, highlight=False)
-        return r
-
-    what = f"vLLM {chosen[0]}" + (f" to {chosen[-1]}" if len(chosen) > 1 else "")
-    console.print(f"bisecting {file} over {len(chosen)} release{'s' if len(chosen) != 1 else ''} ({what}); "
-                  + ("probing every one" if exhaustive else f"at most {bound} probes if every release can be probed"),
-                  markup=False, highlight=False)
-    t0 = time.monotonic()
-    rec = search.bisect(chosen, probe, exhaustive=exhaustive)
-    rec = rec.model_copy(update=dict(
-        runs=runs, min_rate=min_rate, min_hits=min_hits, arms=arms or ("clean" if with_ or without else "vanilla"),
-        with_=with_, without=without, engine=engine, device=device, dtype=dtype, source=str(file),
-        seconds=round(time.monotonic() - t0, 1), kvfuzz_version=kvfuzz_version(),
-        created=_dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat()))
-    rec = type(rec).model_validate(rec.model_dump(by_alias=True))  # the copy's fields checked like a loaded file's
-
-    console.print(_table(f"{file.name}: {what}", bisect_rows(rec)))
-    for line in bisect_lines(rec):
-        console.print(line, markup=False, highlight=False)
-    probed = [r for r in rec.results if r.status in search.USABLE]
-    if not probed:
-        err_console.print(f"kvfuzz: error: no release could be probed (logs under {out})", markup=False,
-                          highlight=False)
+    item = load_item(file)
+    rec = one(file, item, out or Path("kvfuzz-out/bisect"))
+    if rec is None:
         raise typer.Exit(3)
-    _write(rec, item, file, out)
+    _write(rec, item, file, out or Path("kvfuzz-out/bisect"))
     raise typer.Exit(0)
+
+
+class _Bisector:
+    """One file's bisection over the chosen releases, printed as it goes; None when no release
+    could be probed."""
+
+    def __init__(self, chosen: list[str], flags: list[str], how: dict[str, Any], *, exhaustive: bool):
+        self.chosen, self.flags, self.how, self.exhaustive = chosen, flags, how, exhaustive
+
+    def __call__(self, file: Path, item: Any, out: Path) -> Any:
+        from kvfuzz.harness.environment import kvfuzz_version
+        from kvfuzz.present.report import bisect_lines, bisect_rows
+
+        chosen, runs, min_rate = self.chosen, int(self.how["runs"]), float(self.how["min_rate"])
+        # Whose divergence counts: the file's victims; a trace expecting nothing: any request.
+        victims = {rid for _, rid in item.expected} if item.expected else None
+        bound = search.probe_bound(len(chosen), self.exhaustive)
+        count = 0
+
+        def say(*args: Any, **_: Any) -> None:
+            if args:
+                console.print(f"    {args[0]}", markup=False, highlight=False)
+
+        def probe(version: str) -> VersionResult:
+            nonlocal count
+            count += 1
+            console.print(f"probe {count}" + (f" of at most {bound}" if count <= bound else "")
+                          + f": vLLM {version} ({runs} run{'s' if runs != 1 else ''})", markup=False, highlight=False)
+            r = search.replay_probe(version, file=file, out=out, runs=runs, flags=self.flags, victims=victims,
+                                    min_rate=min_rate, device=str(self.how["device"]), progress=say)
+            got = (f" ({r.k}/{r.runs} runs diverged, {r.seconds:.1f} s)" if r.status in search.USABLE
+                   else f" — {r.detail or 'no detail'}")
+            console.print(f"  {version}: {r.status}{got}", markup=False, highlight=False)
+            return r
+
+        what = f"vLLM {chosen[0]}" + (f" to {chosen[-1]}" if len(chosen) > 1 else "")
+        console.print(f"bisecting {file} over {len(chosen)} release{'s' if len(chosen) != 1 else ''} ({what}); "
+                      + ("probing every one" if self.exhaustive else f"at most {bound} probes if every release can be probed"),
+                      markup=False, highlight=False)
+        t0 = time.monotonic()
+        rec = search.bisect(chosen, probe, exhaustive=self.exhaustive)
+        rec = rec.model_copy(update=dict(
+            **self.how, min_hits=search.threshold(runs, min_rate), source=str(file),
+            seconds=round(time.monotonic() - t0, 1), kvfuzz_version=kvfuzz_version(),
+            created=_dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat()))
+        rec = type(rec).model_validate(rec.model_dump(by_alias=True))  # the copy's fields checked like a loaded file's
+
+        console.print(_table(f"{file.name}: {what}", bisect_rows(rec)))
+        for line in bisect_lines(rec):
+            console.print(line, markup=False, highlight=False)
+        if not [r for r in rec.results if r.status in search.USABLE]:
+            err_console.print(f"kvfuzz: error: no release could be probed (logs under {out})", markup=False,
+                              highlight=False)
+            return None
+        return rec
+
+
+def _bisect_campaign(campaign: Path, one: _Bisector, *, members: int, out: Path) -> int:
+    """Every bug bucket of a campaign: its regression case and up to ``members`` - 1 other
+    findings bisected, each finding file given its record; the bucket records its range, or is
+    split where the ranges disagree (``oracle.buckets.split_by_release``). The campaign state
+    is written after each bucket, so an interrupted run keeps what it finished. Exit 0, or 3
+    when no release could be probed for any file."""
+    from kvfuzz.cli.commands.replay import load_item
+    from kvfuzz.oracle.buckets import split_by_release
+    from kvfuzz.triage.bisect import release_range
+
+    state_file = campaign / "campaign.json"
+    state = _load_state(state_file)
+    buckets = {bid: bucket_from_state(bid, b) for bid, b in (state.get("bug_buckets") or {}).items()}
+    # A bucket with a range was bisected by an earlier run (an interrupted one resumes here).
+    todo = [b for b in live(buckets, state.get("merges") or {}) if not b.near_tie and b.releases is None
+            and b.split_from is None]
+    if not todo:
+        console.print(f"{campaign}: no bug bucket left to bisect", markup=False, highlight=False)
+        return 0
+    probed_any = False
+    for b in todo:
+        files = bisect_subjects(b, members)
+        console.print(f"bucket {b.id} ({b.count} finding{'s' if b.count != 1 else ''}): bisecting "
+                      f"{len(files)} of them", markup=False, highlight=False)
+        ranges = {}
+        for rel in files:
+            path = campaign / rel
+            item = load_item(path)
+            rec = one(path, item, out / b.id / Path(rel).stem)
+            if rec is None:
+                continue
+            probed_any = True
+            _write(rec, item, path, out / b.id / Path(rel).stem)
+            ranges[rel] = release_range(rec)
+        parts = split_by_release(b, ranges)
+        for part in parts:
+            state["bug_buckets"][part.id] = part.model_dump(mode="json", by_alias=True)
+        atomic_write_text(state_file, json.dumps(state, indent=2, sort_keys=True) + "\n")
+        if len(parts) > 1:
+            console.print(f"bucket {b.id} holds {len(parts)} bugs by release range: "
+                          + "; ".join(f"{p.id}: {p.releases.label if p.releases else '?'} ({p.count} finding(s))"
+                                      for p in parts), markup=False, highlight=False)
+        elif parts[0].releases is not None:
+            console.print(f"bucket {b.id}: {parts[0].releases.label}", markup=False, highlight=False)
+        else:
+            console.print(f"bucket {b.id}: no bisection concluded", markup=False, highlight=False)
+    return 0 if probed_any else 3
+
+
+def bisect_subjects(bucket: Bucket, members: int) -> list[str]:
+    """The files bisected for a bucket: its regression case (its minimized witness), else its
+    representative, then findings spread evenly over the rest (the first and the last joined
+    differ most in time, the likeliest place for a second bug under one key)."""
+    first = bucket.case or bucket.representative
+    rest = [f for f in bucket.findings if f not in (bucket.representative, first)]
+    picks: list[str] = [first] if first else []
+    want = max(0, members - len(picks))
+    if rest and want:
+        step = (len(rest) - 1) / max(1, want - 1) if want > 1 else 0
+        for i in range(min(want, len(rest))):
+            f = rest[round(i * step)] if want > 1 else rest[-1]
+            if f not in picks:
+                picks.append(f)
+    return picks
+
+
+def _load_state(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise BadInput(f"not a campaign's output directory: unreadable campaign state "
+                       f"({str(e).splitlines()[0] if str(e) else type(e).__name__})", source=str(path)) from None
+    if not isinstance(data, dict) or not isinstance(data.get("bug_buckets"), dict):
+        raise BadInput("not a campaign state: no bug_buckets", source=str(path))
+    return data
 
 
 def _write(rec: Any, item: Any, file: Path, out: Path) -> None:
