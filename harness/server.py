@@ -363,6 +363,12 @@ class ServerEngine(HttpEngineBase):
             if self.server is not None and self.server.alive():
                 self._drop_reference_adapter(temp)
 
+    def _embeds_model(self, trace: Trace, send: SendEvent) -> str | None:
+        """The directory the server loaded (--model): its table is the one the server embeds with."""
+        if self._model_path is None:
+            self._resolve()
+        return self._model_path
+
     def _initial_adapters(self) -> dict[str, str]:
         """What a managed server starts with: the configuration's adapters (--lora-modules)."""
         if self._model_path is None:

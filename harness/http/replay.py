@@ -151,7 +151,8 @@ class Replayer:
 
     def __init__(self, target: HttpTarget, trace: Trace, *, engine: str, arm: str, run_index: int,
                  toggles: list[str], cache_salt: str | None, timeout_s: float, lead_ms: float,
-                 book: AdapterBook | None = None, touched: set[str] | None = None):
+                 book: AdapterBook | None = None, touched: set[str] | None = None,
+                 embeds_model: str | None = None):
         if trace.lifecycle and book is None:
             raise ValueError("a trace with adapter lifecycle events needs the run's AdapterBook")
         self.target = target
@@ -161,6 +162,8 @@ class Replayer:
         self.book = book
         # Served adapter names this replay asked the server to change (the engine restores them).
         self.touched = touched if touched is not None else set()
+        # The served model's local directory: its table builds the sends' prompt embeddings.
+        self.embeds_model = embeds_model
         self.lifecycle: list[_Life] = []
         self.timeout_s = timeout_s
         self.lead_ms = lead_ms
@@ -209,7 +212,7 @@ class Replayer:
                 self.lifecycle.append(life)
         for r in self.reqs.values():
             body = completion_payload(r.send, self.target.model_for(r.send.adapter), stream=r.stream,
-                                      cache_salt=self.cache_salt)
+                                      cache_salt=self.cache_salt, embeds_model=self.embeds_model)
             r.wire = self.target.raw_request(
                 "/v1/completions", json.dumps(body, separators=(",", ":")).encode(),
                 {"X-Request-Id": f"kvfuzz-{r.send.request_id}-{secrets.token_hex(4)}"})
@@ -557,14 +560,17 @@ class Replayer:
 def replay_trace(target: HttpTarget, trace: Trace, *, engine: str = "server", arm: str = "default",
                  run_index: int = 0, toggles: Iterable[str] = (), cache_salt: str | None = None,
                  timeout_s: float = 300.0, lead_ms: float = 50.0, book: AdapterBook | None = None,
-                 touched: set[str] | None = None) -> tuple[History, list[str]]:
+                 touched: set[str] | None = None, embeds_model: str | None = None) -> tuple[History, list[str]]:
     """Replay ``trace`` once; returns the history and the transport errors seen (non-empty
     when connections failed, e.g. because the server died). ``cache_salt``: the isolation salt,
     joined with each send's own (``wire.combine_salts``). ``book``: the run's adapter bindings
     (needed for lifecycle events; with it every adapter request records its binding);
-    ``touched`` collects the served adapter names the run changed, for the engine to restore."""
+    ``touched`` collects the served adapter names the run changed, for the engine to restore.
+    ``embeds_model``: the served model's local directory, whose embedding table builds the
+    sends' prompt embeddings (``wire.prompt_fields``; without it such a send is refused)."""
     rep = Replayer(target, trace, engine=engine, arm=arm, run_index=run_index, toggles=list(toggles),
-                   cache_salt=cache_salt, timeout_s=timeout_s, lead_ms=lead_ms, book=book, touched=touched)
+                   cache_salt=cache_salt, timeout_s=timeout_s, lead_ms=lead_ms, book=book, touched=touched,
+                   embeds_model=embeds_model)
     with send_priority() as prio:
         hist = asyncio.run(rep.run())
     hist.client_priority = prio

@@ -1,9 +1,9 @@
 """The wire format of kvfuzz's requests to an OpenAI-compatible vLLM server (pure).
 
-Each send is a ``/v1/completions`` request with a prompt of token ids, greedy (temperature
-0), top-2 logprobs and token ids instead of text; responses (streamed deltas or JSON bodies)
-come back as token ids and top-2 logprobs. No API key is ever stored in a record: it lives
-only in the request bytes and headers.
+Each send is a ``/v1/completions`` request with a prompt of token ids (or of embeddings,
+``prompt_embeds``), greedy (temperature 0), top-2 logprobs and token ids instead of text;
+responses (streamed deltas or JSON bodies) come back as token ids and top-2 logprobs. No API
+key is ever stored in a record: it lives only in the request bytes and headers.
 """
 
 from __future__ import annotations
@@ -72,14 +72,13 @@ class HttpTarget:
                 + c.send(h11.Data(data=body)) + c.send(h11.EndOfMessage()))
 
 
-def completion_payload(send: SendEvent, model: str, *, stream: bool, cache_salt: str | None = None) -> dict[str, Any]:
-    """The /v1/completions body for one send (pure; unit-tested)."""
-    if send.embeds is not None:
-        raise BadInput("prompt embeddings are replayed by the in-process engine only",
-                       field=f"events[{send.request_id}].embeds")
+def completion_payload(send: SendEvent, model: str, *, stream: bool, cache_salt: str | None = None,
+                       embeds_model: str | None = None) -> dict[str, Any]:
+    """The /v1/completions body for one send (pure but for reading the embedding table of
+    ``embeds_model``, the local directory of the served model; unit-tested)."""
     body: dict[str, Any] = {
         "model": model,
-        "prompt": expand(send.prompt),
+        **prompt_fields(send, embeds_model),
         "max_tokens": send.max_tokens,
         "logprobs": 2,
         "return_tokens_as_token_ids": True,
@@ -94,6 +93,49 @@ def completion_payload(send: SendEvent, model: str, *, stream: bool, cache_salt:
     if salt:
         body["cache_salt"] = salt
     return body
+
+
+def prompt_fields(send: SendEvent, embeds_model: str | None) -> dict[str, Any]:
+    """A send's prompt in the body: its token ids (``prompt``), or its embeddings alone
+    (``prompt_embeds``: vLLM takes ``prompt`` beside them as a second prompt of the request,
+    vllm/renderers/online_renderer.py ``preprocess_completion``). The embeddings are the
+    in-process engine's (``embedded.prompt_embeddings``), from the same table."""
+    tokens = expand(send.prompt)
+    if send.embeds is None:
+        return {"prompt": tokens}
+    where = f"events[{send.request_id}]"
+    if send.embeds.as_ids:
+        # vLLM's server decodes prompt_embeds into an embeddings-only prompt: there is no
+        # prompt_is_token_ids over HTTP, and sending all positions as embeddings would be
+        # another prompt than the trace's.
+        raise BadInput("a prompt part token ids, part embeddings cannot be sent to vLLM's server "
+                       "(/v1/completions has no prompt_is_token_ids); replay it in-process",
+                       field=f"{where}.embeds.as_ids")
+    if send.sampling.prompt_logprobs is not None:
+        raise BadInput("vLLM's server refuses prompt_logprobs with prompt embeddings; replay it in-process",
+                       field=f"{where}.sampling.prompt_logprobs")
+    if embeds_model is None:
+        raise BadInput("prompt embeddings need a local copy of the served model's embedding table, which "
+                       "this engine does not know; replay it in-process", field=f"{where}.embeds")
+    from ..embedded import prompt_embeddings
+
+    return {"prompt_embeds": encode_embeds(prompt_embeddings(embeds_model, tokens, send.embeds))}
+
+
+def encode_embeds(tensor: Any) -> str:
+    """vLLM's wire form of ``prompt_embeds``: base64 of ``torch.save`` of a (tokens x hidden)
+    tensor. The server reads it with ``torch.load(weights_only=True)`` and casts it to the model's
+    dtype (vllm/renderers/embed_utils.py ``safe_load_prompt_embeds``), as the in-process engine's
+    copy into the model's input buffer does: float32 goes as is."""
+    import base64
+    import io
+
+    import torch
+
+    buf = io.BytesIO()
+    # A copy of its own: torch.save writes a view's whole storage.
+    torch.save(tensor.detach().cpu().clone(), buf)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
 # vLLM's bounds on ``cache_salt`` over HTTP (vllm/entrypoints/generate/base/protocol.py
