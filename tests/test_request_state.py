@@ -325,3 +325,12 @@ def test_an_engine_with_prompt_embeds_starts_its_server_with_the_flag():
 
     assert "--enable-prompt-embeds" in cmd(enable_prompt_embeds=True)
     assert not any("prompt-embeds" in f for f in cmd())
+
+
+def test_a_streamed_send_asks_only_for_what_vllm_streams_of_prompt_logprobs():
+    from kvfuzz.harness.http.wire import completion_payload
+
+    s = send(sampling=Sampling(prompt_logprobs=2))
+    assert completion_payload(s, "m", stream=False)["prompt_logprobs"] == 2
+    assert completion_payload(s, "m", stream=True)["prompt_logprobs"] == 0
+    assert "prompt_logprobs" not in completion_payload(send(), "m", stream=True)

@@ -126,21 +126,28 @@ def test_per_request_state_over_http(server):
     specs = {"allowed": S(allowed_token_ids=[5, 9, 17, 33]), "eos": S(ignore_eos=False, logit_bias={1: 6.0}),
              "stop": S(stop=["<t17>"], allowed_token_ids=[17, 20, 21]), "stop_id": S(stop_token_ids=[20],
              allowed_token_ids=[20, 21, 22]), "min": S(ignore_eos=False, min_tokens=5, logit_bias={1: 8.0}),
-             "pen": S(presence_penalty=1.5, repetition_penalty=1.3), "n": S(n=3), "n_json": S(n=2)}
+             "pen": S(presence_penalty=1.5, repetition_penalty=1.3), "n": S(n=3), "n_json": S(n=2),
+             "plp": S(prompt_logprobs=2), "bad": S(allowed_token_ids=[5, 9, 17], bad_words=["<t5>", "<t9><t17>"])}
     t = Trace(engine=_cfg(server), events=[
         SendEvent(request_id=k, at=At(offset_ms=3 * i), max_tokens=12, sampling=s, stream=k != "n_json",
                   prompt=GenPrompt(length=60 + 10 * i, prefix_group="rs", prefix_len=32, seed=i))
         for i, (k, s) in enumerate(specs.items())])
     h = server.replay(t)
     r = h.requests
-    assert set(r) == {"allowed", "eos", "stop", "stop_id", "min", "pen", "n", "n#1", "n#2", "n_json", "n_json#1"}
+    assert set(r) == {"allowed", "eos", "stop", "stop_id", "min", "pen", "n", "n#1", "n#2", "n_json", "n_json#1",
+                      "plp", "bad"}
     assert all(x.error is None and x.http_status == 200 for x in r.values())
     assert set(r["allowed"].token_ids) <= {5, 9, 17, 33}
     assert r["eos"].finish_reason == "stop" and r["eos"].token_ids[-1] == 1
     assert r["stop"].finish_reason == "stop" and r["stop_id"].finish_reason == "stop"
     assert 1 not in r["min"].token_ids[:5]
     assert r["n"].token_ids == r["n#1"].token_ids == r["n#2"].token_ids and not r["n#1"].logprobs
+    bad = r["bad"].token_ids
+    assert 5 not in bad and (9, 17) not in set(zip(bad, bad[1:]))
+    # Prompt logprobs come back (the send went unstreamed for them), judged against the reference's.
+    assert len(r["plp"].prompt_logprobs or []) == t.send("plp").prompt.length - 1
     refs = {s.request_id: server.run_alone(s) for s in t.sends}
+    assert refs["plp"].prompt_logprobs and r["allowed"].prompt_logprobs is None
     refs.update({c: refs[s.request_id] for s in t.sends for c in s.completion_ids})
     assert {v.request_id: v.class_ for v in check(t, [h], refs) if v.class_ != "ok"} == {}
 

@@ -43,7 +43,7 @@ from typing import Any
 import h11
 import httpx
 
-from kvfuzz.traces import CancelEvent, EventRecord, History, RequestRecord, SendEvent, Trace
+from kvfuzz.traces import CancelEvent, EventRecord, History, RequestRecord, SendEvent, Trace, expand
 from kvfuzz.traces.errors import KvfuzzError
 from kvfuzz.traces.trace import (
     ADAPTER_EVENT_TYPES,
@@ -57,7 +57,7 @@ from ..adapters import AdapterBook, Bound
 from ..priority import send_priority
 from .control import scrape
 from ..vllm_args import greedy_logprobs
-from .wire import HttpTarget, adapter_request, completion_payload, error_text, parse_choice
+from .wire import HttpTarget, adapter_request, completion_payload, error_text, parse_choice, scored_positions
 
 # The last ~2 ms before a planned instant are spent yielding in a loop: the event loop's
 # timers are only millisecond-accurate.
@@ -200,6 +200,10 @@ class Replayer:
                     r.stream = True
                 else:
                     timed_cancels.append((i, ev, ev.at.offset_or(mps)))
+        for r in self.reqs.values():
+            if r.send.sampling.prompt_logprobs is not None and not r.relative:
+                # vLLM returns prompt logprobs in a whole response only.
+                r.stream = False
         order = {i: k for k, i in enumerate(self.trace.planned_order())}
         for i in sorted(order, key=order.__getitem__):
             ev = self.trace.events[i]
@@ -368,6 +372,9 @@ class Replayer:
             one = self._append(r, tokens, tops, choice.get("index", 0))
             one.finish_reason = finish or "stop"
             one.finished_ms = round(self.now_ms(), 3)
+            if r.send.sampling.prompt_logprobs is not None and choice.get("prompt_logprobs"):
+                prompt = expand(r.send.prompt)
+                one.prompt_logprobs = scored_positions(choice["prompt_logprobs"], 1, prompt[1:])
         usage = body.get("usage") or {}
         details = usage.get("prompt_tokens_details") or {}
         if isinstance(details, dict) and details.get("cached_tokens") is not None:

@@ -87,6 +87,10 @@ def completion_payload(send: SendEvent, model: str, *, stream: bool, cache_salt:
         # temperature and ignore_eos among them).
         **request_fields(send.sampling),
     }
+    if stream and send.sampling.prompt_logprobs:
+        # A stream may ask only for the prompt token's own logprob (vLLM refuses more), and
+        # returns none: the request takes the same path, its prompt logprobs go unjudged.
+        body["prompt_logprobs"] = 0
     if send.priority:
         body["priority"] = send.priority
     salt = combine_salts(cache_salt, send.cache_salt)
