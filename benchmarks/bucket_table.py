@@ -1,5 +1,6 @@
-"""Benchmark table: one markdown row per campaign directory, as docs/benchmarks.md "Buckets on
-faults kvfuzz has never seen" records them (issue 30's acceptance): traces, traces/min,
+"""Benchmark table: one markdown row per campaign directory (issue 30's acceptance; docs/benchmarks.md
+"Buckets on faults kvfuzz has never seen (issue #30)" condenses each into a cell, its earlier
+versions kept the rows: git history): traces, traces/min,
 findings, bug buckets (per bucket: findings, how many assigned, explanation, the post-condition
 its key names, its key's verdicts), near-tie buckets, findings with no bucket of their own class,
 merges, and the post-conditions broken in the campaign's runs (its coverage's ``broke:`` features:

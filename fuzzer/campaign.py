@@ -75,7 +75,8 @@ class CampaignOptions:
     # Thompson-sampling bandit on each source's novelty yield, fuzzer/sources.py) or "fixed"
     # (a fresh trace with probability p_fresh; while the corpus has fewer than
     # ``explore_until`` entries, ``p_fresh_early``). Fixed 0.2 was the design until issue 6
-    # run 4 (docs/benchmarks.md): fresh traces were often the more productive source.
+    # run 4 (2026-11-22; an earlier version of docs/benchmarks.md, git history): fresh traces were
+    # often the more productive source.
     sources: Literal["bandit", "fixed"] = "bandit"
     p_fresh: float = 0.2
     p_fresh_early: float = 0.5

@@ -25,7 +25,7 @@ get_uv() { quiet "$PY" -m pip --python .venv/bin/python install uv 2>/dev/null |
 # Byte-compiled at install: imports never write .pyc when PYTHONDONTWRITEBYTECODE is set.
 # (Leaving it to imports, which compile only the ~5k of 21k files they use, made setup 25-35 s
 # shorter and the tests as much longer in CI: several processes compiled the same modules at
-# once. docs/benchmarks.md.)
+# once. Measured in an earlier version of docs/benchmarks.md, git history.)
 excludes=()
 [ "$extra" != cpu ] || excludes=(--excludes scripts/cpu-excludes.txt)
 installed=

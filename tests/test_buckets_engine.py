@@ -42,7 +42,8 @@ def check_one_bucket(out: Path, broke: str) -> dict:
     live = {i: b for i, b in state["bug_buckets"].items() if i not in state["merges"]}
     assert state["findings"] >= 2, "the fault gave too few findings to bucket"
     # One cause: one bucket per class it shows (a fault that flips only first tokens at small
-    # margins also reads as flipped near ties; docs/benchmarks.md), never one class split.
+    # margins also reads as flipped near ties; an earlier version of docs/benchmarks.md, git
+    # history), never one class split.
     classes = [b["key"]["class"] for b in live.values()]
     assert classes and len(classes) == len(set(classes)), live
     assert all(b["key"]["explained_by"] is None for b in live.values())  # no toggle explains a fault kvfuzz never saw

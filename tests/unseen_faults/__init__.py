@@ -8,8 +8,8 @@ kvfuzz they are vLLM bugs that no toggle explains, as a user's own bug would be.
 - ``short_hash_lookup`` (Q, the prefix-cache lookup): a lookup miss falls back to a cached
   block whose hash agrees in its first 8 bits.
 
-They were written, and the bucket rule tuned on them, before fault R (docs/benchmarks.md,
-"Buckets on faults kvfuzz has never seen"):
+They were written, and the bucket rule tuned on them, before fault R (recorded in an earlier
+version of docs/benchmarks.md, git history, "Buckets on faults kvfuzz has never seen"):
 
 - ``hit_last_block_repeated`` (R, the prefix-cache hit's block list, written after the rule was
   frozen): a hit of two blocks or more lists its second-to-last block twice, its last never.
