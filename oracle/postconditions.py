@@ -21,12 +21,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from kvfuzz.traces.history import Break
+from kvfuzz.traces.history import HARMFUL_BREAKS, Break
 
-HARMFUL: tuple[str, ...] = ("worker-row", "worker-adapter", "worker-slot", "worker-seq-len", "worker-position",
-                            "worker-token", "worker-sample-row", "worker-sampling",
-                            "held-block-foreign", "held-block-repeated", "held-block-unwritten",
-                            "held-block-released", "held-block-derived")
+# Harmful breaks in the precedence that names a request's first break of a step (the one table
+# of what each break can harm is ``traces.history.BREAKS``).
+HARMFUL: tuple[str, ...] = HARMFUL_BREAKS
 
 
 def witness(breaks: Iterable[Break], request: str) -> Break | None:

@@ -735,3 +735,15 @@ def test_a_token_sampled_from_another_rows_hidden_state_breaks_worker_sample_row
     same = {"chunked-prefill": "persists", "preemption": "persists", "prefix-caching": "persists"}
     assert not agrees(k(same), k(same, "worker-sample-row")) and not agrees(k(same, "worker-sample-row"), k(same))
     assert agrees(k(same, "worker-sample-row"), k(same, "worker-sample-row"))
+
+
+def test_one_table_says_what_each_break_can_harm():
+    from typing import get_args
+
+    from kvfuzz.oracle.postconditions import HARMFUL
+    from kvfuzz.traces.history import BREAKS, SELF_ONLY_BREAKS, BreakName
+
+    assert set(BREAKS) == set(get_args(BreakName))
+    assert HARMFUL[:4] == ("worker-row", "worker-adapter", "worker-slot", "worker-seq-len")
+    assert set(SELF_ONLY_BREAKS) == {"worker-seq-len", "worker-sample-row", "worker-sampling"}
+    assert "held-block-undercounted" not in HARMFUL and "map-entry-stolen" not in HARMFUL

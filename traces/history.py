@@ -6,7 +6,7 @@ oracle reads only histories. Everything here is plain data so a finding file can
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -22,17 +22,50 @@ BreakName = Literal["map-entry-orphaned", "map-entry-stolen", "held-block-foreig
                     "held-block-undercounted", "worker-row", "worker-slot", "held-block-unwritten",
                     "held-block-released", "worker-adapter", "worker-seq-len", "worker-position",
                     "worker-sample-row", "held-block-derived", "worker-token", "worker-sampling"]
-# Broken on the allocator's own state (no request named); the others are a request's own state.
-MAP_BREAKS: tuple[str, ...] = ("map-entry-orphaned", "map-entry-stolen")
-# Breaks that can harm only the request that broke them (rule 5.14): a kernel told a wrong
-# length reads the wrong keys, but every KV is written where it should be, so another request
-# reads its wrong KV only through a block it computed after the wrong read, and then breaks
-# ``held-block-derived`` itself (rule 5.17); a token sampled from another token's hidden state is
-# wrong for its request alone (the KV computed after it is right for the tokens it follows).
-# A victim that broke none of these was not harmed by their cause (rules 5.14, 5.16). (A wrong
-# slot, position, row or adapter writes wrong KV that a later prefix hit can read: another
-# request can be their victim without breaking anything itself.)
-SELF_ONLY_BREAKS: tuple[str, ...] = ("worker-seq-len", "worker-sample-row", "worker-sampling")
+# What each break can harm — one table (the checks are harness/postconditions.py; the oracle
+# names a victim's first harmful break by this order, oracle/postconditions.py):
+# - "latent": allocator state nobody has read wrong KV through yet (a prefix-cache entry that
+#   finds the wrong block, a count short of a block's holders); it becomes the *root* of a later
+#   harmful break on its block, and alone names nothing;
+# - "self": harms only the request that broke it. A kernel told a wrong length reads wrong keys,
+#   but every KV is written where it should be, so another request reads wrong KV only through a
+#   block computed after the wrong read, and then breaks ``held-block-derived`` itself; a token
+#   sampled from another row's hidden state, or by another request's sampling state, is wrong
+#   for its request alone. A victim that broke none of these was not harmed by their cause;
+# - "others": wrong KV written or read where a later prefix hit can hand it to another request,
+#   which can then be a victim without breaking anything itself.
+# ``on`` "map": broken on the allocator's own state, no request named.
+BreakHarm = Literal["latent", "self", "others"]
+
+
+class BreakKind(NamedTuple):
+    harm: BreakHarm
+    on: Literal["map", "request"] = "request"
+
+
+BREAKS: dict[str, BreakKind] = {
+    # harmful, in the precedence that names a victim's first break of a step
+    "worker-row": BreakKind("others"),
+    "worker-adapter": BreakKind("others"),
+    "worker-slot": BreakKind("others"),
+    "worker-seq-len": BreakKind("self"),
+    "worker-position": BreakKind("others"),
+    "worker-token": BreakKind("others"),
+    "worker-sample-row": BreakKind("self"),
+    "worker-sampling": BreakKind("self"),
+    "held-block-foreign": BreakKind("others"),
+    "held-block-repeated": BreakKind("others"),
+    "held-block-unwritten": BreakKind("others"),
+    "held-block-released": BreakKind("others"),
+    "held-block-derived": BreakKind("others"),
+    # latent
+    "held-block-undercounted": BreakKind("latent"),
+    "map-entry-orphaned": BreakKind("latent", "map"),
+    "map-entry-stolen": BreakKind("latent", "map"),
+}
+MAP_BREAKS: tuple[str, ...] = tuple(n for n, k in BREAKS.items() if k.on == "map")
+HARMFUL_BREAKS: tuple[str, ...] = tuple(n for n, k in BREAKS.items() if k.harm != "latent")
+SELF_ONLY_BREAKS: tuple[str, ...] = tuple(n for n, k in BREAKS.items() if k.harm == "self")
 
 
 class Break(_Data):
