@@ -50,6 +50,7 @@ from .blocks import BlockEdges
 from .postconditions import Monitor, worker_batch, worker_input_ids, worker_positions, worker_runner
 from .compat import check_inprocess, engine_arg_names
 from .embedded import ResolvedModel, prompt_embeddings, resolve_model
+from .enforce import Enforcer
 from .logs import quiet_stderr, read_tail, route_vllm_logs
 from .vllm_args import LOGPROBS_MODE, engine_args, greedy_logprobs, request_fields
 
@@ -157,7 +158,7 @@ class InProcessEngine:
         # Checks only inside a replay (the schedule hook also fires on clean-slate aborts and
         # teacher-forced scoring, whose steps no history records).
         self._monitor = Monitor(enabled=False)
-        # Post-conditions the current replay enforces (rule 5.19: ``Monitor.repair``).
+        # Post-conditions the current replay enforces (harness/enforce.py).
         self._repair: tuple[str, ...] = ()
         self._reference_toggles: list[str] | None = None
         self.start_seconds: float | None = None
@@ -384,8 +385,8 @@ class InProcessEngine:
 
             def model_forward(*args: Any, **kwargs: Any) -> Any:
                 if self._repair:
-                    self._monitor.repair(worker_batch(core), kwargs.get("input_ids"), kwargs.get("positions"),
-                                         self._repair)
+                    Enforcer(self._monitor).inputs(worker_batch(core), kwargs.get("input_ids"),
+                                                   kwargs.get("positions"), self._repair)
                 return forward(runner, *args, **kwargs)
 
             runner._model_forward = model_forward
@@ -394,7 +395,7 @@ class InProcessEngine:
         if runner is not None and callable(getattr(type(runner), "set_active_loras", None)):
             def set_active_loras(input_batch: Any, *args: Any, **kwargs: Any) -> Any:
                 if "worker-adapter" in self._repair:
-                    self._monitor.repair_adapters(input_batch)
+                    Enforcer(self._monitor).adapters(input_batch)
                 return type(runner).set_active_loras(runner, input_batch, *args, **kwargs)
 
             runner.set_active_loras = set_active_loras

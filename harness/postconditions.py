@@ -545,52 +545,22 @@ class Monitor:
                            f"row {row}: the model is handed token {int(got[i])} at position {start + i}; the "
                            f"request's token there is {int(want[i])}")
 
-    def repair(self, batch: Any, input_ids: Any, positions: Any, names: Iterable[str]) -> None:
-        """Rule 5.19: hand the model, in place, what the named checks expect of this step's
-        tokens: each row's own positions (``worker-position``), its own token ids
-        (``worker-token``). Right before the forward pass, so whatever put another value there
-        (a fault, a toggle) had its say. A batch of another layout is left as it is."""
-        import torch
+    # -- what a row should hold this step (read by the Enforcer) ----------------------------------
+    def row_spans(self, batch: Any) -> list[tuple[str, int, int, int]]:
+        """This step's rows: (request, its first position, its first token's offset in the
+        step's per-token buffers, its scheduled tokens); empty when the batch is not this step's
+        or the monitor is off."""
+        ids = None if self.disabled else self._step_ids(batch)
+        return [] if ids is None else [(rid, start, off, n) for _, rid, start, off, n in self._row_spans(ids)]
 
-        if self.disabled:
-            return
-        ids = self._step_ids(batch)
-        if ids is None:
-            return
-        names = set(names)
-        for _, rid, start, off, n in self._row_spans(ids):
-            if positions is not None and "worker-position" in names and getattr(positions, "ndim", 0) == 1:
-                positions[off:off + n].copy_(torch.arange(start, start + n, dtype=positions.dtype))
-            want = self._want_tokens.get(rid)
-            if input_ids is not None and want is not None and "worker-token" in names:
-                input_ids[off:off + n].copy_(torch.from_numpy(want).to(input_ids.dtype))
+    def own_tokens(self, rid: str) -> np.ndarray | None:
+        """The request's own token ids at the positions scheduled this step."""
+        return self._want_tokens.get(rid)
 
-    def repair_adapters(self, batch: Any) -> None:
-        """Rule 5.20: each scheduled row's LoRA mapping made its request's adapter
-        (``worker-adapter``), with the batch's record of the adapters its rows use, right before
-        the runner builds the step's LoRA inputs from them (after every fault and toggle had its
-        say). The persistent batch keeps the repair: the next step starts from the right state."""
-        if self.disabled:
-            return
-        mapping = getattr(batch, "request_lora_mapping", None)
-        if mapping is None:
-            return
-        for rid, row in batch.req_id_to_index.items():
-            want = self._adapters.get(rid)
-            got = int(mapping[row])
-            if want is None or got == want:
-                continue
-            if got:
-                users = batch.lora_id_to_request_ids.get(got)
-                if users is not None:
-                    users.discard(rid)
-                    if not users:
-                        del batch.lora_id_to_request_ids[got]
-                        batch.lora_id_to_lora_request.pop(got, None)
-            mapping[row] = want
-            if want:
-                batch.lora_id_to_request_ids.setdefault(want, set()).add(rid)
-                batch.lora_id_to_lora_request[want] = self._lora_requests[rid]
+    def own_adapter(self, rid: str) -> tuple[int, Any] | None:
+        """The request's LoRA id (0: none) and LoRARequest, if it was scheduled this step."""
+        want = self._adapters.get(rid)
+        return None if want is None else (want, self._lora_requests.get(rid))
 
     def _check_sampled(self, step: int, batch: Any, ext: Callable[[str], str]) -> None:
         """Each request's next token is sampled from its own last scheduled token's hidden

@@ -37,8 +37,8 @@ def witness(breaks: Iterable[Break], request: str) -> Break | None:
     return min((b for b in own if b.step == first), key=lambda b: HARMFUL.index(b.name))
 
 
-# Checks of the worker's inputs the harness can enforce in a replay (harness/postconditions.py
-# ``Monitor.repair``, ``Monitor.repair_adapters``): rule 5.19's evidence of a second cause, and
+# Checks of the worker's inputs the harness can enforce in a replay (harness/enforce.py
+# ``Enforcer``): rule 5.19's evidence of a second cause, and
 # rule 5.20's of whether a name caused a victim that broke nothing.
 REPAIRABLE: tuple[str, ...] = ("worker-position", "worker-token", "worker-adapter")
 

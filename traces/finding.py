@@ -55,7 +55,7 @@ class Environment(_Data):
 class Repair(_Data):
     """Rule 5.19: the finding replayed once with the post-condition its victim broke first
     enforced (the harness hands the model the values that check expects; harness/postconditions.py
-    ``Monitor.repair``), judged on the victim. It persists: another cause is left, named by the
+    ``harness.enforce.Enforcer``), judged on the victim. It persists: another cause is left, named by the
     victim's first harmful break in that replay."""
 
     name: BreakName
