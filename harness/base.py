@@ -4,20 +4,16 @@ so callers never probe for them (tests/test_layers.py keeps it so)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Literal, Protocol, runtime_checkable
 
 from kvfuzz.traces import EngineConfig, Environment, History, RequestRecord, SendEvent, Trace
 from kvfuzz.traces.calibration import NoiseKey
-from kvfuzz.traces.history import TopLogprobs
+from kvfuzz.traces.history import StopAtFlip, TopLogprobs
 from kvfuzz.traces.trace import Binding
 
 EngineKind = Literal["inprocess", "server", "url"]
-# Whether what a caller reads of a request still running is already final (rule 5.25: its
-# verdict is corruption at a flipped token, which no later token can change): the run so far
-# and the request's record so far.
-Settled = Callable[[History, RequestRecord], bool]
 
 
 @runtime_checkable
@@ -54,12 +50,12 @@ class Engine(Protocol):
 
     def replay(self, trace: Trace, *, arm: str = "default", run_index: int = 0,
                toggles: Iterable[str] | None = None, repair: Iterable[str] = (),
-               until: Iterable[str] = (), settled: Settled | None = None) -> History:
+               until: Iterable[str] = (), settled: StopAtFlip | None = None) -> History:
         """``trace`` once; ``repair``: worker post-conditions the run enforces (rules 5.19 and
         5.20; only an engine whose worker kvfuzz steps can, the others raise ``BadInput``).
         ``until``: the only requests the caller reads; an engine kvfuzz steps stops once each has
-        finished or, with ``settled``, is settled (nothing later can change what is read of
-        it); the others run the whole trace."""
+        finished or, with ``settled``, reached its stop (nothing later can change what is read
+        of it); the others run the whole trace."""
         ...
 
     def run_alone(self, send: SendEvent, *, max_tokens: int | None = None,

@@ -34,7 +34,7 @@ from kvfuzz.traces import (
 )
 from kvfuzz.traces.calibration import NoiseKey
 from kvfuzz.traces.errors import BadInput, InfraError
-from kvfuzz.traces.history import TopLogprobs
+from kvfuzz.traces.history import StopAtFlip, TopLogprobs
 from kvfuzz.traces.trace import (
     AdapterEvent,
     Binding,
@@ -45,7 +45,7 @@ from kvfuzz.traces.trace import (
 
 from . import toggles as toggle_registry
 from .adapters import AdapterBook, AdapterWorkdir, Bound, resolve_source, solo_engine
-from .base import EngineKind, Settled
+from .base import EngineKind
 from .blocks import BlockEdges
 from .postconditions import Monitor, worker_batch, worker_input_ids, worker_positions, worker_runner
 from .compat import check_inprocess, engine_arg_names
@@ -515,7 +515,7 @@ class InProcessEngine:
         max_steps: int | None = None,
         repair: Iterable[str] = (),
         until: Iterable[str] = (),
-        settled: Settled | None = None,
+        settled: StopAtFlip | None = None,
     ) -> History:
         """Run ``trace`` once from a clean slate and record its history. ``repair``: worker
         post-conditions (``REPAIRABLE``) this run enforces: the model is handed the positions or
@@ -543,7 +543,7 @@ class InProcessEngine:
 
     def _replay(self, trace: Trace, *, arm: str, run_index: int, toggles: list[str],
                 max_steps: int | None, until: frozenset[str] = frozenset(),
-                settled: Settled | None = None) -> History:
+                settled: StopAtFlip | None = None) -> History:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -680,7 +680,8 @@ class InProcessEngine:
                     still.append((i, ev))
             pending_rel = still
 
-            if until and all(r in recs and (ended(r) or (settled is not None and settled(hist, recs[r])))
+            if until and all(r in recs and (ended(r) or (settled is not None and settled.request == r
+                                                         and settled.reached(recs[r].token_ids)))
                              for r in until):
                 # Every request the caller reads is done (or settled): the rest is aborted, as
                 # a cancel would (clean_slate starts the next run from nothing either way).

@@ -22,10 +22,10 @@ from typing import Any
 from kvfuzz.traces import EngineConfig, Environment, History, RequestRecord, SendEvent, Trace, expand
 from kvfuzz.traces.calibration import NoiseKey
 from kvfuzz.traces.errors import BadInput, EngineDied, EngineHang, InfraError, Unreachable
-from kvfuzz.traces.history import TopLogprobs
+from kvfuzz.traces.history import StopAtFlip, TopLogprobs
 from kvfuzz.traces.trace import Binding
 
-from .base import EngineKind, Settled
+from .base import EngineKind
 from .http import control
 from .http.engine import HttpEngineBase
 from .http.replay import replay_trace
@@ -291,7 +291,7 @@ class ServerEngine(HttpEngineBase):
 
     def replay(self, trace: Trace, *, arm: str = "default", run_index: int = 0,
                toggles: Iterable[str] | None = None, repair: Iterable[str] = (),
-               until: Iterable[str] = (), settled: Settled | None = None) -> History:
+               until: Iterable[str] = (), settled: StopAtFlip | None = None) -> History:
         self._refuse_repair(repair)  # ``until``, ``settled``: a wall-clock server runs the whole trace
         if not self.compatible(trace.engine):
             raise BadInput("trace engine configuration differs from the running server's", field="engine")

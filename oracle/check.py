@@ -12,9 +12,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvfuzz.traces import Divergence, EventRecord, History, RequestRecord, Scoring, SendEvent, Trace
+from kvfuzz.traces.history import StopAtFlip
 from kvfuzz.traces.finding import DIVERGENT_CLASSES, SEVERITY
 
-from .diff import Comparison, compare, early_stop_comparison, prompt_drifts, teacher_drifts
+from .diff import Comparison, compare, early_stop_comparison, margin_at, prompt_drifts, teacher_drifts
 from .noise import NoiseBounds, default_bounds
 from .postconditions import later, origin
 from .stats import wilson
@@ -126,6 +127,23 @@ def _prompt_broken(ref: RequestRecord, rec: RequestRecord, bounds: NoiseBounds) 
     over = sum(d > bounds.teacher for d in drifts)
     return (f"the prompt logprobs differ from the reference's by up to {drifts[worst]:.3g} (prompt position "
             f"{worst + 1}; {over} of {len(drifts)} positions > {bounds.teacher:.3g})")
+
+
+def stop_at_flip(send: SendEvent, request_id: str, ref: RequestRecord, bounds: NoiseBounds) -> StopAtFlip:
+    """Where a run of ``request_id`` (``send`` or a completion of it) is corruption whatever
+    else it records: a token other than the reference's at a position whose reference margin
+    alone reaches the near-tie bound (or is unknown), or going on where the reference stopped.
+    The pair shift there is at least that margin, and nothing recorded later (teacher forcing
+    scores only near ties) can make it noise; a replay that reads only this request's class may
+    stop there (``Engine.replay(settled=...)``)."""
+    tokens = ref.token_ids[: send.max_tokens]
+    decided = []
+    for i in range(len(tokens)):
+        m = margin_at(ref, i)
+        decided.append(m is None or m >= bounds.near_tie)
+    stopped = (ref.finish_reason == "stop" and not ref.cancelled and ref.error is None
+               and len(tokens) == len(ref.token_ids))
+    return StopAtFlip(request=request_id, tokens=tokens, decided=decided, stopped=stopped)
 
 
 def reloaded_while_running(hist: History, rec: RequestRecord) -> str | None:

@@ -334,3 +334,17 @@ def test_a_streamed_send_asks_only_for_what_vllm_streams_of_prompt_logprobs():
     assert completion_payload(s, "m", stream=False)["prompt_logprobs"] == 2
     assert completion_payload(s, "m", stream=True)["prompt_logprobs"] == 0
     assert "prompt_logprobs" not in completion_payload(send(), "m", stream=True)
+
+
+def test_a_replay_may_stop_where_a_flip_is_corruption_whatever_the_run_records():
+    from kvfuzz.oracle.check import stop_at_flip
+
+    ref = RequestRecord(request_id="r0", token_ids=[4, 5, 6, 7], finish_reason="length",
+                        logprobs=[[(4, -0.1), (9, -3.0)], [(5, -0.1), (8, -0.1005)], [(6, -0.1)], [(7, -0.2), (3, -2.0)]])
+    stop = stop_at_flip(send(), "r0", ref, FP32)
+    # Margins 2.9 and 1.8 decide; a near tie (5e-4 < 1e-3) does not; an unknown margin does.
+    assert stop.decided == [True, False, True, True] and not stop.stopped
+    assert not stop.reached([4, 5, 6]) and not stop.reached([4, 8, 9, 9]) and stop.reached([4, 5, 3])
+    assert stop.reached([9]) and not stop.reached([])
+    ended = stop_at_flip(send(), "r0", ref.model_copy(update={"token_ids": [4, 5], "finish_reason": "stop"}), FP32)
+    assert ended.stopped and not ended.reached([4, 5]) and ended.reached([4, 5, 6])

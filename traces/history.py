@@ -68,6 +68,24 @@ HARMFUL_BREAKS: tuple[str, ...] = tuple(n for n, k in BREAKS.items() if k.harm !
 SELF_ONLY_BREAKS: tuple[str, ...] = tuple(n for n, k in BREAKS.items() if k.harm == "self")
 
 
+class StopAtFlip(_Data):
+    """An early stop a replay evaluates from its own record (the history is judged after): the
+    run of ``request`` is done once it produced another token than ``tokens[i]`` at a position
+    where ``decided[i]`` (any other token there is corruption whatever the run's own margins),
+    or went on past ``tokens`` where the reference stopped (``stopped``)."""
+
+    request: str
+    tokens: list[int]
+    decided: list[bool]
+    stopped: bool = False
+
+    def reached(self, token_ids: list[int]) -> bool:
+        for i, (want, got) in enumerate(zip(self.tokens, token_ids)):
+            if want != got:
+                return self.decided[i]
+        return self.stopped and len(token_ids) > len(self.tokens)
+
+
 class Break(_Data):
     """One post-condition found broken after a step: the first time for its block (map breaks,
     ``request`` None) or for its request and name (a request's own state)."""

@@ -15,17 +15,18 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from kvfuzz.harness.base import Engine, EngineKind, Settled
+from kvfuzz.harness.base import Engine, EngineKind
 from kvfuzz.harness.environment import stamp
 from kvfuzz.harness.runner import ReferenceStore, ScoreStore, record, score_diverged
 from kvfuzz.oracle import NoiseBounds, bounds_from, check, classify_run, default_bounds, divergent, make_finding
-from kvfuzz.oracle.check import ENGINE
+from kvfuzz.oracle.check import ENGINE, stop_at_flip
 from kvfuzz.oracle.diff import logprob_drift
 from kvfuzz.oracle.postconditions import origin
 from kvfuzz.traces import Attribution, Divergence, EngineConfig, Finding, History, RequestRecord, Scoring, Trace
 from kvfuzz.traces.calibration import CalibrationProfile, find_profile
 from kvfuzz.traces.errors import BadInput
 from kvfuzz.traces.result import Checked, Judged, Recording
+from kvfuzz.traces.history import StopAtFlip
 from kvfuzz.traces.trace import ReloadAdapterEvent
 from kvfuzz.driver.settings import SessionSettings
 from kvfuzz.traces.timing import CONFIRM, ENGINE_START, Ledger
@@ -321,20 +322,13 @@ class Session:
 
     @staticmethod
     def _corrupt_at_flip(trace: Trace, victim: str, reference: Callable[[str], RequestRecord],
-                         bounds: NoiseBounds) -> Settled | None:
-        """Rule 5.25: ``victim``'s verdict is final once a flipped token makes it corruption —
-        its margin and the drift before it are read at the flip, and teacher forcing (which
-        runs after the whole output) can only turn a near tie into corruption, never back. None
-        where a later step could still change the verdict: an in-place adapter reload (a
-        reload while the victim runs makes any output legal, ``reloaded_while_running``)."""
+                         bounds: NoiseBounds) -> StopAtFlip | None:
+        """Rule 5.25: where ``victim``'s verdict is final (``oracle.check.stop_at_flip``). None
+        where a later step could still change the verdict: an in-place adapter reload (a reload
+        while the victim runs makes any output legal, ``reloaded_while_running``)."""
         if any(isinstance(e, ReloadAdapterEvent) for e in trace.events):
             return None
-        send, ref = trace.send(victim), reference(victim)
-
-        def settled(h: History, rec: RequestRecord) -> bool:
-            return rec.request_id == victim and classify_run(send, ref, rec, h, bounds).cls == "corruption"
-
-        return settled
+        return stop_at_flip(trace.send(victim), victim, reference(victim), bounds)
 
     def close(self) -> None:
         """Done with the engine: closed, or back to the process's engine pool if there is one."""
