@@ -16,6 +16,12 @@ from kvfuzz.traces.trace import Binding
 EngineKind = Literal["inprocess", "server", "url"]
 
 
+def reference_config(config: EngineConfig) -> EngineConfig:
+    """The engine configuration of a request's reference (docs/oracle.md): the trace's, without
+    speculative decoding, which at temperature 0 must not change an output."""
+    return config if config.speculative is None else config.model_copy(update={"speculative": None})
+
+
 @runtime_checkable
 class Engine(Protocol):
     kind: EngineKind
@@ -45,6 +51,12 @@ class Engine(Protocol):
     def start(self) -> "Engine": ...
 
     def close(self) -> None: ...
+
+    def reference_engine(self) -> "Engine":
+        """The engine a request's reference runs on: this one, unless the configuration's
+        reference is another engine (``reference_config``: speculative decoding off), which is
+        then started beside this one and closed with it."""
+        ...
 
     def compatible(self, config: EngineConfig) -> bool: ...
 

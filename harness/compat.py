@@ -83,3 +83,32 @@ def check_engine_args(keys: Iterable[str], *, known: set[str] | None = None) -> 
     missing = sorted(k for k in keys if k != "model" and k not in known)
     if missing:
         raise BadInput(f"{release()} has no engine setting {', '.join(missing)}", field="engine")
+
+
+def tolerate_kernel_scan() -> None:
+    """Let another in-process engine start after one with ngram speculative decoding. vLLM's CPU
+    build registers its kernel fallbacks at each engine start by walking every loaded module
+    and reading ``vars(x)`` of each value with a ``__dict__`` (vllm/triton_utils/dispatcher.py).
+    Ngram drafting loads numba, and with it llvmlite's library wrapper, which answers every
+    attribute name — ``__dict__`` with a function wrapper — so that walk raised
+    AttributeError and the engine failed to start. The wrapper is made to answer no dunder
+    name (nothing in llvmlite asks it for one). A no-op until llvmlite is loaded."""
+    import sys
+
+    ffi = sys.modules.get("llvmlite.binding.ffi")
+    lib = getattr(ffi, "lib", None) if ffi is not None else None
+    if lib is None:
+        return
+    cls = type(lib)
+    original = cls.__getattr__
+    if getattr(original, "kvfuzz_no_dunders", False):
+        return
+
+    def __getattr__(self: object, name: str) -> object:
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)
+        return original(self, name)
+
+    __getattr__.kvfuzz_no_dunders = True  # type: ignore[attr-defined]
+    cls.__getattr__ = __getattr__  # type: ignore[method-assign]
+    getattr(lib, "_fntab", {}).pop("__dict__", None)

@@ -45,10 +45,10 @@ from kvfuzz.traces.trace import (
 
 from . import toggles as toggle_registry
 from .adapters import AdapterBook, AdapterWorkdir, Bound, resolve_source, solo_engine
-from .base import EngineKind
+from .base import EngineKind, reference_config
 from .blocks import BlockEdges
 from .postconditions import Monitor, worker_batch, worker_input_ids, worker_positions, worker_runner
-from .compat import check_inprocess, engine_arg_names
+from .compat import check_inprocess, engine_arg_names, tolerate_kernel_scan
 from .embedded import ResolvedModel, prompt_embeddings, resolve_model
 from .enforce import Enforcer
 from .logs import quiet_stderr, read_tail, route_vllm_logs
@@ -166,6 +166,7 @@ class InProcessEngine:
         # step returned; its unfinished requests were aborted), and a step raised.
         self._hung = False
         self._died = False
+        self._reference: InProcessEngine | None = None  # the reference's engine, where it differs
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> "InProcessEngine":
@@ -198,6 +199,7 @@ class InProcessEngine:
 
                 args["kv_transfer_config"] = KVTransferConfig(**args["kv_transfer_config"])
             _set_kv_agent(None)  # vLLM reuses a process-wide connector if one is set
+            tolerate_kernel_scan()
             try:
                 self._llm = LLMEngine.from_engine_args(EngineArgs(**args))
                 _LIVE.add(self)
@@ -222,7 +224,19 @@ class InProcessEngine:
         an AssertionError at step 0 (CI, 2026-11-23)."""
         _set_kv_agent(getattr(self, "_kv_agent", None))
 
+    def reference_engine(self) -> "InProcessEngine":
+        config = reference_config(self.config)
+        if config is self.config:
+            return self
+        if self._reference is None:
+            self._reference = InProcessEngine(config, device=self.device, log_file=self.log_file,
+                                              trace_deadline_s=self.trace_deadline_s).start()
+        return self._reference
+
     def close(self) -> None:
+        twin, self._reference = getattr(self, "_reference", None), None
+        if twin is not None:
+            twin.close()
         if getattr(self, "_kv_agent", None) is not None:
             try:
                 self._kv_agent.shutdown()
@@ -831,6 +845,9 @@ class InProcessEngine:
                 rec.prefix_hits = int(pcs.hits)
             rec.lora_running = {k: int(v) for k, v in (stats.running_lora_adapters or {}).items()}
             rec.evictions = len(stats.kv_cache_eviction_events or [])
+            spec = getattr(stats, "spec_decoding_stats", None)
+            if spec is not None:
+                rec.draft_tokens, rec.accepted_tokens = int(spec.num_draft_tokens), int(spec.num_accepted_tokens)
         rec.evictions = max(rec.evictions, int(cap.get("evicted", 0)))
         rec.external_tokens = int(cap.get("external", 0))
         rec.group_hits = list(cap.get("group_hits", []))

@@ -58,6 +58,7 @@ class ReferenceStore:
 
     def get(self, engine: Engine, send: SendEvent, binding: Binding | None) -> RequestRecord:
         """The reference of ``send`` admitted with ``binding`` (``Trace.bindings_at_admission``)."""
+        engine = engine.reference_engine()
         k = self.key(engine, send, binding)
         have = self._memo.get(k)
         scored_prompt = send.sampling.prompt_logprobs is not None
@@ -158,6 +159,7 @@ class ScoreStore:
         self.ledger = ledger if ledger is not None else Ledger()
 
     def get(self, engine: Engine, send: SendEvent, tokens: list[int], binding: Binding | None) -> list[TopLogprobs]:
+        engine = engine.reference_engine()  # teacher forcing is the reference's scoring
         config, adapter, prompt = ReferenceStore.key(engine, send, binding)
         k = (config, adapter, prompt, hashlib.sha256(repr(tokens).encode()).hexdigest()[:20])
         have = self._memo.get(k)

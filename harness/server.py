@@ -25,7 +25,7 @@ from kvfuzz.traces.errors import BadInput, EngineDied, EngineHang, InfraError, U
 from kvfuzz.traces.history import StopAtFlip, TopLogprobs
 from kvfuzz.traces.trace import Binding
 
-from .base import EngineKind
+from .base import EngineKind, reference_config
 from .http import control
 from .http.engine import HttpEngineBase
 from .http.replay import replay_trace
@@ -102,6 +102,7 @@ class ServerEngine(HttpEngineBase):
         self._model_path: str | None = None
         self._adapter_paths: dict[str, str] = {}
         self._model_hash: str | None = None
+        self._reference: ServerEngine | None = None  # the reference's server, where it differs
         self._cmd: list[str] = []
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -215,7 +216,18 @@ class ServerEngine(HttpEngineBase):
                 raise InfraError(f"vLLM server warm-up request failed: {rec.error or errors[0]} "
                                  f"(log: {self.server.log_path})")
 
+    def reference_engine(self) -> "ServerEngine":
+        config = reference_config(self.config)
+        if config is self.config:
+            return self
+        if self._reference is None:
+            self._reference = ServerEngine(config, options=self.options).start()
+        return self._reference
+
     def close(self) -> None:
+        twin, self._reference = getattr(self, "_reference", None), None
+        if twin is not None:
+            twin.close()
         servers = [srv for srv, _ in self._pool.values()]
         if self.server is not None and self.server not in servers:
             servers.append(self.server)

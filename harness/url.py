@@ -30,7 +30,7 @@ from kvfuzz.traces.errors import BadInput, InfraError, Unreachable
 from kvfuzz.traces.history import StopAtFlip, TopLogprobs
 from kvfuzz.traces.trace import Binding
 
-from .base import EngineKind
+from .base import EngineKind, reference_config
 from .http import control
 from .http.engine import HttpEngineBase
 from .http.replay import replay_trace
@@ -98,6 +98,13 @@ class UrlEngine(HttpEngineBase):
         if rec.http_status == 400 and "salt" in (rec.error or "").lower():
             return "none"
         raise InfraError(f"{self.shown_url}: a one-token completion failed: {rec.error}")
+
+    def reference_engine(self) -> "UrlEngine":
+        if reference_config(self.config) is not self.config:
+            raise BadInput("the server at the URL runs speculative decoding as its trace says; a request's reference "
+                           "needs an engine without it: replay in-process or with --engine server",
+                           field="engine.speculative")
+        return self
 
     def close(self) -> None:
         self.target = None

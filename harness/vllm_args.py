@@ -52,6 +52,8 @@ def engine_args(config: EngineConfig, model_path: str, *, device: str = "cpu") -
         args["scheduling_policy"] = config.scheduling_policy
     if config.enable_prompt_embeds:
         args["enable_prompt_embeds"] = True
+    if config.speculative is not None:
+        args["speculative_config"] = config.speculative.config()
     args.update(config.extra_args)
     return args
 

@@ -27,6 +27,9 @@ class SoloEngine:
     step_exact = True
     reference_toggles: list[str] = []
 
+    def reference_engine(self):
+        return self
+
     def __init__(self, config=None, salt=""):
         self.config = config or default_engine()
         self.salt = salt

@@ -123,7 +123,7 @@ def test_bad_input_in_a_real_subprocess(tmp_path):
                        timeout=300, cwd=tmp_path, env=env)
     assert p.returncode == 2
     assert p.stderr.strip() == f"kvfuzz: error: {bad}: schema_version: unsupported schema_version 7 " \
-                               f"(this kvfuzz reads 1, 2, 3)"
+                               f"(this kvfuzz reads 1, 2, 3, 4)"
 
 
 # -- security rules (units) ------------------------------------------------------------------

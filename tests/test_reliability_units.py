@@ -119,6 +119,9 @@ def test_reference_memo_is_bounded_lru():
         reference_toggles: list[str] = []
         calls = 0
 
+        def reference_engine(self):
+            return self
+
         def run_alone(self, send, binding=None):
             E.calls += 1
             return RequestRecord(request_id=send.request_id, prompt_len=send.prompt.length, max_tokens=send.max_tokens,

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ValidationError
 from .errors import BadInput
 from .finding import FINDING_SCHEMA_VERSIONS, Finding
 from .paths import check_engine
-from .trace import SCHEMA_VERSION, SCHEMA_VERSIONS, Trace
+from .trace import SCHEMA_VERSIONS, Trace
 
 if TYPE_CHECKING:
     from .foreign import ForeignFinding
@@ -105,7 +105,7 @@ def read_json(path: str | os.PathLike[str]) -> Any:
 def _check_version(data: Any, source: str, versions: tuple[int, ...] = SCHEMA_VERSIONS) -> None:
     if not isinstance(data, dict):
         raise BadInput(f"expected a JSON object, got {type(data).__name__}", source=source)
-    v = data.get("schema_version", SCHEMA_VERSION)
+    v = data.get("schema_version", max(versions))
     if v not in versions or isinstance(v, bool):
         raise BadInput(
             f"unsupported schema_version {v!r} (this kvfuzz reads {', '.join(map(str, versions))})",

@@ -17,10 +17,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serial
 
 # 2: adapter lifecycle events (load / unload / reload), ``cache_salt`` on sends,
 # ``lora.max_cpu_loras``. 3: a send's per-request state (``sampling``, ``priority``, ``embeds``)
-# and the engine's ``scheduling_policy`` and ``enable_prompt_embeds``. Older files still load
-# (they cannot carry those).
-SCHEMA_VERSION: Final = 3
-SCHEMA_VERSIONS = (1, 2, 3)
+# and the engine's ``scheduling_policy`` and ``enable_prompt_embeds``. 4: the engine's
+# ``speculative`` decoding. Older files still load (they cannot carry those).
+SCHEMA_VERSION: Final = 4
+SCHEMA_VERSIONS = (1, 2, 3, 4)
 
 # Embedded default model (see harness/embedded.py); a path or hub name selects another model.
 EMBEDDED_MODEL = "embedded:tiny-qwen2"
@@ -75,6 +75,29 @@ class LoraSettings(_Strict):
         return _drop_none(handler(self), ("max_cpu_loras",))
 
 
+class Speculative(_Strict):
+    """vLLM's speculative decoding (``speculative_config``): ngram prompt lookup proposes up to
+    ``num_speculative_tokens`` draft tokens a step from the last ``prompt_lookup_min`` ..
+    ``prompt_lookup_max`` tokens' earlier occurrence in the request; the target model verifies
+    them in one pass and the rejected ones' KV is rolled back. At temperature 0 it is lossless."""
+
+    method: Literal["ngram"] = "ngram"
+    num_speculative_tokens: int = Field(default=3, ge=1, le=16)
+    prompt_lookup_max: int = Field(default=3, ge=1, le=16)
+    prompt_lookup_min: int = Field(default=1, ge=1, le=16)
+
+    @model_validator(mode="after")
+    def _lookup_range(self) -> "Speculative":
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min {self.prompt_lookup_min} exceeds prompt_lookup_max "
+                             f"{self.prompt_lookup_max}")
+        return self
+
+    def config(self) -> dict[str, Any]:
+        """vLLM's ``speculative_config``."""
+        return self.model_dump(mode="json")
+
+
 class EngineConfig(_Strict):
     """Everything about the engine that can change a schedule or an output."""
 
@@ -107,6 +130,8 @@ class EngineConfig(_Strict):
     # Prompts may be given as embeddings (``SendEvent.embeds``; vLLM's ``enable_prompt_embeds``,
     # which also routes id prompts through the embeddings path). Written out only when on.
     enable_prompt_embeds: bool = False
+    # Speculative decoding, or none (not written out). A request's reference runs without it.
+    speculative: Speculative | None = None
 
     @field_validator("kv_connector")
     @classmethod
@@ -125,7 +150,7 @@ class EngineConfig(_Strict):
 
     @model_serializer(mode="wrap")
     def _drop_unset_connector(self, handler: Any) -> Any:
-        data = _drop_none(handler(self), ("kv_connector", "scheduling_policy"))
+        data = _drop_none(handler(self), ("kv_connector", "scheduling_policy", "speculative"))
         if isinstance(data, dict) and data.get("enable_prompt_embeds") is False:
             data.pop("enable_prompt_embeds")
         return data
@@ -539,7 +564,7 @@ class Expectation(_Strict):
 
 
 class Trace(_Strict):
-    schema_version: Literal[1, 2, 3] = SCHEMA_VERSION
+    schema_version: Literal[1, 2, 3, 4] = SCHEMA_VERSION
     name: str | None = None
     engine: EngineConfig = Field(default_factory=EngineConfig)
     events: list[Event] = Field(default_factory=list)
@@ -586,6 +611,13 @@ class Trace(_Strict):
             raise ValueError("engine.scheduling_policy: needs schema_version 3")
         if self.engine.enable_prompt_embeds and self.schema_version < 3:
             raise ValueError("engine.enable_prompt_embeds: needs schema_version 3")
+        if self.engine.speculative is not None:
+            if self.schema_version < 4:
+                raise ValueError("engine.speculative: needs schema_version 4")
+            for i, ev in enumerate(self.events):
+                if isinstance(ev, SendEvent) and ev.sampling.logit_bias:
+                    raise ValueError(f"events[{i}].sampling.logit_bias: vLLM refuses logit_bias with speculative "
+                                     f"decoding (engine.speculative)")
         for i, ev in enumerate(self.events):
             if isinstance(ev, CancelEvent) and ev.request_id not in sends:
                 raise ValueError(f"events[{i}].request_id: cancel of unknown request {ev.request_id!r}")
