@@ -19,7 +19,7 @@ import os
 import random
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -33,7 +33,7 @@ from kvfuzz.traces.result import Checked
 from kvfuzz.traces.timing import GENERATION, TRIAGE, Ledger, TimeBreakdown
 
 from .corpus import Corpus, CorpusEntry, Item, Scheduler, Seed, measured_key, now
-from .feedback import Coverage, trace_signature
+from .feedback import SPEC_ACCEPTED, Coverage, trace_signature
 from .generate import GenOptions, generate
 from .mutate import mutate, mutate_into
 from .sources import SourceBandit
@@ -165,17 +165,25 @@ class CampaignState:
     # Requests run, and how many of them set each per-request field (SendEvent.per_request_fields).
     requests: int = 0
     request_fields: dict[str, int] = field(default_factory=dict)
+    # Traces run with speculative decoding, and those whose run accepted draft tokens.
+    speculative: dict[str, int] = field(default_factory=dict)
     # Where the time went, seconds per phase, and the reference store's counts and hit rate
     # (traces/timing.py TimeBreakdown.state_parts; summed over resumed sessions).
     time: dict[str, float] = field(default_factory=dict)
     reference_store: dict[str, float] = field(default_factory=dict)
 
-    def count_requests(self, trace: Trace) -> None:
+    def count_requests(self, trace: Trace, features: Iterable[str] = ()) -> None:
+        """Requests per per-request field; traces with speculative decoding, and of them those
+        whose run accepted drafts (read from the run's coverage features)."""
         for send in trace.sends:
             self.requests += 1
             fields = send.per_request_fields
             for f in [*fields, "any"] if fields else []:
                 self.request_fields[f] = self.request_fields.get(f, 0) + 1
+        if trace.engine.speculative is not None:
+            self.speculative["traces"] = self.speculative.get("traces", 0) + 1
+            if any(f.startswith(SPEC_ACCEPTED) and f != f"{SPEC_ACCEPTED}0" for f in features):
+                self.speculative["accepted"] = self.speculative.get("accepted", 0) + 1
 
     @property
     def time_breakdown(self) -> TimeBreakdown:
@@ -564,7 +572,7 @@ def run_campaign(opts: CampaignOptions, check_trace: Callable[[Trace], Checked |
             if finding is not None:
                 camp.record_finding(i, trace, source, finding, members)
             state.traces += 1
-            state.count_requests(trace)
+            state.count_requests(trace, buckets)
             state.next_index = i + 1
             state.sources[source] = state.sources.get(source, 0) + 1
             state.seconds = round(base_seconds + time.monotonic() - start, 3)

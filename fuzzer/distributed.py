@@ -378,7 +378,7 @@ class Driver:
             res.finding.provenance.worker = res.finding.provenance.worker or res.worker
             self.camp.record_finding(i, trace, source, res.finding, members)
         st.traces += 1
-        st.count_requests(trace)
+        st.count_requests(trace, res.buckets)
         self.committed += 1
         st.next_index = i + 1
         st.sources[source] = st.sources.get(source, 0) + 1

@@ -77,6 +77,8 @@ def signature(history: History, trace: Trace | None = None) -> Signature:
     _request_features(history, bs, f)
     if trace is not None:
         _request_state_features(history, trace, f)
+        if trace.engine.speculative is not None:
+            _speculative_features(history, trace, f)
     _event_features(history, f)
     if is_lifecycle_run(history, trace):
         _lifecycle_features(history, trace, f)
@@ -197,6 +199,26 @@ def _metric_features(h: History, bs: int, f: set[str]) -> None:
     ext = delta("vllm:external_prefix_cache_hits_total")
     if ext > 0:
         f.add(f"ext-tokens:{bucket(int(ext) // bs)}")
+
+
+def _speculative_features(h: History, trace: Trace, f: set[str]) -> None:
+    """Speculative decoding: its setting, how many draft tokens the run accepted, and steps
+    that accepted drafts while another request prefilled or was preempted (rolled-back KV next
+    to blocks changing hands)."""
+    spec = trace.engine.speculative
+    assert spec is not None
+    f.add(f"spec:k{spec.num_speculative_tokens}/lookup{spec.prompt_lookup_min}-{spec.prompt_lookup_max}")
+    accepted = sum(s.accepted_tokens for s in h.steps)
+    f.add(f"{SPEC_ACCEPTED}{bucket(accepted)}")
+    for s in h.steps:
+        if s.accepted_tokens and (s.partial_prefills or s.preempted):
+            f.add(f"spec:accepted-with-{'preempt' if s.preempted else 'prefill'}")
+        if s.draft_tokens > s.accepted_tokens:
+            f.add("spec:rejected")
+
+
+# The feature that says how many draft tokens a run accepted (``bucket`` of the count).
+SPEC_ACCEPTED = "spec-accepted:"
 
 
 def _request_state_features(h: History, trace: Trace, f: set[str]) -> None:

@@ -11,7 +11,8 @@ preemption. Without them random traces reached those states in a few traces per 
 ``random-v2`` draws the v1 trace first and only then the additions, so a seed's v1 events are
 a prefix of its v2 events. ``random-v3`` is v2's schedule with per-request state on a share of
 its sends (fuzzer/requests.py, its own random stream): the same sends at the same steps;
-``random-v4`` draws bad words among that state too.
+``random-v4`` draws bad words among that state too; ``random-v5`` also runs a share of its
+traces with ngram speculative decoding (its own random stream: the other traces are v4's).
 
 ``GenOptions(lifecycle=True)`` selects the lifecycle generator (``lifecycle-v1``,
 ``generate_lifecycle``): adapter names loaded, unloaded and reloaded between sends (docs/fuzzer.md,
@@ -36,7 +37,7 @@ from kvfuzz.traces.trace import (
 from . import hybrid, lifecycle, requests, shapes
 from .reuse import reuse_prompts
 
-GENERATOR = "random-v4"
+GENERATOR = "random-v5"
 
 EMBEDDED_ADAPTERS = {"a": "embedded:a", "b": "embedded:b", "c": "embedded:c"}
 
@@ -107,6 +108,9 @@ class GenOptions:
     # The probability that a trace's engine takes prompt embeddings and some of its sends give
     # their prompts as embeddings (in-process engines only: `kvfuzz run` turns it off elsewhere).
     p_embeds: float = 0.15
+    # The probability that a trace's engine runs ngram speculative decoding (in-process only,
+    # as above); most of its sends then restrict their output so drafts are accepted.
+    p_spec: float = 0.2
 
 
 def _length(rng: random.Random, bs: int, opts: GenOptions) -> int:
@@ -163,8 +167,8 @@ def generate(seed: int, engine: EngineConfig | None = None, opts: GenOptions | N
         events = reuse_prompts(events, seed, engine, opts)
     events = _additions(rng, engine, opts, events, step)
     dressed, engine = requests.dress(events, seed, engine, share=opts.request_state, p_priority=opts.p_priority,
-                                     p_embeds=opts.p_embeds)
-    plain = opts.request_state <= 0 and opts.p_priority <= 0 and opts.p_embeds <= 0
+                                     p_embeds=opts.p_embeds, p_spec=opts.p_spec)
+    plain = opts.request_state <= 0 and opts.p_priority <= 0 and opts.p_embeds <= 0 and opts.p_spec <= 0
     return Trace(engine=engine, events=dressed, name=f"random-{seed}",
                  lineage=Lineage(generator="random-v2" if plain else GENERATOR, seed=seed))
 

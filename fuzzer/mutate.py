@@ -708,7 +708,11 @@ def graft(base: Trace, donor: Trace, rng: random.Random, *, max_sends: int = 8) 
             renamed[e.request_id] = fresh_id(events, f"x.{e.request_id}")
         at = e.at if step_of(e, donor) is None else moved(e.at, shift, eng)
         events.append(e.model_copy(update={"request_id": renamed[e.request_id], "at": at}))
-    child = _rebuild(base, events, engine=eng) or base
+    child = _rebuild(base, events, engine=eng)
+    if child is None and eng.speculative is not None:
+        # A send with a logit bias on either side: no speculative decoding (vLLM refuses the pair).
+        child = _rebuild(base, events, engine=eng.model_copy(update={"speculative": None}))
+    child = child or base
     lin = Lineage(parent=donor.lineage.parent, operators=[*donor.lineage.operators, "graft"],
                   generator=base.lineage.generator, seed=base.lineage.seed)
     return child.model_copy(update={"lineage": lin, "name": f"graft-{child.trace_id()}"})

@@ -19,7 +19,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from kvfuzz.traces import EMBEDDED_MODEL, EngineConfig, PromptEmbeds, Sampling, SendEvent
+from kvfuzz.traces import EMBEDDED_MODEL, EngineConfig, PromptEmbeds, Sampling, SendEvent, Speculative
 from kvfuzz.traces.trace import EMBEDDED_HYBRID, Event
 
 # The embedded models' vocabulary and end-of-sequence token (harness/embedded.py).
@@ -41,13 +41,24 @@ def with_knobs_of(engine: EngineConfig, other: EngineConfig) -> EngineConfig:
         update["scheduling_policy"] = "priority"
     if other.enable_prompt_embeds:
         update["enable_prompt_embeds"] = True
+    if other.speculative is not None and engine.speculative is None:
+        # Valid only where no send has a logit bias (vLLM refuses the pair): callers that merge
+        # sends fall back to no speculative decoding (``mutate.graft``).
+        update["speculative"] = other.speculative
     return engine.model_copy(update=update) if update else engine
 
 
 def without_knobs(engine: EngineConfig) -> EngineConfig:
     """``engine`` without the settings drawn per trace: what two traces' engines must share to be
     one engine but for those."""
-    return engine.model_copy(update={"scheduling_policy": None, "enable_prompt_embeds": False})
+    return engine.model_copy(update={"scheduling_policy": None, "enable_prompt_embeds": False, "speculative": None})
+
+
+def draw_speculative(rng: random.Random) -> Speculative:
+    """Ngram drafting: up to 1-5 draft tokens from a 1-4 token lookup."""
+    high = rng.randint(1, 4)
+    return Speculative(num_speculative_tokens=rng.randint(1, 5), prompt_lookup_max=high,
+                       prompt_lookup_min=rng.randint(1, high))
 
 
 def knows_vocab(engine: EngineConfig) -> bool:
@@ -58,12 +69,18 @@ def draw_sampling(rng: random.Random, engine: EngineConfig, max_tokens: int) -> 
     """One send's state: one to three features, drawn so that they take effect at temperature 0
     (a stop rule on a token the request will produce, EOS made likely where it is honoured)."""
     vocab = knows_vocab(engine)
-    features = [f for f in FEATURES if vocab or f not in VOCAB_FEATURES]
+    speculative = engine.speculative is not None
+    # vLLM refuses a logit bias with speculative decoding; EOS is then left to the allowed sets.
+    features = [f for f in FEATURES if (vocab or f not in VOCAB_FEATURES) and not (speculative and f == "bias")]
     chosen = set(rng.sample(features, rng.choice((1, 1, 2, 2, 3))))
+    if speculative and vocab and rng.random() < 0.6:
+        # A few allowed tokens make the output repeat itself: ngram lookup then finds drafts the
+        # model accepts (a random model's free output gives almost none).
+        chosen.add("allowed")
     fields: dict[str, object] = {}
     allowed: list[int] | None = None
     if "allowed" in chosen:
-        allowed = sorted(rng.sample(range(4, EMBEDDED_VOCAB), rng.choice((2, 3, 5, 8, 16))))
+        allowed = sorted(rng.sample(range(4, EMBEDDED_VOCAB), rng.choice((2, 3, 3, 4) if speculative else (2, 3, 5, 8, 16))))
         if rng.random() < 0.3:
             allowed.append(EMBEDDED_EOS)
         fields["allowed_token_ids"] = allowed
@@ -74,7 +91,7 @@ def draw_sampling(rng: random.Random, engine: EngineConfig, max_tokens: int) -> 
             bias[t] = round(rng.choice((-1, 1)) * rng.uniform(0.5, 8.0), 2)
     if chosen & {"eos", "min_tokens"}:
         fields["ignore_eos"] = False
-        if vocab:
+        if vocab and not speculative:
             # The random model rarely chooses EOS by itself: a bias makes it end at some step.
             bias[EMBEDDED_EOS] = round(rng.uniform(2.0, 7.0), 2)
             if allowed is not None and EMBEDDED_EOS not in allowed:
@@ -126,7 +143,7 @@ def draw_embeds(rng: random.Random, length: int) -> PromptEmbeds:
 
 
 def dress(events: Sequence[Event], seed: int, engine: EngineConfig, *, share: float,
-          p_priority: float, p_embeds: float = 0.0) -> tuple[list[Event], EngineConfig]:
+          p_priority: float, p_embeds: float = 0.0, p_spec: float = 0.0) -> tuple[list[Event], EngineConfig]:
     """``events`` with a ``share`` of their sends given per-request state and, with probability
     ``p_priority``, the engine switched to priority scheduling with a priority on every send
     (which request is preempted, and which waits, then follows the priorities); with probability
@@ -135,7 +152,7 @@ def dress(events: Sequence[Event], seed: int, engine: EngineConfig, *, share: fl
     earlier send (the same prompt after a cancel) keep that send's state, as a client's retry
     would."""
     rng = random.Random(f"kvfuzz/request-state/{seed}")
-    if share <= 0 and p_priority <= 0 and p_embeds <= 0:
+    if share <= 0 and p_priority <= 0 and p_embeds <= 0 and p_spec <= 0:
         return list(events), engine
     priority = rng.random() < p_priority
     if priority:
@@ -144,6 +161,13 @@ def dress(events: Sequence[Event], seed: int, engine: EngineConfig, *, share: fl
     embeds = engine.model == EMBEDDED_MODEL and engine.kv_connector is None and rng.random() < p_embeds
     if embeds:
         engine = engine.model_copy(update={"enable_prompt_embeds": True})
+    # Its own stream, so traces without it are drawn as before. Ngram drafting needs token ids
+    # (not with embeddings), and LoRA or a KV connector with it are left to a later generator.
+    spec_rng = random.Random(f"kvfuzz/speculative/{seed}")
+    if spec_rng.random() < p_spec and not embeds and knows_vocab(engine) and not engine.lora.enabled \
+            and engine.kv_connector is None:
+        engine = engine.model_copy(update={"speculative": draw_speculative(spec_rng)})
+        share = max(share, 0.7)
     drawn_embeds: dict[str, PromptEmbeds | None] = {}
     drawn: dict[str, Sampling] = {}
     out: list[Event] = []

@@ -30,7 +30,7 @@ eng = InProcessEngine(cfg)
 eng.start()
 out = []
 # The KV schedules these seeds draw (random-v2: no per-request state, one engine).
-plain = GenOptions(request_state=0.0, p_priority=0.0, p_embeds=0.0)
+plain = GenOptions(request_state=0.0, p_priority=0.0, p_embeds=0.0, p_spec=0.0)
 for seed in (1, 4):
     h = eng.replay(generate(seed, cfg, plain))
     out.append([b.model_dump(mode="json") for b in h.breaks])

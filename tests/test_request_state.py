@@ -176,7 +176,7 @@ def test_a_default_campaign_covers_the_fields_in_a_share_of_its_requests():
 
 
 def test_the_state_is_drawn_apart_from_the_schedule():
-    plain = generate(7, opts=GenOptions(request_state=0.0, p_priority=0.0, p_embeds=0.0))
+    plain = generate(7, opts=GenOptions(request_state=0.0, p_priority=0.0, p_embeds=0.0, p_spec=0.0))
     dressed = generate(7)
     assert plain.lineage.generator == "random-v2" and dressed.lineage.generator == GENERATOR
     strip = [s.model_copy(update={"sampling": Sampling(), "priority": 0, "embeds": None}) for s in dressed.sends]
@@ -184,7 +184,14 @@ def test_the_state_is_drawn_apart_from_the_schedule():
     events, engine = dress(plain.events, 7, plain.engine, share=1.0, p_priority=1.0, p_embeds=1.0)
     assert engine.scheduling_policy == "priority" and engine.enable_prompt_embeds
     assert any(e.embeds is not None for e in events if isinstance(e, SendEvent))
+    # Speculative decoding has its own stream: a trace that draws it keeps every other draw's
+    # schedule, and its sends carry no logit bias (vLLM refuses the pair), most a few allowed tokens.
     assert all(e.per_request_fields for e in events if isinstance(e, SendEvent))
+    spec_events, spec = dress(plain.events, 7, plain.engine, share=0.4, p_priority=0.0, p_spec=1.0)
+    sends = [e for e in spec_events if isinstance(e, SendEvent)]
+    assert spec.speculative is not None and not any(s.sampling.logit_bias for s in sends)
+    assert sum(bool(s.sampling.allowed_token_ids) for s in sends) >= len(sends) // 3
+    Trace(engine=spec, events=spec_events)  # valid
 
 
 @settings(max_examples=60, deadline=None)

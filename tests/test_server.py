@@ -187,7 +187,7 @@ def test_campaign_through_the_managed_server(session, tmp_path):
                            # Per-request state, without the engine settings drawn per trace (as
                            # `kvfuzz run --engine server` does: each would restart the server).
                            gen=GenOptions(adapters=[], max_requests=6, p_long=0.0, p_pressure=0.0, p_priority=0.0,
-                                          p_embeds=0.0))
+                                          p_embeds=0.0, p_spec=0.0))
     state = run_campaign(opts, lambda t: session.check(t))
     assert state.traces == 2 and state.complete
     assert state.findings == 0, json.loads((tmp_path / "campaign.json").read_text())

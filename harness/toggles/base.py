@@ -35,7 +35,7 @@ class Toggle:
     # Installs the (gated) patch. Called only after check() passed; must be idempotent.
     patch: Callable[[], None]
     # Engine features the toggle's code path needs to be reached at all
-    # ("prefix-caching", "lora", "chunked-prefill", "preemption", "prompt-embeds").
+    # ("prefix-caching", "lora", "chunked-prefill", "preemption", "prompt-embeds", "speculative").
     needs: tuple[str, ...] = ()
     # Forgets per-run state (e.g. bookkeeping of blocks a fault released); called whenever the
     # active set changes, i.e. between runs.

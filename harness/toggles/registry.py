@@ -141,7 +141,8 @@ def clean_set(device: str) -> list[str]:
 
 def unreachable(names: Iterable[str], engine: EngineConfig) -> set[str]:
     """Toggles among ``names`` whose code path ``engine`` never reaches: their ``needs`` names
-    an engine feature it has off (LoRA, prefix caching, chunked prefill, prompt embeddings). An arm that differs
+    an engine feature it has off (LoRA, prefix caching, chunked prefill, prompt embeddings,
+    speculative decoding). An arm that differs
     from another only by such toggles runs the same code, so nothing can be attributed to them
     (issue 30, fault AA: a stale-state witness that diverged in 1 of 3 runs was "explained" by
     the three LoRA fixes of the clean arm, on an engine without LoRA)."""
@@ -149,7 +150,8 @@ def unreachable(names: Iterable[str], engine: EngineConfig) -> set[str]:
     off = {feature for feature, on in (("lora", engine.lora.enabled),
                                        ("prefix-caching", engine.enable_prefix_caching),
                                        ("chunked-prefill", engine.enable_chunked_prefill),
-                                       ("prompt-embeds", engine.enable_prompt_embeds)) if not on}
+                                       ("prompt-embeds", engine.enable_prompt_embeds),
+                                       ("speculative", engine.speculative is not None)) if not on}
     return {n for n in names if n in REGISTRY and off & set(REGISTRY[n].needs)}
 
 

@@ -127,6 +127,10 @@ class CampaignDisplay:
             table.add_row("requests with per-request state", f"{fields.pop('any', 0)} of {state.requests}")
             for name, n in sorted(fields.items(), key=lambda kv: -kv[1]):
                 table.add_row(f"  {name}", str(n))
+        spec = dict(getattr(state, "speculative", {}))
+        if spec:
+            table.add_row("traces with speculative decoding", f"{spec.get('traces', 0)} ({spec.get('accepted', 0)} "
+                                                               f"accepted drafts)")
         table.add_row("findings", str(state.findings))
         for cls, n in sorted(state.by_class.items()):
             table.add_row(f"  {cls}", Text(str(n), style=CLASS_STYLE.get(cls, "")))

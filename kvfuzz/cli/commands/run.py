@@ -172,15 +172,16 @@ def run(
     from kvfuzz.fuzzer import GenOptions
     from kvfuzz.fuzzer.reuse import DEFAULT_PROMPT_REUSE
 
-    # The engine settings drawn per trace (priority scheduling, prompt embeddings) are in-process
-    # only: a server would restart for each, and the HTTP harness sends no embeddings.
+    # The engine settings drawn per trace (priority scheduling, prompt embeddings, speculative
+    # decoding) are in-process only: a server would restart for each.
     per_trace = request_state > 0 and kind == "inprocess"
     gen = GenOptions(min_requests=min(2, max_requests), max_requests=max_requests,
                      adapters=sorted(engine.lora.adapters) if engine.lora.enabled else [], lifecycle=lifecycle,
                      prompt_reuse=0.0 if lifecycle else (DEFAULT_PROMPT_REUSE if prompt_reuse is None else prompt_reuse),
                      pool_seed=seed, request_state=request_state,
                      p_priority=GenOptions.p_priority if per_trace else 0.0,
-                     p_embeds=GenOptions.p_embeds if per_trace else 0.0)
+                     p_embeds=GenOptions.p_embeds if per_trace else 0.0,
+                     p_spec=GenOptions.p_spec if per_trace else 0.0)
     opts = CampaignOptions(seed=seed, budget_s=budget, max_traces=traces_n, runs=runs, out=out, engine=engine, gen=gen,
                            resume=resume, corpus=corpus, mode="feedback" if feedback else "random", operators=ops,
                            # Naming an engine-changing operator (small_kv) is asking for restarts.
