@@ -95,19 +95,22 @@ def test_several_candidates_pick_the_reproducing_single_toggle_arm():
 def test_build_arms_vocabulary(toggles_apply):
     from kvfuzz.driver.arms import build_arms
 
-    cpu_clean = ["fix-lora-batch-keeps-every-adapter-id", "fix-lora-cpu-no-lora-tokens",
-                 "fix-lora-reload-prefix-identity", "fix-penalties-skip-embeds-positions"]
+    cpu_clean = ["fix-cpu-expand-fills-output", "fix-lora-batch-keeps-every-adapter-id", "fix-lora-cpu-no-lora-tokens",
+                 "fix-lora-reload-prefix-identity", "fix-penalties-skip-embeds-positions", "fix-topk-empty-draft-batch"]
     ns = "fault-lora-hash-namespace"
     assert build_arms() == {"vanilla": []}
     assert build_arms(with_=[ns]) == {f"with:{ns}": sorted([*cpu_clean, ns])}
-    assert build_arms(without=cpu_clean[1:2]) == {"without:fix-lora-cpu-no-lora-tokens":
-                                                  [cpu_clean[0], *cpu_clean[2:]]}
+    def less(name):
+        return [t for t in cpu_clean if t != name]
+
+    assert build_arms(without=["fix-lora-cpu-no-lora-tokens"]) == {"without:fix-lora-cpu-no-lora-tokens":
+                                                                   less("fix-lora-cpu-no-lora-tokens")}
     assert build_arms(arms="vanilla,clean") == {"vanilla": [], "clean": cpu_clean}
     assert build_arms(arms="x=fault-lora-hash-namespace+fix-zero-recycled-blocks,none=") == {
         "x": [ns, "fix-zero-recycled-blocks"], "none": []}
     arms = build_arms(arms="all")
-    assert arms["clean"] == cpu_clean and arms["without:fix-lora-cpu-no-lora-tokens"] == [cpu_clean[0], *cpu_clean[2:]]
-    assert arms["without:fix-lora-reload-prefix-identity"] == [*cpu_clean[:2], cpu_clean[3]]
+    assert arms["clean"] == cpu_clean and arms["without:fix-lora-cpu-no-lora-tokens"] == less("fix-lora-cpu-no-lora-tokens")
+    assert arms["without:fix-lora-reload-prefix-identity"] == less("fix-lora-reload-prefix-identity")
     assert {a for a in arms if a.startswith("with:")} == {
         "with:fault-cancel-frees-shared-blocks", "with:fault-cross-group-one-phase", "with:fault-lora-hash-namespace",
         "with:fault-preempt-resume-stale-blocks", "with:fault-prefix-hit-before-write",
@@ -147,8 +150,8 @@ def test_session_attributes_vanilla_lora_bug_to_the_missing_fix(session, lora_en
     c = check_attributed(session, t, runs=1, arms={"vanilla": []})
     f = c.finding
     # With several fixes in the clean arm, attribution adds clean-less-one arms to see which one.
-    clean = ["fix-lora-batch-keeps-every-adapter-id", "fix-lora-cpu-no-lora-tokens", "fix-lora-reload-prefix-identity",
-             "fix-penalties-skip-embeds-positions"]
+    clean = ["fix-cpu-expand-fills-output", "fix-lora-batch-keeps-every-adapter-id", "fix-lora-cpu-no-lora-tokens",
+             "fix-lora-reload-prefix-identity", "fix-penalties-skip-embeds-positions", "fix-topk-empty-draft-batch"]
     # Not the embeddings fix alone: this engine takes no prompt embeddings, never reaching it.
     singles = {f"without:{x}": [y for y in clean if y != x] for x in clean[:3]}
     assert f is not None and f.arms == {"vanilla": [], "clean": clean, **singles}

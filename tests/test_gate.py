@@ -99,13 +99,17 @@ def test_self_test_plan_skips_what_cannot_change_outputs_here(toggles_apply):
     assert stale.skipped and "cuda" in stale.skipped
     lora = cpu[("kvfuzz-cpu-lora-base-in-mixed-batch", "without:fix-lora-cpu-no-lora-tokens")]
     # The clean arm less one fix keeps the other fixes.
-    assert lora.expect_fail and not lora.skipped and lora.toggles == ["fix-lora-batch-keeps-every-adapter-id",
+    assert lora.expect_fail and not lora.skipped and lora.toggles == ["fix-cpu-expand-fills-output",
+                                                                      "fix-lora-batch-keeps-every-adapter-id",
                                                                       "fix-lora-reload-prefix-identity",
-                                                                      "fix-penalties-skip-embeds-positions"]
-    assert cpu[("vllm-38606-lora-thrash", "clean")].toggles == ["fix-lora-batch-keeps-every-adapter-id",
+                                                                      "fix-penalties-skip-embeds-positions",
+                                                                      "fix-topk-empty-draft-batch"]
+    assert cpu[("vllm-38606-lora-thrash", "clean")].toggles == ["fix-cpu-expand-fills-output",
+                                                                 "fix-lora-batch-keeps-every-adapter-id",
                                                                  "fix-lora-cpu-no-lora-tokens",
                                                                  "fix-lora-reload-prefix-identity",
-                                                                 "fix-penalties-skip-embeds-positions"]
+                                                                 "fix-penalties-skip-embeds-positions",
+                                                                 "fix-topk-empty-draft-batch"]
     cuda = {(p.entry.name, p.arm): p for p in self_test_plan(entries, "cuda")}
     assert not cuda[("vllm-39589-concurrent-prefill-128-256", "with:fault-block-table-stale-tail")].skipped
     assert cuda[("kvfuzz-cpu-lora-base-in-mixed-batch", "without:fix-lora-cpu-no-lora-tokens")].skipped
