@@ -13,6 +13,8 @@ from kvfuzz.harness.toggles.builtin import (
     CANCEL_FREES_SHARED,
     CROSS_GROUP_ONE_PHASE,
     EARLY_HIT,
+    EMPTY_TOPK,
+    EXPAND_FILLS,
     LORA_BATCH_IDS,
     LORA_CPU_MASK,
     LORA_IDENTITY,
@@ -26,8 +28,8 @@ from kvfuzz.harness.toggles.builtin import (
 )
 from kvfuzz.traces import At, CancelEvent, EngineConfig, GenPrompt, SendEvent, Trace
 
-ALL = [CANCEL_FREES_SHARED, CROSS_GROUP_ONE_PHASE, EARLY_HIT, LORA_BATCH_IDS, LORA_CPU_MASK, LORA_IDENTITY, LORA_NS,
-       PENALTY_IDS, PREEMPT_STALE, ROW_STATE, SAME_STEP_GUARD, STALE_TAIL, ZERO_RECYCLED]
+ALL = [CANCEL_FREES_SHARED, CROSS_GROUP_ONE_PHASE, EARLY_HIT, EMPTY_TOPK, EXPAND_FILLS, LORA_BATCH_IDS, LORA_CPU_MASK,
+       LORA_IDENTITY, LORA_NS, PENALTY_IDS, PREEMPT_STALE, ROW_STATE, SAME_STEP_GUARD, STALE_TAIL, ZERO_RECYCLED]
 
 
 def send(rid, step, length, *, group=None, plen=0, seed=0, mt=16, adapter=None):
@@ -47,14 +49,16 @@ def test_registry_has_every_named_toggle_with_metadata():
         assert t.process in ("engine-core", "worker", "api-server")
         assert set(t.backends) <= {"cpu", "cuda"} and t.backends
     kinds = reg.kinds()
-    assert [n for n in ALL if kinds[n] == "fix"] == [LORA_BATCH_IDS, LORA_CPU_MASK, LORA_IDENTITY, PENALTY_IDS,
-                                                     SAME_STEP_GUARD, ZERO_RECYCLED]
+    assert [n for n in ALL if kinds[n] == "fix"] == [EMPTY_TOPK, EXPAND_FILLS, LORA_BATCH_IDS, LORA_CPU_MASK,
+                                                     LORA_IDENTITY, PENALTY_IDS, SAME_STEP_GUARD, ZERO_RECYCLED]
     # What changes outputs on CPU, and the clean arm there.
-    assert reg.output_changing("cpu") == sorted([CANCEL_FREES_SHARED, CROSS_GROUP_ONE_PHASE, EARLY_HIT, LORA_BATCH_IDS,
-                                                 LORA_CPU_MASK, LORA_IDENTITY, LORA_NS, PENALTY_IDS, PREEMPT_STALE,
-                                                 ROW_STATE])
-    assert reg.clean_set("cpu") == [LORA_BATCH_IDS, LORA_CPU_MASK, LORA_IDENTITY, PENALTY_IDS]
-    assert set(reg.clean_set("cuda")) == {LORA_BATCH_IDS, LORA_IDENTITY, PENALTY_IDS, SAME_STEP_GUARD, ZERO_RECYCLED}
+    assert reg.output_changing("cpu") == sorted([CANCEL_FREES_SHARED, CROSS_GROUP_ONE_PHASE, EARLY_HIT, EMPTY_TOPK,
+                                                 EXPAND_FILLS, LORA_BATCH_IDS, LORA_CPU_MASK, LORA_IDENTITY, LORA_NS,
+                                                 PENALTY_IDS, PREEMPT_STALE, ROW_STATE])
+    assert reg.clean_set("cpu") == sorted([EMPTY_TOPK, EXPAND_FILLS, LORA_BATCH_IDS, LORA_CPU_MASK, LORA_IDENTITY,
+                                           PENALTY_IDS])
+    assert set(reg.clean_set("cuda")) == {EMPTY_TOPK, LORA_BATCH_IDS, LORA_IDENTITY, PENALTY_IDS, SAME_STEP_GUARD,
+                                          ZERO_RECYCLED}
 
 
 def _copy(name: str) -> str:
