@@ -109,9 +109,8 @@ class GenOptions:
     # their prompts as embeddings (in-process engines only: `kvfuzz run` turns it off elsewhere).
     p_embeds: float = 0.15
     # The probability that a trace's engine runs ngram speculative decoding (in-process only,
-    # as above); most of its sends then restrict their output so drafts are accepted. Off by
-    # default (`kvfuzz run --speculative`): docs/fuzzer.md says why.
-    p_spec: float = 0.0
+    # as above); most of its sends then restrict their output so drafts are accepted.
+    p_spec: float = 0.2
 
 
 def _length(rng: random.Random, bs: int, opts: GenOptions) -> int:

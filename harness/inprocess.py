@@ -77,6 +77,11 @@ def _prepare_env() -> None:
     # stdout handler, which it would otherwise re-install at engine creation.
     os.environ["VLLM_CONFIGURE_LOGGING"] = "0"
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # Ngram speculative decoding drafts with numba; numba's default OpenMP threading layer, once
+    # it has run in this process, changes the last bits of every engine's later computations
+    # (a reference computed before and after differed), which breaks the reference store's
+    # step-exact check. numba's own thread pool leaves the process as it was.
+    os.environ.setdefault("NUMBA_THREADING_LAYER", "workqueue")
 
 
 def _zero_lora_slots(worker: Any) -> int:

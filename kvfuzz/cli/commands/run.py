@@ -95,11 +95,10 @@ def run(
                                                  "min_tokens, penalties, n, prompt logprobs, prompt embeddings); some traces also "
                                                  "schedule by priority. 0: plain greedy requests only "
                                                  "(docs/fuzzer.md).")] = 0.4,
-    speculative: Annotated[float, typer.Option(min=0.0, max=1.0, help="Share of traces run with ngram speculative "
-                                               "decoding (in-process), each request judged against the same request "
-                                               "on an engine without it. Off by default: see docs/fuzzer.md "
-                                               "(\"Speculative decoding\") for the reference-store check it trips "
-                                               "in long campaigns (--verify-references 0).")] = 0.0,
+    speculative: Annotated[Optional[float], typer.Option(min=0.0, max=1.0, help="Share of traces run with ngram "
+                                                         "speculative decoding, each request judged against the same "
+                                                         "request on an engine without it (default 0.2 in-process; "
+                                                         "a server campaign draws none).")] = None,
 ) -> None:
     """Fuzz the embedded default model on the in-process vLLM engine or a managed vLLM server.
 
@@ -180,7 +179,9 @@ def run(
     # The engine settings drawn per trace (priority scheduling, prompt embeddings, speculative
     # decoding) are in-process only: a server would restart for each.
     per_trace = request_state > 0 and kind == "inprocess"
-    if speculative and kind != "inprocess":
+    if speculative is None:
+        speculative = GenOptions.p_spec if per_trace else 0.0
+    elif speculative and kind != "inprocess":
         raise BadInput("speculative decoding is drawn per trace, which a server would restart for: in-process only",
                        field="--speculative")
     gen = GenOptions(min_requests=min(2, max_requests), max_requests=max_requests,
@@ -189,7 +190,7 @@ def run(
                      pool_seed=seed, request_state=request_state,
                      p_priority=GenOptions.p_priority if per_trace else 0.0,
                      p_embeds=GenOptions.p_embeds if per_trace else 0.0,
-                     p_spec=speculative if kind == "inprocess" else 0.0)
+                     p_spec=speculative)
     opts = CampaignOptions(seed=seed, budget_s=budget, max_traces=traces_n, runs=runs, out=out, engine=engine, gen=gen,
                            resume=resume, corpus=corpus, mode="feedback" if feedback else "random", operators=ops,
                            # Naming an engine-changing operator (small_kv) is asking for restarts.
