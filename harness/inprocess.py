@@ -566,6 +566,8 @@ class InProcessEngine:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
+        from .http.wire import prompt_token_logprobs
+
         llm = self._llm
         mps = trace.engine.ms_per_step
         hist = History(trace_id=trace.trace_id(), engine="inprocess", arm=arm, run_index=run_index,
@@ -738,7 +740,7 @@ class InProcessEngine:
                 if rid not in children:
                     continue
                 if out.prompt_logprobs and rid in prompt_of:
-                    scored = prompt_token_logprobs(out.prompt_logprobs, prompt_of.pop(rid))
+                    scored = prompt_token_logprobs(_rows(out.prompt_logprobs), prompt_of.pop(rid))
                     for child in children[rid]:
                         recs[child].prompt_logprobs = scored
                 # One completion per child of ``n`` (``index``); n = 1 has the one, index 0.
@@ -978,13 +980,6 @@ class InProcessEngine:
 def _rows(prompt_logprobs: Any) -> list[Any]:
     """vLLM's prompt logprobs (None, then {token id: Logprob} per position) as plain rows."""
     return [None if d is None else {t: {"logprob": lp.logprob} for t, lp in d.items()} for d in prompt_logprobs]
-
-
-def prompt_token_logprobs(prompt_logprobs: Any, prompt: list[int]) -> list[list[tuple[int, float]]]:
-    """A request's own prompt logprobs as recorded: its token and the best other per position."""
-    from .http.wire import scored_positions
-
-    return scored_positions(_rows(prompt_logprobs), 1, prompt[1:])
 
 
 def _changes(a: EngineConfig, b: EngineConfig) -> str:

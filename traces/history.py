@@ -198,10 +198,10 @@ class StepRecord(_Data):
     lora_loads: int = 0
     lora_evictions: int = 0
     lora_slot_changes: int = 0
+    lora_reloads: int = 0
     # Speculative decoding this step: draft tokens proposed and accepted (in-process).
     draft_tokens: int = 0
     accepted_tokens: int = 0
-    lora_reloads: int = 0
     # The worker's persistent batch this step (in-process): requests whose row changed since the
     # last step (a row moved by ``condense`` or ``swap_states``; their sampling state moved with
     # them), and rows a new request took over from another.

@@ -57,7 +57,7 @@ from ..adapters import AdapterBook, Bound
 from ..priority import send_priority
 from .control import scrape
 from ..vllm_args import greedy_logprobs
-from .wire import HttpTarget, adapter_request, completion_payload, error_text, parse_choice, scored_positions
+from .wire import HttpTarget, adapter_request, completion_payload, error_text, parse_choice, prompt_token_logprobs
 
 # The last ~2 ms before a planned instant are spent yielding in a loop: the event loop's
 # timers are only millisecond-accurate.
@@ -373,8 +373,7 @@ class Replayer:
             one.finish_reason = finish or "stop"
             one.finished_ms = round(self.now_ms(), 3)
             if r.send.sampling.prompt_logprobs is not None and choice.get("prompt_logprobs"):
-                prompt = expand(r.send.prompt)
-                one.prompt_logprobs = scored_positions(choice["prompt_logprobs"], 1, prompt[1:])
+                one.prompt_logprobs = prompt_token_logprobs(choice["prompt_logprobs"], expand(r.send.prompt))
         usage = body.get("usage") or {}
         details = usage.get("prompt_tokens_details") or {}
         if isinstance(details, dict) and details.get("cached_tokens") is not None:

