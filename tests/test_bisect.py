@@ -616,3 +616,16 @@ def test_a_bisection_that_concluded_nothing_splits_nothing():
     for ranges, want in table:
         got = [(x.id, x.count, x.releases.verdict if x.releases else None) for x in split_by_release(b, ranges)]
         assert got == want, (ranges, got)
+
+
+def test_the_files_bisected_for_a_bucket_are_its_case_then_members_spread_over_it():
+    from kvfuzz.cli.commands.bisect import bisect_subjects
+    from kvfuzz.traces.buckets import Bucket, BucketKey
+
+    b = Bucket(id="b", key=BucketKey(cls="corruption"), case="c", representative="f0",
+               findings=["f0", "f1", "f2", "f3"])
+    assert bisect_subjects(b, 1) == ["c"]
+    assert bisect_subjects(b, 2) == ["c", "f3"]  # the last joined
+    assert bisect_subjects(b, 3) == ["c", "f1", "f3"]  # the first and the last of the rest
+    # More asked than the bucket holds: every finding once.
+    assert bisect_subjects(b, 9) == ["c", "f1", "f2", "f3"]

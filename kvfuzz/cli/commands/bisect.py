@@ -251,13 +251,12 @@ def bisect_subjects(bucket: Bucket, members: int) -> list[str]:
     first = bucket.case or bucket.representative
     rest = [f for f in bucket.findings if f not in (bucket.representative, first)]
     picks: list[str] = [first] if first else []
-    want = max(0, members - len(picks))
-    if rest and want:
-        step = (len(rest) - 1) / max(1, want - 1) if want > 1 else 0
-        for i in range(min(want, len(rest))):
-            f = rest[round(i * step)] if want > 1 else rest[-1]
-            if f not in picks:
-                picks.append(f)
+    n = min(max(0, members - len(picks)), len(rest))
+    if n == 1:
+        picks.append(rest[-1])
+    elif n > 1:
+        step = (len(rest) - 1) / (n - 1)  # >= 1: n distinct positions, the first and the last among them
+        picks += [rest[round(i * step)] for i in range(n)]
     return picks
 
 
