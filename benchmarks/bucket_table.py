@@ -2,8 +2,8 @@
 "Buckets on faults kvfuzz has never seen (issue #30)" condenses each into a cell, its earlier
 versions kept the rows: git history): traces, traces/min,
 findings, bug buckets (per bucket: findings, how many assigned, explanation, the post-condition
-its key names, its key's verdicts), near-tie buckets, findings with no bucket of their own class,
-merges, and the post-conditions broken in the campaign's runs (its coverage's ``broke:`` features:
+its key names, what its minimal witness needs or "provisional"), near-tie buckets, findings with no
+bucket of their own class, and the post-conditions broken in the campaign's runs (its coverage's ``broke:`` features:
 how many traces broke each).
 
     python benchmarks/bucket_table.py OUT [OUT ...] [--label NAME=TEXT ...]
@@ -24,17 +24,10 @@ from kvfuzz.traces import load_finding
 from kvfuzz.traces.buckets import bucket_from_state, live
 
 
-def verdicts(v: dict[str, str]) -> str:
-    yes = [m for m, o in sorted(v.items()) if o == "disappears"]
-    no = [m for m, o in sorted(v.items()) if o == "persists"]
-    return (f"needs {', '.join(yes) or 'none tried'}" + (f"; not {', '.join(no)}" if no else ""))
-
-
 def row(out: Path, label: str) -> str:
     d = json.loads((out / "campaign.json").read_text())
     buckets = {k: bucket_from_state(k, v) for k, v in d.get("bug_buckets", {}).items()}
-    merges = d.get("merges") or {}
-    alive = severity_order(live(buckets, merges))
+    alive = severity_order(live(buckets))
     bugs = [b for b in alive if not b.near_tie]
     ties = [b for b in alive if b.near_tie]
     unbucketed = 0
@@ -54,16 +47,18 @@ def row(out: Path, label: str) -> str:
         parts = []
         for b in bs:
             what = b.key.explained_by and f"explained by `{b.key.explained_by}`" or "unexplained"
-            key = verdicts(b.key.verdicts) if b.key.explained_by is None else needs_text(b)
             if b.key.broke:
-                key = f"broke `{b.key.broke}`, {key}"
-            unsettled = f", {b.unsettled} on an unsettled split" if b.unsettled else ""
-            parts.append(f"{b.count} ({b.assigned} assigned{unsettled}) {what}, {key}")
+                key = f"broke `{b.key.broke}`"
+            elif b.key.provisional:
+                key = "provisional"
+            else:
+                key = f"needs {', '.join(b.key.needs) or 'none'}" if b.key.confirmable else needs_text(b)
+            parts.append(f"{b.count} ({b.assigned} assigned) {what}, {key}")
         return f"**{len(bs)}**: " + "; ".join(parts)
 
     broke = ", ".join(f"{name} {n}" for name, n in broken_counts(d.get("coverage") or {})) or "none"
     return (f"| {label} | {traces} | {secs:.0f} | {rate} | {d.get('findings', 0)} ({by_class}) | {cell(bugs)} | "
-            f"{cell(ties)} | {unbucketed} | {len(merges)} | {broke} |")
+            f"{cell(ties)} | {unbucketed} | {broke} |")
 
 
 def main() -> None:
@@ -72,9 +67,9 @@ def main() -> None:
     ap.add_argument("--label", action="append", default=[], help="OUT=TEXT: the row's first cell")
     a = ap.parse_args()
     labels = dict(x.split("=", 1) for x in a.label)
-    print("| run | traces | s | traces/min | findings | bug buckets | near-tie buckets | no bucket | merges | "
+    print("| run | traces | s | traces/min | findings | bug buckets | near-tie buckets | no bucket | "
           "post-conditions broken (traces) |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for out in a.outs:
         if not (out / "campaign.json").is_file():
             raise SystemExit(f"{out}: no campaign.json (not a campaign directory)")

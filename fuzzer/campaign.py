@@ -19,14 +19,13 @@ import os
 import random
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from kvfuzz.traces import CampaignOrigin, EngineConfig, Finding, LineageLink, Trace, atomic_write_text, save, sweep_partial_writes
-from kvfuzz.traces.buckets import (Bucket, BucketDescription, BucketKey, BucketMembership, Rewitness, SecondCauses,
-                                   Triaged, bucket_from_state, live, mergeable, resolve, union, with_evidence)
+from kvfuzz.traces.buckets import Bucket, BucketDescription, BucketKey, BucketMembership, Triaged, bucket_from_state, live
 from kvfuzz.traces.errors import BadInput
 from kvfuzz.traces.io import finding_path
 from kvfuzz.traces.result import Checked
@@ -141,23 +140,16 @@ class CampaignState:
     # One root cause, one bug bucket (oracle/buckets.py; not the coverage buckets): bucket id ->
     # its key, description, count, first trace, representative, findings (traces/buckets.py).
     bug_buckets: dict[str, Bucket] = field(default_factory=dict)
-    # Buckets merged into another (id -> the id it was merged into); their findings follow.
-    merges: dict[str, str] = field(default_factory=dict)
-    # Rule 5.19's second causes, confirmed and refuted, read from the recorded findings: what a
-    # resumed campaign's triage (and each Ray task) starts from.
-    second_causes: SecondCauses = field(default_factory=SecondCauses)
     # Campaigns written before issue 30 listed findings recorded without a bucket here; no
     # finding is left without one now (triage/campaign.py assigns it), so it only ever shrinks.
     untriaged: list[str] = field(default_factory=list)
     # Campaigns on many workers (fuzzer/distributed.py): the window of the determinism rule,
     # traces committed per worker, traces re-queued after their worker died, and those deaths;
-    # findings run again at the commit point before they could open a bucket (``deferred``);
     # worker-seconds a worker sat idle because the window was full (a slow trace held the
     # commit point): the cost of the window rule.
     window: int | None = None
     by_worker: dict[str, int] = field(default_factory=dict)
     requeued: int = 0
-    deferred: int = 0
     window_wait_s: float = 0.0
     worker_deaths: list[dict] = field(default_factory=list)
     # Adapter-lifecycle generation (``kvfuzz run --lifecycle``; GenOptions.lifecycle).
@@ -198,21 +190,18 @@ class CampaignState:
         # campaign.json keeps buckets as JSON; campaigns before issue 30 in another shape.
         self.bug_buckets = {bid: b if isinstance(b, Bucket) else bucket_from_state(bid, b)
                             for bid, b in self.bug_buckets.items()}
-        if not isinstance(self.second_causes, SecondCauses):
-            self.second_causes = SecondCauses.model_validate(self.second_causes)
 
     @property
     def buckets(self) -> int:
         return len(self.coverage)
 
     def live_buckets(self) -> list[Bucket]:
-        """The buckets not merged into another, earliest first."""
-        return live(self.bug_buckets, self.merges)
+        """The buckets, earliest first."""
+        return live(self.bug_buckets)
 
     def to_json(self) -> str:
         data = dict(self.__dict__)
         data["bug_buckets"] = {bid: b.model_dump(mode="json", by_alias=True) for bid, b in self.bug_buckets.items()}
-        data["second_causes"] = self.second_causes.model_dump(mode="json")
         return json.dumps(data, indent=2, sort_keys=True) + "\n"
 
 
@@ -400,9 +389,11 @@ class Campaign:
         return novel
 
     def record_finding(self, i: int, trace: Trace, source: str, finding: Finding,
-                       memberships: list[BucketMembership] | None = None) -> None:
+                       memberships: list[BucketMembership] | None = None,
+                       cases: Mapping[str, Finding] | None = None) -> None:
         """Write the finding and file it in its buckets (``memberships``, from triage; a
-        finding without any, e.g. triage off, opens or joins its class's bucket by key)."""
+        finding without any, e.g. triage off, by class and explanation). A bucket it opens gets
+        its case: ``cases``' witness for it (minimized to its key's victim), else the finding."""
         st = self.state
         prov = finding.provenance
         if prov.campaign is None:
@@ -412,11 +403,8 @@ class Campaign:
         members = list(memberships if memberships is not None else finding.buckets)
         if not members and finding.worst_class() != "ok":
             members = _fallback_memberships(finding)
-        # A bucket merged away since the worker saw it: file under the one it lives on in.
-        members = [m.model_copy(update={"bucket": resolve(m.bucket, st.merges)}) for m in members]
         finding.buckets = members
         finding.bucket = members[0].bucket if members else None
-        st.second_causes.note(finding)
         path = finding_path(self.out / "findings", finding)
         save(finding, path)
         st.findings += 1
@@ -425,98 +413,30 @@ class Campaign:
         counts = Counter(st.by_class)
         counts[finding.worst_class()] += 1
         st.by_class = dict(counts)
-        touched = set()
-        for m in members:
-            if m.rewitness is not None:
-                touched |= self._rewitness(m.rewitness)
-            for other in {*m.evidence, *m.enforced}:
-                # Measured on that bucket's own witness by this finding's merge check.
-                b = st.bug_buckets.get(resolve(other, st.merges))
-                if b is not None:
-                    b.key = with_evidence(b.key, m.evidence.get(other, {}), m.enforced.get(other))
-                    touched.add(b.id)
         for m in members:
             bucket = st.bug_buckets.get(m.bucket)
             if bucket is None:
                 bucket = Bucket(id=m.bucket, key=m.key, first_index=i, representative=rel,
                                 description=m.description or BucketDescription(text=m.key.label()),
                                 report=f"kvfuzz report {path}")
-                if m.status != "assigned":
-                    # The bucket's regression case: the (minimal) first finding, for `kvfuzz gate`.
-                    case = self.out / "buckets" / f"{m.bucket}.json"
-                    save(finding, case)
-                    bucket.case = str(case.relative_to(self.out))
+                # The bucket's regression case, for `kvfuzz gate`.
+                case = self.out / "buckets" / f"{m.bucket}.json"
+                save((cases or {}).get(m.bucket, finding), case)
+                bucket.case = str(case.relative_to(self.out))
                 st.bug_buckets[m.bucket] = bucket
-            else:
-                bucket.key = union(bucket.key, m.key)
             bucket.count += 1
             bucket.assigned += m.status == "assigned"
-            bucket.unsettled += bool(m.unsettled)
             bucket.findings.append(rel)
-            touched.add(bucket.id)
-        touched |= self.merge_buckets()
-        for bid in touched:
-            self.write_bucket(bid)
-
-    def _rewitness(self, r: Rewitness) -> set[str]:
-        """Rule 5.22: a bucket's witness minimized further by a later finding's triage becomes its
-        regression case (the larger one is in OUT/originals, where the minimizer put it), and its
-        ablation's verdicts replace the bucket's on what it measured. The ids that changed."""
-        b = self.state.bug_buckets.get(resolve(r.bucket, self.state.merges))
-        src = self.out / r.case
-        if b is None or not src.is_file():
-            return set()
-        dst = self.out / (b.case or f"buckets/{b.id}.json")
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(src, dst)
-        b.case = str(dst.relative_to(self.out))
-        b.key = b.key.model_copy(update={"verdicts": {**b.key.verdicts, **r.verdicts}})
-        b.description = r.description
-        return {b.id}
-
-    def merge_buckets(self) -> set[str]:
-        """Merge every pair of live buckets whose keys agree (their evidence grew as findings
-        joined), the later into the earlier: its findings follow. The ids that changed."""
-        st = self.state
-        changed: set[str] = set()
-        while (pair := mergeable(st.bug_buckets, st.merges)) is not None:
-            keep, gone = (st.bug_buckets[x] for x in pair)
-            keep.key = union(keep.key, gone.key)
-            keep.count += gone.count
-            keep.assigned += gone.assigned
-            keep.unsettled += gone.unsettled
-            keep.findings += gone.findings
-            keep.merged_from += [gone.id, *gone.merged_from]
-            st.merges[gone.id] = keep.id
-            self._retire_case(gone)
-            for k, v in list(st.merges.items()):
-                if v == gone.id:
-                    st.merges[k] = keep.id
-            changed |= {keep.id, gone.id}
-        return changed
-
-    def _retire_case(self, gone: Bucket) -> None:
-        """A merged bucket's regression case leaves OUT/buckets (``kvfuzz gate OUT/buckets``
-        would replay one cause twice) for OUT/merged-buckets, kept: nothing is lost."""
-        if not gone.case:
-            return
-        src, dst = self.out / gone.case, self.out / "merged-buckets" / f"{gone.id}.json"
-        if src.is_file():
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(src, dst)
-        if dst.is_file():
-            gone.case = str(dst.relative_to(self.out))
+            self.write_bucket(bucket.id)
 
     def write_bucket(self, bid: str) -> None:
-        """``OUT/buckets/<id>.findings.jsonl``: the bucket (its first line, a merged one naming
-        the bucket it went to), then one line per finding in it. Not ``.json``: ``kvfuzz gate
+        """``OUT/buckets/<id>.findings.jsonl``: the bucket (its first line), then one line per
+        finding in it. Not ``.json``: ``kvfuzz gate
         OUT/buckets`` reads every ``.json`` there as a regression case."""
         b = self.state.bug_buckets[bid]
         path = self.out / "buckets" / f"{bid}.findings.jsonl"
         b.listing = str(path.relative_to(self.out))
         head: dict[str, object] = {"bucket": b.model_dump(mode="json", by_alias=True, exclude={"findings"})}
-        if bid in self.state.merges:
-            head["merged_into"] = resolve(bid, self.state.merges)
         lines = [json.dumps(head, sort_keys=True)] + [json.dumps({"finding": f}) for f in b.findings]
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(path, "\n".join(lines) + "\n")
@@ -563,14 +483,15 @@ def run_campaign(opts: CampaignOptions, check_trace: Callable[[Trace], Checked |
         with ledger.span(TRIAGE):
             result = check_trace(trace)
         ledger.fresh = False
-        checked, members = (result.checked, result.buckets) if isinstance(result, Triaged) else (result, None)
+        checked, members, cases = ((result.checked, result.buckets, result.cases) if isinstance(result, Triaged)
+                                   else (result, None, None))
         with ledger.span(GENERATION):
             finding = checked.finding
             buckets = trace_signature(checked.histories, trace)
             before = (state.buckets, state.findings)
             novel = camp.learn(i, trace, source, buckets)
             if finding is not None:
-                camp.record_finding(i, trace, source, finding, members)
+                camp.record_finding(i, trace, source, finding, members, cases)
             state.traces += 1
             state.count_requests(trace, buckets)
             state.next_index = i + 1

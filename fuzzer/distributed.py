@@ -14,12 +14,8 @@ is the serial campaign (trace ``i`` sees ``0 .. i-1``). A window larger than the
 keeps workers busy while a slow trace holds the commit point; it is recorded in
 ``campaign.json`` and kept by ``--resume``.
 
-A finding that would open a bucket is triaged in full (a time box of replays) only when every
-lower index is committed (``Task.settled``): before that, a lower trace still running may open
-the same bucket, and two workers would each spend a box on one cause, then merge. An unsettled
-worker returns such a finding *deferred* (placed by its pre-key, untriaged); the driver, when it
-reaches the commit point, runs the trace again, now settled, so its triage sees every bucket of
-indices below it. A deferred finding at the campaign's end is committed as placed: none is lost.
+Buckets are keyed by equality (oracle/buckets.py), so two workers that open a bucket for one
+key at once open the same id: the one committed first opens it, the other joins it.
 
 Traces generated but not yet committed are appended to ``OUT/pending.jsonl`` before they are
 handed out, so a resumed campaign re-runs exactly them (a result that finished after the commit
@@ -44,7 +40,7 @@ from typing import Any, Protocol
 
 from kvfuzz.traces import Finding, Trace, atomic_write_text, parse_trace
 from kvfuzz.traces.timing import TimeBreakdown  # noqa: TC001 - a Result field
-from kvfuzz.traces.buckets import Bucket, BucketMembership, MechanismCheck, SecondCauses
+from kvfuzz.traces.buckets import Bucket, BucketMembership
 from kvfuzz.traces.errors import BadInput, InfraError
 
 from .campaign import CAMPAIGN_FILE, Campaign, CampaignOptions, CampaignState, TraceOutcome, thin_log
@@ -59,17 +55,9 @@ MAX_WORKER_DEATHS_PER_TRACE = 2
 class Task:
     index: int
     trace: Trace
-    # Bug buckets committed so far (id -> bucket) and their merges: the worker triages fully
-    # only a finding whose key agrees with none. Every committed index is lower than this one.
+    # Bug buckets committed so far (id -> bucket): a finding whose key is one of them joins it
+    # without minimizing a witness. Every committed index is lower than this one.
     known: dict[str, Bucket]
-    merges: dict[str, str] = field(default_factory=dict)
-    # Rule 5.19's record committed so far (confirmed and refuted second causes).
-    second: SecondCauses = field(default_factory=SecondCauses)
-    # Every lower index is committed: ``known`` is final for this trace, and a finding that
-    # agrees with no bucket may open one (triaged in full). See the module docstring.
-    settled: bool = True
-    # The check replays of this trace's deferred first pass: its settled re-run reuses them.
-    checks: list[MechanismCheck] = field(default_factory=list)
 
 
 @dataclass
@@ -86,9 +74,8 @@ class Result:
     files: dict[str, str] = field(default_factory=dict)
     # Where the worker's time went on this trace (traces/timing.py); summed into state.time.
     time: TimeBreakdown | None = None
-    # An unsettled task's finding that agrees with no known bucket: placed by its pre-key only,
-    # to be run again at the commit point (see the module docstring).
-    deferred: bool = False
+    # The witness of each bucket the finding opens (``Triaged.cases``).
+    cases: dict[str, Finding] = field(default_factory=dict)
 
 
 @dataclass
@@ -176,9 +163,6 @@ class Driver:
         self.generated: dict[int, tuple[Trace, str]] = {}
         self.queue: deque[int] = deque()
         self.done: dict[int, Result] = {}
-        # Deferred results, run again at the commit point; committed as placed if the campaign
-        # ends before the re-run answers.
-        self.held: dict[int, Result] = {}
         self.running: dict[int, str] = {}
         self.deaths: dict[int, list[dict]] = {}
         self.arms = arms
@@ -269,8 +253,7 @@ class Driver:
                         break
                     i = self.queue.popleft()
                     self.running[i] = w
-                    self.ex.submit(w, Task(i, self.generated[i][0], *self._known(), settled=i == st.next_index,
-                                           checks=self._checks_of(i)))
+                    self.ex.submit(w, Task(i, self.generated[i][0], dict(st.bug_buckets)))
             if not self.running:
                 if not self.ex.alive():
                     raise InfraError("no Ray worker is left alive (every worker died and none could be replaced)")
@@ -313,42 +296,12 @@ class Driver:
         return len(self.ex.idle())
 
     def _commit_ready(self, stopping: bool, base_seconds: float, start: float) -> bool:
-        """Commit what is next in index order; a deferred result at the commit point is run
-        again instead, unless the campaign is stopping (then the first pass, as placed)."""
-        st = self.state
+        """Commit what is next in index order."""
         committed = False
-        while True:
-            i = st.next_index
-            if i in self.done:
-                res = self.done.pop(i)
-                if res.deferred and not stopping:
-                    self._defer(res)
-                    return committed
-            elif stopping and i in self.held and i not in self.running:
-                res = self.held[i]
-            else:
-                return committed
-            self.held.pop(i, None)
+        while (res := self.done.pop(self.state.next_index, None)) is not None:
             self._commit(res, base_seconds, start)
             committed = True
-
-    def _defer(self, res: Result) -> None:
-        """``res`` holds the commit point and its finding agreed with no bucket known when it
-        ran: run it again first, settled (its time so far is counted, its trace is not)."""
-        st = self.state
-        st.deferred += 1
-        if res.time is not None:
-            st.set_time(st.time_breakdown.plus(res.time))
-        self.held[res.index] = res
-        self.queue.appendleft(res.index)
-
-    def _checks_of(self, i: int) -> list[MechanismCheck]:
-        """The check replays of index ``i``'s deferred first pass (held at the commit point)."""
-        res = self.held.get(i)
-        return list(res.memberships[0].checks) if res is not None and res.memberships else []
-
-    def _known(self) -> tuple[dict[str, Bucket], dict[str, str], SecondCauses]:
-        return dict(self.state.bug_buckets), dict(self.state.merges), self.state.second_causes.model_copy(deep=True)
+        return committed
 
     def _lost(self, ev: Lost) -> None:
         st = self.state
@@ -376,7 +329,7 @@ class Driver:
             members = self._first_in_order(res.memberships or res.finding.buckets)
             # Before record_finding: it writes the file, and the file must name its worker.
             res.finding.provenance.worker = res.finding.provenance.worker or res.worker
-            self.camp.record_finding(i, trace, source, res.finding, members)
+            self.camp.record_finding(i, trace, source, res.finding, members, res.cases)
         st.traces += 1
         st.count_requests(trace, res.buckets)
         self.committed += 1
@@ -398,9 +351,8 @@ class Driver:
             self.on_commit(self, i)
 
     def _first_in_order(self, members: list[BucketMembership]) -> list[BucketMembership]:
-        """A bucket's first finding is its lowest index: two workers may both have opened (and
-        fully triaged) a bucket for one cause; the one committed first opens it, the other
-        joins it (same key) or is merged into it by ``record_finding`` (keys that agree)."""
+        """A bucket's first finding is its lowest index: two workers may both have opened a
+        bucket for one key; the one committed first opens it, the other joins it."""
         out = []
         for m in members:
             if m.status == "opened" and m.bucket in self.state.bug_buckets:

@@ -165,3 +165,4 @@ def loudest_first(divergences: Iterable[Divergence]) -> list[Divergence]:
     from kvfuzz.traces.finding import SEVERITY
 
     return sorted(divergences, key=lambda d: (d.explained_by is not None, SEVERITY[d.class_], d.arm, d.request_id))
+

@@ -1,80 +1,140 @@
-"""Buckets: one root cause, one bucket (pure). The rule, its evidence and its known limits are
-in docs/oracle.md "Buckets"; the data in traces/buckets.py; the replays in triage/campaign.py.
+"""Buckets: one key, one bucket, compared by equality (pure). docs/oracle.md "Buckets" states the
+rule; the data is in traces/buckets.py; the interventions ``decide`` asks for run in triage/.
 
-ClusterFuzz buckets crashes by their stack; kvfuzz buckets a divergence by what explains it. A
-finding's **keys** (one per distinct key among its worst-class divergences) hold only evidence
-that one cause cannot split: the class; what among kvfuzz's switches makes it disappear (the
-explaining toggle, fix, arm or control; none: a candidate vLLM bug); and, for an unexplained
-finding, which engine mechanisms' *tried* removal made it disappear or not. Two keys
-**agree** when that base is equal and no engine mechanism tried on both went different ways:
-"not tried" never counts as a difference, and the minimized shape and the schedule ablations
-(concurrency, cancels), which measure the witness rather than the cause, are not compared.
-Rule 5: where both keys name the post-condition of vLLM's bookkeeping that broke first on the
-victim (oracle/postconditions.py), the names decide, and the verdicts are not compared.
-
-A finding joins the earliest bucket whose key agrees with its own. For an unexplained finding
-the evidence comes from replays chosen here (``next_check``): first a mechanism on which the
-candidate buckets differ (it tells them apart), then the mechanisms the candidate needs and
-those it does not (the new witness replayed under the bucket's ablation verdicts). Buckets whose keys come to agree
-(their evidence grows as findings join) merge, the later into the earlier; findings follow.
+A finding has one key per distinct cause among its worst-class divergences (``keys_of``): the
+class; the toggle that explains it, or the kind of engine crash; the first harmful
+post-condition of vLLM's bookkeeping its victim broke (traces.history.BREAKS), or none. That
+comes from the recorded run (and attribution's arm re-runs). Only a key with none of them — an
+unexplained, unnamed divergence — is completed by one bounded confirmation: the witness is
+minimized to its victim within a fixed number of replays and the minimal witness ablated once;
+what it needs joins the key. Without a minimal witness the key is provisional. ``decide`` says,
+for one key and what is known so far, whether to join a bucket, open one, or run an
+intervention first.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Literal
 
-from kvfuzz.oracle.attribution import candidates as attribution_candidates
 from kvfuzz.traces import Divergence, Finding
-from kvfuzz.traces.buckets import (KEY_MECHANISMS, Bucket, BucketDescription, BucketKey, Outcome, ReleaseRange, agrees,
-                                   breaks_agree, candidates, conflicts, live, mergeable, name_unearned, resolve, union)
+from kvfuzz.traces.buckets import KEY_MECHANISMS, Bucket, BucketDescription, BucketKey, Outcome, ReleaseRange, live
 from kvfuzz.traces.finding import DIVERGENT_CLASSES, MECHANISM_WORDS, SEVERITY, Explanation
+from kvfuzz.traces.history import SELF_ONLY_BREAKS
 
 # The ablations cheap enough for every unexplained finding (no engine restart).
 CHEAP_MECHANISMS = ("concurrency", "cancels", "lora")
-# Replays an unexplained finding may spend on matching a bucket (each is one replay).
-MAX_CHECKS = 3
+
+# What triage can run for a finding, each a replay or a few (triage/executor.py):
+# attribute: the arms that tell which toggle explains it; float32-control: whether a 16-bit near
+# tie is corruption in float32; confirm: minimize to the victim within a fixed number of replays,
+# then ablate the minimal witness once; minimize: a new bucket's witness, to its own victim.
+Intervention = Literal["attribute", "float32-control", "confirm", "minimize"]
+INTERVENTIONS: frozenset[str] = frozenset({"attribute", "float32-control", "confirm", "minimize"})
 
 
-def keys_of(finding: Finding, verdicts: Mapping[str, Outcome] | None = None) -> list[BucketKey]:
-    """The finding's keys: one per (class, explaining toggle) among its worst-class
-    divergences; unexplained ones carry ``verdicts``. Sorted, most severe first."""
+@dataclass(frozen=True)
+class Facts:
+    """What one key of a finding rests on so far."""
+
+    key: BucketKey
+    victim: str | None = None
+    attributed: bool = True  # no arm left whose re-run could change ``explained_by``
+    class_settled: bool = True  # not a 16-bit near tie waiting for its float32 control
+    confirmed: bool = False  # the bounded confirmation ran; ``key`` holds its outcome
+    witness: bool = False  # a witness minimized to ``victim`` exists (the bucket's case, if it opens)
+    allowed: frozenset[str] = INTERVENTIONS  # what the settings and the budget let run now
+
+
+@dataclass(frozen=True)
+class Run:
+    intervention: Intervention
+    victim: str | None = None
+
+
+@dataclass(frozen=True)
+class Join:
+    bucket: str
+    key: BucketKey
+
+
+@dataclass(frozen=True)
+class Open:
+    key: BucketKey
+
+
+Decision = Run | Join | Open
+
+
+def confirmable(key: BucketKey) -> bool:
+    """A key the recorded run leaves incomplete: unexplained, unnamed, not a crash, not a near tie
+    (16-bit noise has no cause to confirm; its float32 control decides its class)."""
+    return key.confirmable and key.cls != "numeric-near-tie"
+
+
+def decide(facts: Facts, buckets: Mapping[str, Bucket]) -> Decision:
+    """The next step for one key: an intervention it still needs and may run, else the bucket
+    its key equals (join), else a new bucket (open) once its witness is minimized, if it may be."""
+    can = facts.allowed
+    if not facts.attributed and "attribute" in can:
+        return Run("attribute")
+    if not facts.class_settled and "float32-control" in can:
+        return Run("float32-control", facts.victim)
+    key = facts.key
+    if not facts.attributed:
+        key = key.model_copy(update={"provisional": True, "verdicts": {}})
+    elif confirmable(key) and not facts.confirmed:
+        if "confirm" in can:
+            return Run("confirm", facts.victim)
+        key = key.model_copy(update={"provisional": True, "verdicts": {}})
+    bid = key.digest()
+    if bid in buckets:
+        return Join(bid, key)
+    if not facts.witness and key.crash_kind is None and "minimize" in can:
+        return Run("minimize", facts.victim)
+    return Open(key)
+
+
+def keys_of(finding: Finding) -> list[BucketKey]:
+    """The finding's keys from its record: one per explaining toggle, and one per first harmful
+    break among its unexplained victims (none: no break) — most severe class only."""
     worst = finding.worst_class()
     if worst not in DIVERGENT_CLASSES:
         return []
     if worst == "engine-crash":
-        # The typed crash info (traces/provenance.py) says how: a hang, a death, a worker's death.
         return [BucketKey(cls=worst, crash_kind=finding.crash.kind if finding.crash is not None else "died")]
-    worst_divs = [d for d in finding.divergences if d.class_ == worst]
-    explained = sorted({d.explained_by for d in worst_divs if d.explained_by})
-    keys = [BucketKey(cls=worst, explained_by=e) for e in explained]
-    open_ = [d for d in worst_divs if not d.explained_by]
-    # Unexplained: one key per post-condition broken on a victim (rule 5). A victim on which
-    # none broke adds no key of its own when another did (same finding, same ablation: the
-    # break is the better evidence of the two).
-    # Rule 5.19: a victim whose named break, enforced in a replay, left it diverging with another
-    # harmful break has a second cause, which keys on its own too (faults AL + AI).
-    names = sorted({d.broke for d in open_ if d.broke} | {n for d in open_ if (n := d.second_cause)})
-    broke: list[str | None] = [*names] or ([None] if open_ else [])
-    if names and not any(breaks_agree(None, n) for n in names) and any(d.broke is None for d in open_):
-        # Rule 5.16: a victim that broke nothing agrees with none of the names beside it (all
-        # self-only, rule 5.14: their cause harmed only the requests that broke them), so it is
-        # another cause's: a key of its own (faults AK + AJ at 9368d84: AJ's victims sat in
-        # findings named by AK alone).
-        broke.append(None)
-    keys += [BucketKey(cls=worst, verdicts=dict(verdicts or {}), broke=b) for b in broke]
-    # Named keys before an unnamed one: past the share a finding is assigned by its first key.
-    return sorted(keys, key=lambda k: (k.explained_by is not None, k.explained_by or "", k.broke is None,
-                                       k.broke or ""))
+    divs = [d for d in finding.divergences if d.class_ == worst]
+    keys = [BucketKey(cls=worst, explained_by=e) for e in sorted({d.explained_by for d in divs if d.explained_by})]
+    open_ = [d for d in divs if not d.explained_by]
+    names: list[str | None] = [*sorted({d.broke for d in open_ if d.broke})]
+    # A victim that broke nothing beside victims that did is theirs when one of those breaks can
+    # harm other requests; when every one harms only its own request, it is another cause's.
+    if open_ and (not names or (all(n in SELF_ONLY_BREAKS for n in names) and any(d.broke is None for d in open_))):
+        names.append(None)
+    keys += [BucketKey(cls=worst, broke=n) for n in names]
+    return keys
+
+
+def same_key_victims(finding: Finding, cls: str, broke: str | None) -> list[Divergence]:
+    """The finding's unexplained divergences of class ``cls`` whose victims broke ``broke``
+    (None: nothing): the victims one unexplained key speaks for."""
+    return [d for d in finding.divergences if d.class_ == cls and d.explained_by is None and d.broke == broke]
+
+
+def victim_of(finding: Finding, key: BucketKey) -> str | None:
+    """The request a key's interventions judge: the leading victim it speaks for (None: an
+    explained key, whose witness keeps the minimizer's own choice)."""
+    if key.explained_by is not None or key.crash_kind is not None:
+        return None
+    lead = finding.leading(same_key_victims(finding, key.cls, key.broke))
+    return lead.request_id if lead is not None else None
 
 
 def verdicts_of(explanation: Explanation | None) -> dict[str, Outcome]:
-    """The key's part of an ablation: engine mechanisms whose removal was tried and judged.
-
-    A removal counts as "disappears" only when the victim stopped diverging altogether. One
-    that left a milder divergence (corruption in bfloat16 -> a flipped near tie in float32)
-    is ambiguous: the token still flips, and whether float32 calls it a near tie depends on the
-    witness's margin. It is left out of the key, like a removal not tried (issue 30, found on
-    fault R after the rule was frozen: one cause split on "needs: 16-bit numerics")."""
+    """The key's part of an ablation: engine mechanisms whose removal was tried and judged. A
+    removal counts as "disappears" only when the victim stopped diverging altogether; one that
+    left a milder divergence (corruption in bfloat16 -> a near tie in float32) says nothing."""
     if explanation is None:
         return {}
     out: dict[str, Outcome] = {}
@@ -86,74 +146,6 @@ def verdicts_of(explanation: Explanation | None) -> dict[str, Outcome]:
         elif a.outcome == "disappears" and a.victim_class not in DIVERGENT_CLASSES:
             out[a.mechanism] = "disappears"
     return out
-
-
-def same_key_victims(finding: Finding, cls: str, broke: str | None) -> list[Divergence]:
-    """The finding's unexplained divergences of class ``cls`` whose victims broke ``broke``
-    (None: broke nothing), or whose second cause it names (rule 5.19): the victims one
-    unexplained key speaks for (rule 5.6)."""
-    return [d for d in finding.divergences if d.class_ == cls and d.explained_by is None
-            and (d.broke == broke or (broke is not None and d.second_cause == broke))]
-
-
-def victim_of(finding: Finding, key: BucketKey) -> str | None:
-    """The request whose replays give ``key`` its verdicts: the leading victim among those it
-    speaks for (``same_key_victims``). None: an explained key, or no such victim (the default
-    target). Rule 5.6: a finding that two causes hit (faults Y + P) was measured on Y's victim
-    while its key carried the name P broke on another, and joined Y's bucket with P's name."""
-    if key.explained_by is not None:
-        return None
-    lead = finding.leading(same_key_victims(finding, key.cls, key.broke))
-    return lead.request_id if lead is not None else None
-
-
-def same_name(key: BucketKey, buckets: Iterable[Bucket]) -> list[Bucket]:
-    """The buckets named by the post-condition ``key`` names (none for an unnamed key): rule 5
-    takes them first, before an earlier unnamed bucket the key also agrees with."""
-    return [b for b in buckets if key.broke is not None and b.key.broke == key.broke]
-
-
-def prekey_candidates(finding: Finding, buckets: Iterable[Bucket], clean: Iterable[str] = (),
-                      inert: Iterable[str] = ()) -> list[Bucket]:
-    """Without attribution (past the triage share): the buckets of the finding's worst class
-    that could explain it, i.e. unexplained ones (of the post-condition it broke, where both
-    broke one) and those explained by a toggle by which an
-    arm it diverged in differs from ``clean`` (the device's clean arm): a fault it turned on,
-    or a fix it left off — the CPU LoRA bug's bucket is explained by a fix that the vanilla arm
-    leaves off (issue 30: a finding of it past the budget opened a second bucket). ``inert``:
-    toggles the finding's engine never reaches, which explain nothing."""
-    worst = finding.worst_class()
-    clean = list(clean)
-    differs = {t for d in finding.divergences if d.class_ == worst
-               for t in attribution_candidates(finding.arms.get(d.arm, []), clean, inert)}
-    # Rule 5: an unexplained bucket whose witness broke another post-condition than every one
-    # this finding broke is another cause (the finding's own run recorded them: no replay).
-    # Rule 5.14: a self-only name and no name are two causes (``breaks_agree``, as in ``agrees``).
-    names: set[str | None] = {d.broke for d in finding.divergences if d.class_ == worst and d.broke} or {None}
-    return [b for b in buckets if b.key.cls == worst
-            and (b.key.explained_by in differs if b.key.explained_by is not None
-                 else any(breaks_agree(n, b.key.broke) for n in names))]
-
-
-def next_check(key: BucketKey, cands: list[Bucket], tried: Iterable[str] = ()) -> str | None:
-    """The next engine mechanism to replay ``key``'s witness without: one on which the
-    candidates differ (it tells them apart), else one the first candidate needs, else one it
-    does not need (its ablation verdicts, replayed on the new witness: a second cause that
-    needs more than the bucket's, e.g. KV pressure besides prefix caching, disagrees only
-    there). None: nothing left to check."""
-    done = set(key.verdicts) | set(tried)
-    seen: dict[str, set[str]] = {}
-    for b in cands:
-        for m, o in b.key.verdicts.items():
-            seen.setdefault(m, set()).add(o)
-    for m in KEY_MECHANISMS:
-        if m not in done and len(seen.get(m, ())) > 1:
-            return m
-    if cands:
-        for m in [*cands[0].key.needs, *cands[0].key.not_needed]:
-            if m not in done:
-                return m
-    return None
 
 
 def shape(finding: Finding) -> tuple[int, list[str]]:
@@ -173,8 +165,8 @@ def words(mechanisms: Iterable[str]) -> str:
     return ", ".join(MECHANISM_WORDS.get(m, m) for m in mechanisms)
 
 
-def describe(key: BucketKey, finding: Finding, *, triaged: bool = True) -> BucketDescription:
-    """The bucket's description, as measured on its first finding (minimized and explained)."""
+def describe(key: BucketKey, finding: Finding) -> BucketDescription:
+    """The bucket's description, as measured on its witness."""
     ex = finding.explanation
     requests, events = shape(finding)
     measured = ex is not None and bool(ex.needs or ex.not_needed)
@@ -182,18 +174,17 @@ def describe(key: BucketKey, finding: Finding, *, triaged: bool = True) -> Bucke
                           not_tried=list(ex.skipped) if ex else [], measured=measured, requests=requests,
                           events=events)
     if not measured:
-        needs = "not measured"  # no ablation, or the triage time box ran out first
+        needs = "not measured"
     else:
         needs = words(d.needs) or "none of the mechanisms tried"
         if d.not_tried:
             needs += f" (not tried: {words(d.not_tried)})"
-    tail = "" if triaged else " (not triaged: past the campaign's triage share)"
-    d.text = f"{key.label()}; needs: {needs}; {requests} request(s) ({', '.join(events)}){tail}"
+    d.text = f"{key.label()}; needs: {needs}; {requests} request(s) ({', '.join(events)})"
     return d
 
 
 def needs_text(b: Bucket) -> str:
-    """What a bucket needs, for its row: the description's, else the key's evidence."""
+    """What a bucket needs, for its row: the description's, else the key's."""
     d = b.description
     if d.measured:
         return words(d.needs) or "none of the mechanisms tried"
@@ -204,18 +195,13 @@ def severity_order(buckets: Iterable[Bucket]) -> list[Bucket]:
     return sorted(buckets, key=lambda b: (SEVERITY.get(b.key.cls, 99), -b.count, b.id))
 
 
-__all__ = ["CHEAP_MECHANISMS", "MAX_CHECKS", "agrees", "candidates", "conflicts", "describe", "keys_of", "live",
-           "mergeable", "name_unearned", "needs_text", "next_check", "prekey_candidates", "resolve", "same_key_victims",
-           "same_name", "severity_order", "shape", "union", "verdicts_of", "victim_of"]
-
-
 def split_by_release(bucket: Bucket, ranges: Mapping[str, ReleaseRange]) -> list[Bucket]:
     """``bucket`` after its findings were bisected (``ranges``: finding file -> its range): one
     bucket when every conclusive range agrees, else one per distinct range — findings whose
     bisections disagree are two bugs, whatever their key says. The group of the bucket's
     representative (else the first) keeps the id; the others become ``<id>.r2``, ``<id>.r3``,
     ... with the same key. Findings not bisected, or whose bisection concluded nothing, stay
-    with the bucket (a range says nothing about them). Pure."""
+    with the bucket (a range says nothing about them)."""
     groups: list[ReleaseRange] = []
     for f, r in ranges.items():
         if not r.conclusive:
@@ -237,3 +223,8 @@ def split_by_release(bucket: Bucket, ranges: Mapping[str, ReleaseRange]) -> list
                           count=len(g.findings), findings=list(g.findings), representative=g.findings[0],
                           releases=g, split_from=bucket.id))
     return out
+
+
+__all__ = ["CHEAP_MECHANISMS", "INTERVENTIONS", "Decision", "Facts", "Intervention", "Join", "Open", "Run",
+           "confirmable", "decide", "describe", "keys_of", "live", "needs_text", "same_key_victims",
+           "severity_order", "shape", "split_by_release", "verdicts_of", "victim_of", "words"]

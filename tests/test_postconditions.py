@@ -10,12 +10,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from test_buckets import Table, bucket, checked_of, triage, unexplained
+from test_buckets import unexplained
 
 from kvfuzz.harness.postconditions import MAX_MAP_BREAKS, Monitor
 from kvfuzz.oracle import buckets as rule
 from kvfuzz.oracle.postconditions import origin
-from kvfuzz.traces.buckets import BucketKey, agrees, union
+from kvfuzz.traces.buckets import BucketKey
 from kvfuzz.traces.history import Break
 
 
@@ -191,43 +191,11 @@ def k(v=None, broke=None, explained_by=None):
     return BucketKey(cls="corruption", verdicts=v or {}, broke=broke, explained_by=explained_by)
 
 
-def test_one_post_condition_keeps_a_cause_whole_whatever_its_witness_needed():
-    """Fault T's split: one witness needed chunked prefill (its removal changed the schedule so
-    no row moved), the other not. Both broke the worker's row: one bucket."""
-    a, b = k({"chunked-prefill": "disappears"}, "worker-row"), k({"chunked-prefill": "persists"}, "worker-row")
-    assert agrees(a, b) and agrees(b, a)
-    # Two causes with the same verdicts but different post-conditions: two buckets (P and S).
-    assert not agrees(k({"prefix-caching": "disappears"}, "map-entry-orphaned"),
-                      k({"prefix-caching": "disappears"}, "map-entry-stolen"))
-    # Where one side was not observed (a server run, or nothing broke), the verdicts decide.
-    assert agrees(k({"prefix-caching": "disappears"}), k({"prefix-caching": "disappears"}, "worker-row"))
-    assert not agrees(k({"prefix-caching": "persists"}), k({"prefix-caching": "disappears"}, "worker-row"))
-    assert union(k(), k(broke="worker-row")).broke == "worker-row"
+def test_the_post_condition_is_part_of_the_key():
+    """One break, one key, whatever the witnesses' schedules needed; two breaks, two keys."""
+    assert k(broke="worker-row") == k(broke="worker-row") != k(broke="worker-token")
+    assert k(broke="map-entry-orphaned") != k(broke="map-entry-stolen") != k()
     assert k(broke="worker-row").digest() != k().digest() and "broke worker-row" in k(broke="worker-row").label()
-
-
-def test_a_self_only_name_never_takes_a_victim_that_broke_nothing(tmp_path):
-    """Rule 5.14 (faults AJ and AH on at once at 8b19ef1: one bucket). AH's kernel is told a
-    length one short (`worker-seq-len`): only that request reads wrong, so a victim that broke
-    nothing is another cause's, even where the verdicts agree (AJ's unwritten slot needs none of
-    the tried mechanisms either). Names whose wrong KV a later hit can read still take unnamed
-    victims (rule 5's fallback to the verdicts), and two unnamed keys still agree."""
-    same = {"chunked-prefill": "persists", "preemption": "persists", "prefix-caching": "persists"}
-    assert not agrees(k(same), k(same, "worker-seq-len")) and not agrees(k(same, "worker-seq-len"), k(same))
-    assert agrees(k(same, "worker-seq-len"), k(same, "worker-seq-len"))
-    assert agrees(k(same), k(same, "worker-position")) and agrees(k(same), k(same))
-    # Past the share: the pre-key offers AH's bucket to an unnamed finding no more; AJ's is.
-    bs = {"AH": bucket("AH", same, 1).model_copy(update={"key": k(same, "worker-seq-len")})}
-    t = triage(Table(needs=[]), bs, tmp_path)
-    assert rule.prekey_candidates(unexplained(), t.alive) == []
-    assert [b.id for b in rule.prekey_candidates(with_broke(unexplained(), "worker-seq-len"), t.alive)] == ["AH"]
-    bs["AJ"] = bucket("AJ", same, 2)
-    t = triage(Table(needs=[]), bs, tmp_path)
-    assert [b.id for b in rule.prekey_candidates(unexplained(), t.alive)] == ["AJ"]
-    # And the other way, as in ``agrees``: AJ's unnamed bucket is no candidate for AH's finding.
-    assert [b.id for b in rule.prekey_candidates(with_broke(unexplained(), "worker-seq-len"), t.alive)] == ["AH"]
-    out = t._assign(checked_of(unexplained()))
-    assert out is not None and out.buckets[0].bucket == "AJ"
 
 
 def test_a_finding_has_one_key_per_post_condition_its_victims_broke():
@@ -242,11 +210,10 @@ def test_a_finding_has_one_key_per_post_condition_its_victims_broke():
 
 
 def test_a_victim_that_broke_nothing_beside_self_only_names_keys_on_its_own():
-    """Rule 5.16 (faults AK + AJ at 9368d84: one bucket, every finding named by AK). A self-only
-    name's cause harmed only the requests that broke it, so an unnamed victim beside them is
-    another cause's and adds its own key, after the named one (past the share a finding is
-    assigned by its first key). Beside a name that is not self-only it adds none, as before (a P
-    victim that read a reused block before its new owner registered it breaks nothing)."""
+    """A self-only name's cause harmed only the requests that broke it, so an unnamed victim
+    beside them is another cause's and adds its own key. Beside a name whose wrong KV another
+    request can read, it adds none (a victim that read a reused block before its new owner
+    registered it breaks nothing itself)."""
     f = unexplained()
     d = f.divergences[0]
     quiet = d.model_copy(update={"request_id": "quiet", "broke": None})
@@ -265,29 +232,6 @@ def test_a_victim_that_broke_nothing_beside_self_only_names_keys_on_its_own():
 def with_broke(f, name):
     f.divergences = [d.model_copy(update={"broke": name}) for d in f.divergences]
     return f
-
-
-def test_a_witness_that_broke_the_buckets_post_condition_joins_without_a_replay(tmp_path):
-    bs = {"T": bucket("T", {"chunked-prefill": "disappears"}, 1).model_copy(
-        update={"key": k({"chunked-prefill": "disappears"}, "worker-row")})}
-    r = Table(needs=[])
-    f = with_broke(unexplained(), "worker-row")
-    b, key, how = triage(r, bs, tmp_path)._match(f, rule.keys_of(f)[0])
-    assert b is not None and b.id == "T" and r.replays == 0 and how == "post-condition: worker-row"
-
-
-def test_past_the_share_the_post_condition_assigns_and_a_new_one_is_triaged(tmp_path):
-    bs = {"S": bucket("S", {"prefix-caching": "disappears"}, 1).model_copy(
-        update={"key": k({"prefix-caching": "disappears"}, "map-entry-stolen")})}
-    r = Table(needs=["prefix-caching"])
-    t = triage(r, bs, tmp_path)
-    out = t._assign(checked_of(with_broke(unexplained(), "map-entry-stolen")))
-    assert out is not None and out.buckets[0].bucket == "S" and r.replays == 0
-    assert out.buckets[0].how == "pre-key, post-condition: map-entry-stolen"
-    # Its own run broke another post-condition: not a candidate, and triaged as a new cause.
-    f = with_broke(unexplained(), "map-entry-orphaned")
-    assert rule.prekey_candidates(f, t.alive) == []
-    assert t._assign(checked_of(f)) is None and r.replays == 0
 
 
 def test_the_report_says_which_post_condition_broke_on_the_victim():
@@ -313,7 +257,7 @@ def test_the_campaign_summary_names_the_post_conditions_broken_and_each_buckets(
         "differed; docs/oracle.md \"Broken post-conditions\"): held-block-undercounted in 55 trace(s), worker-row in 2 "
         "trace(s)")
     assert broken_line({"prefix-hit": 9}) is None
-    (r,) = rows({"b1": Bucket(id="b1", key=k(broke="worker-row"), count=3, first_index=0)}, {})
+    (r,) = rows({"b1": Bucket(id="b1", key=k(broke="worker-row"), count=3, first_index=0)})
     assert r.explanation == "unexplained: candidate vLLM bug; broke worker-row"
 
 
@@ -730,11 +674,11 @@ def test_a_token_sampled_from_another_rows_hidden_state_breaks_worker_sample_row
             assert ("row 1: its next token is sampled from hidden state 0 (a token of row 0); its last scheduled "
                     "token's is 3") in m.breaks[0].detail
             assert origin(m.breaks, "s") == "worker-sample-row"
-    # Self-only (rule 5.14): the wrong token is its request's alone, and the KV computed after it
-    # is right for the tokens it follows, so a victim that broke nothing is another cause's.
-    same = {"chunked-prefill": "persists", "preemption": "persists", "prefix-caching": "persists"}
-    assert not agrees(k(same), k(same, "worker-sample-row")) and not agrees(k(same, "worker-sample-row"), k(same))
-    assert agrees(k(same, "worker-sample-row"), k(same, "worker-sample-row"))
+    # Self-only: the wrong token is its request's alone, and the KV computed after it is right for
+    # the tokens it follows, so a victim beside it that broke nothing is another cause's key.
+    from kvfuzz.traces.history import SELF_ONLY_BREAKS
+
+    assert "worker-sample-row" in SELF_ONLY_BREAKS
 
 
 def test_one_table_says_what_each_break_can_harm():

@@ -375,4 +375,4 @@ def test_campaign_page_shows_near_tie_buckets_apart_from_the_bugs(tmp_path, monk
     html = (tmp_path / "campaign.html").read_text()
     bugs, ties = html.split("<h2>Near-tie buckets</h2>")
     assert "b" * 10 in bugs and "t" * 10 not in bugs and "t" * 10 in ties and "b" * 10 not in ties
-    assert "7 (5 assigned, not triaged)" in bugs
+    assert "7 (5 assigned: triage budget spent)" in bugs

@@ -222,7 +222,7 @@ def test_one_spec_builds_the_session_and_triage_of_run_and_of_each_ray_worker(tm
         arms={"vanilla": []},
         triage=TriageSettings(runs_fixed=True, minimize=False, controls=False, ablate=False, minimize_seconds=17.0,
                               budget_s=300.0))
-    spec = pickle.loads(pickle.dumps(WorkerSpec(settings, cases_dir=str(tmp_path / "driver-out"))))  # as Ray sends it
+    spec = pickle.loads(pickle.dumps(WorkerSpec(settings)))  # as Ray sends it
     s = spec.build_session(tmp_path)
     assert (s.engine_kind, s.device, s.runs, s.bound_overrides) == ("server", "cpu", 2, {"near_tie": 0.5})
     assert s.log_file == tmp_path / "engine.log" and s.trace_deadline_s == 42.0
@@ -230,9 +230,8 @@ def test_one_spec_builds_the_session_and_triage_of_run_and_of_each_ray_worker(tm
     assert (o.port, o.log_dir, o.extra_flags, o.request_timeout_s) == (8123, tmp_path, ["--max-num-seqs", "4"], 42.0)
     seen = []
     t = spec.build_triage(s, None, tmp_path, status=seen.append)
-    assert (t.arms, t.confirm_runs, t.settings) == ({"vanilla": []}, 2, settings.triage)
-    # The merge check reads buckets' own witnesses from the driver's OUT, not the worker's scratch.
-    assert t.cases == tmp_path / "driver-out" and WorkerSpec().build_triage(s, None, tmp_path).cases is None
+    assert (t.arms, t.settings) == ({"vanilla": []}, settings.triage)
+    assert t.budget.end_after == 300.0  # nothing past the campaign's budget
     t.status("x")
     assert seen == ["x"]
     assert not spec.pooled and WorkerSpec().pooled
@@ -240,8 +239,8 @@ def test_one_spec_builds_the_session_and_triage_of_run_and_of_each_ray_worker(tm
 
 
 class BuggyCluster(FakeCluster):
-    """Every task finds the same unexplained bug; each worker opens its own bucket for it, with
-    the evidence its witness gave (workers see only the buckets committed below their task)."""
+    """Every task finds the same unexplained bug and keys it equally; a worker that does not see
+    its bucket committed below its task opens it, with its own witness (``Result.cases``)."""
 
     def wait(self, timeout_s):
         from test_report import finding
@@ -252,102 +251,29 @@ class BuggyCluster(FakeCluster):
         task = self.running.pop(w)
         f = finding()
         f.divergences[0].explained_by = None
-        v = {"prefix-caching": "disappears"} if task.index % 2 else {"preemption": "persists"}
-        key = BucketKey(cls="corruption", verdicts=v)
-        known = [b for b in task.known.values() if b.id not in task.merges]
-        m = (BucketMembership(bucket=known[0].id, key=key, status="assigned") if known
-             else BucketMembership(bucket=key.digest(), key=key, status="opened"))
+        f.id = f"{task.index:012d}"  # one finding file each
+        key = BucketKey(cls="corruption", verdicts={"prefix-caching": "disappears"})
+        opened = key.digest() not in task.known
+        m = BucketMembership(bucket=key.digest(), key=key, status="opened" if opened else "triaged")
         f.buckets = [m]
-        return [Result(task.index, w, finding=f, buckets=fake_buckets(task.trace), memberships=[m])]
+        witness = f.model_copy(update={"notes": {"witness of": str(task.index)}})
+        return [Result(task.index, w, finding=f, buckets=fake_buckets(task.trace), memberships=[m],
+                       cases={key.digest(): witness} if opened else {})]
 
 
-def test_buckets_two_workers_opened_at_once_merge_and_every_finding_has_one(tmp_path):
+def test_two_workers_that_open_one_key_at_once_open_one_bucket_and_every_finding_has_it(tmp_path):
+    from kvfuzz.traces import load_finding
+
     out = tmp_path / "out"
-    d = Driver(opts(out, 8), BuggyCluster(2, 5), window=4, arms={})
-    st = d.run()
-    live = st.live_buckets()
-    assert len(live) == 1 and live[0].count == st.findings == 8 and not st.untriaged
-    assert st.merges and set(st.merges) == set(st.bug_buckets) - {live[0].id} and live[0].first_index == 0
-    # --resume reads the buckets and the merges back.
+    st = Driver(opts(out, 8), BuggyCluster(2, 5), window=4, arms={}).run()
+    (b,) = st.live_buckets()
+    assert b.count == st.findings == 8 and not st.untriaged and b.first_index == 0
+    assert load_finding(out / b.case).notes["witness of"] == "0"  # the first committed opened it
+    assert [load_finding(out / r).buckets[0].status for r in st.finding_files].count("opened") == 1
     from kvfuzz.fuzzer.campaign import CampaignState
 
     again = CampaignState(**json.loads((out / "campaign.json").read_text()))
-    assert again.bug_buckets == st.bug_buckets and again.merges == st.merges
-
-
-class DeferringCluster(FakeCluster):
-    """Every task finds the same bug, as a worker's triage (triage/campaign.py) would file it:
-    joined to a known bucket; else, on a settled task, opened after a full triage (counted);
-    else deferred, placed by its pre-key. ``lowest_first`` answers the lowest running index
-    first, and ``clock`` (a list) is advanced ``tick`` seconds by every answer."""
-
-    def __init__(self, *a, lowest_first=False, clock=None, tick=0.0, **kw):
-        super().__init__(*a, **kw)
-        self.lowest_first, self.clock, self.tick = lowest_first, clock, tick
-        self.opened_by: list[tuple[int, bool]] = []
-        self.got_checks: dict[int, list[list[str | None]]] = {}  # index -> each pass's carried checks
-
-    def wait(self, timeout_s):
-        from test_report import finding
-
-        from kvfuzz.traces.buckets import BucketKey, BucketMembership, MechanismCheck
-
-        if self.lowest_first:
-            w = min(self.running, key=lambda k: self.running[k].index)
-        else:
-            w = self.rng.choice(sorted(self.running))
-        task = self.running.pop(w)
-        if self.clock is not None:
-            self.clock[0] += self.tick
-        f = finding()
-        f.divergences[0].explained_by = None
-        key = BucketKey(cls="corruption", verdicts={"prefix-caching": "disappears"})
-        known = [b for b in task.known.values() if b.id not in task.merges]
-        deferred = False
-        if known:
-            m = BucketMembership(bucket=known[0].id, key=key, status="triaged", how="key")
-        elif task.settled:
-            self.opened_by.append((task.index, task.settled))
-            m = BucketMembership(bucket=key.digest(), key=key, status="opened", how="new key")
-        else:
-            deferred = True
-            m = BucketMembership(bucket=key.digest(), key=key, status="assigned", how="not triaged",
-                                 checks=[MechanismCheck(mechanism="prefix-caching", victim=f"v{task.index}",
-                                                        outcome="persists", verdict="persists")])
-        self.got_checks.setdefault(task.index, []).append([c.victim for c in task.checks])
-        f.buckets = [m]
-        return [Result(task.index, w, finding=f, buckets=fake_buckets(task.trace), memberships=[m], deferred=deferred)]
-
-
-def test_a_finding_is_triaged_in_full_only_once_every_lower_trace_is_committed(tmp_path):
-    """Two workers that both find one bug at once spend one triage box, not two: the task whose
-    lower traces still run defers its finding, and the driver runs it again, settled, at the
-    commit point, where it joins the bucket the lower trace opened (no merge needed)."""
-    for order in range(4):
-        cluster = DeferringCluster(2, order)
-        st = Driver(opts(tmp_path / f"o{order}", 10), cluster, window=4, arms={}).run()
-        live = st.live_buckets()
-        assert len(live) == 1 and live[0].count == st.findings == 10 and not st.untriaged
-        assert cluster.opened_by == [(0, True)] and not st.merges
-        assert st.deferred >= 1 and st.traces == 10
-        # A deferred trace's re-run carries its first pass's check replays (to reuse them).
-        again = {i: passes for i, passes in cluster.got_checks.items() if len(passes) > 1}
-        assert again and all(p[0] == [] and p[1] == [f"v{i}"] for i, p in again.items())
-
-
-def test_a_deferred_finding_is_committed_as_placed_when_the_campaign_ends_first(tmp_path, monkeypatch):
-    """The budget runs out after index 1 was deferred at the commit point and before its re-run
-    started: it is committed with its first pass's placement, never dropped."""
-    from kvfuzz.fuzzer import distributed
-
-    clock = [0.0]
-    monkeypatch.setattr(distributed, "time", type("T", (), {"monotonic": staticmethod(lambda: clock[0])}))
-    cluster = DeferringCluster(2, 0, lowest_first=True, clock=clock, tick=1.0)
-    o = dataclasses.replace(opts(tmp_path / "out", None), budget_s=1.5)
-    st = Driver(o, cluster, window=2, arms={}).run()
-    # 0 opens (settled); 1 was unsettled, deferred, and held when the budget ended; 2 joined.
-    assert cluster.opened_by == [(0, True)] and st.deferred == 1
-    assert st.traces == st.findings == 3 and sum(b.count for b in st.live_buckets()) == 3
+    assert again.bug_buckets == st.bug_buckets
 
 
 class TickingCluster(FakeCluster):
@@ -378,45 +304,3 @@ def test_workers_idle_on_a_full_window_are_counted(tmp_path, monkeypatch, window
     st = Driver(opts(tmp_path / "out", 6), TickingCluster(3, 0, clock=clock), window=window).run()
     assert st.traces == 6 and st.window_wait_s == idle_s
     assert json.loads((tmp_path / "out" / "campaign.json").read_text())["window_wait_s"] == idle_s
-
-
-class SecondCauseCluster(FakeCluster):
-    """Index 0's finding records a confirmed second cause (rule 5.19's enforced replay); every
-    task's carried record is kept by index."""
-
-    def __init__(self, *a, **kw):
-        super().__init__(*a, **kw)
-        self.carried: dict[int, list[str]] = {}
-
-    def wait(self, timeout_s):
-        from test_report import finding
-
-        from kvfuzz.traces import Repair
-        from kvfuzz.traces.buckets import BucketKey, BucketMembership
-
-        w = self.rng.choice(sorted(self.running))
-        task = self.running.pop(w)
-        self.carried[task.index] = list(task.second.confirmed)
-        f = finding()
-        d = f.divergences[0]
-        d.explained_by, d.broke, d.later = None, "worker-position", "worker-token"
-        if task.index == 0:
-            d.repair = Repair(name="worker-position", outcome="persists", broke="worker-token",
-                              victim_class="corruption")
-        key = BucketKey(cls="corruption", broke="worker-position")
-        m = BucketMembership(bucket=key.digest(), key=key, status="triaged")
-        f.buckets = [m]
-        return [Result(task.index, w, finding=f, buckets=fake_buckets(task.trace), memberships=[m])]
-
-
-def test_a_ray_task_carries_the_second_causes_committed_below_it(tmp_path):
-    """Rule 5.19's record is the driver's, from committed findings (not a worker's own replays):
-    a task drawn once index 0 is committed carries its confirmed second cause; index 0 did not."""
-    out = tmp_path / "out"
-    c = SecondCauseCluster(2, 3)
-    st = Driver(opts(out, 8), c, window=2, arms={}).run()
-    assert st.second_causes.confirmed == ["worker-token"]
-    assert c.carried[0] == [] and all(c.carried[i] == ["worker-token"] for i in range(2, 8))
-    from kvfuzz.fuzzer.campaign import CampaignState
-
-    assert CampaignState(**json.loads((out / "campaign.json").read_text())).second_causes == st.second_causes

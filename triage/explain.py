@@ -34,11 +34,10 @@ from typing import Literal
 
 from kvfuzz.fuzzer.shapes import embedded_bytes_per_token
 from kvfuzz.oracle.buckets import CHEAP_MECHANISMS, same_key_victims
-from kvfuzz.oracle.postconditions import REPAIRABLE
 from kvfuzz.oracle.controls import primary_arm
-from kvfuzz.traces import (EMBEDDED_MODEL, Ablation, CancelEvent, Divergence, Explanation, Finding, Repair, SendEvent,
+from kvfuzz.traces import (EMBEDDED_MODEL, Ablation, CancelEvent, Divergence, Explanation, Finding, SendEvent,
                            Trace)
-from kvfuzz.traces.buckets import KEY_MECHANISMS, Outcome
+from kvfuzz.traces.buckets import KEY_MECHANISMS
 from kvfuzz.traces.errors import BadInput, InfraError
 from kvfuzz.traces.finding import SEVERITY
 from kvfuzz.traces.result import Judged
@@ -147,8 +146,7 @@ def _valid(trace: Trace) -> Trace:
 
 
 def explain(replayer: Replayer, finding: Finding, *, victim: str | None = None,
-            mechanisms: list[str] | None = None, deadline: float | None = None,
-            first: list[str] | None = None) -> Explanation:
+            mechanisms: list[str] | None = None, deadline: float | None = None) -> Explanation:
     """Replay ``finding`` once per mechanism taken away, judged on its victim (default: the
     one minimization would keep). Past ``deadline`` (time.monotonic()), the mechanisms left are
     recorded as skipped."""
@@ -157,12 +155,9 @@ def explain(replayer: Replayer, finding: Finding, *, victim: str | None = None,
     arm, toggles = primary_arm(finding)
     out = Explanation(victim=target.victim, cls=target.cls, arm=arm)
     names = mechanisms or list(ABLATIONS)
-    # Against a deadline, the mechanisms a bucket key is made of go first (issue 30: a box spent
-    # on the schedule ablations left fault P's bucket with no key evidence, and a second fault
-    # joined it), the ones that keep the engine (no restart) first within each group; the
-    # record keeps the canonical order either way.
-    # ``first``: the mechanisms a caller most needs a verdict on (rule 5.21: those a split hangs on).
-    order = (sorted(names, key=lambda m: (m not in (first or ()), m not in KEY_MECHANISMS, m not in CHEAP_MECHANISMS))
+    # Against a deadline, the mechanisms a key is made of go first, the ones that keep the engine
+    # (no restart) first within each group; the record keeps the canonical order either way.
+    order = (sorted(names, key=lambda m: (m not in KEY_MECHANISMS, m not in CHEAP_MECHANISMS))
              if deadline is not None else names)
     # Rule 5.6: the finding's other victims of the same unexplained corruption (the same
     # post-condition broken, or none) are judged too when the victim no longer corrupts.
@@ -223,62 +218,6 @@ def explain(replayer: Replayer, finding: Finding, *, victim: str | None = None,
     out.ablations = [done[n] for n in names]
     out.seconds = round(time.monotonic() - t0, 1)
     return out
-
-
-def repair_check(replayer: Replayer, finding: Finding) -> Finding:
-    """Rule 5.19: ``finding`` with each unexplained corruption victim that broke a check the
-    harness can enforce, and later another one (``Divergence.later``), replayed once with the
-    first enforced (``Divergence.repair``): if it still corrupts, its first harmful break in
-    that replay names a second cause (``Divergence.second_cause``). One replay per
-    distinct later name (its leading victim); unchanged when there is none, or on an engine
-    that is not step-exact (a replay there is another schedule, not the same one repaired)."""
-    arm, toggles = primary_arm(finding)
-    todo: dict[str, Divergence] = {}
-    for d in finding.divergences:
-        if (d.class_ == "corruption" and d.explained_by is None and d.arm == arm and d.later is not None
-                and d.broke in REPAIRABLE and d.repair is None):
-            todo.setdefault(d.later, d)
-    if not todo or not replayer.step_exact:
-        return finding
-    out = finding.model_copy(deep=True)
-    for d in todo.values():
-        name = d.broke
-        assert name is not None
-        try:
-            j = replayer.judge_victim(_valid(finding.trace), victim=d.request_id, arm=arm, toggles=toggles,
-                                      repair=[name])
-        except (BadInput, InfraError, ValueError) as e:
-            rep = Repair(name=name, outcome="failed", detail=str(e).splitlines()[0][:300])
-        else:
-            rep = Repair(name=name, outcome="persists" if j.corrupt else "disappears", broke=j.broke,
-                         victim_class=j.cls)
-        for x in out.divergences:
-            if x.request_id == d.request_id and x.arm == d.arm and x.class_ == d.class_:
-                x.repair = rep
-    return out
-
-
-def enforce_check(replayer: Replayer, finding: Finding, name: str, victim: str | None = None) -> Outcome | None:
-    """Rule 5.20: ``finding`` replayed once with post-condition ``name`` enforced on every row,
-    judged on ``victim`` (default: the one minimization would keep): "persists" when it still
-    diverges as badly (the name did not cause it), "disappears" when it is right. None: no
-    evidence (a milder divergence, a failed replay, a name the harness cannot enforce, an engine
-    that is not step-exact, or a victim whose own runs did not all diverge: rule 5.8)."""
-    if name not in REPAIRABLE or not replayer.step_exact:
-        return None
-    target = choose_target(finding, victim)
-    me = next((d for d in finding.divergences if d.request_id == target.victim and d.class_ == target.cls), None)
-    if me is not None and me.runs >= 2 and me.runs_diverged < me.runs:
-        return None
-    arm, toggles = primary_arm(finding)
-    try:
-        j = replayer.judge_victim(_valid(finding.trace), victim=target.victim, arm=arm, toggles=toggles,
-                                  repair=[name], settle=True)
-    except (BadInput, InfraError, ValueError):
-        return None
-    if _still_diverges(j, target):
-        return "persists"
-    return "disappears" if j.cls == "ok" and not j.drifted else None
 
 
 def _still_diverges(j: Judged, target: Target) -> bool:

@@ -90,7 +90,7 @@ class CampaignDisplay:
             if s.bug_buckets:
                 from kvfuzz.present.buckets import rows, sections
 
-                bugs, ties = sections(rows(s.bug_buckets, s.merges))
+                bugs, ties = sections(rows(s.bug_buckets))
                 for r in bugs[:4]:
                     grid.add_row(f"bucket {r.id}", Text(f"{r.count} x {r.cls}, {r.explanation}; needs: {r.needs}",
                                                         style=CLASS_STYLE.get(r.cls, "")))
@@ -136,7 +136,7 @@ class CampaignDisplay:
             table.add_row(f"  {cls}", Text(str(n), style=CLASS_STYLE.get(cls, "")))
         from kvfuzz.present.buckets import broken_line, rich_tables, rows, sections, summary_line
 
-        brows = rows(state.bug_buckets, state.merges)
+        brows = rows(state.bug_buckets)
         bugs, ties = sections(brows)
         table.add_row("bug buckets", str(len(bugs)))
         if ties:

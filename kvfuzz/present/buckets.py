@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvfuzz.oracle.buckets import live, needs_text
+from kvfuzz.oracle.buckets import needs_text
 from kvfuzz.traces import Finding
-from kvfuzz.traces.buckets import Bucket, BucketMembership, bucket_from_state
+from kvfuzz.traces.buckets import Bucket, BucketMembership, bucket_from_state, live, related
 from kvfuzz.traces.errors import BadInput
 
 
@@ -23,51 +23,54 @@ class BucketRow:
     id: str
     cls: str
     count: int
-    assigned: int  # of count: assigned, not triaged
+    assigned: int  # of count: keyed from the recorded run alone
     first_index: int | None
     representative: str | None
     explanation: str
     needs: str
     report: str
     listing: str | None
-    merged: int  # buckets merged into this one
-    unsettled: int = 0  # of count: joined on a split left unsettled (rule 5.22)
+    # Buckets whose key differs only in what the confirmation measured: perhaps one cause.
+    related: tuple[str, ...] = ()
+    # Its key is incomplete (not attributed, or not confirmed): findings the budget left unsorted.
+    provisional: bool = False
 
     @property
     def near_tie(self) -> bool:
         return self.cls == "numeric-near-tie"
 
 
-def rows(buckets: Mapping[str, Bucket], merges: Mapping[str, str]) -> list[BucketRow]:
-    """Live buckets (merged ones are inside their survivor), most findings first."""
+def rows(buckets: Mapping[str, Bucket]) -> list[BucketRow]:
+    """One row per bucket, most findings first."""
     out = []
-    for b in live(buckets, merges):
+    every = live(buckets)
+    for b in every:
         k = b.key
         if k.explained_by:
             why = f"explained by {k.explained_by}"
         elif k.crash_kind:
             why = k.crash_kind
+        elif k.provisional:
+            why = "provisional: not attributed or not confirmed (the triage budget was spent)" + (
+                f"; broke {k.broke}" if k.broke else "")
         else:
             why = "unexplained: candidate vLLM bug" + (f"; broke {k.broke}" if k.broke else "")
         if b.releases is not None:
             why += f"; reproduces: {b.releases.label}"
         if b.split_from is not None:
             why += f"; split from {b.split_from} by release range"
+        shown = b.case or b.representative
         out.append(BucketRow(b.id, k.cls, b.count, b.assigned, b.first_index, b.representative, why, needs_text(b),
-                             f"kvfuzz report {b.representative}" if b.representative else "", b.listing,
-                             len(b.merged_from), b.unsettled))
+                             f"kvfuzz report {shown}" if shown else "", b.listing,
+                             tuple(r.id for r in related(b, every)), k.provisional))
     out.sort(key=lambda r: (-r.count, r.first_index if r.first_index is not None else 1 << 40, r.id))
     return out
 
 
-def count_text(count: int, assigned: int, unsettled: int, *, short: bool = False) -> str:
-    """A bucket's findings: how many, of them assigned (not triaged) and joined on a split left
-    unsettled (rule 5.22: a possible second cause, settled by `kvfuzz minimize` + `kvfuzz explain`)."""
-    parts = [f"{assigned} assigned" + ("" if short else ", not triaged")] if assigned else []
-    if unsettled:
-        parts.append(f"{unsettled} on an unsettled split" + ("" if short else " (rule 5.22: `kvfuzz minimize`, "
-                                                                                  "then `kvfuzz explain` settle it)"))
-    return f"{count}" + (f" ({'; '.join(parts)})" if parts else "")
+def count_text(count: int, assigned: int, *, short: bool = False) -> str:
+    """A bucket's findings: how many, and of them how many were keyed from their recorded run
+    alone (the triage budget was spent)."""
+    return f"{count}" + (f" ({assigned} assigned" + ("" if short else ": triage budget spent") + ")" if assigned else "")
 
 
 def sections(rs: Iterable[BucketRow]) -> tuple[list[BucketRow], list[BucketRow]]:
@@ -79,11 +82,15 @@ def sections(rs: Iterable[BucketRow]) -> tuple[list[BucketRow], list[BucketRow]]
 def summary_line(rs: list[BucketRow], findings: int) -> str:
     bugs, ties = sections(rs)
     unexplained = sum(1 for r in bugs if r.explanation.startswith("unexplained"))
+    provisional = sum(1 for r in bugs if r.provisional)
     line = (f"{findings} finding(s) in {len(bugs)} bug bucket(s)" + (f" and {len(ties)} near-tie bucket(s)" if ties else "")
             + "; findings listed per bucket in OUT/buckets/<id>.findings.jsonl")
     if unexplained:
         line += (f". {unexplained} bucket(s) UNEXPLAINED by any toggle — candidate vLLM bug(s): report them "
                  "(docs/findings.md)")
+    if provisional:
+        line += (f". {provisional} provisional bucket(s): findings the triage budget left unsorted (`kvfuzz minimize` "
+                 "and `kvfuzz explain` on one sort it; a longer campaign sorts more)")
     return line
 
 
@@ -119,9 +126,10 @@ def rich_tables(rs: list[BucketRow]) -> list[Any]:
         for col in ("bucket", "findings", "first trace", "explanation", "needs", "report"):
             table.add_column(col, overflow="fold")
         for r in part:
-            count = count_text(r.count, r.assigned, r.unsettled)
-            why = Text(f"{r.cls}, {r.explanation}", style=CLASS_STYLE.get(r.cls, ""))
-            table.add_row(r.id + (f" (+{r.merged} merged)" if r.merged else ""), count,
+            count = count_text(r.count, r.assigned)
+            why = Text(f"{r.cls}, {r.explanation}" + (f"; related: {', '.join(r.related)}" if r.related else ""),
+                       style=CLASS_STYLE.get(r.cls, ""))
+            table.add_row(r.id, count,
                           "?" if r.first_index is None else str(r.first_index), why, r.needs, r.report or "-")
         out.append(table)
     return out
@@ -135,8 +143,9 @@ def markdown(rs: list[BucketRow], findings: int) -> str:
         lines += [f"## {title}", "", "| bucket | findings | first trace | explanation | needs | report |",
                   "|---|---|---|---|---|---|"]
         for r in part:
-            lines.append(f"| `{r.id}` | {count_text(r.count, r.assigned, r.unsettled, short=True)} | "
-                         f"{'' if r.first_index is None else r.first_index} | {r.cls}, {r.explanation} | {r.needs} | "
+            rel = f"; related: {', '.join(r.related)}" if r.related else ""
+            lines.append(f"| `{r.id}` | {count_text(r.count, r.assigned, short=True)} | "
+                         f"{'' if r.first_index is None else r.first_index} | {r.cls}, {r.explanation}{rel} | {r.needs} | "
                          f"`{r.report}` |")
         lines.append("")
     return "\n".join(lines)
@@ -144,12 +153,11 @@ def markdown(rs: list[BucketRow], findings: int) -> str:
 
 def membership_text(m: BucketMembership) -> str:
     """One bucket membership in words: the bucket's description, how the finding joined it."""
-    what = {"opened": "this finding opened it (triaged fully)",
-            "triaged": "joined it after attribution and the bucket checks, not minimized",
-            "assigned": "assigned, not triaged (past the campaign's triage share)"}[m.status]
+    what = {"opened": "this finding opened it (its witness is the bucket's case)",
+            "triaged": "its key equals the bucket's",
+            "assigned": "keyed from its recorded run alone (the triage budget was spent)"}[m.status]
     text = m.description.text if m.description else m.key.label()
-    checks = "; ".join(f"{c.words}: {c.outcome}" + (f" ({c.detail})" if c.detail else "") for c in m.checks)
-    return f"{text}; {what}" + (f"; matched by {m.how}" if m.how else "") + (f"; checks: {checks}" if checks else "")
+    return f"{text}; {what}" + (f"; key from: {m.how}" if m.how else "") + (f"; victim {m.victim}" if m.victim else "")
 
 
 def finding_lines(finding: Finding) -> list[str]:
@@ -166,7 +174,7 @@ def load_campaign(path: Path) -> tuple[list[BucketRow], int]:
     except (OSError, ValueError, TypeError, KeyError) as e:
         raise BadInput(f"not a readable campaign state ({str(e).splitlines()[0] if str(e) else type(e).__name__})",
                        source=str(file)) from None
-    return rows(buckets, data.get("merges") or {}), int(data.get("findings", 0))
+    return rows(buckets), int(data.get("findings", 0))
 
 
 __all__ = ["BucketRow", "broken_counts", "broken_line", "count_text", "finding_lines", "membership_text", "load_campaign", "markdown", "rich_tables", "rows", "sections", "summary_line"]

@@ -542,8 +542,7 @@ class BucketView:
     representative: str | None  # finding file, relative to OUT
     case: str | None  # OUT/buckets/<id>.json, relative to OUT
     near_tie: bool = False  # a flipped near tie (16-bit noise), shown apart from the bugs
-    assigned: int = 0  # of count: assigned, not triaged
-    unsettled: int = 0  # of count: joined on a split left unsettled (rule 5.22)
+    assigned: int = 0  # of count: keyed from the recorded run alone
 
 
 @dataclass
@@ -601,14 +600,11 @@ def campaign_view(state: Mapping[str, Any] | Any) -> CampaignView:
     if not progress or progress[-1] != now:
         progress.append(now)
     buckets = []
-    merged = s.get("merges") or {}
     for bid, b in (s.get("bug_buckets") or {}).items():
-        if bid in merged:
-            continue  # inside the bucket it was merged into
         # A live CampaignState's typed bucket, or campaign.json's (today's or before issue 30).
         bucket = b if isinstance(b, Bucket) else bucket_from_state(str(bid), b)
         buckets.append(BucketView(bucket.id, bucket.count, bucket.first_index, bucket.text, bucket.representative,
-                                  bucket.case, bucket.near_tie, bucket.assigned, bucket.unsettled))
+                                  bucket.case, bucket.near_tie, bucket.assigned))
     buckets.sort(key=lambda b: (b.first_index if b.first_index is not None else 1 << 30, b.id))
     return CampaignView(int(s.get("traces", 0)), float(s.get("seconds", 0.0)), int(s.get("findings", 0)),
                         bool(s.get("complete", False)), str(s.get("mode", "")), coverage, dict(s.get("by_class") or {}),

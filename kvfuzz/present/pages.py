@@ -249,7 +249,7 @@ def _bucket_table(buckets: list[BucketView], reports: Mapping[str, str | None]) 
         if b.case:
             links.append(f'<a href="{escape(b.case)}">regression case</a>')
         cmd = f"kvfuzz report {b.representative}" if b.representative else ""
-        count = count_text(b.count, b.assigned, b.unsettled)
+        count = count_text(b.count, b.assigned)
         trs.append(f"<tr><td><code>{escape(b.id)}</code></td><td class=\"r\">{count}</td><td class=\"r\">"
                    f"{'' if b.first_index is None else b.first_index}</td><td>{escape(b.text)}</td><td>"
                    f"{' · '.join(links)}<br><code>{escape(cmd)}</code></td></tr>")

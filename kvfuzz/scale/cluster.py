@@ -206,10 +206,6 @@ class WorkerSpec:
     # On Ray: the name of the campaign's StoreService actor (set by RayExecutor), which every
     # worker reads and writes instead of its own disk tiers.
     store_actor: str | None = None
-    # The driver's OUT, where its buckets' regression cases are (OUT/buckets/<id>.json): the
-    # merge check replays a bucket's own witness from there when this worker can read it (a
-    # local cluster, a shared filesystem); elsewhere that check is skipped (docs/oracle.md).
-    cases_dir: str | None = None
 
     @property
     def device(self) -> str:
@@ -229,10 +225,7 @@ class WorkerSpec:
                      status: Callable[[str], None] = lambda _m: None) -> "CampaignTriage":
         from kvfuzz.triage.campaign import build_triage
 
-        triage = build_triage(self.settings, session, guard, out, status=status)
-        if self.cases_dir is not None:
-            triage.cases = Path(self.cases_dir)
-        return triage
+        return build_triage(self.settings, session, guard, out, status=status)
 
 
 # Kills a worker's managed vLLM server when the worker process is gone (ray.kill is SIGKILL:
@@ -339,9 +332,7 @@ class WorkerCore:
         t0 = time.monotonic()
         # Exactly the buckets committed below this index (not what this worker saw before):
         # whether a finding opens a bucket never depends on which worker ran what.
-        self.triage.restore(dict(task.known), dict(task.merges), task.second)
-        self.triage.settled = task.settled
-        self.triage.prior = list(task.checks)
+        self.triage.restore(dict(task.known))
         ledger = self.session.ledger
         before = ledger.breakdown()
         ledger.fresh = True  # the trace's first replay is its fuzzed run (traces/timing.py)
@@ -356,7 +347,7 @@ class WorkerCore:
                 files[str(p.relative_to(self.scratch))] = p.read_text()
                 p.unlink()
         return Result(task.index, self.name, finding=checked.finding, buckets=buckets, memberships=triaged.buckets,
-                      seconds=time.monotonic() - t0, files=files, time=spent, deferred=triaged.status == "deferred")
+                      seconds=time.monotonic() - t0, files=files, time=spent, cases=triaged.cases)
 
     def gate(self, planned, runs: int, strict: bool, engine_args: list[str]) -> tuple:
         from kvfuzz.gate.gate import GateRunner

@@ -199,7 +199,7 @@ def run(
     # it imports no Ray).
     from kvfuzz.scale.cluster import WorkerSpec
 
-    spec = WorkerSpec(settings, log_dir=str((out / "workers").resolve()), threads=1, cases_dir=str(out.resolve()))
+    spec = WorkerSpec(settings, log_dir=str((out / "workers").resolve()), threads=1)
     if ray_address is not None:
         _run_on_ray(ray_address, opts, spec, arm_map=arm_map, calibrate=calibrate, calibration=calibration,
                     workers=workers or 2, window=window)
@@ -227,8 +227,7 @@ def run(
                                     progress=display.status, warn=warned.append)
             display.status("fuzzing")
             state = run_campaign(opts, triage, display.update,
-                                 on_start=lambda c: triage.restore(c.state.bug_buckets, c.state.merges,
-                                                                   c.state.second_causes),
+                                 on_start=lambda c: triage.restore(c.state.bug_buckets),
                                  ledger=session.ledger)
     finally:
         session.close()
@@ -291,8 +290,7 @@ def _run_on_ray(address: str, opts: Any, spec: WorkerSpec, *, arm_map: dict[str,
     commit = 1000 * driver.commit_cpu_s / max(1, driver.committed)
     console.print(f"ray: {workers} worker(s) on {len({i['host'] for i in infos})} host(s), window {state.window}; "
                   f"per worker {dict(sorted(state.by_worker.items()))}; re-queued {state.requeued} trace(s) after "
-                  f"{len(state.worker_deaths)} worker death(s), {state.deferred} finding(s) run again at the commit point "
-                  f"before opening a bucket; workers idle {state.window_wait_s:.0f} s in all on a full window; "
+                  f"{len(state.worker_deaths)} worker death(s); workers idle {state.window_wait_s:.0f} s in all on a full window; "
                   f"driver CPU {per:.1f} ms per trace "
                   f"({commit:.1f} ms committing)",
                   markup=False, highlight=False)

@@ -1,0 +1,168 @@
+"""The one executor of triage's interventions (``oracle.buckets.Intervention``), under one budget
+read from one injectable clock.
+
+Triage may take ``share`` of the campaign's time so far, plus ``floor`` seconds so a short
+campaign still completes its first key, and nothing past the campaign's own budget. Each
+intervention is cut at what is left (and at ``--minimize-seconds``); when nothing is left, the
+policy places findings by what their recorded run says (docs/oracle.md "Buckets").
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvfuzz.driver.recovery import Recovering
+from kvfuzz.driver.session import Session
+from kvfuzz.driver.settings import TriageSettings
+from kvfuzz.oracle.buckets import INTERVENTIONS
+from kvfuzz.oracle.controls import escalate, primary_arm
+from kvfuzz.traces import Finding
+from kvfuzz.traces.buckets import KEY_MECHANISMS
+from kvfuzz.traces.io import finding_path
+from kvfuzz.traces.result import Checked
+
+from .attribution import explain_finding, explain_guarded
+from .controls import float32_control
+from .explain import explain
+from .finish import add_controls, minimize
+from .minimize import NotReproduced
+
+Clock = Callable[[], float]
+
+# Triage's share of a campaign's time, and its credit at the start.
+TRIAGE_SHARE = 0.2
+TRIAGE_FLOOR_S = 20.0
+# The confirmation's minimization replays (the ablation of the witness comes after them).
+CONFIRM_REPLAYS = 64
+# Of a new bucket's witness intervention: the share its minimization may take (the ablation
+# that describes it and its control arms keep the rest).
+MINIMIZE_PART = 0.6
+
+
+@dataclass
+class Budget:
+    """Seconds triage may still spend: ``floor + share x (time since start) - spent``, never
+    past ``end_after`` seconds from the start (the campaign's --budget)."""
+
+    share: float = TRIAGE_SHARE
+    floor: float = TRIAGE_FLOOR_S
+    end_after: float | None = None
+    clock: Clock = time.monotonic
+    started: float | None = None
+    spent: float = 0.0
+
+    def start(self) -> None:
+        if self.started is None:
+            self.started = self.clock()
+
+    def left(self) -> float:
+        now = self.clock()
+        since = now - (self.started if self.started is not None else now)
+        left = self.floor + self.share * since - self.spent
+        return left if self.end_after is None else min(left, self.end_after - since)
+
+    @contextmanager
+    def charged(self) -> Iterator[None]:
+        t0 = self.clock()
+        try:
+            yield
+        finally:
+            self.spent += self.clock() - t0
+
+
+@dataclass
+class Executor:
+    session: Session
+    guard: Recovering
+    settings: TriageSettings = field(default_factory=TriageSettings)
+    budget: Budget = field(default_factory=Budget)
+    status: Callable[[str], None] = lambda _m: None
+
+    def allowed(self) -> frozenset[str]:
+        """The interventions the settings switch on, while the budget lasts."""
+        s = self.settings
+        if self.budget.left() <= 0:
+            return frozenset()
+        on = {"attribute": s.attribute, "float32-control": s.controls, "confirm": s.minimize and s.ablate,
+              "minimize": s.minimize}
+        return frozenset(k for k in INTERVENTIONS if on[k])
+
+    def _seconds(self) -> float:
+        return max(1.0, min(self.budget.left(), self.settings.minimize_seconds))
+
+    def attribute(self, checked: Checked, first: Sequence[str]) -> Checked:
+        """The arms that tell which toggle explains each divergence, re-run."""
+        with self.budget.charged():
+            return explain_guarded(self.guard, checked, first=first)
+
+    def float32_control(self, finding: Finding) -> Finding:
+        """A 16-bit near tie replayed in float32: corruption there is corruption."""
+        self.status(f"finding {finding.id}: float32 control (a 16-bit near tie)")
+        arm, toggles = primary_arm(finding)
+        with self.budget.charged():
+            got = float32_control(self.session, finding, toggles=toggles,
+                                  runs=max(1, sum(1 for h in finding.runs if h.arm == arm)))
+        return escalate(finding.model_copy(update={"controls": [*finding.controls, got]}))
+
+    def confirm(self, finding: Finding, victim: str | None) -> Finding | None:
+        """The bounded confirmation: ``finding`` minimized to ``victim`` within
+        ``CONFIRM_REPLAYS`` replays, then its witness ablated once on the key's mechanisms.
+        None: its victim's signature did not reproduce."""
+        self.status(f"finding {finding.id}: confirming (minimize, then ablate)")
+        seconds = self._seconds()
+        with self.budget.charged():
+            t0 = time.monotonic()
+            small = self._minimized(finding, victim, max_replays=CONFIRM_REPLAYS, max_seconds=MINIMIZE_PART * seconds)
+            if small is None:
+                return None
+            small.explanation = explain(self.session, small, victim=_kept(small, victim),
+                                        mechanisms=list(KEY_MECHANISMS), deadline=t0 + seconds)
+        return small
+
+    def witness(self, finding: Finding, victim: str | None) -> Finding:
+        """A new bucket's witness: ``finding`` minimized to ``victim``, ablated and with its
+        control arms, as far as the budget reaches (unminimized when it does not reproduce)."""
+        self.status(f"finding {finding.id}: minimizing a new bucket's witness")
+        seconds = self._seconds()
+        with self.budget.charged():
+            t0 = time.monotonic()
+            small = self._minimized(finding, victim, max_replays=None, max_seconds=MINIMIZE_PART * seconds)
+            if small is None:
+                small = finding.model_copy(deep=True)
+            if self.settings.ablate:
+                small.explanation = explain(self.session, small, victim=_kept(small, victim), deadline=t0 + seconds)
+            if self.settings.controls:
+                small = add_controls(self.session, small, deadline=t0 + seconds)
+        return small
+
+    def _minimized(self, finding: Finding, victim: str | None, *, max_replays: int | None,
+                   max_seconds: float) -> Finding | None:
+        try:
+            with self.session.scoring("all"):
+                small = minimize(self.session, finding, victim=victim, max_replays=max_replays,
+                                 max_seconds=max_seconds, original_path=str(finding_path(Path("findings"), finding)),
+                                 recorded_here=True)
+        except NotReproduced as e:
+            self.status(f"finding {finding.id}: not minimized ({e})")
+            return None
+        if finding.attribution is not None:
+            small = explain_finding(self.session, small)
+        return small
+
+
+def _kept(witness: Finding, victim: str | None) -> str | None:
+    """``victim`` where the witness shows it diverging, else the witness's own choice."""
+    return victim if victim in {d.request_id for d in witness.divergences} else None
+
+
+def minimal(f: Finding) -> bool:
+    """Whether ``f``'s minimization ran to its end and was verified (a 1-minimal witness) and its
+    ablation of the key's mechanisms was not cut short."""
+    m, ex = f.minimization, f.explanation
+    if m is None or m.stopped is not None or not m.verified or ex is None:
+        return False
+    return not any(a.outcome == "skipped" for a in ex.ablations if a.mechanism in KEY_MECHANISMS)
