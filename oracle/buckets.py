@@ -14,6 +14,7 @@ intervention first.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Literal
@@ -103,7 +104,9 @@ def keys_of(finding: Finding) -> list[BucketKey]:
     if worst not in DIVERGENT_CLASSES:
         return []
     if worst == "engine-crash":
-        return [BucketKey(cls=worst, crash_kind=finding.crash.kind if finding.crash is not None else "died")]
+        crash = finding.crash
+        return [BucketKey(cls=worst, crash_kind=crash.kind if crash is not None else "died",
+                          crash_state=crash_state(crash.detail) if crash is not None else None)]
     divs = [d for d in finding.divergences if d.class_ == worst]
     keys = [BucketKey(cls=worst, explained_by=e) for e in sorted({d.explained_by for d in divs if d.explained_by})]
     open_ = [d for d in divs if not d.explained_by]
@@ -114,6 +117,15 @@ def keys_of(finding: Finding) -> list[BucketKey]:
         names.append(None)
     keys += [BucketKey(cls=worst, broke=n) for n in names]
     return keys
+
+
+def crash_state(detail: str) -> str | None:
+    """What a crash said (the exception and its message, after "raised"), its numbers and
+    addresses replaced: one cause's crashes differ in those, two causes' rarely in nothing else."""
+    text = detail.split(" raised ", 1)[-1].strip().splitlines()
+    if not text:
+        return None
+    return re.sub(r"0x[0-9a-fA-F]+|\d+", lambda m: "0x?" if m[0].startswith("0x") else "N", text[0])[:200] or None
 
 
 def same_key_victims(finding: Finding, cls: str, broke: str | None) -> list[Divergence]:
@@ -226,5 +238,5 @@ def split_by_release(bucket: Bucket, ranges: Mapping[str, ReleaseRange]) -> list
 
 
 __all__ = ["CHEAP_MECHANISMS", "INTERVENTIONS", "Decision", "Facts", "Intervention", "Join", "Open", "Run",
-           "confirmable", "decide", "describe", "keys_of", "live", "needs_text", "same_key_victims",
+           "confirmable", "crash_state", "decide", "describe", "keys_of", "live", "needs_text", "same_key_victims",
            "severity_order", "shape", "split_by_release", "verdicts_of", "victim_of", "words"]

@@ -97,13 +97,23 @@ def test_each_key_is_judged_on_its_own_victim():
     assert (rule.victim_of(f, row), rule.victim_of(f, token)) == ("A", "B")
 
 
-def test_an_engine_crash_is_keyed_by_its_kind():
+def test_an_engine_crash_is_keyed_by_its_kind_and_what_it_said():
     from kvfuzz.traces.provenance import CrashInfo
 
     f = _victims(("A", "engine-crash", None, None))
-    f.crash = CrashInfo(kind="hang", detail="x")
+    f.crash = CrashInfo(kind="died", detail="engine step 22 raised RuntimeError: selected index k out of range")
     (k,) = rule.keys_of(f)
-    assert (k.cls, k.crash_kind, rule.victim_of(f, k)) == ("engine-crash", "hang", None)
+    assert (k.cls, k.crash_kind, k.crash_state, rule.victim_of(f, k)) == (
+        "engine-crash", "died", "RuntimeError: selected index k out of range", None)
+    # Numbers and addresses vary between witnesses of one cause; the message does not.
+    f.crash = CrashInfo(kind="died", detail="engine step 7 raised RuntimeError: selected index k out of range")
+    assert rule.keys_of(f) == [k]
+    f.crash = CrashInfo(kind="died", detail="engine step 9 raised RuntimeError: max(): Expected reduction dim to "
+                                            "be specified for input.numel() == 0.")
+    (other,) = rule.keys_of(f)
+    assert other != k and other.base[:3] == k.base[:3]
+    assert rule.crash_state("engine step 3 raised IndexError: index 4096 is out of bounds at 0x7f3a") == \
+        "IndexError: index N is out of bounds at 0x?"
 
 
 # -- the policy ---------------------------------------------------------------------------------
@@ -198,6 +208,10 @@ def test_the_executor_allows_what_the_settings_switch_on_while_the_budget_lasts(
     assert Executor(None, None, TriageSettings(), b).allowed() == INTERVENTIONS  # type: ignore[arg-type]
     b.spent = 10.0
     assert ex.allowed() == frozenset()
+    # One is not started when what is left is less than what it took on average so far.
+    b.spent = 4.0
+    ex.costs = {"attribute": [4.0, 10.0]}
+    assert ex.allowed() == {"float32-control"}
 
 
 # -- what a campaign writes ----------------------------------------------------------------------

@@ -8,7 +8,8 @@ import pytest
 
 from kvfuzz.harness.toggles.builtin import LORA_CPU_MASK, LORA_NS
 from kvfuzz.traces import At, CancelEvent, GenPrompt, MinimizedFrom, SendEvent, Trace, load_finding, save
-from kvfuzz.triage.finish import finish_finding
+from kvfuzz.driver.recovery import Recovering
+from kvfuzz.triage.executor import Budget, Executor
 from kvfuzz.triage.minimize import Acceptance, Budget, Options, choose_target, minimize_finding
 
 pytestmark = pytest.mark.engine
@@ -125,11 +126,12 @@ def real_bug_trace(cfg):
 def test_real_cpu_lora_bug_minimizes_to_one_base_and_one_lora_request(session, lora_engine_config, tmp_path):
     found = session.check(real_bug_trace(lora_engine_config)).finding
     assert found is not None and found.worst_class() == "corruption"
-    # What `kvfuzz run` does with a finding: minimization, controls on the minimized witness,
-    # the original kept and linked.
-    small = finish_finding(session, found, out=tmp_path)
-    orig = load_finding(tmp_path / small.provenance.minimized_from.file)
-    assert orig.id == found.id and orig.provenance.minimized_to == small.id and orig.controls == []
+    # What `kvfuzz run` does with a finding that opens a bucket: its witness minimized, ablated
+    # and with its control arms, linked to the original (the campaign's finding file).
+    small = Executor(session, Recovering(session), budget=Budget(share=1.0)).witness(found, None)
+    assert small.provenance.minimized_from.id == found.id
+    assert small.provenance.minimized_from.file == f"findings/corruption-{found.id}.json" and found.controls == []
+    assert small.explanation is not None and "lora" in small.explanation.needs
     assert [(c.name, c.available, c.reproduced) for c in small.controls] == [
         ("serialized", True, False), ("batch-invariant", False, False)]
     m = small.minimization

@@ -89,6 +89,21 @@ def test_a_crash_becomes_a_finding_and_the_engine_recovers():
     assert guard.crashes == 2 and guard.restarts == 2
 
 
+def test_an_arm_that_crashes_in_a_re_run_restarts_the_engine():
+    """Attribution's re-run of another arm can crash the engine (recorded in its history, as in a
+    first run): the next trace must not run on it."""
+    s = FakeSession([False])
+    guard = Recovering(s)
+    first = guard.check(_trace())
+    env = Environment(kvfuzz_version="test", engine="server")
+    ok = History(trace_id="t", engine="server", arm="clean", requests={})
+    crashed = ok.model_copy(update={"arm": "without:x", "crashed": True})
+    for new, restarts in (([ok], 0), ([ok, crashed], 1)):
+        guard.rerun(first, lambda: Checked(Recording(trace=_trace(), histories=[*first.histories, *new],
+                                                     references={}, environment=env), [], None))
+        assert guard.restarts == restarts and s.engine.recovered == restarts
+
+
 def test_consecutive_crashes_stop_the_campaign():
     guard = Recovering(FakeSession([True] * 5), max_consecutive=3)
     guard.check(_trace())

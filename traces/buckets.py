@@ -55,6 +55,9 @@ class BucketKey(_Data):
     cls: str = Field(alias="class")
     explained_by: str | None = None
     crash_kind: str | None = None
+    # What the crash said, without what varies between witnesses of one cause (numbers,
+    # addresses): ClusterFuzz's crash state, from the recorded run.
+    crash_state: str | None = None
     # The first harmful post-condition of vLLM's bookkeeping broken on the victim's own state
     # (traces.history.BREAKS); None: none observed.
     broke: str | None = None
@@ -72,9 +75,9 @@ class BucketKey(_Data):
         return _drop(data, ("enforced",))
 
     @property
-    def base(self) -> tuple[str, str | None, str | None, str | None]:
+    def base(self) -> tuple[str, str | None, str | None, str | None, str | None]:
         """Everything but the confirmation: keys equal on it are related."""
-        return (self.cls, self.explained_by, self.crash_kind, self.broke)
+        return (self.cls, self.explained_by, self.crash_kind, self.crash_state, self.broke)
 
     @property
     def needs(self) -> list[str]:
@@ -91,7 +94,7 @@ class BucketKey(_Data):
 
     def label(self) -> str:
         if self.crash_kind:
-            return f"{self.cls}, {self.crash_kind}"
+            return f"{self.cls}, {self.crash_kind}" + (f": {self.crash_state}" if self.crash_state else "")
         what = f"explained by {self.explained_by}" if self.explained_by else "unexplained"
         if self.broke and not self.explained_by:
             what += f", broke {self.broke}"
@@ -100,7 +103,8 @@ class BucketKey(_Data):
         return f"{self.cls}, {what}"
 
     def digest(self) -> str:
-        body = "|".join([self.cls, self.explained_by or "-", self.crash_kind or "-", self.broke or "-",
+        body = "|".join([self.cls, self.explained_by or "-", self.crash_kind or "-", self.crash_state or "-",
+                         self.broke or "-",
                          ",".join(self.needs), "provisional" if self.provisional else ""])
         return hashlib.sha256(body.encode()).hexdigest()[:10]
 

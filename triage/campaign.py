@@ -27,6 +27,7 @@ from kvfuzz.traces.buckets import Bucket, BucketKey, BucketMembership, Triaged
 from kvfuzz.traces.finding import DIVERGENT_CLASSES
 from kvfuzz.traces.result import Checked
 
+from .attribution import explain_guarded
 from .executor import Budget, Executor, minimal
 
 
@@ -79,6 +80,7 @@ class CampaignTriage:
     clean_arm: list[str] | None = None
 
     def __post_init__(self) -> None:
+        self.budget.share = self.settings.share
         if self.settings.budget_s is not None and self.budget.end_after is None:
             self.budget.end_after = self.settings.budget_s
         self.executor = Executor(self.session, self.guard, self.settings, self.budget, self.status)
@@ -121,7 +123,7 @@ class CampaignTriage:
         diverged = {d.arm for d in f.divergences if d.class_ in DIVERGENT_CLASSES}
         attributed = crash or not self.settings.attribute or not plan(diverged, rec.arms, self.clean, inert)
         if attributed and not crash and self.settings.attribute:
-            checked = self.executor.attribute(checked, [])  # no re-run: the record tells
+            checked = explain_guarded(self.guard, checked)  # no re-run: the record tells
         t = FindingTriage(checked, attributed=attributed, class_settled=not self._near_tie_16(checked.finding))
         t.rekey()
         return t

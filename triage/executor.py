@@ -33,8 +33,7 @@ from .minimize import NotReproduced
 
 Clock = Callable[[], float]
 
-# Triage's share of a campaign's time, and its credit at the start.
-TRIAGE_SHARE = 0.2
+# Triage's credit at the start of a campaign (its share is TriageSettings.share, --triage-share).
 TRIAGE_FLOOR_S = 20.0
 # The confirmation's minimization replays (the ablation of the witness comes after them).
 CONFIRM_REPLAYS = 64
@@ -48,7 +47,7 @@ class Budget:
     """Seconds triage may still spend: ``floor + share x (time since start) - spent``, never
     past ``end_after`` seconds from the start (the campaign's --budget)."""
 
-    share: float = TRIAGE_SHARE
+    share: float = field(default_factory=lambda: TriageSettings().share)
     floor: float = TRIAGE_FLOOR_S
     end_after: float | None = None
     clock: Clock = time.monotonic
@@ -81,29 +80,39 @@ class Executor:
     settings: TriageSettings = field(default_factory=TriageSettings)
     budget: Budget = field(default_factory=Budget)
     status: Callable[[str], None] = lambda _m: None
+    # Seconds each kind of intervention took so far: one is not started when what is left of
+    # the budget is less than its mean (cut short, it would spend the budget for nothing).
+    costs: dict[str, list[float]] = field(default_factory=dict)
 
     def allowed(self) -> frozenset[str]:
-        """The interventions the settings switch on, while the budget lasts."""
+        """The interventions the settings switch on and the budget can pay for."""
         s = self.settings
-        if self.budget.left() <= 0:
-            return frozenset()
+        left = self.budget.left()
         on = {"attribute": s.attribute, "float32-control": s.controls, "confirm": s.minimize and s.ablate,
               "minimize": s.minimize}
-        return frozenset(k for k in INTERVENTIONS if on[k])
+        return frozenset(k for k in INTERVENTIONS
+                         if on[k] and left > 0 and left >= sum(self.costs.get(k, [0.0])) / len(self.costs.get(k, [0.0])))
+
+    @contextmanager
+    def _running(self, kind: str) -> Iterator[None]:
+        t0 = self.budget.spent
+        with self.budget.charged():
+            yield
+        self.costs.setdefault(kind, []).append(self.budget.spent - t0)
 
     def _seconds(self) -> float:
         return max(1.0, min(self.budget.left(), self.settings.minimize_seconds))
 
     def attribute(self, checked: Checked, first: Sequence[str]) -> Checked:
         """The arms that tell which toggle explains each divergence, re-run."""
-        with self.budget.charged():
+        with self._running("attribute"):
             return explain_guarded(self.guard, checked, first=first)
 
     def float32_control(self, finding: Finding) -> Finding:
         """A 16-bit near tie replayed in float32: corruption there is corruption."""
         self.status(f"finding {finding.id}: float32 control (a 16-bit near tie)")
         arm, toggles = primary_arm(finding)
-        with self.budget.charged():
+        with self._running("float32-control"):
             got = float32_control(self.session, finding, toggles=toggles,
                                   runs=max(1, sum(1 for h in finding.runs if h.arm == arm)))
         return escalate(finding.model_copy(update={"controls": [*finding.controls, got]}))
@@ -114,7 +123,7 @@ class Executor:
         None: its victim's signature did not reproduce."""
         self.status(f"finding {finding.id}: confirming (minimize, then ablate)")
         seconds = self._seconds()
-        with self.budget.charged():
+        with self._running("confirm"):
             t0 = time.monotonic()
             small = self._minimized(finding, victim, max_replays=CONFIRM_REPLAYS, max_seconds=MINIMIZE_PART * seconds)
             if small is None:
@@ -128,7 +137,7 @@ class Executor:
         control arms, as far as the budget reaches (unminimized when it does not reproduce)."""
         self.status(f"finding {finding.id}: minimizing a new bucket's witness")
         seconds = self._seconds()
-        with self.budget.charged():
+        with self._running("minimize"):
             t0 = time.monotonic()
             small = self._minimized(finding, victim, max_replays=None, max_seconds=MINIMIZE_PART * seconds)
             if small is None:

@@ -116,9 +116,13 @@ class Recovering:
         """``step``, a re-run of ``checked``'s trace (e.g. its toggle attribution), with the same
         crash handling: an engine that dies or hangs makes it an engine-crash finding."""
         try:
-            return step()
+            out = step()
         except InfraError as e:
             return self._crashed(checked.recording.trace, e, checked.recording.arms)
+        if any(h.crashed for h in out.histories[len(checked.histories):]):
+            # An arm of the re-run crashed (recorded, as in a first run): its state is suspect.
+            self._restart()
+        return out
 
     def _crashed(self, trace: Trace, error: InfraError, arms: dict[str, list[str]] | None) -> Checked:
         engine = self.session.engine

@@ -98,8 +98,10 @@ class TriageSettings(BaseModel):
     controls: bool = True
     ablate: bool = True
     minimize_seconds: float = 120.0
-    # The campaign's --budget: a new bucket's triage box is at most a share of it.
+    # The campaign's --budget: triage never runs past it.
     budget_s: float | None = None
+    # --triage-share: the share of the campaign's time triage may spend (triage/executor.py).
+    share: float = 0.2
 
 
 class CampaignSettings(BaseModel):

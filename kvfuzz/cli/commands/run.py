@@ -55,6 +55,9 @@ def run(
     minimize: Annotated[bool, typer.Option("--minimize/--no-minimize", help="Minimize each finding (the original "
                                                                              "is kept in OUT/originals).")] = True,
     minimize_seconds: Annotated[float, typer.Option(min=1, help="Time limit per minimization.")] = 120.0,
+    triage_share: Annotated[float, typer.Option(min=0.0, max=1.0, help="Share of the campaign's time triage may "
+                                                "spend on attribution, confirmations and witnesses (1: all it "
+                                                "needs); what it cannot reach is provisional.")] = 0.2,
     controls: Annotated[bool, typer.Option("--controls/--no-controls", help="Run control arms on findings.")] = True,
     engine_name: options.EngineOpt = "inprocess",
     server_arg: options.ServerArgOpt = None,
@@ -128,7 +131,8 @@ def run(
             "store": StoreSettings(out=out.resolve(), verify=verify_references, seed=seed) if reference_store else None}),
         arms=arm_specs.build_arms(with_=with_, without=without, arms=arms, device=device),
         triage=TriageSettings(runs_fixed=runs_fixed, attribute=attribute, minimize=minimize, controls=controls,
-                              ablate=explain_, minimize_seconds=minimize_seconds, budget_s=budget))
+                              ablate=explain_, minimize_seconds=minimize_seconds, budget_s=budget,
+                              share=triage_share))
     kind, arm_map = settings.session.kind, settings.arms
     dtype_r = check_dtype(dtype, device)
     overrides: dict[str, Any] = {}
@@ -244,7 +248,7 @@ def run(
     console.print(bounds.describe(), markup=False, highlight=False)
     console.print("arms: " + "; ".join(f"{a} = [{', '.join(ts) or 'no toggles'}]" for a, ts in arm_map.items()),
                   markup=False, highlight=False)
-    # The closing table speaks in buckets (display.summary): no row per finding (issue 30).
+    # The closing table speaks in buckets (display.summary): one row per bug, not per finding.
 
 
 
@@ -297,4 +301,4 @@ def _run_on_ray(address: str, opts: Any, spec: WorkerSpec, *, arm_map: dict[str,
     console.print(infos[0]["bounds"], markup=False, highlight=False)
     console.print("arms: " + "; ".join(f"{a} = [{', '.join(ts) or 'no toggles'}]" for a, ts in arm_map.items()),
                   markup=False, highlight=False)
-    # The closing table speaks in buckets (display.summary): no row per finding (issue 30).
+    # The closing table speaks in buckets (display.summary): one row per bug, not per finding.
