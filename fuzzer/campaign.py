@@ -73,16 +73,15 @@ class CampaignOptions:
     # In feedback mode, how each iteration picks fresh generation or a mutant: "bandit" (a
     # Thompson-sampling bandit on each source's novelty yield, fuzzer/sources.py) or "fixed"
     # (a fresh trace with probability p_fresh; while the corpus has fewer than
-    # ``explore_until`` entries, ``p_fresh_early``). Fixed 0.2 was the design until issue 6
-    # run 4 (2026-11-22; an earlier version of docs/benchmarks.md, git history): fresh traces were
-    # often the more productive source.
+    # ``explore_until`` entries, ``p_fresh_early``). The bandit is the default because fresh
+    # traces are often the more productive source, which a fixed 0.2 starves.
     sources: Literal["bandit", "fixed"] = "bandit"
     p_fresh: float = 0.2
     p_fresh_early: float = 0.5
     explore_until: int = 0
     # What a feedback mutant is: "graft" (a mutant of a corpus entry grafted into the fresh
-    # trace of this iteration, fuzzer/mutate.py ``mutate_into``) or "plain" (the mutant alone,
-    # the design until issue 6 run 5; docs/benchmarks.md).
+    # trace of this iteration, fuzzer/mutate.py ``mutate_into``) or "plain" (the mutant alone;
+    # docs/benchmarks.md).
     mutants: Literal["graft", "plain"] = "graft"
     # Allow operators that change the engine configuration (each change restarts the engine).
     allow_engine_changes: bool = False
@@ -140,7 +139,7 @@ class CampaignState:
     # One root cause, one bug bucket (oracle/buckets.py; not the coverage buckets): bucket id ->
     # its key, description, count, first trace, representative, findings (traces/buckets.py).
     bug_buckets: dict[str, Bucket] = field(default_factory=dict)
-    # Campaigns written before issue 30 listed findings recorded without a bucket here; no
+    # Campaigns written by an older kvfuzz listed findings recorded without a bucket here; no
     # finding is left without one now (triage/campaign.py assigns it), so it only ever shrinks.
     untriaged: list[str] = field(default_factory=list)
     # Campaigns on many workers (fuzzer/distributed.py): the window of the determinism rule,
@@ -187,7 +186,7 @@ class CampaignState:
     prompt_reuse: float = 0.0
 
     def __post_init__(self) -> None:
-        # campaign.json keeps buckets as JSON; campaigns before issue 30 in another shape.
+        # campaign.json keeps buckets as JSON; an older kvfuzz's campaigns in another shape.
         self.bug_buckets = {bid: b if isinstance(b, Bucket) else bucket_from_state(bid, b)
                             for bid, b in self.bug_buckets.items()}
 

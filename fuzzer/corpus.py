@@ -159,7 +159,7 @@ class Scheduler:
     def weight(self, item: Item, cov: Coverage) -> float:
         fresh = 2.0 if item.chosen == 0 else 1.0
         # log2 of the novel count: a campaign's first trace is "novel" in every bucket it
-        # reaches (21-24 in issue-6 run 3, against a median of 4 for later entries), so counted
+        # reaches (20-odd, against a median of 4 for later entries), so counted
         # linearly it kept 5x the weight of a typical entry long after others reached the same
         # buckets. Rarity says what an entry owns *now*.
         merit = (1.0 + math.log2(1.0 + item.novel)) * (1.0 + cov.rarity(item.buckets))

@@ -129,9 +129,9 @@ def read_pending(out: Path) -> dict[int, tuple[Trace, str]]:
 def default_window(workers: int) -> int:
     """``--window``'s default. At 2 x workers, one worker's triage of a few seconds (a known
     bucket's attribution, 8-11 s; a new bucket's box, 34 s) held the commit point while the
-    other ran out of traces: workers sat idle 8-28% of the time in 3-minute Ray campaigns (issue
-    30, 50bfb61: an earlier version of docs/benchmarks.md, git history), and 4 x workers halved
-    it. Trace ``i`` then sees the feedback of ``0 .. i - 4w``: older by a few traces, still deterministic."""
+    other ran out of traces: workers sat idle 8-28% of the time in 3-minute Ray campaigns, and
+    4 x workers halved it. Trace ``i`` then sees the feedback of ``0 .. i - 4w``: older by a few
+    traces, still deterministic."""
     return 4 * workers
 
 

@@ -50,7 +50,7 @@ def default_engine(*, lora: bool = False, kv_cache_bytes: int = 24 * 2**20, **ov
     ``kv_cache_bytes`` is the size in float32: a 16-bit ``dtype`` override gets the same tokens
     in half the bytes (EngineConfig.with_dtype), so KV pressure is the same in every dtype.
     Taken literally, 24 MiB held 48k bfloat16 tokens, and bfloat16 campaigns preempted in 1
-    trace of 57 against 1 in 9 in float32 (issue 30's Ray cells): preemption went untested."""
+    trace of 57 against 1 in 9 in float32: preemption went untested."""
     dtype = overrides.pop("dtype", None)
     cfg = EngineConfig(
         model=EMBEDDED_MODEL,
@@ -94,9 +94,9 @@ class GenOptions:
     p_race: float = 0.15
     p_salt: float = 0.3
     p_base: float = 0.25
-    # Prompt reuse (issue 29): each request of a fresh trace takes, with this probability, a
-    # prompt of the campaign's pool (``fuzzer/reuse.py``; seeded by ``pool_seed``), as real
-    # traffic repeats system prompts and documents. 0: the generator before issue 29.
+    # Prompt reuse: each request of a fresh trace takes, with this probability, a prompt of the
+    # campaign's pool (``fuzzer/reuse.py``; seeded by ``pool_seed``), as real traffic repeats
+    # system prompts and documents. 0: no reuse (every prompt drawn fresh).
     prompt_reuse: float = 0.0
     pool_seed: int = 0
     pool_size: int = 32

@@ -723,10 +723,9 @@ def mutate_into(base: Trace, parent: Trace, rng: random.Random, *, allow_engine_
     """A mutant of ``parent`` (a corpus entry) grafted into ``base`` (a fresh trace): the
     feedback campaign's default mutant. Why not the plain mutant: a fresh ``random-v2`` trace
     already carries the reported shapes, and a mutant that *replaces* it with a corpus entry
-    was the worse draw for three of four faults (issue 6 run 4, 2026-11-22: an earlier version of
-    docs/benchmarks.md, git history); grafting
-    the corpus entry's mutated part *into* the fresh trace keeps the generator's diversity and
-    adds the structure the campaign learned. Lineage: ``parent`` is the corpus entry,
+    was the worse draw for three of four faults measured; grafting the corpus entry's mutated
+    part *into* the fresh trace keeps the generator's diversity and adds the structure the
+    campaign learned. Lineage: ``parent`` is the corpus entry,
     ``operators`` the operators applied to it and then ``graft``, ``generator``/``seed`` the
     fresh trace it was grafted into."""
     donor = mutate(parent, rng, allow_engine_changes=allow_engine_changes, allowed=allowed, lifecycle=lifecycle)

@@ -1,4 +1,4 @@
-"""Prompt reuse (issue 29): a campaign's pool of prompts that fresh traces draw from.
+"""Prompt reuse: a campaign's pool of prompts that fresh traces draw from.
 
 Real traffic repeats system prompts and documents; a fuzzer that never repeats a prompt
 across traces computes a fresh reference for every request. The pool is a pure function of
@@ -14,7 +14,7 @@ and each of its requests then takes, two times in three, a pool prompt of that g
 already has), else keeps its own length and tail under the pool's prefix. A request without a
 prefix group takes a pool prompt whole with probability ``prompt_reuse``. A prompt longer than
 any of the pool's keeps its length (KV pressure: preemption bugs need it). The probability is
-chosen in docs/benchmarks.md ("Adaptive runs and the reference store (issues #18, #29)").
+chosen in docs/benchmarks.md ("Adaptive runs and the reference store").
 """
 
 from __future__ import annotations
@@ -27,9 +27,8 @@ from kvfuzz.traces import CancelEvent, EngineConfig, GenPrompt, SendEvent
 if TYPE_CHECKING:
     from .generate import GenOptions
 
-# `kvfuzz run` and `kvfuzz bench`'s default: off, by measurement (docs/benchmarks.md, issue 29: at 0.3 the hit
-# rate rose 32% -> 43% (2026-11-24; an earlier version of the file, git history) but traces got costlier and the
-# preemption fault took 25 traces instead of 13 on one seed).
+# `kvfuzz run` and `kvfuzz bench`'s default: off, by measurement (docs/benchmarks.md: at 0.3 the hit rate rose
+# 32% -> 43%, but traces got costlier and the preemption fault took 25 traces instead of 13 on one seed).
 DEFAULT_PROMPT_REUSE = 0.0
 # Prefix groups of the pool: entry j is in group j % GROUPS.
 GROUPS = 4

@@ -2,8 +2,8 @@
 (fuzzer/generate.py) and the mutation operators (fuzzer/mutate.py).
 
 Random traces reach the easy states; the reported bugs needed specific shapes, which plain
-random generation hits only a few times in a hundred traces (measured with random-v1, 2026-11-22,
-in an earlier version of docs/benchmarks.md, git history):
+random generation hits only a few times in a hundred traces (measured with the first, plain
+random generator):
 
 - ``interrupted_prefill``: a long prompt (chunked: longer than one step's token budget) is
   cancelled while its prefill is under way, then retried — or followed by a request sharing

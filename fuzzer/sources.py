@@ -2,10 +2,9 @@
 corpus entry — chosen by a discounted Thompson-sampling bandit on each source's novelty yield.
 
 Why a bandit: with the v2 generator producing the reported shapes directly, a fresh trace is
-sometimes the more productive source (issue 6 run 3, 2026-11-22, measured in an earlier version
-of docs/benchmarks.md (git history): 8 of feedback's 12 first findings came from its fixed 20 %
-of fresh traces), and sometimes mutants are (the
-preemption fault, deep states). A fixed split loses whichever way the campaign is going.
+sometimes the more productive source (in one measurement 8 of feedback's 12 first findings
+came from its fixed 20 % of fresh traces), and sometimes mutants are (the preemption fault,
+deep states). A fixed split loses whichever way the campaign is going.
 
 Each source keeps a discounted [reward, pulls] pair; every update multiplies both sources'
 pairs by ``discount`` first, so the posterior forgets old evidence (a source that stopped

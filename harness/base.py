@@ -61,13 +61,11 @@ class Engine(Protocol):
     def compatible(self, config: EngineConfig) -> bool: ...
 
     def replay(self, trace: Trace, *, arm: str = "default", run_index: int = 0,
-               toggles: Iterable[str] | None = None, repair: Iterable[str] = (),
-               until: Iterable[str] = (), settled: StopAtFlip | None = None) -> History:
-        """``trace`` once; ``repair``: worker post-conditions the run enforces (rules 5.19 and
-        5.20; only an engine whose worker kvfuzz steps can, the others raise ``BadInput``).
-        ``until``: the only requests the caller reads; an engine kvfuzz steps stops once each has
-        finished or, with ``settled``, reached its stop (nothing later can change what is read
-        of it); the others run the whole trace."""
+               toggles: Iterable[str] | None = None, until: Iterable[str] = (),
+               settled: StopAtFlip | None = None) -> History:
+        """``trace`` once. ``until``: the only requests the caller reads; an engine kvfuzz steps
+        stops once each has finished or, with ``settled``, reached its stop (nothing later can
+        change what is read of it); the others run the whole trace."""
         ...
 
     def run_alone(self, send: SendEvent, *, max_tokens: int | None = None,

@@ -50,7 +50,6 @@ from .blocks import BlockEdges
 from .postconditions import Monitor, worker_batch, worker_input_ids, worker_positions, worker_runner
 from .compat import check_inprocess, engine_arg_names, tolerate_kernel_scan
 from .embedded import ResolvedModel, prompt_embeddings, resolve_model
-from .enforce import Enforcer
 from .logs import quiet_stderr, read_tail, route_vllm_logs
 from .vllm_args import LOGPROBS_MODE, engine_args, greedy_logprobs, request_fields
 
@@ -163,8 +162,6 @@ class InProcessEngine:
         # Checks only inside a replay (the schedule hook also fires on clean-slate aborts and
         # teacher-forced scoring, whose steps no history records).
         self._monitor = Monitor(enabled=False)
-        # Post-conditions the current replay enforces (harness/enforce.py).
-        self._repair: tuple[str, ...] = ()
         self._reference_toggles: list[str] | None = None
         self.start_seconds: float | None = None
         # Since the last start or recovery, a replay ended in a hang it detected itself (every
@@ -225,8 +222,8 @@ class InProcessEngine:
     def _use_kv_agent(self) -> None:
         """vLLM keeps the worker's KV connector in a process-wide global: with several engines
         in one process (the engine pool), each must step with its own (or none). Without this a
-        default engine stepped after a hybrid engine with the kvfuzz-store connector failed with
-        an AssertionError at step 0 (CI, 2026-11-23)."""
+        default engine stepped after a hybrid engine with the kvfuzz-store connector fails with
+        an AssertionError at step 0."""
         _set_kv_agent(getattr(self, "_kv_agent", None))
 
     def reference_engine(self) -> "InProcessEngine":
@@ -287,8 +284,9 @@ class InProcessEngine:
         """After a hang the replay detected itself (stalled steps, the step budget, the trace
         deadline: every step returned and the unfinished requests were aborted), the engine is
         kept when a clean slate leaves no request and no block held: each hang otherwise costs
-        a close and a start (issue 30: fault AF hung 36 of 39 traces, 4 s each). After a step
-        that raised, or with anything still held, it is closed and started anew (False)."""
+        a close and a start (seconds each, on every trace of a bug that hangs most of them).
+        After a step that raised, or with anything still held, it is closed and started anew
+        (False)."""
         hung, died = self._hung, self._died
         self._hung = self._died = False
         if not hung or died or self._llm is None:
@@ -396,28 +394,6 @@ class InProcessEngine:
         runner = worker_runner(self._core())
         if runner is not None and callable(getattr(type(runner), "_prepare_inputs", None)):
             runner._prepare_inputs = _observed(runner, "_prepare_inputs", self._sampled_rows)
-        # A replay that enforces post-conditions (rule 5.19) hands the model the values they
-        # expect, right before the forward pass (after every fault and toggle had its say).
-        if runner is not None and callable(getattr(type(runner), "_model_forward", None)):
-            forward = type(runner)._model_forward
-            core = self._core()
-
-            def model_forward(*args: Any, **kwargs: Any) -> Any:
-                if self._repair:
-                    Enforcer(self._monitor).inputs(worker_batch(core), kwargs.get("input_ids"),
-                                                   kwargs.get("positions"), self._repair)
-                return forward(runner, *args, **kwargs)
-
-            runner._model_forward = model_forward
-        # ... and the adapter each row runs through (``worker-adapter``), right before the runner
-        # builds the step's LoRA inputs from the rows.
-        if runner is not None and callable(getattr(type(runner), "set_active_loras", None)):
-            def set_active_loras(input_batch: Any, *args: Any, **kwargs: Any) -> Any:
-                if "worker-adapter" in self._repair:
-                    Enforcer(self._monitor).adapters(input_batch)
-                return type(runner).set_active_loras(runner, input_batch, *args, **kwargs)
-
-            runner.set_active_loras = set_active_loras
 
     def _sampled_rows(self, prepared: Any) -> None:
         # vLLM 0.32: (logits_indices, spec_decode_metadata, ...); one row a request only without
@@ -507,8 +483,8 @@ class InProcessEngine:
             if batch is not None:
                 batch.block_table.clear()
                 # Nor may a row's old token ids: a request added back to a row reads them where
-                # its own are not copied (fault AL), and a replay of the same trace then found
-                # its own tokens there and ran right (issue 30: rule 5.19's replay of AL + AI).
+                # its own are not copied, and a replay of the same trace would find its own
+                # tokens there and run right, hiding the bug.
                 tokens = getattr(batch, "token_ids_cpu", None)
                 if tokens is not None:
                     tokens.fill(0)
@@ -532,19 +508,15 @@ class InProcessEngine:
         run_index: int = 0,
         toggles: Iterable[str] | None = None,
         max_steps: int | None = None,
-        repair: Iterable[str] = (),
         until: Iterable[str] = (),
         settled: StopAtFlip | None = None,
     ) -> History:
-        """Run ``trace`` once from a clean slate and record its history. ``repair``: worker
-        post-conditions (``REPAIRABLE``) this run enforces: the model is handed the positions or
-        token ids they expect, each row runs through its request's adapter (rules 5.19 and 5.20:
-        triage's checks of a second cause and of a name's cause). ``until``: when given, the run
-        stops (the rest aborted) once these requests have all finished or been cancelled: later
-        steps cannot change them (a request's harmful breaks are on its own reads, while it runs),
-        and a victim's replay need not pay for the trace's tail (rule 5.24). ``settled``: a request
-        of ``until`` still running counts as done once it says so (rule 5.25: its verdict is
-        already corruption); it is aborted with the rest."""
+        """Run ``trace`` once from a clean slate and record its history. ``until``: when given,
+        the run stops (the rest aborted) once these requests have all finished or been cancelled:
+        later steps cannot change them (a request's harmful breaks are on its own reads, while it
+        runs), and a victim's replay need not pay for the trace's tail. ``settled``: a request of
+        ``until`` still running counts as done once it says so (its verdict is already
+        corruption); it is aborted with the rest."""
         if self._llm is None:
             self.start()
         self._use_kv_agent()
@@ -552,13 +524,9 @@ class InProcessEngine:
             raise BadInput("trace engine configuration differs from the running engine's", field="engine")
         names = list(trace.engine.toggles if toggles is None else toggles)
         self.clean_slate()
-        self._repair = tuple(repair)
-        try:
-            with toggle_registry.activate(names):
-                return self._replay(trace, arm=arm, run_index=run_index, toggles=names, max_steps=max_steps,
-                                    until=frozenset(until), settled=settled)
-        finally:
-            self._repair = ()
+        with toggle_registry.activate(names):
+            return self._replay(trace, arm=arm, run_index=run_index, toggles=names, max_steps=max_steps,
+                                until=frozenset(until), settled=settled)
 
     def _replay(self, trace: Trace, *, arm: str, run_index: int, toggles: list[str],
                 max_steps: int | None, until: frozenset[str] = frozenset(),
@@ -1059,9 +1027,9 @@ _POOL_USERS = 0
 # Engines a campaign (or a Ray worker) keeps alive for triage: its own configuration, and one per
 # ablation that restarts the engine (prefix caching, chunked prefill, KV pressure, LoRA off,
 # adapter slots, float32) plus the references' and controls' configurations. Six thrashed on a
-# LoRA campaign in bfloat16 (fault AM, issue 30: 19 engine starts in 3 minutes, the same
-# configurations started up to three times, 32 s of 180). With ten, that campaign's whole
-# process peaked at 2.1 GB (docs/benchmarks.md).
+# LoRA campaign in bfloat16 (19 engine starts in 3 minutes, the same configurations started up
+# to three times, 32 s of 180). With ten, that campaign's whole process peaked at 2.1 GB
+# (docs/benchmarks.md).
 CAMPAIGN_POOL_SIZE = 10
 
 
@@ -1096,7 +1064,7 @@ _LIVE: "weakref.WeakSet[InProcessEngine]" = weakref.WeakSet()
 def _keep_dist_state(others_alive: bool):
     """vLLM's EngineCore.shutdown tears down the process-wide distributed state (model-parallel
     groups) it assumes it owns; with other engines alive in the process their next step fails
-    ("pipeline model parallel group is not initialized", CI 2026-11-23). While others are
+    ("pipeline model parallel group is not initialized"). While others are
     alive, that teardown is skipped; the last engine closed still does it."""
     if not others_alive:
         yield

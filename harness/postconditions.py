@@ -1,5 +1,5 @@
 """vLLM's KV bookkeeping, checked every engine step (in-process harness): which post-condition
-broke, and on what (issue 30, bucket rule 5; docs/oracle.md "Broken post-conditions").
+broke, and on what (docs/oracle.md "Broken post-conditions").
 
 An ablation says which engine mechanism a witness needs; that depends on the witness's schedule
 (removing chunked prefill can make two requests finish in the same step, and then nothing is
@@ -56,7 +56,7 @@ compares vLLM's own records with each other, the way vLLM's invariants say they 
   position (the runner's ``input_ids`` against the scheduler's ``Request.all_token_ids``): a
   row whose token ids were not refreshed (a request added back after a preemption, a moved row
   copied short) feeds the model another request's token, and its KV is computed from it. That
-  breaks ``worker-token`` on the request (rule 5.18; not checked with prompt embeddings, nor
+  breaks ``worker-token`` on the request (not checked with prompt embeddings, nor
   for a request with speculative tokens scheduled);
 - each request's next token is sampled from the hidden state of its own last scheduled token
   (the runner's ``logits_indices``; the harness reports them via ``sampled``): a runner whose
@@ -75,7 +75,7 @@ compares vLLM's own records with each other, the way vLLM's invariants say they 
   adapter or slot), the KV it computes from that step on is wrong past the first layer, and the blocks it
   writes carry that break. Another request that holds one while it keeps its hash (a retry's
   prefix hit) reads it, and breaks ``held-block-derived``, rooted in the writer's first break
-  (rule 5.17: fault AD's retries had reached its damage that way, breaking nothing). A wrong
+  (without this check such a reader reaches the writer's damage and breaks nothing). A wrong
   sampled row derives nothing: the KV after it is right for the tokens it follows.
 
 Each break is recorded once (per block for the map; per request and name otherwise) into the
@@ -178,13 +178,12 @@ class Monitor:
         self._windows: dict[int, int | None] = {}
         self._held_ids: Counter[int] = Counter()
         self._adapters: dict[str, int] = {}  # request scheduled this step -> its LoRA id (0: none)
-        self._lora_requests: dict[str, Any] = {}  # ... -> its LoRARequest (None: none), to enforce it
         self._requests: dict[str, Any] = {}  # ... -> the scheduler's Request (its sampling state)
         self._sampling_off = False  # the sampling-state check alone found another layout
         self._kernel: list[np.ndarray] = []  # the step's kernels' sequence lengths, per row
         self._sampled: np.ndarray | None = None  # the step's sampled hidden-state row, per request
         # Request (trace id) -> its first break after which its KV is wrong, and the step's
-        # written slots per request (rule 5.17: its blocks carry that break).
+        # written slots per request (its blocks carry that break).
         self._derives: dict[str, Break] = {}
         self._step_slots: dict[str, list[tuple[np.ndarray, int]]] = {}
 
@@ -298,9 +297,9 @@ class Monitor:
             toks = scheduler.requests[rid].all_token_ids[start:start + n]
             if len(toks) == n:  # not with speculative tokens scheduled beyond them
                 self._want_tokens[rid] = np.asarray(toks, dtype=np.int64)
-        self._lora_requests = {rid: getattr(scheduler.requests[rid], "lora_request", None) for rid in self._spans}
         self._requests = {rid: scheduler.requests[rid] for rid in self._spans}
-        self._adapters = {rid: int(getattr(lora, "lora_int_id", 0) or 0) for rid, lora in self._lora_requests.items()}
+        self._adapters = {rid: int(getattr(getattr(req, "lora_request", None), "lora_int_id", 0) or 0)
+                          for rid, req in self._requests.items()}
         mgr = scheduler.kv_cache_manager
         pool, managers = mgr.block_pool, mgr.coordinator.single_type_managers
         if not self._windows:
@@ -462,7 +461,7 @@ class Monitor:
         self._once(step, t.name, reader, block, detail, root=t.root)
 
     def _derive(self, step: int, ext: Callable[[str], str]) -> None:
-        """Rule 5.17: the blocks a request wrote this step, once a break says its KV is wrong,
+        """The blocks a request wrote this step, once a break says its KV is wrong,
         carry that break for a later holder (``_check_taints``)."""
         if not self._derives:
             return
@@ -544,23 +543,6 @@ class Monitor:
                 self._once(step, "worker-token", ext(rid), -1,
                            f"row {row}: the model is handed token {int(got[i])} at position {start + i}; the "
                            f"request's token there is {int(want[i])}")
-
-    # -- what a row should hold this step (read by the Enforcer) ----------------------------------
-    def row_spans(self, batch: Any) -> list[tuple[str, int, int, int]]:
-        """This step's rows: (request, its first position, its first token's offset in the
-        step's per-token buffers, its scheduled tokens); empty when the batch is not this step's
-        or the monitor is off."""
-        ids = None if self.disabled else self._step_ids(batch)
-        return [] if ids is None else [(rid, start, off, n) for _, rid, start, off, n in self._row_spans(ids)]
-
-    def own_tokens(self, rid: str) -> np.ndarray | None:
-        """The request's own token ids at the positions scheduled this step."""
-        return self._want_tokens.get(rid)
-
-    def own_adapter(self, rid: str) -> tuple[int, Any] | None:
-        """The request's LoRA id (0: none) and LoRARequest, if it was scheduled this step."""
-        want = self._adapters.get(rid)
-        return None if want is None else (want, self._lora_requests.get(rid))
 
     def _check_sampled(self, step: int, batch: Any, ext: Callable[[str], str]) -> None:
         """Each request's next token is sampled from its own last scheduled token's hidden

@@ -50,7 +50,7 @@ def port_free(port: int, host: str = HOST) -> bool:
 def dying(pid: int) -> str | None:
     """Why the kernel is tearing ``pid`` down, or None: SIGKILL pending, or the leader already in
     do_exit() or a zombie. waitpid() reports such a process only once its last thread has
-    exited, which under load took over 10 s after a SIGKILL (CI at c636103): it is dead to us
+    exited, which under load has taken over 10 s after a SIGKILL (on CI): it is dead to us
     from the kill on, not hung. Linux /proc; elsewhere (no /proc) None."""
     try:
         status = Path(f"/proc/{pid}/status").read_text()

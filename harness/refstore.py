@@ -1,4 +1,4 @@
-"""The reference store's disk tiers (issue 29; docs/oracle.md "Reference store").
+"""The reference store's disk tiers (docs/oracle.md "Reference store").
 
 A reference (one request alone on a clean cache, greedy) is a pure function of what
 determines that solo run, so it is computed once and kept: in memory (harness/runner.py
@@ -117,8 +117,9 @@ class Namespace:
     device: str
     engine: str
     # The user's own vLLM patches (KVFUZZ_PLUGIN_MODULES) in the engine's process: a patched
-    # engine's references never serve an unpatched one, nor the reverse (issue 30: the same
-    # mistake in the calibration cache judged corruption as float32 noise). "" = none.
+    # engine's references never serve an unpatched one, nor the reverse: a reference that
+    # carries a patch's damage hides it in the run, or passes for a bug beside a clean one.
+    # "" = none.
     patches: str = ""
 
     @property

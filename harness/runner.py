@@ -37,8 +37,8 @@ class ReferenceStore:
         self.computed = 0
         self.hits = 0
         self.evicted = 0
-        # Disk tiers behind the memo (harness/refstore.py; None: the memo alone, the behaviour
-        # before issue 29 and ``--no-reference-store``'s).
+        # Disk tiers behind the memo (harness/refstore.py; None: the memo alone,
+        # ``--no-reference-store``'s).
         self.tiers = tiers
         # The share of hits computed again and compared (``--verify-references``).
         self.verify = verify

@@ -302,9 +302,9 @@ class ServerEngine(HttpEngineBase):
             raise
 
     def replay(self, trace: Trace, *, arm: str = "default", run_index: int = 0,
-               toggles: Iterable[str] | None = None, repair: Iterable[str] = (),
-               until: Iterable[str] = (), settled: StopAtFlip | None = None) -> History:
-        self._refuse_repair(repair)  # ``until``, ``settled``: a wall-clock server runs the whole trace
+               toggles: Iterable[str] | None = None, until: Iterable[str] = (),
+               settled: StopAtFlip | None = None) -> History:
+        # ``until``, ``settled``: a wall-clock server runs the whole trace.
         if not self.compatible(trace.engine):
             raise BadInput("trace engine configuration differs from the running server's", field="engine")
         names = list(trace.engine.toggles if toggles is None else toggles)

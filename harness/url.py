@@ -158,9 +158,9 @@ class UrlEngine(HttpEngineBase):
             raise Unreachable(f"{self.shown_url} stopped answering during {what}: {errors[0]}")
 
     def replay(self, trace: Trace, *, arm: str = "default", run_index: int = 0,
-               toggles: Iterable[str] | None = None, repair: Iterable[str] = (),
-               until: Iterable[str] = (), settled: StopAtFlip | None = None) -> History:
-        self._refuse_repair(repair)  # ``until``, ``settled``: a wall-clock server runs the whole trace
+               toggles: Iterable[str] | None = None, until: Iterable[str] = (),
+               settled: StopAtFlip | None = None) -> History:
+        # ``until``, ``settled``: a wall-clock server runs the whole trace.
         self.start()
         names = list(trace.engine.toggles if toggles is None else toggles)
         if names:

@@ -78,9 +78,8 @@ def singles_needed(verdicts: Iterable[Divergence], arms: Mapping[str, list[str]]
     clean arm's verdicts: only for a divergence, in an arm with several candidates, of a
     request that is fine in the clean arm (one that also diverges there is unexplained
     whatever the single arms show). Running clean first and the single arms only when this
-    holds gives the same attributions for fewer runs (issue 30: a new unexplained bucket's
-    re-attribution ran three LoRA-fix arms on a trace without adapters, 139 s of a 3-minute
-    campaign).
+    holds gives the same attributions for fewer runs (running them all can spend minutes of a
+    short campaign on LoRA-fix arms for a trace without adapters).
     A divergence that a single-toggle arm already run reproduces needs no more of them: it is
     explained by that toggle (a campaign runs the single arms of its buckets' explanations
     first; triage/attribution.py)."""

@@ -17,7 +17,7 @@ from kvfuzz.traces.finding import DIVERGENT_CLASSES, SEVERITY
 
 from .diff import Comparison, compare, early_stop_comparison, margin_at, prompt_drifts, teacher_drifts
 from .noise import NoiseBounds, default_bounds
-from .postconditions import later, origin
+from .postconditions import origin
 from .stats import wilson
 
 ENGINE = "<engine>"  # pseudo request id for an engine crash that hit no live request
@@ -187,7 +187,6 @@ class _Acc:
     verdicts: list[RunVerdict] = field(default_factory=list)
     sequences: list[tuple[int, ...]] = field(default_factory=list)
     broke: str | None = None
-    later: str | None = None
 
 
 def check(trace: Trace, histories: list[History], references: dict[str, RequestRecord],
@@ -213,12 +212,10 @@ def check(trace: Trace, histories: list[History], references: dict[str, RequestR
                 touched |= v.cls == "engine-crash"
                 acc.verdicts.append(v)
                 if acc.broke is None and v.cls in DIVERGENT_CLASSES:
-                    # The run's own state first; else the reference's (rule 5.3: a fault that
-                    # fires when the request runs alone corrupts the reference instead).
+                    # The run's own state first; else the reference's (a bug that fires when
+                    # the request runs alone corrupts the reference instead).
                     own = origin(h.breaks, rid)
                     acc.broke = own or (origin(ref.breaks, acc.send.request_id) if ref is not None else None)
-                    if own is not None:  # rule 5.19: a later break of the run's own
-                        acc.later = later(h.breaks, rid)
                 if rec is not None and not rec.cancelled and v.cls != "engine-crash":
                     acc.sequences.append(tuple(rec.token_ids))
             if h.crashed and not touched:
@@ -262,7 +259,7 @@ def _aggregate(rid: str, arm: str, acc: _Acc, ref: RequestRecord | None) -> Dive
         runs=len(vs), margin=margin, drift=drift, run_margin=run_margin, teacher_drift=max(teachers, default=None),
         teacher_over=max(overs, default=None), evidence=evidence,
         variants=max(1, len(set(acc.sequences))), rate_low=lo, rate_high=hi, detail=detail,
-        broke=acc.broke, later=acc.later,
+        broke=acc.broke,
     )
 
 

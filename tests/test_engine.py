@@ -209,8 +209,8 @@ def test_lora_slots_do_not_leak_between_traces(session, lora_engine_config):
 
 def test_no_token_id_of_a_run_is_left_in_the_persistent_batch(session, lora_engine_config):
     """A row's old token ids must not carry into the next run: a request added back to a row
-    reads them where its own are not copied (fault AL), and a replay of the same trace then ran
-    right on its own tokens (rule 5.19's replay of AL + AI said "one cause")."""
+    reads them where its own are not copied (fault AL), so a replay's tokens would depend on the
+    run before it."""
     from kvfuzz.harness.postconditions import worker_batch
 
     cfg = lora_engine_config

@@ -691,3 +691,24 @@ def test_one_table_says_what_each_break_can_harm():
     assert HARMFUL[:4] == ("worker-row", "worker-adapter", "worker-slot", "worker-seq-len")
     assert set(SELF_ONLY_BREAKS) == {"worker-seq-len", "worker-sample-row", "worker-sampling"}
     assert "held-block-undercounted" not in HARMFUL and "map-entry-stolen" not in HARMFUL
+
+
+def test_a_finding_written_with_a_divergence_s_later_break_and_repair_still_loads():
+    """Findings of an older kvfuzz kept, on a divergence, its later break and the replay that
+    enforced its first one: both are read and dropped; any other unknown field is refused."""
+    import json
+
+    import pytest
+    from pydantic import ValidationError
+
+    from kvfuzz.traces import Divergence, parse_finding
+
+    f = unexplained()
+    data = json.loads(f.model_dump_json(by_alias=True))
+    data["divergences"][0].update({"broke": "worker-token", "later": "worker-position",
+                                   "repair": {"name": "worker-token", "outcome": "persists",
+                                              "broke": "worker-position", "victim_class": "corruption"}})
+    got = parse_finding(data).divergences[0]
+    assert got.broke == "worker-token" and "later" not in got.model_dump() and "repair" not in got.model_dump()
+    with pytest.raises(ValidationError):
+        Divergence.model_validate({**data["divergences"][0], "unknown": 1})

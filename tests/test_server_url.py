@@ -81,16 +81,3 @@ def test_reference_isolation_without_reset(fake):
         assert run_salts == {None} and ref_salt is None
         assert "could not be reset" in eng.reference_note and "may reuse KV" in eng.reference_note
     assert eng.environment().engine_flags["server"]["reference_isolation"] == eng.reference_isolation
-
-
-def test_a_server_refuses_to_enforce_post_conditions(fake):
-    """Rules 5.19 and 5.20 enforce checks inside the worker's step: out of a server's reach, so
-    the replay says so (one line naming the field) before sending anything."""
-    from kvfuzz.traces.errors import BadInput
-
-    eng = UrlEngine(EngineConfig(), fake.url)
-    trace = Trace(engine=EngineConfig(), events=[SendEvent(request_id="r0", at=At(step=0), max_tokens=2,
-                                                           prompt=GenPrompt(length=4, seed=1))])
-    with pytest.raises(BadInput, match="in-process engine") as e:
-        eng.replay(trace, repair=["worker-token"])
-    assert e.value.field == "engine" and fake.bodies == []

@@ -14,7 +14,6 @@ from .finding import (
     Explanation,
     Finding,
     Minimization,
-    Repair,
     VersionResult,
 )
 from .history import EventRecord, History, RequestRecord, Scoring, StepRecord
@@ -76,7 +75,7 @@ __all__ = [
     "LineageLink", "MinimizedFrom", "Provenance", "ReplayOf", "WorkerDeath", "BadInput", "BisectRecord", "CancelEvent", "ControlResult", "DIVERGENT_CLASSES", "Divergence",
     "EMBEDDED_HYBRID", "EMBEDDED_MODEL", "EngineConfig", "Environment", "Expectation", "Explanation", "EventRecord",
     "Finding", "GenPrompt",
-    "History", "InfraError", "KvfuzzError", "Lineage", "LoraSettings", "Minimization", "Repair",
+    "History", "InfraError", "KvfuzzError", "Lineage", "LoraSettings", "Minimization",
     "PromptEmbeds", "RequestRecord", "SCHEMA_VERSION", "Sampling", "Scoring", "SendEvent", "Speculative", "StepRecord", "TokenPrompt", "Trace", "VersionResult",
     "atomic_write_text", "expand", "json_schemas", "load_any", "load_finding", "load_trace",
     "parse_finding", "parse_trace", "save", "sweep_partial_writes",

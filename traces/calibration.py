@@ -134,7 +134,7 @@ def find_profile(key: NoiseKey, directory: Path | None = None) -> CalibrationPro
     return profile if profile.key == key else None
 
 
-# `kvfuzz run` calibrates before it fuzzes within this budget (issue 17: <= 60 s on the
+# `kvfuzz run` calibrates before it fuzzes within this budget (at most a minute on the
 # embedded default on CPU); the first contexts are the ones that move numerics most.
 DEFAULT_BUDGET_S = 60.0
 # `kvfuzz calibrate` measures every context by default (a few minutes on 2 CPU cores).

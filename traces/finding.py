@@ -15,11 +15,11 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .buckets import AblationOutcome, BucketMembership, memberships_from_notes
 
-from .history import BreakName, History, RequestRecord, Scoring
+from .history import History, RequestRecord, Scoring
 from .provenance import Attribution, BoundsUsed, CrashInfo, Provenance, migrate_notes
 from .trace import Trace
 
-# Version 3 (issue #31): crash, provenance, bounds, attribution and reproduced_in are typed
+# Version 3: crash, provenance, bounds, attribution and reproduced_in are typed
 # fields; versions 1 and 2 kept them in ``notes`` and are migrated on load.
 FINDING_SCHEMA_VERSION: Final = 3
 FINDING_SCHEMA_VERSIONS = (1, 2, 3)
@@ -38,6 +38,13 @@ class _Data(BaseModel):
     model_config = ConfigDict(extra="forbid", ser_json_inf_nan="constants", populate_by_name=True)
 
 
+def _drop(data: Any, names: Iterable[str]) -> Any:
+    """Fields written by findings of an older kvfuzz that nothing reads any more: ignored."""
+    if isinstance(data, dict) and any(n in data for n in names):
+        return {k: v for k, v in data.items() if k not in names}
+    return data
+
+
 class Environment(_Data):
     kvfuzz_version: str
     vllm_version: str | None = None
@@ -50,19 +57,6 @@ class Environment(_Data):
     model_hash: str | None = None
     toggles: list[str] = Field(default_factory=list)
     engine_flags: dict[str, Any] = Field(default_factory=dict)
-
-
-class Repair(_Data):
-    """Rule 5.19: the finding replayed once with the post-condition its victim broke first
-    enforced (the harness hands the model the values that check expects; harness/postconditions.py
-    ``harness.enforce.Enforcer``), judged on the victim. It persists: another cause is left, named by the
-    victim's first harmful break in that replay."""
-
-    name: BreakName
-    outcome: Literal["persists", "disappears", "failed"]
-    broke: BreakName | None = None
-    victim_class: str | None = None
-    detail: str | None = None
 
 
 class Divergence(_Data):
@@ -95,26 +89,17 @@ class Divergence(_Data):
     # Wilson 95% interval of the divergence rate runs_diverged / runs.
     rate_low: float | None = None
     rate_high: float | None = None
-    # Toggle that explains it (issue #4 attribution); None = unexplained.
+    # Toggle that explains it (toggle attribution); None = unexplained.
     explained_by: str | None = None
     detail: str | None = None
     # The first of vLLM's post-conditions broken on this request's own state in a diverged run
     # (oracle/postconditions.py; in-process runs only): evidence of the cause, in the bucket key.
     broke: str | None = None
-    # Rule 5.19: a harmful break of another name on this request's own state at a later step
-    # than ``broke`` (one the harness can enforce): a second cause if enforcing ``broke`` leaves
-    # the divergence (``repair``, triage's one replay).
-    later: str | None = None
-    repair: Repair | None = None
 
-    @property
-    def second_cause(self) -> str | None:
-        """Rule 5.19: the name of the second cause triage found on this victim (its named break
-        enforced, it still diverged and broke that one), or None."""
-        r = self.repair
-        if r is None or r.outcome != "persists" or r.broke is None or r.broke == self.broke:
-            return None
-        return r.broke
+    @model_validator(mode="before")
+    @classmethod
+    def _legacy(cls, data: Any) -> Any:
+        return _drop(data, ("later", "repair"))
 
 
 class ControlResult(_Data):
@@ -125,7 +110,7 @@ class ControlResult(_Data):
     available: bool = True
     detail: str | None = None
     divergences: list[Divergence] = Field(default_factory=list)
-    # Added by issue 5: every request's verdict in the control (ok ones too), the runs and
+    # Every request's verdict in the control (ok ones too), the runs and
     # the toggles it ran with, and the trace it replayed (e.g. the serialized schedule).
     verdicts: list[Divergence] = Field(default_factory=list)
     runs: int = 0
@@ -139,7 +124,7 @@ class Minimization(_Data):
     requests: int = 0
     replays: int = 0
     signature: str | None = None
-    # Added by issue 5 (oracle/minimize.py): what was kept and how it was judged.
+    # What was kept and how it was judged (triage/minimize.py).
     original_events: int = 0
     events: int = 0
     arm: str | None = None
@@ -311,7 +296,7 @@ class Finding(_Data):
     def _migrate(cls, data: Any) -> Any:
         if isinstance(data, dict) and data.get("schema_version") != FINDING_SCHEMA_VERSION:
             data = {**migrate_notes(data), "schema_version": FINDING_SCHEMA_VERSION}
-        # Findings written before issue 30 kept their buckets in notes["buckets"].
+        # Findings of an older kvfuzz kept their buckets in notes["buckets"].
         if isinstance(data, dict) and not data.get("buckets") and isinstance(data.get("notes"), dict) \
                 and isinstance(data["notes"].get("buckets"), list):
             notes = dict(data["notes"])
@@ -326,13 +311,6 @@ class Finding(_Data):
                 setattr(self, name, getattr(other, name))
         self.provenance = self.provenance.under(other.provenance)
         self.notes = {**{k: v for k, v in other.notes.items() if k not in drop_notes}, **self.notes}
-        # Rule 5.19's replay, where this judgement still shows what it was made for: the same
-        # victim named by the same break, with a later break.
-        repairs = {(d.request_id, d.arm): d.repair for d in other.divergences if d.repair is not None}
-        for d in self.divergences:
-            r = repairs.get((d.request_id, d.arm))
-            if r is not None and d.repair is None and d.broke == r.name and d.later is not None:
-                d.repair = r
 
     def signature(self) -> str:
         """What makes two findings 'the same bug' for dedup and minimization:

@@ -137,7 +137,7 @@ class RequestRecord(_Data):
     num_preemptions: int = 0
     # A reference run (the request alone, ``run_alone``): the post-condition breaks on its own
     # state. A fault that fires when the request runs alone corrupts the reference, not the
-    # run under test, and the divergence is still that break's (rule 5.3, docs/oracle.md).
+    # run under test, and the divergence is still that break's (docs/oracle.md).
     # Runs of a trace keep theirs in ``History.breaks``.
     breaks: list[Break] = Field(default_factory=list)
 
@@ -240,7 +240,7 @@ class StepRecord(_Data):
 #   the request's own (allowed-token mask, bias, bad words, min_tokens, penalties and the output
 #   tokens they count, temperature, top-k, generator): it chooses by another's rules, on right KV;
 # - held-block-derived: a request holds a block whose KV another request computed after that
-#   request's own harmful break (rule 5.17: past the first layer, KV computed from a wrong read
+#   request's own harmful break (past the first layer, KV computed from a wrong read
 #   is wrong too), e.g. a retry's prefix hit; its ``root`` is the writer's first break.
 # The map entries and the count are latent (no request reads wrong KV yet); the other thirteen are
 # harmful, and a foreign, repeated or unwritten block carries its block's latent break as

@@ -29,7 +29,7 @@ class Judged:
     when its tokens all equal the reference's ("ok"), the largest drift of its tokens' logprobs
     from the reference's (nats) against the noise bound for that drift. ``drifted``: no token
     flipped, yet the logprobs moved further than batch-order noise ever moves them — the KV
-    the victim read was still wrong (issue 30: fault W on Ray)."""
+    the victim read was still wrong."""
 
     cls: str
     drift: float | None = None

@@ -1,4 +1,4 @@
-"""Where a campaign's time goes (issue 29): a ledger of exclusive seconds per phase, and the
+"""Where a campaign's time goes: a ledger of exclusive seconds per phase, and the
 typed breakdown ``campaign.json`` and the closing summary carry.
 
 Spans nest: a reference computed inside triage counts as a reference, not as triage (each

@@ -21,8 +21,8 @@ def explain_toggles(session: Session, checked: Checked, *, runs: int | None = No
     ``first``: toggles whose single arms run before the others (a campaign's known
     explanations); the rest run only for divergences none of those reproduces. A divergence
     one of them reproduces is explained by it without asking whether another toggle alone
-    would reproduce it too (issue 30: the three LoRA-fix arms on every LoRA-bug finding below
-    the triage share, 20-30 s each on 2-worker Ray)."""
+    would reproduce it too (asking would rerun every other candidate's arm on each finding,
+    tens of seconds each)."""
     if not divergent(checked.verdicts):
         return checked
     rec = checked.recording

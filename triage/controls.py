@@ -103,7 +103,7 @@ SPENT = "not run: the triage time box was spent (`kvfuzz minimize FINDING` runs 
 def replay_seconds(finding: Finding, until: Collection[str] = ()) -> float:
     """About how long one replay of ``finding``'s trace takes: its longest recorded run (0 when
     its histories carry no wall time). ``until``: a replay that stops once these requests are
-    done (rule 5.24): in each run, until the last of them ended (the whole run if one never did)."""
+    done: in each run, until the last of them ended (the whole run if one never did)."""
     def one(h: History) -> float:
         ends = [r.end_ms if r is not None else None for r in map(h.requests.get, until)]
         if not ends or any(e is None for e in ends):
@@ -122,8 +122,8 @@ def run_controls(replayer: Replayer, finding: Finding, *, device: str = "cpu", r
                  isolated: IsolatedCheck | None = None, deadline: float | None = None) -> list[ControlResult]:
     """Re-run ``finding`` in each control arm; returns one ControlResult per arm. An arm that
     would end past ``deadline`` (time.monotonic(); each at least as long as the finding's own
-    run) is recorded as not run, saying why: Y + P at 3 minutes, an 18-request witness's
-    serialized control started 1 s before its box ended and ran 10 s."""
+    run) is recorded as not run, saying why: a control started just before the deadline can
+    overrun it by a whole run."""
     arm, toggles = primary_arm(finding)
     runs = runs or max(1, sum(1 for h in finding.runs if h.arm == arm))
     out: list[ControlResult] = []

@@ -76,8 +76,8 @@ def no_kv_pressure(trace: Trace) -> tuple[Trace | None, str]:
     per_token = embedded_bytes_per_token(e) if e.model == EMBEDDED_MODEL else None
     size = max(2 * demand * per_token if per_token else 8 * e.kv_cache_bytes, e.kv_cache_bytes)
     # Rounded up to a power of two: an engine configuration differs by its cache size, so a size
-    # per trace started a new engine for every replay of this removal (issue 30: two faults' Ray
-    # campaign spent 12% of its time starting engines); a few sizes stay in the engine pool.
+    # per trace would start a new engine for every replay of this removal (a noticeable share
+    # of a campaign's time); a few sizes stay in the engine pool.
     size = 1 << (size - 1).bit_length()
     return _engine(trace, kv_cache_bytes=size), f"KV cache {size / 2**20:.0f} MiB (every request fits at once)"
 
@@ -159,7 +159,7 @@ def explain(replayer: Replayer, finding: Finding, *, victim: str | None = None,
     # (no restart) first within each group; the record keeps the canonical order either way.
     order = (sorted(names, key=lambda m: (m not in KEY_MECHANISMS, m not in CHEAP_MECHANISMS))
              if deadline is not None else names)
-    # Rule 5.6: the finding's other victims of the same unexplained corruption (the same
+    # The finding's other victims of the same unexplained corruption (the same
     # post-condition broken, or none) are judged too when the victim no longer corrupts.
     me = next((d for d in finding.divergences if d.request_id == target.victim and d.class_ == target.cls), None)
     others: list[str] = []
@@ -168,9 +168,9 @@ def explain(replayer: Replayer, finding: Finding, *, victim: str | None = None,
                          if d.arm == arm and d.request_id != target.victim})
     done: dict[str, Ablation] = {}
     # What one replay costs: the witness's own longest recorded run up to where the victim
-    # ended (the replay stops there: rule 5.24), then the longest ablation replay so far. A
-    # replay that would end past the deadline is not started (Y + P at 3 minutes: an
-    # unminimized 15 s witness's ablation started 1 s before its 20 s box ended and ran 34 s).
+    # ended (the replay stops there), then the longest ablation replay so far. A replay that
+    # would end past the deadline is not started: an unminimized witness's replay can outlast
+    # its budget.
     cost = replay_seconds(finding, [target.victim])
     for name in order:
         ablated, change = ABLATIONS[name](finding.trace)
@@ -194,23 +194,19 @@ def explain(replayer: Replayer, finding: Finding, *, victim: str | None = None,
         out.replays += 1
         # It persists when the victim still diverges at least as badly, or, for corruption,
         # when no token flipped but the logprobs drifted past noise: the KV is still wrong, the
-        # removal only moved the run off the near tie it flipped at (issue 30: fault W's
-        # witness, its flip at a 0.0047 margin, ran token-equal without KV pressure with a
-        # drift of 0.0039 against a bound of 1.1e-5, and opened a second bucket).
+        # removal only moved the run off the near tie it flipped at (a flip at a small margin
+        # can come out token-equal under a removal while the KV is as wrong as before).
         persists = _still_diverges(j, target)
         detail = (f"no token flipped, but the logprobs drifted by {j.drift:.3g} (> {j.bound:.3g}): still wrong KV"
                   if persists and j.drifted else None)
         outcome: Literal["disappears", "persists", "moved"] = "persists" if persists else "disappears"
         # Only another victim the same cause still hits counts: it broke the same post-condition
-        # again in this replay, or (an unnamed key) none (issue 30, Y + P on Ray: without
-        # prefix caching, P's named victim was right while Y still corrupted P's other victims,
-        # which broke nothing then; read as "moved", P's witness kept no verdict).
+        # again in this replay, or (an unnamed key) none: a victim corrupted by another bug in
+        # the same trace is no evidence that this one still acts.
         still = [r for r, o in j.others if o.corrupt and o.broke == (me.broke if me is not None else None)]
         if not persists and still:
-            # The removal changed which request the cause hit, not whether it acts (issue 30,
-            # fault Y on Ray: without prefix caching a 19-request finding's victim read exactly
-            # right KV while another of its victims still corrupted; read as "needs prefix
-            # caching", it opened a second bucket). No evidence either way.
+            # The removal changed which request the cause hit, not whether it acts (read as
+            # "needs" the mechanism, it would split one bug's findings). No evidence either way.
             outcome = "moved"
             detail = f"the victim is right without it, but {', '.join(still)} still corrupt(s): the cause moved"
         done[name] = Ablation(mechanism=name, change=change, victim_class=j.cls, detail=detail, outcome=outcome)
@@ -228,13 +224,12 @@ def _still_diverges(j: Judged, target: Target) -> bool:
 
 def _unless_reproducible(replayer: Replayer, finding: Finding, target: Target, me: Divergence | None, arm: str,
                          toggles: list[str], done: dict[str, Ablation], out: Explanation) -> None:
-    """Rule 5.8: a removal under which the victim stopped diverging is evidence only if the
+    """A removal under which the victim stopped diverging is evidence only if the
     victim diverges in every replay with nothing removed, on a step-exact engine (where a run
     that does not is state outside the trace, not timing). Its own runs say so when there were
     several; after one run, one control replay of the finding as is does. Otherwise each
-    "disappears" is *flaky* (issue 30, fault AA, written after the rule: a bug whose trigger
-    depends on state earlier runs left in the engine diverged in 1 of 3 runs of its witness,
-    and "needs KV pressure, cancels" opened a second bucket)."""
+    "disappears" is *flaky*: a bug whose trigger depends on state earlier runs left in the
+    engine can diverge in only some runs of its witness, and any removal would seem to cure it."""
     gone = [n for n, a in done.items() if a.outcome == "disappears"]
     if not gone or not replayer.step_exact:
         return  # a wall-clock engine's runs differ anyway (its rates are Wilson intervals)

@@ -3,9 +3,9 @@
 The signature kept is *(class, victim)*: the victim request still gets the same verdict
 class — and, on a step-exact engine (whose runs record vLLM's post-conditions), the same first
 broken post-condition or none (with two causes on, a witness of one must not shrink into a
-witness of the other: faults AP + AO, where AP's `worker-token` bucket got a two-request
-witness of AO). A candidate trace is kept when that signature reproduces in at least ``m`` of ``k``
-replays (``Acceptance``). The in-process engine replays a trace step by step and is
+witness of the other, which would file the other's witness under the first one's name). A
+candidate trace is kept when that signature reproduces in at least ``m`` of ``k`` replays
+(``Acceptance``). The in-process engine replays a trace step by step and is
 deterministic, so k = m = 1 there; a wall-clock server is not, so a candidate is replayed
 up to k times (stopping as soon as the outcome is decided) and kept on m hits.
 
@@ -123,9 +123,9 @@ class Options:
     # Rounds of all passes; later rounds catch what earlier changes enabled.
     max_rounds: int = 3
     # Begin with the numbers pass: a minimization that goes on from one its budget cut after the
-    # structure passes (``resumes_at_numbers``) would only repeat them first (fault AQ's 5-request
-    # witness at 2b860da: its further 36 s ran requests, cancels, adapters and engine again, found
-    # nothing, and never reached the prompt lengths that let a request go).
+    # structure passes (``resumes_at_numbers``) would only repeat them first: they already ran
+    # on this trace, and repeating them can spend the budget again before the prompt lengths
+    # (which can let a request go) are reached.
     numbers_first: bool = False
 
 
@@ -176,9 +176,9 @@ class Minimizer:
         if b.max_replays is not None and self.replays >= b.max_replays:
             raise BudgetExhausted(f"replay budget of {b.max_replays} spent")
         # A candidate is not started unless it and the verification replay after the last one
-        # (each about as long as the longest replay so far) end within the budget: Y + P at 3
-        # minutes, a 12 s minimization of an 18-request witness (7 s replays) ran 27 s and left
-        # its box's ablation no time.
+        # (each about as long as the longest replay so far) end within the budget: with long
+        # replays, a minimization can otherwise overrun its budget by several of them and leave
+        # the steps after it no time.
         if b.max_seconds is not None and self._clock() - self._t0 + 2 * self.longest >= b.max_seconds:
             raise BudgetExhausted(f"time budget of {b.max_seconds:g} s spent")
 
@@ -560,8 +560,8 @@ def minimize_finding(replayer: Replayer, finding: Finding, *, victim: str | None
     mini = Minimizer(target, probe, opts)
     t0 = time.monotonic()
     if recorded_here and replayer.step_exact and _recorded_holds(finding, target):
-        # A replay would give the recorded run again (fault AJ's 9-request bfloat16 witness: a
-        # 7 s replay of it left its 12 s minimization share no room to start).
+        # A replay would give the recorded run again, and a long one can leave the
+        # minimization's share no room to start.
         kept, spent = True, 0
     else:
         kept, spent = accepts(lambda: probe(finding.trace), opts.acceptance)
@@ -581,7 +581,7 @@ def minimize_finding(replayer: Replayer, finding: Finding, *, victim: str | None
     for n, cand in enumerate([result.trace, *reversed(result.accepted)]):
         if n and result.stopped is not None:
             # The budget is spent: no walk back through every accepted step (each is ``runs``
-            # replays; issue 30 saw a time box overrun by several of them).
+            # replays, which would overrun the time box by several of them).
             cut = True
             break
         cls, checked = probe.victim_class(cand, runs=runs)

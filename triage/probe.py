@@ -37,12 +37,10 @@ class Replayer(Protocol):
         ...
 
     def judge_victim(self, trace: Trace, *, victim: str, arm: str, toggles: Sequence[str],
-                     others: Sequence[str] = (), repair: Sequence[str] = (), settle: bool = False) -> Judged:
+                     others: Sequence[str] = (), settle: bool = False) -> Judged:
         """``judge``, and when the victim's tokens equal the reference's, its logprob drift;
-        when it no longer corrupts, ``others`` judged in the same replay. ``repair``: the
-        post-conditions the replay enforces (rule 5.19; a step-exact engine only). ``settle``:
-        the caller reads only the class, so the replay may stop where the victim's corruption
-        is final (rule 5.25)."""
+        when it no longer corrupts, ``others`` judged in the same replay. ``settle``: the caller
+        reads only the class, so the replay may stop where the victim's corruption is final."""
         ...
 
     def check(self, trace: Trace, *, runs: int | None = None, arms: dict[str, list[str]] | None = None) -> Checked:

@@ -14,11 +14,10 @@ on those weights loaded under a temporary name (``kvfuzz-ref-<content hash>``), 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
 from pathlib import Path
 
 from kvfuzz.traces import EngineConfig, History, RequestRecord, SendEvent, Trace
-from kvfuzz.traces.errors import BadInput, InfraError, KvfuzzError
+from kvfuzz.traces.errors import InfraError, KvfuzzError
 from kvfuzz.traces.trace import Binding
 
 from ..adapters import AdapterBook, AdapterWorkdir, resolve_source, solo_engine
@@ -44,14 +43,6 @@ class HttpEngineBase:
     _adapters: AdapterWorkdir | None = None
     # Base URL -> served adapter names changed since its last restore (``_touched``).
     _touched_by_server: dict[str, set[str]] | None = None
-
-    @staticmethod
-    def _refuse_repair(repair: Iterable[str]) -> None:
-        """Post-conditions are enforced inside the worker's step (rules 5.19, 5.20), which a
-        server keeps out of kvfuzz's reach."""
-        if list(repair):
-            raise BadInput("enforcing post-conditions needs the in-process engine (a server's worker is out of "
-                           "reach)", field="engine")
 
     def _http_replay(self, trace: Trace, *, arm: str, run_index: int, toggles: list[str],
                      cache_salt: str | None, book: AdapterBook | None = None,

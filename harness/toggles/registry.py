@@ -144,8 +144,8 @@ def unreachable(names: Iterable[str], engine: EngineConfig) -> set[str]:
     an engine feature it has off (LoRA, prefix caching, chunked prefill, prompt embeddings,
     speculative decoding). An arm that differs
     from another only by such toggles runs the same code, so nothing can be attributed to them
-    (issue 30, fault AA: a stale-state witness that diverged in 1 of 3 runs was "explained" by
-    the three LoRA fixes of the clean arm, on an engine without LoRA)."""
+    (otherwise a flaky witness, diverging in 1 of 3 runs, can be "explained" by LoRA fixes
+    on an engine without LoRA)."""
     _load_builtin()
     off = {feature for feature, on in (("lora", engine.lora.enabled),
                                        ("prefix-caching", engine.enable_prefix_caching),

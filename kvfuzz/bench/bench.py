@@ -54,7 +54,7 @@ class ToggleResult:
     dtype: str = "float32"
     seeds: list[SeedResult] = field(default_factory=list)
     # Divergences the toggle explains, over every finding of its campaigns: how many, and how
-    # many were filed numeric-near-tie by the evidence rule and by the rule before issue 17.
+    # many were filed numeric-near-tie by the evidence rule and by the former fixed-threshold rule.
     divergences: int = 0
     near_ties: int = 0
     near_ties_before: int = 0
@@ -102,7 +102,7 @@ def _machine() -> dict:
     return info
 
 
-# The rule before issue 17, for the comparison figure: a flip was a near tie when the
+# The former fixed-threshold rule, for the comparison figure: a flip was a near tie when the
 # reference's margin was below one per-dtype threshold and the drift before it was not above it.
 PREVIOUS_NEAR_TIE = {"float32": 1e-3, "bfloat16": 0.5, "float16": 0.0625}
 
@@ -303,7 +303,7 @@ def run_bench(*, toggles: list[str] | None, seeds: list[int], budget: float, max
     time_spent = session.ledger.breakdown()
     return {
         "date": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
-        # Where the benchmark's wall time went; fuzzed_share: the share in fuzzed runs (issue 29).
+        # Where the benchmark's wall time went; fuzzed_share: the share in fuzzed runs.
         "time": time_spent.model_dump(),
         "fuzzed_share": round(time_spent.share("fuzzed_runs"), 3),
         "machine": _machine(),

@@ -141,7 +141,7 @@ class CampaignDisplay:
         table.add_row("bug buckets", str(len(bugs)))
         if ties:
             table.add_row("near-tie buckets", str(len(ties)))
-        if state.untriaged:  # campaigns written before issue 30 only
+        if state.untriaged:  # campaigns written by an older kvfuzz only
             table.add_row("  findings without a bucket (older campaign)", str(len(state.untriaged)))
         self.console.print(table)
         for t in rich_tables(brows):

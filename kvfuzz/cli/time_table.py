@@ -1,4 +1,4 @@
-"""The closing summary's block on where a campaign's time went (issue 29; traces/timing.py)."""
+"""The closing summary's block on where a campaign's time went (traces/timing.py)."""
 
 from __future__ import annotations
 

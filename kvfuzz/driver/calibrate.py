@@ -97,7 +97,7 @@ def _contexts(sends: list[SendEvent], capacity: int | None, config: EngineConfig
         per = max_model_len - hold_tokens - 1
         # Seats count too (max_num_seqs): measured requests beyond the free seats wait without
         # holding blocks, and their blocks were a slack nobody outgrew (0 preemptions in 263
-        # steps with 16 seats, 2 holders and 16 measured requests, 2026-11-23). So the holders
+        # steps with 16 seats, 2 holders and 16 measured requests). So the holders
         # leave exactly the blocks of the measured requests that get a seat.
         n_hold, hold_blocks = 1, 0
         for _ in range(8):
@@ -172,8 +172,8 @@ def _observed(h: History, measured: set[str]) -> dict[str, int]:
 
 # Bounds no batch-order noise reaches (nats): a float32 logit moves by ~1e-5 with batch order,
 # a 16-bit one by a few steps of 0.125. A profile beyond them measured something else — a fault
-# patched into the engine (KVFUZZ_PLUGIN_MODULES, issue 30: one such profile in the shared
-# cache, 8.4 nats in float32, had every later campaign call corruption a near tie).
+# patched into the engine (KVFUZZ_PLUGIN_MODULES). Kept in the shared cache, such a profile (8.4
+# nats in float32, say) would have every later campaign call corruption a near tie.
 PLAUSIBLE = {"float32": 0.1, "float16": 1.0, "bfloat16": 2.0}
 
 

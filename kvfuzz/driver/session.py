@@ -207,8 +207,8 @@ class Session:
     @contextlib.contextmanager
     def scoring(self, which: Literal["all", "near-ties"]) -> Iterator[None]:
         """Inside: teacher forcing scores ``which`` divergent verdicts. A campaign scores only
-        near ties on its fuzzed runs (issue 30: scoring corruption it could not reclassify took
-        7-18% of a campaign with a frequent fault); a bucket's minimized finding, and every
+        near ties on its fuzzed runs (scoring corruption, which it cannot reclassify, can take a
+        tenth of a campaign whose bug fires often); a bucket's minimized finding, and every
         replay outside a campaign, are scored in full."""
         old = self._score_classes
         self._score_classes = ("numeric-near-tie",) if which == "near-ties" else ("corruption", "numeric-near-tie")
@@ -262,14 +262,14 @@ class Session:
         return self.judge_victim(trace, victim=victim, arm=arm, toggles=toggles, settle=True).cls
 
     def judge_victim(self, trace: Trace, *, victim: str, arm: str, toggles: Sequence[str],
-                     others: Sequence[str] = (), repair: Sequence[str] = (), settle: bool = False) -> Judged:
+                     others: Sequence[str] = (), settle: bool = False) -> Judged:
         """``victim`` in one replay of ``trace``: its verdict and, when its tokens equal the
         reference's, its logprob drift against the bound; when it no longer corrupts, the
         requests in ``others`` judged alike in the same replay. Only the references of the
         requests judged (and, for a near tie, the victim's teacher-forced scoring) are needed,
         so shrinking other requests' prompts costs no reference runs. ``settle`` (for callers
         that read only the class): the replay may stop at the victim's first flipped token once
-        that makes it corruption (rule 5.25); ``broke`` then says what broke by there."""
+        that makes it corruption; ``broke`` then says what broke by there."""
         engine = self.engine_for(trace.engine)
         bounds = self.bounds_for(trace.engine)
         bindings = trace.bindings_at_admission()
@@ -284,12 +284,12 @@ class Session:
 
         settled = self._corrupt_at_flip(trace, victim, reference, bounds) if settle and victim != ENGINE else None
 
-        # Rule 5.24: the replay stops once the victim is done; the others are read only when it
-        # no longer corrupts, and then the run goes on until they are done too (a second replay,
-        # the same run on a step-exact engine). An engine crash is judged on the whole run.
+        # The replay stops once the victim is done (nothing later changes it); the others are
+        # read only when it no longer corrupts, and then the run goes on until they are done too
+        # (a second replay, the same run on a step-exact engine). An engine crash is judged on
+        # the whole run.
         def run(until: list[str]) -> History:
-            return engine.replay(trace, arm=arm, run_index=0, toggles=list(toggles), repair=list(repair), until=until,
-                                 settled=settled)
+            return engine.replay(trace, arm=arm, run_index=0, toggles=list(toggles), until=until, settled=settled)
 
         h = run([] if victim == ENGINE else [victim])
         if victim == ENGINE:
@@ -323,7 +323,7 @@ class Session:
     @staticmethod
     def _corrupt_at_flip(trace: Trace, victim: str, reference: Callable[[str], RequestRecord],
                          bounds: NoiseBounds) -> StopAtFlip | None:
-        """Rule 5.25: where ``victim``'s verdict is final (``oracle.check.stop_at_flip``). None
+        """Where ``victim``'s verdict is final (``oracle.check.stop_at_flip``). None
         where a later step could still change the verdict: an in-place adapter reload (a reload
         while the victim runs makes any output legal, ``reloaded_while_running``)."""
         if any(isinstance(e, ReloadAdapterEvent) for e in trace.events):

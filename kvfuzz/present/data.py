@@ -601,7 +601,7 @@ def campaign_view(state: Mapping[str, Any] | Any) -> CampaignView:
         progress.append(now)
     buckets = []
     for bid, b in (s.get("bug_buckets") or {}).items():
-        # A live CampaignState's typed bucket, or campaign.json's (today's or before issue 30).
+        # A live CampaignState's typed bucket, or campaign.json's (of this kvfuzz or an older one).
         bucket = b if isinstance(b, Bucket) else bucket_from_state(str(bid), b)
         buckets.append(BucketView(bucket.id, bucket.count, bucket.first_index, bucket.text, bucket.representative,
                                   bucket.case, bucket.near_tie, bucket.assigned))

@@ -220,7 +220,7 @@ REDRAW_S = 30.0
 # after this long; a shorter campaign gets it from its final page (kvfuzz run's summary).
 BUCKET_REPORTS_AFTER_S = 120.0
 # ...and, on a loaded machine where a redraw takes seconds, at most this share of the campaign's
-# time goes to charts (issue 29 measured redraws at 5% of a 10-minute campaign): the next redraw
+# time goes to charts (unchecked, redraws took 5% of a 10-minute campaign): the next redraw
 # waits at least the last one's duration divided by it.
 CHART_SHARE = 0.02
 
@@ -305,7 +305,7 @@ def campaign_html(out: Path, state: Mapping[str, Any] | Any, *, charts: str = ""
     body.append("<h2>Bug buckets</h2>")
     body.append(_bucket_table(bugs, reports) if bugs else "<p>No bug bucket.</p>" if v.buckets else "<p>No bucket yet.</p>")
     if ties:
-        # Apart from the bugs (issue 30): a flipped near tie is expected of 16-bit numerics.
+        # Apart from the bugs: a flipped near tie is expected of 16-bit numerics.
         body.append("<h2>Near-tie buckets</h2><p class=\"muted\">A flipped near tie: expected of 16-bit numerics, "
                     "not a bug there; suspect in float32 (docs/oracle.md).</p>")
         body.append(_bucket_table(ties, reports))

@@ -208,13 +208,6 @@ def build(finding: Finding, *, source: str = "FINDING.json",
             where = " of its reference run (the request alone): the reference is the corrupted side" if in_ref else ""
             r.p("vLLM's own state broke first at engine step ", (str(w.step), "code"), where, ": ", (w.name, "code"),
                 f" — {w.detail}{root}. docs/oracle.md, \"Broken post-conditions\", says what each name means.")
-        rep = d.repair
-        if rep is not None and rep.outcome != "failed":
-            # Rule 5.19: what enforcing that first break showed about the later one.
-            r.p("It broke ", (d.later or "another check", "code"), " at a later step. Replayed with ",
-                (rep.name, "code"), " enforced, it ",
-                ("still diverged" + (f" and broke {rep.broke} first: a second cause" if rep.broke else "")
-                 if rep.outcome == "persists" else "was right: one cause"), " (docs/oracle.md, rule 5.19).")
         if d.first_divergence is not None:
             decided = [EVIDENCE_WORDS.get(e, e.replace("control:", "the control arm ")
                                           .replace("postcondition:", "vLLM's broken post-condition "))

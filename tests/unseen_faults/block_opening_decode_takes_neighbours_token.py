@@ -11,8 +11,8 @@ row whose token opens a new KV block (its position a multiple of the block size)
 row above's last scheduled token instead of its own: an index off by one row at a block
 boundary. Its KV at that position is computed from another request's token, in its own slot,
 and every later token of the request attends to it. Blocks, slots, lengths, positions and the
-sampled row are all right; it breaks ``worker-token`` (rule 5.18), a check the harness can
-enforce. A request alone is never hit, so its reference is right.
+sampled row are all right; it breaks ``worker-token`` (rule 5.18). A request alone is never
+hit, so its reference is right.
 """
 
 from __future__ import annotations

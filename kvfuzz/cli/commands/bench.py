@@ -43,7 +43,7 @@ def render(report: dict) -> Table:
 
 def _share(r: dict) -> str:
     """Of the divergences the toggle explains, the share filed numeric-near-tie: by the
-    evidence rule, and (in brackets) by the rule before issue 17 on the same divergences."""
+    evidence rule, and (in brackets) by the former fixed-threshold rule on the same divergences."""
     n = r.get("divergences", 0)
     if not n:
         return "—"

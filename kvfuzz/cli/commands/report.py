@@ -76,7 +76,7 @@ def report_cmd(
 
 
 def _campaign_report(path: Path, out: Optional[Path], as_markdown: bool) -> None:
-    """A campaign speaks in buckets: one row per bucket, near-tie buckets apart (issue 30)."""
+    """A campaign speaks in buckets: one row per bucket, near-tie buckets apart."""
     from kvfuzz.present.buckets import load_campaign, markdown, rich_tables, summary_line
 
     rows, findings = load_campaign(path)
