@@ -17,13 +17,12 @@ import sys
 # One OpenMP thread per process, set before anything loads torch. vLLM runs torch with one
 # thread for serving, but its CPU kernels' OpenMP pool still starts one thread per core; with
 # two pytest workers (each with its engines, servers and children) that is 4+ spinning threads
-# on 2 cores, and every engine test ran 3-10x slower (bfloat16 corpus trace: 11 s alone, 111 s
-# in CI, 2026-11-23: an earlier version of docs/benchmarks.md, git history; its "OpenMP threads"
-# keeps the rest). The children the tests start inherit it.
+# on 2 cores, and every engine test runs 3-10x slower (a bfloat16 corpus trace: 11 s alone,
+# 111 s beside another worker). The children the tests start inherit it.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # CLI tests read table cells from stdout. pytest-xdist workers inherit an 80-column $COLUMNS,
-# where rich folds names across lines (CI, 2026-11-23); the CLI's own rule for pipes is 200.
+# where rich folds names across lines; the CLI's own rule for pipes is 200.
 os.environ["COLUMNS"] = "200"
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,10 +74,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=lambda it: rank[it.nodeid.split("::")[0]])
 
 
-# Wall seconds of the longest test files in a CI run (2026-11-26, 8b19ef1, 2-core machine,
-# two workers, `--durations=0` summed per file; measured in an earlier version of
-# docs/benchmarks.md, git history). Only the order of files
-# uses them: a stale figure costs balance, never a result.
+# Wall seconds of the longest test files in a CI run (2-core machine, two workers,
+# `--durations=0` summed per file). Only the order of files uses them: a stale figure costs
+# balance, never a result.
 FILE_SECONDS = {"test_server.py": 191, "test_postconditions_engine.py": 127, "test_explain_engine.py": 66,
                 "test_buckets_engine.py": 58, "test_gate.py": 56, "test_reliability_resume.py": 47,
                 "test_toggles.py": 35, "test_cli.py": 30, "test_oracle_campaign.py": 28, "test_controls.py": 13,

@@ -166,9 +166,10 @@ def test_session_attributes_vanilla_lora_bug_to_the_missing_fix(session, lora_en
 
 
 def test_single_toggle_arms_only_when_the_clean_arm_leaves_a_question():
-    """Issue 30: re-attributing an unexplained finding ran three LoRA-fix arms on a trace with
-    no adapter (139 s of a 3-minute campaign). A request that diverges in clean is unexplained
-    whatever the single arms show; only one that is fine in clean needs them."""
+    """Single-toggle arms cost a run each (three LoRA-fix arms on a trace with no adapter can take
+    most of a short campaign), so they run only when the clean arm leaves a question. A request
+    that diverges in clean is unexplained whatever the single arms show; only one that is fine
+    in clean needs them."""
     from kvfuzz.oracle.attribution import singles_needed
 
     clean = ["fix-a", "fix-b"]
@@ -227,10 +228,9 @@ def test_attribution_runs_clean_first_and_stops_when_it_already_decides(tmp_path
 
 
 def test_a_known_explanations_single_arm_runs_first_and_the_others_only_if_it_reproduces_nothing(monkeypatch):
-    """Issue 30: every LoRA-bug finding below the triage share ran all three LoRA-fix arms
-    (20-30 s each on 2-worker Ray). With the campaign's bucket explained by one fix, its single
-    arm runs first; when it reproduces the divergence, no other single arm runs. When it does
-    not, the others run and decide as before."""
+    """Each single-toggle arm is a full run (20-30 s on 2-worker Ray). With the campaign's bucket
+    explained by one fix, its single arm runs first; when it reproduces the divergence, no other
+    single arm runs. When it does not, the others run and decide as usual."""
     from kvfuzz.triage.attribution import explain_toggles
     from kvfuzz.traces.result import Checked, Recording
     from test_report import finding
@@ -262,11 +262,11 @@ LORA_FIXES = ["fix-lora-batch-keeps-every-adapter-id", "fix-lora-cpu-no-lora-tok
 
 
 def test_toggles_whose_code_the_engine_never_reaches_explain_nothing():
-    """Issue 30, fault AA (written after the rule): a witness whose trigger depends on state left
-    by earlier runs diverged in 1 of 3 vanilla runs and in none of the clean arm's, and was
-    "explained by" the CPU LoRA fixes — on an engine with LoRA off, where vanilla and clean run
-    the same code. Toggles the engine never reaches are no difference: no clean arm is run
-    for them, and the divergence is unexplained."""
+    """A witness whose trigger depends on state left by earlier runs can diverge in one vanilla
+    run and in none of the clean arm's, and would be "explained by" the CPU LoRA fixes — on an
+    engine with LoRA off, where vanilla and clean run the same code. Toggles the engine never
+    reaches are no difference: no clean arm is run for them, and the divergence is
+    unexplained."""
     from kvfuzz.fuzzer.generate import default_engine
     from kvfuzz.harness.toggles import unreachable
 

@@ -1,4 +1,4 @@
-"""Issue 17 on the real engine: calibration, teacher forcing, and 16-bit verdicts."""
+"""Calibration, teacher forcing, and 16-bit verdicts on the real engine."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""A calibration never measures a patched engine as noise (issue 30: a profile measured with a
-fault loaded through KVFUZZ_PLUGIN_MODULES, 8.4 nats in float32, was saved to the shared cache
-and every later float32 campaign called corruption a near tie). No engine: the session below
+"""A calibration never measures a patched engine as noise: a profile measured with a fault
+loaded through KVFUZZ_PLUGIN_MODULES (8.4 nats in float32) and saved to the shared cache would
+make every later campaign in that dtype call corruption a near tie. No engine: the session below
 would fail the test if calibration reached it."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ def test_bounds_beyond_batch_order_noise_are_refused(dtype):
     assert implausible(profile(dtype, PLAUSIBLE[dtype] / 2)) is None
     why = implausible(profile(dtype, PLAUSIBLE[dtype] * 4))
     assert why and "not clean" in why and "near_tie" in why
-    # The poisoned float32 profile seen in the shared cache (2026-11-24).
+    # A float32 profile measured with a fault loaded: 8.42 nats.
     assert implausible(profile("float32", 8.42))
 
 

@@ -118,9 +118,9 @@ def _short_then_long(cfg):
 
 
 def test_a_replay_until_its_victim_is_done_is_that_run_cut_short(session, lora_engine_config):
-    """Rule 5.24: a replay that only reads some requests stops once they are done. What it
-    records of them is what the whole run records, it ends earlier, and the engine is left as a
-    clean slate: the next whole run is the run it always was."""
+    """A replay that only reads some requests stops once they are done. What it records of them
+    is what the whole run records, it ends earlier, and the engine is left as a clean slate: the
+    next whole run is the run it always was."""
     t = _short_then_long(lora_engine_config)
     eng = session.engine_for(t.engine)
     whole = eng.replay(t)
@@ -134,9 +134,9 @@ def test_a_replay_until_its_victim_is_done_is_that_run_cut_short(session, lora_e
 
 def test_judging_a_victim_stops_at_it_and_goes_on_only_for_the_others_it_reads(session, lora_engine_config,
                                                                                 monkeypatch):
-    """Rule 5.24 in ``judge_victim``: one replay, stopped once the victim is done; the other
-    victims are read only when the victim no longer corrupts, and then the run goes on until
-    they are done too."""
+    """The same in ``judge_victim``: one replay, stopped once the victim is done; the other
+    victims are read only when the victim no longer corrupts, and then the run goes on until they
+    are done too."""
     t = _short_then_long(lora_engine_config)
     eng = session.engine_for(t.engine)
     calls, real = [], eng.replay
@@ -158,10 +158,10 @@ def test_judging_a_victim_stops_at_it_and_goes_on_only_for_the_others_it_reads(s
 
 def test_a_victim_judged_for_its_class_stops_where_its_corruption_is_final(session, lora_engine_config,
                                                                              monkeypatch):
-    """Rule 5.25: a caller that reads only the victim's class lets its replay stop at the first
-    flipped token that makes it corruption. The class is the whole run's; a victim that never
-    flips still runs to its end. (The CPU LoRA bug: the base request in a batch with LoRA rows
-    reads the last adapter slot from its first token.)"""
+    """A caller that reads only the victim's class lets its replay stop at the first flipped
+    token that makes it corruption. The class is the whole run's; a victim that never flips still
+    runs to its end. (The CPU LoRA bug: the base request in a batch with LoRA rows reads the last
+    adapter slot from its first token.)"""
     cfg = lora_engine_config
     t = Trace(engine=cfg, events=[
         SendEvent(request_id="first", at=At(step=0), adapter="a", max_tokens=2, prompt=GenPrompt(length=40, seed=1)),

@@ -1,6 +1,6 @@
-"""Causal ablation on the real engine (issue 18): for every built-in toggle that changes
-outputs on CPU, `explain` names the mechanism the toggle's code path needs (its declared
-``needs``), and a mechanism it does not need keeps the divergence."""
+"""Causal ablation on the real engine: for every built-in toggle that changes outputs on CPU,
+`explain` names the mechanism the toggle's code path needs (its declared ``needs``), and a
+mechanism it does not need keeps the divergence."""
 
 from __future__ import annotations
 
@@ -65,10 +65,10 @@ print("J " + json.dumps(out))
 """
 
 # Faults whose wrong KV shows in no record of the scheduler's (W breaks only ``worker-slot``,
-# checked since; X only ``worker-seq-len``, checked since; Y none), in two mechanisms: W writes a decode token's KV into the
-# previous block (r1, 27 prompt tokens, opens its second block at its 6th token); X and Y
-# (written after the change) let a decode read the block past its row's end (X: no token
-# flips) or its neighbour's last block (Y: r1 reads r0's first block at its 6th token).
+# X only ``worker-seq-len``, Y none), in two mechanisms: W writes a decode token's KV into the
+# previous block (r1, 27 prompt tokens, opens its second block at its 6th token); X and Y let a
+# decode read the block past its row's end (X: no token flips) or its neighbour's last block
+# (Y: r1 reads r0's first block at its 6th token).
 NO_BREAK_FAULTS = [
     pytest.param("new_block_slot_in_previous", "r1", 14, "vllm.v1.worker.block_table.BlockTable",
                  "compute_slot_mapping", "ok", id="W"),
@@ -82,10 +82,10 @@ NO_BREAK_FAULTS = [
 @pytest.mark.slow
 @pytest.mark.parametrize("fault,victim,max_tokens,owner,attr,cls", NO_BREAK_FAULTS)
 def test_wrong_kv_that_flips_no_token_is_measured_by_its_drift(fault, victim, max_tokens, owner, attr, cls):
-    """Issue 30 (fault W on Ray): a removal that only moved the victim off its flip read as
-    "disappears". On the real engine, W's and X's victims match every reference token yet their
-    logprobs drift far past the bound (Y's flips); with the fault undone in the same engine
-    each is noise."""
+    """Wrong KV may flip no token: an ablation that only moves the victim off its flip must not
+    read as "disappears". On the real engine, W's and X's victims match every reference token
+    yet their logprobs drift far past the bound (Y's flips); with the fault undone in the same
+    engine each is noise."""
     import json
     import os
     import subprocess
@@ -107,7 +107,7 @@ def test_wrong_kv_that_flips_no_token_is_measured_by_its_drift(fault, victim, ma
     assert clean["cls"] == "ok" and clean["drift"] <= clean["bound"], got
     # W's wrong slots break ``worker-slot`` (on r0 and r1; the slot W left unwritten is read at a
     # later step, a consequence); X's kernel is told a block more than r0's and r1's rows hold
-    # (``worker-seq-len``, rule 5.12); Y reads a wrong block that no record of vLLM's shows.
+    # (``worker-seq-len``); Y reads a wrong block that no record of vLLM's shows.
     w = fault == "new_block_slot_in_previous"
     name = {"new_block_slot_in_previous": "worker-slot", "decode_reads_past_row_end": "worker-seq-len"}.get(fault)
     assert [b for b in got["breaks"] if b != "held-block-unwritten"] == ([name, name] if name else []), got

@@ -222,12 +222,12 @@ def test_replay_command_names_the_engine_and_device_but_no_url():
 
 @pytest.mark.engine
 @pytest.mark.slow
-@pytest.mark.timeout(3600)  # 14 cases, ~3 min idle; a loaded 2-core box took > 15 min (2026-11-23)
+@pytest.mark.timeout(3600)  # 14 cases, ~3 min idle; a loaded 2-core box can take > 15 min
 def test_self_test_of_the_bundled_corpus_in_bfloat16(tmp_path, kvfuzz_cli):
-    """CI's regression gate, once (issue 20), in the real target's numerics (issue 17): every
-    fault arm a bundled trace names fails in bfloat16 too (no BLIND: the 16-bit verdict rule
-    still sees corruption), and every clean arm passes (16-bit noise is not called corruption).
-    The JUnit file is CI's artifact (.ci/run keeps it)."""
+    """CI's regression gate, once, in the real target's numerics: every fault arm a bundled trace
+    names fails in bfloat16 too (no BLIND: the 16-bit verdict rule still sees corruption), and
+    every clean arm passes (16-bit noise is not called corruption). The JUnit file is CI's
+    artifact (.ci/run keeps it)."""
     import os
 
     out = Path(os.environ.get("KVFUZZ_CI_OUT", tmp_path)) / "gate-bfloat16"
@@ -239,7 +239,7 @@ def test_self_test_of_the_bundled_corpus_in_bfloat16(tmp_path, kvfuzz_cli):
     detected = [k for k, s in st.items() if s == "detected"]
     assert all(s in ("pass", "detected", "skipped") for s in st.values()), st
     assert all(st[(n, "clean")] == "pass" for n, _ in st), st
-    # The three arms issue 17 found blind in bfloat16 are detected now.
+    # The three arms that margins alone miss in bfloat16 are detected.
     assert {("kvfuzz-cpu-lora-base-in-mixed-batch", "without:fix-lora-cpu-no-lora-tokens"),
             ("vllm-39146-finding_00450-late-8192", "with:fault-preempt-resume-stale-blocks"),
             ("vllm-39146-finding_01410-21-mixed", "with:fault-preempt-resume-stale-blocks")} <= set(detected), st

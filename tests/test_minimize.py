@@ -113,10 +113,10 @@ def test_minimizer_respects_the_replay_budget():
 
 
 def test_minimizer_starts_no_candidate_its_time_budget_cannot_pay_for():
-    """Y + P at 3 minutes: a 12 s minimization of an 18-request witness whose replays took 7 s
-    ran 27 s (it checked the clock only before each candidate) and left its box's ablation
-    no time. A candidate starts only when it and the verification replay after it, each as
-    long as the longest replay so far, still end within the budget."""
+    """Checking the clock only before each candidate lets a minimization overrun its budget by
+    a replay and a verification (replays of a large witness take seconds), leaving the ablation
+    after it no time. A candidate starts only when it and the verification replay after it, each
+    as long as the longest replay so far, still end within the budget."""
     clock = [0.0]
 
     def slow_bug(t):
@@ -249,9 +249,9 @@ def test_minimize_finding_refuses_what_does_not_reproduce():
 
 
 def test_a_spent_budget_does_not_walk_back_through_every_accepted_step():
-    """Issue 30: after the time budget, a result that does not verify is not followed by a
-    verification of each earlier accepted step (each is several full runs): the original is
-    kept, unverified, and says why."""
+    """After the time budget, a result that does not verify is not followed by a verification of
+    each earlier accepted step (each is several full runs): the original is kept, unverified, and
+    says why."""
     from kvfuzz.triage.minimize import Budget, Options, minimize_finding
     from kvfuzz.triage.reduce import Acceptance
 
@@ -324,8 +324,9 @@ class TwoCauses:
 
 
 def test_a_named_victim_does_not_shrink_into_another_causes_witness():
-    """Faults AP + AO at af8a3bb: a finding keyed by AP's `worker-token` shrank to a two-request
-    witness of AO (which breaks nothing), and that became the named bucket's witness."""
+    """A finding two causes hit, keyed by one cause's break (`worker-token`), must not shrink to a
+    witness of the other cause (which breaks nothing): the name is part of the minimizer's
+    target, so the bucket's witness is of its own cause."""
     from kvfuzz.triage.minimize import minimize_finding
 
     orig = _noisy_finding()
@@ -343,10 +344,10 @@ def test_a_named_victim_does_not_shrink_into_another_causes_witness():
 
 
 def test_a_campaign_finding_on_a_step_exact_engine_is_not_replayed_to_accept_it():
-    """Fault AJ in bfloat16 at 287382b: a 7 s replay of a 9-request witness, only to learn what
-    its own recorded run already showed, left its 12 s minimization share no room to start. A
-    finding recorded by this replayer (``recorded_here``) that diverged so in every run is taken
-    as reproducing; one from a file (``kvfuzz minimize``) is still replayed first."""
+    """Replaying a finding only to learn what its own recorded run already showed can cost a
+    short minimization budget all its time. A finding recorded by this replayer
+    (``recorded_here``) that diverged so in every run is taken as reproducing; one from a file
+    (``kvfuzz minimize``) is still replayed first."""
     from kvfuzz.triage.minimize import minimize_finding
 
     class Counting(TwoCauses):
@@ -372,9 +373,9 @@ def test_a_campaign_finding_on_a_step_exact_engine_is_not_replayed_to_accept_it(
 
 
 def test_a_minimization_cut_after_its_structure_passes_goes_on_at_the_numbers_pass():
-    """Fault AQ's 5-request witness at 2b860da: cut by its box after the request, cancel, adapter
-    and engine passes, its further minimization (rule 5.22) ran those passes again first, found
-    nothing, and never reached the prompt lengths. Minimizing it again starts with the numbers."""
+    """A minimization cut by its budget after the request, cancel, adapter and engine passes
+    would, minimized again, run those passes first, find nothing, and never reach the prompt
+    lengths. Minimizing it again starts with the numbers."""
     from kvfuzz.traces import Minimization
     from kvfuzz.triage.minimize import resumes_at_numbers, size
 

@@ -86,7 +86,7 @@ def test_a_schema_2_finding_loads_with_its_notes_typed():
     assert f.provenance.campaign == CampaignOrigin(seed=1, index=9, mode="feedback", source="mutant")
     assert f.provenance.lineage[0].parent == "22ba1babdfbb" and f.provenance.lineage[-1].root == "22ba1babdfbb"
     assert f.provenance.minimized_from == MinimizedFrom(id="af4958ab169d", file="nt.json")
-    assert set(f.notes) <= {"buckets"}  # bucket membership: issue #30
+    assert set(f.notes) <= {"buckets"}  # bucket membership
     g = load_finding(DATA / "lora-reload-same-path.json")
     assert g.provenance.gate is not None and isinstance(g.provenance.gate, GateCase) and "gate" not in g.notes
 

@@ -108,7 +108,7 @@ def test_wilson():
     assert lo == pytest.approx(1 - hi)
 
 
-# -- issue 5: thresholds per dtype, boundaries, end-of-sequence, aggregation ----------------------
+# -- thresholds per dtype, boundaries, end-of-sequence, aggregation -------------------------------
 
 from kvfuzz.oracle.noise import DEFAULTS, HEADROOM, bounds_from, default_bounds, resolution  # noqa: E402
 from kvfuzz.traces import EngineConfig  # noqa: E402
@@ -261,7 +261,7 @@ def test_early_end_of_sequence_at_a_near_tie_after_drift_is_corruption():
     assert v.class_ == "corruption" and v.first_divergence == 1 and v.drift == pytest.approx(0.02)
 
 
-# -- issue 17: teacher forcing -----------------------------------------------------------------------
+# -- teacher forcing ---------------------------------------------------------------------------------
 
 def _scoring(run, by_position, run_index=0):
     """A teacher-forced scoring of ``run``'s tokens whose logprob at position i differs from the
@@ -296,8 +296,8 @@ def test_a_scoring_of_another_run_or_other_tokens_is_not_used():
 
 
 def test_bfloat16_blind_spot_cases_are_corruption_with_teacher_forcing():
-    """The self-test cases that were blind in bfloat16 (issue 17) in miniature: a 16-bit flip at
-    a 0.125 margin (one bf16 step) whose run saw an adapter's delta: tiny by the margin, but the
+    """The self-test cases that margins alone miss in bfloat16, in miniature: a 16-bit flip at a
+    0.125 margin (one bf16 step) whose run saw an adapter's delta: tiny by the margin, but the
     run's own tokens, scored alone, are off by far more than bf16 noise."""
     bf16 = default_bounds("bfloat16")
     ref = rec("r0", [1, 2, 3, 4], margins=[0.125, 1, 1, 1])

@@ -226,7 +226,7 @@ def test_time_breakdown_is_read_where_campaign_json_keeps_one():
         ("fuzz", 40.5), ("triage.minimize", 10.0), ("triage.controls", 2.5)]
 
 
-# -- the oracle's report of a lifecycle finding (it used to fail on adapter events) ---------------
+# -- the oracle's report of a lifecycle finding (with adapter events) -----------------------------
 
 
 def test_report_of_a_finding_with_adapter_events():
@@ -361,7 +361,7 @@ def test_a_finding_page_opens_in_headless_chromium(tmp_path):
 
 
 def test_campaign_page_shows_near_tie_buckets_apart_from_the_bugs(tmp_path, monkeypatch):
-    """Issue 30: 16-bit noise never reads as a bug — on the page as in the closing table."""
+    """16-bit noise never reads as a bug — on the page as in the closing table."""
     from kvfuzz.present import pages
     from kvfuzz.traces.buckets import Bucket, BucketKey
 

@@ -1,6 +1,6 @@
-"""The reference store's disk tiers (harness/refstore.py; issue 29): keys, namespaces,
-corruption, prefix serving, verification, and the time ledger. Fast tier: a fake engine whose
-solo output is a pure function of its prompt."""
+"""The reference store's disk tiers (harness/refstore.py): keys, namespaces, corruption, prefix
+serving, verification, and the time ledger. Fast tier: a fake engine whose solo output is a pure
+function of its prompt."""
 
 from __future__ import annotations
 

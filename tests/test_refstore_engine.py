@@ -1,7 +1,6 @@
-"""The reference store changes no verdict (issue 29): on the real vLLM CPU engine, the same
-traces judged with the in-memory memo alone, with the disk store computing, and with every
-reference served by the store and computed again (verify 1.0), get the same classes, in
-float32 and bfloat16."""
+"""The reference store changes no verdict: on the real vLLM CPU engine, the same traces judged
+with the in-memory memo alone, with the disk store computing, and with every reference served by
+the store and computed again (verify 1.0), get the same classes, in float32 and bfloat16."""
 
 from __future__ import annotations
 

@@ -72,8 +72,8 @@ def test_sigkill_then_resume_loses_nothing_and_keeps_the_sequence(tmp_path, sess
     assert r.returncode == 0, r.stderr[-2000:]
     state = json.loads((out / "campaign.json").read_text())
     assert state["complete"] is True and state["traces"] == TRACES and state["next_index"] == TRACES
-    # A write the kill caught before its rename left a temporary file (seen in CI, 2026-11-23: a
-    # bucket file); the resume removed it.
+    # A write the kill caught before its rename leaves a temporary file (a bucket file, say);
+    # the resume removes it.
     assert not list(out.rglob(".*.tmp"))
     after = {p.name: load_finding(p) for p in (out / "findings").glob("*.json")}
     for name, f in before.items():  # nothing reported before the kill is lost or changed

@@ -174,9 +174,9 @@ def test_dying_reads_the_kernels_view_of_a_process():
 
 
 def test_a_sigkilled_server_not_yet_reaped_is_reported_dead_not_hung(tmp_path, monkeypatch):
-    """CI at c636103: the API server was SIGKILLed mid-run, waitpid() had not reported it 10 s
-    later, and the run was reported as a hang. The harness asks the kernel whether it is
-    dying, and says died, with the signal."""
+    """A server SIGKILLed mid-run may not be reaped by waitpid() for seconds, and a health check
+    that fails meanwhile would read as a hang. The harness asks the kernel whether it is dying,
+    and says died, with the signal."""
     from kvfuzz.harness import process
     from kvfuzz.harness.server import ServerEngine
     from kvfuzz.traces.errors import EngineDied

@@ -32,8 +32,8 @@ def _parsed(tmp_path: Path, **kw) -> SessionSettings:
 
 
 def test_bound_and_calibration_reach_the_batch_invariant_controls_child(tmp_path, monkeypatch):
-    """The review's suspicion (issue 31): the isolated child was built without the bound
-    overrides and calibration profiles. The child here is the real one (``kvfuzz.driver.isolated``'s
+    """The isolated child must be built with the bound overrides and calibration profiles, as
+    the parent is. The child here is the real one (``kvfuzz.driver.isolated``'s
     entry point), run in this process instead of a subprocess, with its check recorded."""
     from kvfuzz.driver import isolated
     from kvfuzz.driver.session import Session
@@ -98,8 +98,8 @@ def test_bad_shared_options_are_one_line_bad_input_naming_the_flag(kw, flag):
 
 
 def test_the_engine_pool_log_names_what_a_configuration_changes():
-    """A campaign's engine.log says which configurations its triage starts (issue 30: a LoRA
-    campaign in bfloat16 started 19 engines in 10 minutes); toggles are not an engine's."""
+    """A campaign's engine.log says which configurations its triage starts (each start costs
+    seconds, and triage may start many); toggles are not an engine's."""
     from kvfuzz.fuzzer.generate import default_engine
     from kvfuzz.harness.inprocess import _changes
 

@@ -1,6 +1,6 @@
-"""The type check (issue #31): mypy over the package as Python imports it (scripts/typecheck.py
-builds the kvfuzz.* link tree across pyproject's package-dir map). Any error fails; modules
-with known errors are listed in pyproject's [tool.mypy] overrides, and only there."""
+"""The type check: mypy over the package as Python imports it (scripts/typecheck.py builds the
+kvfuzz.* link tree across pyproject's package-dir map). Any error fails; modules with known
+errors are listed in pyproject's [tool.mypy] overrides, and only there."""
 
 from __future__ import annotations
 

@@ -1,6 +1,4 @@
-"""Fault AG (prefix-cache registration on abort): written after rule 5.11 and its last review
-(475bce2), for the acceptance runs of issue 30; neither the bucket rule nor the attribution nor
-the post-conditions were changed after it.
+"""Fault AG (prefix-cache registration on abort).
 
 When a request ends, ``KVCacheManager.free`` returns its blocks; only full blocks whose KV is
 computed were registered in the prefix cache (``cache_blocks``). With this fault, a request

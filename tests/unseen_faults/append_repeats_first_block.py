@@ -1,5 +1,4 @@
-"""Fault V (the persistent batch's block table, on append): written after bucket rule 5.2 was
-committed (653a980), for the acceptance runs of issue 30; the rule was not changed for it.
+"""Fault V (the persistent batch's block table, on append).
 
 Each step the worker appends a running request's newly allocated block ids to its row
 (``BlockTable.append_row``). With this fault, when two or more ids are appended to a row that

@@ -1,7 +1,4 @@
-"""Fault AT (the attention kernel's precision for batched rows): written after rule 5.22's last
-change (d6515d9: only between keys of the same name, which faults Y + P had shown), the near
-tie's float32 control first (e644786) and their docs, for the acceptance runs of issue 30;
-neither the bucket rule nor the attribution nor the post-conditions were changed after it.
+"""Fault AT (the attention kernel's precision for batched rows).
 
 With this fault, in a batch of two requests or more, the attention output of every row below the
 first is rounded to a coarser precision than the model's dtype before the output projection:

@@ -1,8 +1,4 @@
-"""Fault AP (the model's input token ids): written after rule 5.20 (a08b547, a name's cause: the
-name enforced on an unnamed witness) and its review, for the acceptance runs of issue 30;
-neither the bucket rule nor the attribution nor the post-conditions were changed after it, and
-it was written before any campaign of it (one smoke replay first: the victim broke worker-token, and
-was right with it enforced).
+"""Fault AP (the model's input token ids).
 
 Each step the model runner gathers each scheduled token's id from the persistent batch's token
 ids (``GPUModelRunner._prepare_inputs``: ``token_ids_cpu`` indexed by row and position, into
@@ -11,8 +7,8 @@ row whose token opens a new KV block (its position a multiple of the block size)
 row above's last scheduled token instead of its own: an index off by one row at a block
 boundary. Its KV at that position is computed from another request's token, in its own slot,
 and every later token of the request attends to it. Blocks, slots, lengths, positions and the
-sampled row are all right; it breaks ``worker-token`` (rule 5.18). A request alone is never
-hit, so its reference is right.
+sampled row are all right; it breaks ``worker-token``. A request alone is never hit, so its
+reference is right.
 """
 
 from __future__ import annotations

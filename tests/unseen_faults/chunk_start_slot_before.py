@@ -1,14 +1,13 @@
-"""Fault Z (the worker's slot mapping for prefill chunks): written after rules 5.4–5.6 and the
-per-key victim (f2bfa8c), which fault Y and the pair Y + P had shown; the bucket rule was not
-changed for it.
+"""Fault Z (the worker's slot mapping for prefill chunks).
 
 Each step the worker maps every scheduled token to a KV slot (``BlockTable
 .compute_slot_mapping``). With this fault, in a batch of two requests or more, a prefill that
 starts past position 0 — a chunk continuing a prompt, or the first chunk after a prefix-cache
 hit — writes its first token's KV into the slot before it (over the previous chunk's last
 token, or the last token of a cached block other requests may share) and leaves its own slot
-as it was. Nothing in the scheduler's or the persistent batch's records changes, so no
-post-condition kvfuzz checks breaks. A request alone is never hit, so its reference is right.
+as it was. Nothing in the scheduler's or the persistent batch's records changes; the slot
+mapping disagrees with the row, which breaks ``worker-slot``. A request alone is never hit, so
+its reference is right.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""Fault AI (the model's positions for a prefill that starts past position 0): written after rule
-5.12 (529a71a, ``worker-seq-len``) for the acceptance runs of issue 30; neither the bucket rule
-nor the attribution nor the post-conditions were changed after it. The default model only (one
-KV cache group; see below).
+"""Fault AI (the model's positions for a prefill that starts past position 0). The default model
+only (one KV cache group; see below).
 
 Each step the worker computes every scheduled token's position, then the slot mapping from
 those positions (``BlockTable.compute_slot_mapping``), and the model rotates each token's query
@@ -10,8 +8,9 @@ starts past position 0 (a later chunk of a long prompt, or the rest of a prompt 
 prefix-cache hit) is handed positions one early *after* its slots were computed: its KV lands in
 the right slots, rotated for the wrong positions, and its queries too. The kind of bug of a
 position path computed apart from the slot mapping (M-RoPE positions under chunked prefill).
-Every record kvfuzz checked then agrees; the KV's content is wrong (it breaks ``worker-position``,
-rule 5.13, written after it). A request alone is never hit, so its reference is right. (With two KV cache groups the second group's slots would be computed from the edited
+Every block record, slot and length agrees; the KV's content is wrong, and the positions the
+model is handed break ``worker-position``. A request alone is never hit, so its reference is
+right. (With two KV cache groups the second group's slots would be computed from the edited
 positions: the hybrid model is not its target.)
 """
 

@@ -1,6 +1,4 @@
-"""Fault Y (the attention kernel's block table): written after rule 5.4 (4ffa134) and after
-fault X, which flipped no token in its first campaigns; the bucket rule was not changed for
-either.
+"""Fault Y (the attention kernel's block table).
 
 Each step the CPU attention backend hands its kernel the batch's block table
 (``CPUAttentionMetadataBuilder.build``). With this fault, in a batch of two requests or more, a

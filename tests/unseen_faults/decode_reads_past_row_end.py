@@ -1,6 +1,4 @@
-"""Fault X (the attention kernel's view of the KV cache): written after the ablation change
-that fault W showed (4ffa134, a corruption victim that flips no token but drifts past noise
-still persists), for the acceptance runs of issue 30; the bucket rule was not changed for it.
+"""Fault X (the attention kernel's view of the KV cache).
 
 Each step the CPU attention backend builds its metadata from the batch's sequence lengths
 (``CPUAttentionMetadataBuilder.build``). With this fault, in a batch of two requests or more,
@@ -9,8 +7,8 @@ longer: its query also attends to the block of the block-table entry *past its r
 stale id left by an earlier occupant of that persistent-batch row (or the null block).
 The kind of upstream bug reported for FlashInfer (block-table entries past a row's end read
 as KV). No record of the scheduler, the allocator or the persistent batch changes, and no KV
-is written anywhere wrong, so no post-condition kvfuzz checks breaks. A request alone is never
-hit, so its reference is right.
+is written anywhere wrong; the sequence length the kernel is handed breaks ``worker-seq-len``.
+It may flip no token, only drift. A request alone is never hit, so its reference is right.
 """
 
 from __future__ import annotations

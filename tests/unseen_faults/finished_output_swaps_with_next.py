@@ -1,7 +1,4 @@
-"""Fault AS (the output processor: which request a step's tokens are delivered to): written after
-rule 5.22 and the numbers-first further minimization (01cfbe0, which fault AQ at 10 minutes had
-shown) and their docs, for the acceptance runs of issue 30; neither the bucket rule nor the
-attribution nor the post-conditions were changed after it.
+"""Fault AS (the output processor: which request a step's tokens are delivered to).
 
 Each step the engine core returns one output per request that produced tokens, and the output
 processor (``OutputProcessor.process_outputs``, in the process that serves the caller) delivers

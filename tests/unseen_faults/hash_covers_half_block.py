@@ -1,6 +1,4 @@
-"""Fault AB (the prefix cache's block hash): written after the attribution change for
-unreachable toggles (2ec6e6c), which fault AA had shown, for the acceptance runs of issue 30; the
-bucket rule and the attribution were not changed after it.
+"""Fault AB (the prefix cache's block hash).
 
 vLLM names a full block by a hash of its parent's hash and its tokens
 (``kv_cache_utils.hash_block_tokens``). With this fault the hash covers only the first half of

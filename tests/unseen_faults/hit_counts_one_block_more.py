@@ -1,6 +1,4 @@
-"""Fault AC (the prefix-cache hit's token count): written after the last bucket rule change
-(rule 5.8, 59564ec) and its review (dba6060), for the acceptance runs of issue 30; neither the
-bucket rule nor the attribution was changed after it.
+"""Fault AC (the prefix-cache hit's token count).
 
 ``KVCacheManager.get_computed_blocks`` returns the blocks a request's prompt hits and how many
 of its tokens they hold. With this fault a hit of two blocks or more reports one block more
@@ -10,7 +8,8 @@ it allocates a block for them and never computes their KV, so the request reads 
 block last held (another prompt's KV, or nothing). After the step the block is registered in the
 prefix cache under its tokens' hash, so a later request that hits it reads the same wrong KV:
 one cause, two ways to see it. The symptom of the external-KV reports (a connector claims more
-tokens than it loaded). A request alone on a clean cache hits nothing, so its reference is right.
+tokens than it loaded). Its readers break ``held-block-unwritten``. A request alone on a clean
+cache hits nothing, so its reference is right.
 """
 
 from __future__ import annotations

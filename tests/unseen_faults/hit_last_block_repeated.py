@@ -1,5 +1,4 @@
-"""Fault R (the prefix-cache hit's block list): written after the bucket rule was frozen
-(issue 30: the acceptance runs use a fault the rule was not tuned on).
+"""Fault R (the prefix-cache hit's block list).
 
 ``KVCacheManager.get_computed_blocks`` returns the cached blocks a request's prompt hits, in
 prompt order; they become the head of its block table. With this fault a hit of two blocks or

@@ -1,5 +1,4 @@
-"""Fault U (a prefix hit's reference count): written after bucket rule 5 was committed
-(000a882), for the acceptance runs of issue 30; the rule was not changed for it.
+"""Fault U (a prefix hit's reference count).
 
 A request admitted with a prefix-cache hit takes a reference on each hit block
 (``SingleTypeKVCacheManager.add_local_computed_blocks`` -> ``BlockPool.touch``), so a block
@@ -10,8 +9,7 @@ queue comes round to it the allocator hands it to another request, whose KV over
 reader's prefix. The reader's own free of that block is skipped (its reference was never
 taken), so the pool's accounting balances once every holder has left and nothing crashes. It
 needs prefix caching, a hit on a block in use (concurrent requests) and block reuse (KV
-pressure). (A first fault U, a cancel that freed a shared block twice, was dropped before any
-campaign ran: the built-in toggle ``fault-cancel-frees-shared-blocks`` implements that bug.)
+pressure).
 """
 
 from __future__ import annotations

@@ -1,7 +1,4 @@
-"""Fault AO (the attention kernel's causal mask): written after rule 5.19 (the second cause on
-one victim, 2804c96) and fault AN's withdrawal, for the acceptance runs of issue 30; neither the
-bucket rule nor the attribution nor the post-conditions were changed after it, and it was
-written before any run of it.
+"""Fault AO (the attention kernel's causal mask).
 
 Each step the CPU attention backend builds its metadata (``CPUAttentionMetadataBuilder.build``)
 with one causal flag for the whole batch. With this fault the flag is decided from the batch's

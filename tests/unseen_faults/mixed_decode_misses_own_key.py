@@ -1,6 +1,4 @@
-"""Fault AH (the attention kernel's sequence lengths): written after rule 5.11 and its last
-review (475bce2), for the acceptance runs of issue 30; neither the bucket rule nor the
-attribution nor the post-conditions were changed after it.
+"""Fault AH (the attention kernel's sequence lengths).
 
 Each step the CPU attention backend builds its metadata from the batch's sequence lengths
 (``CPUAttentionMetadataBuilder.build``). With this fault, in a batch that mixes a prefill (a
@@ -8,9 +6,8 @@ request scheduled for more than one token) with decodes, each decode is given a 
 one short: its query attends to every key but its own newest one, whose KV was written where it
 belongs. The kind of off-by-one between computed tokens and sequence lengths reported for mixed
 prefill/decode batches. No record of the scheduler, the allocator or the persistent batch
-changes and every KV lands in its slot, so no post-condition kvfuzz checked then breaks (it
-breaks ``worker-seq-len``, rule 5.12, written after it). A request alone is never hit, so its
-reference is right.
+changes and every KV lands in its slot; the sequence length the kernel is handed breaks
+``worker-seq-len``. A request alone is never hit, so its reference is right.
 """
 
 from __future__ import annotations

@@ -1,6 +1,4 @@
-"""Fault AF (the persistent batch's computed-token count): written after rule 5.11 (ab4ce78, the
-``worker-adapter`` post-condition) and its review (249af04), for the acceptance runs of issue
-30; neither the bucket rule nor the attribution was changed after it.
+"""Fault AF (the persistent batch's computed-token count).
 
 When a request leaves the persistent batch, ``InputBatch.condense`` moves the request in the
 last row into the hole, with its count of computed tokens (``num_computed_tokens_cpu``). With

@@ -1,6 +1,4 @@
-"""Fault AE (the persistent batch's LoRA mapping): written after rule 5.10 (05d1d43, the
-``held-block-released`` post-condition), for the acceptance runs of issue 30; neither the bucket
-rule nor the attribution was changed after it. Only LoRA campaigns (``--lora``) reach it.
+"""Fault AE (the persistent batch's LoRA mapping). Only LoRA campaigns (``--lora``) reach it.
 
 When a request leaves the persistent batch, ``InputBatch.condense`` moves the request in the
 last row into the hole, with its LoRA adapter (``request_lora_mapping``). With this fault a

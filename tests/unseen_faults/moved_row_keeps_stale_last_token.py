@@ -1,6 +1,4 @@
-"""Fault AA (the persistent batch's token ids, the model's input): written after the
-``worker-slot`` post-condition (d2313a7) and rule 5.7 (fee862f), for the acceptance runs of
-issue 30; the bucket rule was not changed after it.
+"""Fault AA (the persistent batch's token ids, the model's input).
 
 When a request leaves the persistent batch, ``InputBatch.condense`` moves the request in the
 last row into the hole, copying its token ids (``token_ids_cpu``). With this fault the copy
@@ -8,7 +6,8 @@ stops one token short: the moved request's last token — the one its next decod
 model — is the hole's old content (the departed request's token at that position, or 0). The
 request computes that token's KV from the wrong input and samples from it. Nothing in the
 scheduler's or the worker's block records changes (its blocks, rows and slots are right: only
-the KV *content* is wrong), so no post-condition kvfuzz checks breaks. It needs concurrent
+the KV *content* is wrong); the token the model is handed is the shape ``worker-token``
+checks. It needs concurrent
 requests, one leaving while a later one continues; a request alone is never moved, so its
 reference is right.
 """

@@ -1,14 +1,12 @@
-"""Fault W (the worker's slot mapping, where each scheduled token's KV is written): written after
-bucket rule 5.3 was committed (0da9af8), for the acceptance runs of issue 30; the rule was not
-changed for it.
+"""Fault W (the worker's slot mapping, where each scheduled token's KV is written).
 
 Each step the worker maps every scheduled token to a KV slot (block id x block size + offset,
 ``BlockTable.compute_slot_mapping``). With this fault, in a batch of two requests or more, a
 decode token that opens a new block is written to offset 0 of the request's *previous* block:
 it overwrites the KV of that block's first token and leaves its own slot unwritten. Nothing in
 the scheduler's or the persistent batch's records changes (block tables, reference counts and
-the prefix-cache map are all right), so none of vLLM's post-conditions that kvfuzz checks
-breaks: the bucket falls back to the ablation verdicts. Where the previous block is a
+the prefix-cache map are all right); the slot mapping disagrees with the row, which breaks
+``worker-slot``. Where the previous block is a
 prefix-cache block that other requests share, their KV is overwritten too. A request alone is
 never hit, so its reference is right.
 """

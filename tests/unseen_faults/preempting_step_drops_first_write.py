@@ -1,7 +1,4 @@
-"""Fault AR (the KV cache write in a step that preempts): written after rule 5.22 (2b860da, an
-unsettled split near a campaign's end joins, which fault AQ had shown) and its docs, for the
-acceptance runs of issue 30; neither the bucket rule nor the attribution nor the
-post-conditions were changed after it.
+"""Fault AR (the KV cache write in a step that preempts).
 
 When the scheduler runs out of KV blocks it preempts a running request in the middle of
 ``schedule()`` (``Scheduler._preempt_request``; the step's ``SchedulerOutput.preempted_req_ids``

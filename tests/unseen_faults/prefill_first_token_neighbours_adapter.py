@@ -1,9 +1,6 @@
-"""Fault AM (the LoRA token mapping at a prefill's first token): written after rule 5.18
-(5560fff, ``worker-token``), the null-block fix of ``held-block-released`` (4bd7b74) and their
-reviews (f8306e8), for the acceptance runs of issue 30; neither the bucket rule nor the
-attribution nor the post-conditions were changed after it, and it was written before any run of
-it. LoRA campaigns only (``--lora``; ``--arms clean`` so the real CPU LoRA bug is fixed in the
-runs and this fault is the one cause left).
+"""Fault AM (the LoRA token mapping at a prefill's first token). LoRA campaigns only
+(``--lora``; ``--arms clean`` so the real CPU LoRA bug is fixed in the runs and this fault is
+the one cause left).
 
 Each step the runner maps every scheduled token to its request's adapter
 (``InputBatch.make_lora_inputs``: the row's adapter repeated once per scheduled token). With this

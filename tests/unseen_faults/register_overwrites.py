@@ -1,5 +1,4 @@
-"""Fault S (prefix-cache registration): written after the bucket rule's second change
-(8641580), so neither freeze was tuned on it (issue 30).
+"""Fault S (prefix-cache registration).
 
 ``BlockPool.cache_full_blocks`` registers a request's newly full blocks under their hashes, in
 prompt order. With this fault, a block whose hash's first byte is a multiple of 4 also
@@ -8,9 +7,9 @@ hash now finds this block: a later request whose prefix reaches it is given a bl
 other tokens' KV. Blocks' own records and reference counts are untouched (the overwritten
 entry is only in the map; evicting the real block finds the entry is not its own and leaves
 it), so nothing crashes. It needs prefix caching and a request that fills two blocks in one
-step. Deterministic: it depends on the tokens and the schedule only (a first version with a
-process-wide counter fired differently in each arm, and attribution then "explained" it by
-whichever fix's arm it missed; docs/oracle.md "Buckets", known limits).
+step. Deterministic: it depends on the tokens and the schedule only. A fault that fires
+differently in each arm (a process-wide counter, say) is "explained" by whichever fix's arm it
+missed (docs/oracle.md "Buckets", known limits).
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""Fault AQ (the LoRA slots' weights): written after rule 5.21 (287382b, a smaller witness before
-a split, which fault AJ in bfloat16 had shown) and its docs, for the acceptance runs of issue 30;
-neither the bucket rule nor the attribution nor the post-conditions were changed after it. Only
-LoRA campaigns (``--lora``) reach it, and only with more adapters than slots.
+"""Fault AQ (the LoRA slots' weights). Only LoRA campaigns (``--lora``) reach it, and only with
+more adapters than slots.
 
 vLLM keeps at most ``max_loras`` adapters in its device slots. ``LoRAModelManager.activate_adapter``
 puts an adapter into the first free slot and copies its weights there; an adapter evicted to make
@@ -15,10 +13,9 @@ adapter's eviction from CPU memory and reload (the reports of a runtime ``add_lo
 one user's request with another user's adapter). A removal through the API (``remove_lora``)
 resets the memory, so kvfuzz's clean slate, which removes every adapter, leaves none behind; an
 adapter's eviction from CPU memory and its reload do not. A request alone never needs
-another adapter in between: its reference is right. (Its first version, 4778e35, forgot only at
-a fresh slot layout, which kvfuzz's clean slate reset but a run's first step set again: its
-memory leaked from one run into the next, and its first campaigns split on that; the fault was
-fixed, not the rule.)
+another adapter in between: its reference is right. The memory must not outlive kvfuzz's clean
+slate: a fault whose state carries from one run into the next fires in one arm and not another,
+and is "explained" by whichever arm's re-run it missed (docs/oracle.md "Buckets", known limits).
 """
 
 from __future__ import annotations

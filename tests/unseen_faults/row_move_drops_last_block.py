@@ -1,5 +1,4 @@
-"""Fault T (the persistent batch's block table): written after bucket rule 4 was committed
-(fc92d46), for the acceptance runs of issue 30; the rule was not changed after it.
+"""Fault T (the persistent batch's block table).
 
 When a request leaves the persistent batch, ``InputBatch.condense`` moves the request in the
 last row into the hole (``BlockTable.move_row``: the row's block ids and its length). With this

@@ -1,6 +1,4 @@
-"""Fault AD (the sliding window's block release): written after rule 5.9 (3c25a0c, the
-``held-block-unwritten`` post-condition), for the acceptance runs of issue 30; neither the
-bucket rule nor the attribution was changed after it. Only the hybrid model
+"""Fault AD (the sliding window's block release). Only the hybrid model
 (``--model embedded:tiny-hybrid``: a full-attention layer and a sliding-window layer) has a
 sliding-window KV cache group.
 

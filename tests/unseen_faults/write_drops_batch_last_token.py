@@ -1,6 +1,4 @@
-"""Fault AJ (the KV cache write): written after rule 5.13 (48df392, ``worker-position``) and its
-review (abf86fd), for the acceptance runs of issue 30; neither the bucket rule nor the
-attribution nor the post-conditions were changed after it.
+"""Fault AJ (the KV cache write).
 
 Each step every attention layer writes the step's keys and values into the paged cache
 (``CPUAttentionBackendImpl.do_kv_cache_update``, ``cpu_attn_reshape_and_cache``) at the slots the
