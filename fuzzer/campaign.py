@@ -26,12 +26,13 @@ from typing import Any, Literal
 
 from kvfuzz.traces import CampaignOrigin, EngineConfig, Finding, LineageLink, Trace, atomic_write_text, save, sweep_partial_writes
 from kvfuzz.traces.buckets import Bucket, BucketDescription, BucketKey, BucketMembership, Triaged, bucket_from_state, live
-from kvfuzz.traces.errors import BadInput
+from kvfuzz.traces.errors import BadInput, ConfigRefused
 from kvfuzz.traces.io import finding_path
 from kvfuzz.traces.result import Checked
 from kvfuzz.traces.timing import GENERATION, TRIAGE, Ledger, TimeBreakdown
 
 from .corpus import Corpus, CorpusEntry, Item, Scheduler, Seed, measured_key, now
+from . import configs
 from .feedback import SPEC_ACCEPTED, Coverage, trace_signature
 from .generate import GenOptions, generate
 from .mutate import mutate, mutate_into
@@ -158,6 +159,10 @@ class CampaignState:
     request_fields: dict[str, int] = field(default_factory=dict)
     # Traces run with speculative decoding, and those whose run accepted draft tokens.
     speculative: dict[str, int] = field(default_factory=dict)
+    # Traces per engine configuration region (fuzzer/configs.py), and engine configurations the
+    # release or backend refused (reason -> traces skipped).
+    configs: dict[str, int] = field(default_factory=dict)
+    refused: dict[str, int] = field(default_factory=dict)
     # Where the time went, seconds per phase, and the reference store's counts and hit rate
     # (traces/timing.py TimeBreakdown.state_parts; summed over resumed sessions).
     time: dict[str, float] = field(default_factory=dict)
@@ -171,6 +176,8 @@ class CampaignState:
             fields = send.per_request_fields
             for f in [*fields, "any"] if fields else []:
                 self.request_fields[f] = self.request_fields.get(f, 0) + 1
+        region = configs.region(trace.engine)
+        self.configs[region] = self.configs.get(region, 0) + 1
         if trace.engine.speculative is not None:
             self.speculative["traces"] = self.speculative.get("traces", 0) + 1
             if any(f.startswith(SPEC_ACCEPTED) and f != f"{SPEC_ACCEPTED}0" for f in features):
@@ -479,8 +486,15 @@ def run_campaign(opts: CampaignOptions, check_trace: Callable[[Trace], Checked |
             trace, source = camp.next_trace(i)
         # Everything check_trace spends outside runs, references and scorings is triage's.
         ledger.fresh = True
-        with ledger.span(TRIAGE):
-            result = check_trace(trace)
+        try:
+            with ledger.span(TRIAGE):
+                result = check_trace(trace)
+        except ConfigRefused as e:
+            # The engine refused this trace's configuration: skipped, the reason counted.
+            ledger.fresh = False
+            state.refused[e.reason] = state.refused.get(e.reason, 0) + 1
+            state.next_index = i + 1
+            continue
         ledger.fresh = False
         checked, members, cases = ((result.checked, result.buckets, result.cases) if isinstance(result, Triaged)
                                    else (result, None, None))

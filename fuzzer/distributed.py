@@ -76,6 +76,8 @@ class Result:
     time: TimeBreakdown | None = None
     # The witness of each bucket the finding opens (``Triaged.cases``).
     cases: dict[str, Finding] = field(default_factory=dict)
+    # The engine refused the trace's configuration (``ConfigRefused``): skipped, this reason counted.
+    refused: str | None = None
 
 
 @dataclass
@@ -320,6 +322,11 @@ class Driver:
         st = self.state
         i = res.index
         trace, source = self.generated.pop(i)
+        if res.refused is not None:
+            st.refused[res.refused] = st.refused.get(res.refused, 0) + 1
+            st.next_index = i + 1
+            self._generate(i + self.window)
+            return
         buckets = frozenset(res.buckets)
         before = (st.buckets, st.findings)
         novel = self.camp.learn(i, trace, source, buckets)

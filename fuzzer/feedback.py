@@ -19,7 +19,9 @@ from dataclasses import dataclass, field
 from kvfuzz.traces import EventRecord, History, RequestRecord, Trace
 from kvfuzz.traces.trace import ReloadAdapterEvent
 
+from . import configs
 from .lifecycle import shares_prefix
+from .shapes import shared_prefix_tokens
 
 Signature = frozenset[str]
 
@@ -76,10 +78,14 @@ def signature(history: History, trace: Trace | None = None) -> Signature:
         _metric_features(history, bs, f)
     _request_features(history, bs, f)
     if trace is not None:
+        # The engine's configuration region: the corpus keeps a trace per region.
+        f.add(f"config:{configs.region(trace.engine)}")
         _request_state_features(history, trace, f)
         if trace.engine.speculative is not None:
             _speculative_features(history, trace, f)
     _event_features(history, f)
+    if any(e.kind == RESET for e in history.events):
+        _reset_features(history, trace, f)
     if is_lifecycle_run(history, trace):
         _lifecycle_features(history, trace, f)
     if history.crashed:
@@ -281,6 +287,8 @@ def _event_features(h: History, f: set[str]) -> None:
     # A send that lands within a few steps after an effective cancel reuses the freed blocks.
     last_cancel: int | None = None
     for e in sorted(h.events, key=lambda e: (e.actual_step if e.actual_step is not None else -1, e.index)):
+        if e.kind == RESET:
+            continue  # _reset_features
         if e.kind == "cancel":
             if not e.effective:
                 f.add("cancel:after-finish")
@@ -289,6 +297,47 @@ def _event_features(h: History, f: set[str]) -> None:
         elif last_cancel is not None and e.actual_step is not None and e.actual_step - last_cancel <= 4:
             f.add(f"send-after-cancel:{e.actual_step - last_cancel}")
             last_cancel = None
+
+
+RESET = "reset-prefix-cache"
+
+
+def _reset_features(h: History, trace: Trace | None, f: set[str]) -> None:
+    """Prefix-cache resets (``reset-prefix-cache`` events; only runs with one get these, so other
+    signatures are unchanged): how each landed, with or without ``reset_running_requests`` —
+    done, declined (blocks still held), unreported or refused by a server — how many requests
+    were in flight and how many it preempted (in-process), and requests admitted after it that
+    were served cached blocks, sharing a prefix with a request admitted before it: a hit on
+    blocks computed after the reset, which is where a reset's bookkeeping can go wrong."""
+    events = trace.events if trace is not None else []
+    sends = {s.request_id: s for s in trace.sends} if trace is not None else {}
+    bs = trace.engine.block_size if trace is not None else 32
+    admitted: list[str] = []
+    resets: list[tuple[EventRecord, list[str]]] = []  # (reset, requests admitted before it)
+    for e in h.events:  # in the order the harness applied them
+        if e.kind == "send":
+            admitted.append(e.request_id)
+        if e.kind != RESET:
+            continue
+        ev = events[e.index] if 0 <= e.index < len(events) else None
+        mode = "running" if getattr(ev, "reset_running_requests", False) else "plain"
+        f.add(f"reset:{mode}:{'refused' if e.error else e.reset or ('done' if e.effective else 'declined')}")
+        inflight = [rid for rid, r in h.requests.items() if _in_flight(e, r, rid.split("#")[0] in admitted)]
+        f.add(f"reset:{mode}:in-flight:{_size(len(inflight))}")
+        if e.preempted:
+            f.add(f"reset:preempted:{_size(len(e.preempted))}")
+        resets.append((e, list(admitted)))
+    for e, before in resets:
+        if not e.effective:
+            continue
+        for rid in admitted[len(before):]:
+            r = h.requests.get(rid)
+            if r is None or not r.num_cached_tokens:
+                continue
+            s = sends.get(rid)
+            shared = s is not None and any(b in sends and min(shared_prefix_tokens(sends[b], s), s.prompt.length - 1) >= bs
+                                           for b in before)
+            f.add("reset:after:cached" + (":shares-prefix" if shared else ""))
 
 
 LIFECYCLE_KINDS = ("load-adapter", "unload-adapter", "reload-adapter")

@@ -12,7 +12,11 @@ preemption. Without them random traces reached those states in a few traces per 
 a prefix of its v2 events. ``random-v3`` is v2's schedule with per-request state on a share of
 its sends (fuzzer/requests.py, its own random stream): the same sends at the same steps;
 ``random-v4`` draws bad words among that state too; ``random-v5`` also runs a share of its
-traces with ngram speculative decoding (its own random stream: the other traces are v4's).
+traces with ngram speculative decoding (its own random stream: the other traces are v4's);
+``random-v6`` moves one engine knob on a share of its traces (fuzzer/configs.py; `kvfuzz run`'s
+default) and empties the prefix cache once in a share of them, half of those resetting the
+running requests too (``shapes.prefix_cache_reset``); each on its own stream, so a trace that
+draws neither is v5's.
 
 ``GenOptions(lifecycle=True)`` selects the lifecycle generator (``lifecycle-v1``,
 ``generate_lifecycle``): adapter names loaded, unloaded and reloaded between sends (docs/fuzzer.md,
@@ -34,10 +38,10 @@ from kvfuzz.traces.trace import (
     UnloadAdapterEvent,
 )
 
-from . import hybrid, lifecycle, requests, shapes
+from . import configs, hybrid, lifecycle, requests, shapes
 from .reuse import reuse_prompts
 
-GENERATOR = "random-v5"
+GENERATOR = "random-v6"
 
 EMBEDDED_ADAPTERS = {"a": "embedded:a", "b": "embedded:b", "c": "embedded:c"}
 
@@ -111,6 +115,13 @@ class GenOptions:
     # The probability that a trace's engine runs ngram speculative decoding (in-process only,
     # as above); most of its sends then restrict their output so drafts are accepted.
     p_spec: float = 0.2
+    # The probability that a trace empties the prefix cache once while a request runs, before a
+    # request sharing its prefix; half of them with reset_running_requests (every running request
+    # preempted and recomputed). shapes.prefix_cache_reset.
+    p_reset: float = 0.1
+    # The probability that a trace's engine has one scheduler or KV-cache knob moved
+    # (fuzzer/configs.py; the embedded default model only). `kvfuzz run` draws 0.4 in-process.
+    p_config: float = 0.0
 
 
 def _length(rng: random.Random, bs: int, opts: GenOptions) -> int:
@@ -129,6 +140,8 @@ def generate(seed: int, engine: EngineConfig | None = None, opts: GenOptions | N
     rng = random.Random(seed)
     engine = engine or default_engine()
     opts = opts or GenOptions(adapters=sorted(engine.lora.adapters) if engine.lora.enabled else [])
+    if engine.model == EMBEDDED_MODEL and engine.kv_connector is None:
+        engine = configs.draw(seed, engine, opts.p_config)
     bs = engine.block_size
     n = rng.randint(opts.min_requests, opts.max_requests)
     groups = [f"g{seed}-{i}" for i in range(rng.randint(1, 3))]
@@ -168,9 +181,22 @@ def generate(seed: int, engine: EngineConfig | None = None, opts: GenOptions | N
     events = _additions(rng, engine, opts, events, step)
     dressed, engine = requests.dress(events, seed, engine, share=opts.request_state, p_priority=opts.p_priority,
                                      p_embeds=opts.p_embeds, p_spec=opts.p_spec)
-    plain = opts.request_state <= 0 and opts.p_priority <= 0 and opts.p_embeds <= 0 and opts.p_spec <= 0
+    dressed = _reset(dressed, seed, engine, opts.p_reset)
+    plain = (opts.request_state <= 0 and opts.p_priority <= 0 and opts.p_embeds <= 0 and opts.p_spec <= 0
+             and opts.p_reset <= 0 and opts.p_config <= 0)
+    name = "random-v2" if plain else GENERATOR
     return Trace(engine=engine, events=dressed, name=f"random-{seed}",
-                 lineage=Lineage(generator="random-v2" if plain else GENERATOR, seed=seed))
+                 lineage=Lineage(generator=name, seed=seed))
+
+
+def _reset(events: list, seed: int, engine: EngineConfig, p: float) -> list:
+    """With probability ``p``, ``events`` with one prefix-cache reset (``shapes.prefix_cache_reset``;
+    half of them with ``reset_running_requests``). Its own random stream, drawn last: a trace
+    without a reset is the one drawn before."""
+    rng = random.Random(f"kvfuzz/reset-prefix-cache/{seed}")
+    if p <= 0 or rng.random() >= p:
+        return events
+    return shapes.prefix_cache_reset(engine, rng, events, running=rng.random() < 0.5) or events
 
 
 def _additions(rng: random.Random, engine: EngineConfig, opts: GenOptions, events: list, last: int) -> list:

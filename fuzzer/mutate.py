@@ -30,9 +30,16 @@ from kvfuzz.traces import (
     TokenPrompt,
     Trace,
 )
-from kvfuzz.traces.trace import Event, LoadAdapterEvent, Prompt, ReloadAdapterEvent, UnloadAdapterEvent
+from kvfuzz.traces.trace import (
+    Event,
+    LoadAdapterEvent,
+    Prompt,
+    ReloadAdapterEvent,
+    ResetPrefixCacheEvent,
+    UnloadAdapterEvent,
+)
 
-from . import lifecycle, shapes
+from . import configs, lifecycle, shapes
 from .lifecycle import overwrites_in_flight
 from .requests import with_knobs_of, without_knobs
 from .shapes import at_step, embedded_bytes_per_token, fresh_id, kv_capacity_tokens  # noqa: F401  (kv_capacity_tokens: public)
@@ -54,15 +61,18 @@ class Operator:
     # An adapter-lifecycle operator: drawn only by lifecycle campaigns (``kvfuzz run
     # --lifecycle``) or when named, so other campaigns keep their mutant sequence.
     lifecycle: bool = False
+    # A prefix-cache reset operator: drawn only for a trace that already carries a reset (or when
+    # named), so the mutants of every other trace are drawn as before.
+    resets: bool = False
 
 
 OPERATORS: dict[str, Operator] = {}
 
 
 def operator(name: str, mechanism: str, *, weight: float = 1.0, changes_engine: bool = False,
-             lifecycle: bool = False) -> Callable[[OperatorFn], OperatorFn]:
+             lifecycle: bool = False, resets: bool = False) -> Callable[[OperatorFn], OperatorFn]:
     def deco(fn: OperatorFn) -> OperatorFn:
-        OPERATORS[name] = Operator(name, fn, mechanism, weight, changes_engine, lifecycle)
+        OPERATORS[name] = Operator(name, fn, mechanism, weight, changes_engine, lifecycle, resets)
         return fn
 
     return deco
@@ -366,6 +376,22 @@ def op_small_kv(trace: Trace, rng: random.Random) -> Trace | None:
                     sort=False)
 
 
+@operator("engine_knob", "One scheduler or KV-cache knob of the engine moved, or moved back (prefix caching or "
+                         "chunked prefill off, block size, max sequences, token budget, long-prefill cap: "
+                         "fuzzer/configs.py): the same schedule down another path. The regions are few, so the "
+                         "campaign's engine pool keeps an engine for each (an engine change: drawn only "
+                         "when engine changes are allowed).", weight=0.6, changes_engine=True)
+def op_engine_knob(trace: Trace, rng: random.Random) -> Trace | None:
+    if trace.engine.model != EMBEDDED_MODEL or trace.engine.kv_connector is not None:
+        return None
+    engine = configs.mutate_knob(trace.engine, rng)
+    if engine is None:
+        return None
+    if engine.long_prefill_token_threshold is not None and trace.schema_version < 5:
+        trace = trace.model_copy(update={"schema_version": 5})
+    return _rebuild(trace, list(trace.events), engine=engine, sort=False)
+
+
 @operator("cancel_timing", "A cancel placed relative to the request's life: 0 tokens (mid-prefill; the "
                            "prompt is made longer than one step's token budget so the prefill is chunked), "
                            "after the first token, or after N tokens — each frees blocks in a different "
@@ -438,6 +464,37 @@ def op_drop(trace: Trace, rng: random.Random) -> Trace | None:
     else:
         events = [e for e in trace.events if e is not victim]
     return _rebuild(trace, events)
+
+
+# -- prefix-cache resets (drawn only for a trace that carries one, or when named) --------------
+
+
+def _v5(trace: Trace) -> Trace:
+    """The trace at schema 5 (reset-prefix-cache events need it); validated on rebuild."""
+    return trace if trace.schema_version >= 5 else trace.model_copy(update={"schema_version": 5})
+
+
+@operator("reset_cache", "Empties the prefix cache while a request runs, before a later request sharing its "
+                         "prompt prefix (shapes.prefix_cache_reset), or moves such a reset to another pair, flips "
+                         "its reset_running_requests, or removes it: with it every running request is preempted "
+                         "and recomputed, and the later request's prefix-cache hit lands on blocks recomputed after "
+                         "the reset; without it vLLM declines while blocks are held.", resets=True)
+def op_reset_cache(trace: Trace, rng: random.Random) -> Trace | None:
+    eng = trace.engine
+    resets = trace.resets
+    r = rng.random()
+    if resets and r < 0.6:
+        e = rng.choice(resets)
+        if r < 0.25:
+            return _rebuild(trace, [x.model_copy(update={"reset_running_requests": not e.reset_running_requests})
+                                    if x is e else x for x in trace.events], sort=False)
+        rest = [x for x in trace.events if x is not e]
+        if r < 0.4:
+            return _rebuild(trace, rest, sort=False)
+        out = shapes.prefix_cache_reset(eng, rng, rest, running=e.reset_running_requests)  # moved
+    else:
+        out = shapes.prefix_cache_reset(eng, rng, list(trace.events), running=rng.random() < 0.5)
+    return None if out is None else _rebuild(_v5(trace), out)
 
 
 # -- adapter lifecycle (lifecycle campaigns: drawn only with lifecycle=True or when named) ------
@@ -644,12 +701,14 @@ def apply(trace: Trace, names: list[str], rng: random.Random) -> Trace | None:
 
 
 def choose_operators(rng: random.Random, *, allow_engine_changes: bool = False,
-                     allowed: list[str] | None = None, lifecycle: bool = False) -> list[str]:
+                     allowed: list[str] | None = None, lifecycle: bool = False, resets: bool = False) -> list[str]:
     """1–3 operators drawn by weight (stacked mutations, like AFL's havoc stage). Lifecycle
-    operators only with ``lifecycle`` or when named in ``allowed``."""
+    operators only with ``lifecycle``, prefix-cache reset operators only with ``resets`` (the
+    parent carries a reset), either when named in ``allowed``."""
     ops = [o for o in OPERATORS.values()
            if (allowed is None or o.name in allowed) and (allow_engine_changes or not o.changes_engine)
-           and (lifecycle or allowed is not None or not o.lifecycle)]
+           and (lifecycle or allowed is not None or not o.lifecycle)
+           and (resets or allowed is not None or not o.resets)]
     if not ops:
         raise ValueError("no mutation operator is allowed")
     n = rng.choice((1, 1, 1, 2, 2, 3))
@@ -663,10 +722,11 @@ def mutate(trace: Trace, rng: random.Random, *, allow_engine_changes: bool = Fal
            allowed: list[str] | None = None, tries: int = 8, lifecycle: bool = False) -> Trace:
     """A mutant of ``trace`` with its lineage: ``parent`` is the parent's trace id and
     ``operators`` the operators applied to it. Falls back to ``shift`` if nothing applies.
-    ``lifecycle``: the adapter-lifecycle operators are drawn too."""
+    ``lifecycle``: the adapter-lifecycle operators are drawn too; the prefix-cache reset
+    operators are when ``trace`` carries a reset."""
     for _ in range(tries):
         names = choose_operators(rng, allow_engine_changes=allow_engine_changes, allowed=allowed,
-                                 lifecycle=lifecycle)
+                                 lifecycle=lifecycle, resets=bool(trace.resets))
         child = apply(trace, names, rng)
         if (child is not None and len(child.events) <= MAX_EVENTS and child.trace_id() != trace.trace_id()
                 and not overwrites_in_flight(child)):  # e.g. `shift` moved a load (fuzzer/lifecycle.py)
@@ -691,6 +751,7 @@ def graft(base: Trace, donor: Trace, rng: random.Random, *, max_sends: int = 8) 
     w = min(len(sends), rng.randint(2, max(2, max_sends)))
     start = rng.randint(0, len(sends) - w)
     window_sends = sends[start:start + w]
+    window: list[SendEvent | CancelEvent | ResetPrefixCacheEvent]
     while window_sends:
         chosen = {s.request_id for s in window_sends}
         window = [e for e in donor.events if isinstance(e, (SendEvent, CancelEvent)) and e.request_id in chosen]
@@ -699,14 +760,26 @@ def graft(base: Trace, donor: Trace, rng: random.Random, *, max_sends: int = 8) 
         window_sends = window_sends[:-1]
     else:
         window = []
+    if window_sends and window:
+        # The donor's prefix-cache resets within the window's span come along (no draw: the
+        # grafts of donors without one are what they were).
+        mps = donor.engine.ms_per_step
+        span = [s.at.step_or(mps) for s in window_sends]
+        resets = [e for e in donor.resets if min(span) <= e.at.step_or(mps) <= max(span)]
+        if resets and len(base.events) + len(window) + len(resets) <= MAX_EVENTS:
+            window += resets
+            base = _v5(base)
     first = min((s for e in window if (s := step_of(e, donor)) is not None), default=0)
     shift = rng.randint(0, _last_step(base) + 2) - first
     events: list[Event] = list(base.events)
     renamed: dict[str, str] = {}
     for e in window:
+        at = e.at if step_of(e, donor) is None else moved(e.at, shift, eng)
+        if isinstance(e, ResetPrefixCacheEvent):
+            events.append(e.model_copy(update={"at": at}))
+            continue
         if e.request_id not in renamed:
             renamed[e.request_id] = fresh_id(events, f"x.{e.request_id}")
-        at = e.at if step_of(e, donor) is None else moved(e.at, shift, eng)
         events.append(e.model_copy(update={"request_id": renamed[e.request_id], "at": at}))
     child = _rebuild(base, events, engine=eng)
     if child is None and eng.speculative is not None:

@@ -14,6 +14,9 @@ random generator):
   request arrives late; their decode growth overflows the cache, so the scheduler preempts
   and later resumes (recomputes) a request on blocks that were handed out in between (the
   late 8192-token request of vllm#39146).
+- ``prefix_cache_reset``: the prefix cache emptied while a request runs, before a request
+  that shares its prefix; with ``reset_running_requests`` every running request is preempted
+  and recomputed, and the later request's hit lands on blocks recomputed after the reset.
 
 Every function returns new events; absolute times are written in both clocks (steps and
 offsets), so traces replay on the in-process engine and on a server alike.
@@ -24,8 +27,8 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from kvfuzz.traces import EMBEDDED_MODEL, At, CancelEvent, EngineConfig, GenPrompt, SendEvent, Trace
-from kvfuzz.traces.trace import Event
+from kvfuzz.traces import EMBEDDED_MODEL, At, CancelEvent, EngineConfig, GenPrompt, SendEvent, TokenPrompt, Trace
+from kvfuzz.traces.trace import Event, ResetPrefixCacheEvent
 
 
 def at_step(step: int, engine: EngineConfig) -> At:
@@ -160,3 +163,60 @@ def pressure(engine: EngineConfig, rng: random.Random, events: list[Event], step
     out.append(SendEvent(request_id=fresh_id(out, "long"), at=at_step(late, engine), max_tokens=max_tokens,
                          prompt=GenPrompt(length=long_blocks * bs - rng.choice((0, 1)), seed=rng.randrange(1 << 30))))
     return out
+
+
+def shared_prefix_tokens(a: SendEvent, b: SendEvent) -> int:
+    """Prompt tokens two sends share at their start, where a prefix-cache hit could serve them:
+    0 when adapters or tenants (``cache_salt``) differ, which vLLM keys its blocks by."""
+    if a.adapter != b.adapter or a.cache_salt != b.cache_salt:
+        return 0
+    pa, pb = a.prompt, b.prompt
+    if pa == pb:
+        return pa.length
+    if isinstance(pa, GenPrompt) and isinstance(pb, GenPrompt):
+        return min(pa.prefix_len, pb.prefix_len) if pa.prefix_group and pa.prefix_group == pb.prefix_group else 0
+    if isinstance(pa, TokenPrompt) and isinstance(pb, TokenPrompt):
+        n = 0
+        for x, y in zip(pa.token_ids, pb.token_ids):
+            if x != y:
+                break
+            n += 1
+        return n
+    return 0
+
+
+def prefix_cache_reset(engine: EngineConfig, rng: random.Random, events: list[Event], *,
+                       running: bool) -> list[Event] | None:
+    """``events`` with a prefix-cache reset (``reset_running_requests`` = ``running``) while a
+    request runs, before a later request that shares at least one block of its prompt: after
+    the reset that one can hit only blocks computed after it — the first request's recomputed
+    ones (preempted by a reset of running requests), a burst sibling's, or none (a plain reset
+    is declined while blocks are held, and empties the cache once they are not). Without such a
+    pair, after any send while it probably runs. None without sends."""
+    mps = engine.ms_per_step
+    sends = sorted((e for e in events if isinstance(e, SendEvent)), key=lambda s: s.at.step_or(mps))
+    if not sends:
+        return None
+    pairs = [(a, b) for k, a in enumerate(sends) for b in sends[k + 1:]
+             if min(shared_prefix_tokens(a, b), b.prompt.length - 1) >= engine.block_size]  # a full block
+    a, b = rng.choice(pairs) if pairs else (rng.choice(sends), None)
+    t0 = a.at.step_or(mps)
+    life = prefill_steps(a.prompt.length, engine) + a.max_tokens  # its steps alone
+    hi = t0 + max(1, life)
+    if b is not None and b.at.step_or(mps) > t0:
+        hi = min(hi, b.at.step_or(mps))  # before the later request
+    t = rng.randint(t0 + 1, max(t0 + 1, hi))
+    reset = ResetPrefixCacheEvent(at=at_step(t, engine), reset_running_requests=running)
+    out = list(events)
+    # In time order; at the later request's own step, just before it.
+    pos = next((k for k, e in enumerate(out) if e is b and t == b.at.step_or(mps)), None)
+    if pos is None:
+        pos = next((k for k, e in enumerate(out) if _planned_step(e, out, mps) > t), len(out))
+    out.insert(pos, reset)
+    return in_time_order(out, engine)
+
+
+def _planned_step(e: Event, events: list[Event], mps: float) -> int:
+    if isinstance(e, CancelEvent) and e.at.step is None and e.at.offset_ms is None:
+        return next((s.at.step_or(mps) for s in events if isinstance(s, SendEvent) and s.request_id == e.request_id), 0)
+    return e.at.step_or(mps)

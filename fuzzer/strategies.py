@@ -253,10 +253,12 @@ def mutants(draw: st.DrawFn, base: Trace | st.SearchStrategy[Trace], *,
             operators: Sequence[str] | None = None, max_ops: int = 3, lifecycle: bool = False) -> Trace:
     """A trace after 1..max_ops named mutation operators (fuzzer/mutate.py). Shrinks towards
     fewer operators and the earlier operators of ``operators`` (default: those that keep the
-    engine; with ``lifecycle``, the adapter-lifecycle operators too)."""
+    engine; with ``lifecycle``, the adapter-lifecycle operators too; for a trace with a prefix-cache
+    reset, the reset operator too, as ``mutate`` draws them)."""
     trace = draw(base) if isinstance(base, st.SearchStrategy) else base
     names = list(operators) if operators is not None else [
-        o.name for o in OPERATORS.values() if not o.changes_engine and (lifecycle or not o.lifecycle)]
+        o.name for o in OPERATORS.values() if not o.changes_engine and (lifecycle or not o.lifecycle)
+        and (bool(trace.resets) or not o.resets)]
     ops = draw(st.lists(st.sampled_from(names), min_size=1, max_size=max_ops))
     seed = draw(st.integers(0, 2**32 - 1))
     child = apply(trace, ops, random.Random(seed))

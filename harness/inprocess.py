@@ -40,6 +40,7 @@ from kvfuzz.traces.trace import (
     Binding,
     LoadAdapterEvent,
     ReloadAdapterEvent,
+    ResetPrefixCacheEvent,
     UnloadAdapterEvent,
 )
 
@@ -541,7 +542,7 @@ class InProcessEngine:
         hist = History(trace_id=trace.trace_id(), engine="inprocess", arm=arm, run_index=run_index,
                        toggles=toggles)
         # Absolute-time events in trace order within a step; relative cancels checked each step.
-        timed: list[tuple[int, int, SendEvent | CancelEvent | AdapterEvent]] = []
+        timed: list[tuple[int, int, SendEvent | CancelEvent | AdapterEvent | ResetPrefixCacheEvent]] = []
         relative: list[tuple[int, CancelEvent]] = []
         for i, ev in enumerate(trace.events):
             if isinstance(ev, CancelEvent) and ev.at.after_tokens is not None:
@@ -648,6 +649,17 @@ class InProcessEngine:
                                                    planned_offset_ms=ev.at.offset_ms, actual_offset_ms=now_ms()))
                 elif isinstance(ev, CancelEvent):
                     cancel(i, ev, planned)
+                elif isinstance(ev, ResetPrefixCacheEvent):
+                    rec_reset = EventRecord(index=i, kind=ev.kind, planned_step=planned, actual_step=step,
+                                            planned_offset_ms=ev.at.offset_ms, actual_offset_ms=now_ms())
+                    hist.events.append(rec_reset)
+                    try:
+                        self._reset_prefix_cache(ev, rec_reset, internal)
+                    except Exception as e:  # vLLM's own error: the engine's state is unknown now
+                        hist.crashed, hist.crash_kind = True, "died"
+                        hist.crash_detail = f"reset_prefix_cache before engine step {step} raised {type(e).__name__}: {e}"
+                        self._died = True
+                        break  # out of the events; the run stops below
                 else:
                     assert book is not None  # the trace validator requires lora.enabled
                     got = self._apply_lifecycle(book, ev)
@@ -655,6 +667,8 @@ class InProcessEngine:
                                                    adapter_hash=got.content_hash if got else None,
                                                    planned_step=planned, actual_step=step,
                                                    planned_offset_ms=ev.at.offset_ms, actual_offset_ms=now_ms()))
+            if hist.crashed:
+                break
             # 2) relative cancels whose condition holds
             still = []
             for i, ev in pending_rel:
@@ -792,6 +806,20 @@ class InProcessEngine:
         bound = book.reload(ev)
         llm.add_lora(self._lora_request(bound))
         return bound
+
+    def _reset_prefix_cache(self, ev: ResetPrefixCacheEvent, rec: EventRecord, internal: dict[str, str]) -> None:
+        """One prefix-cache reset through vLLM's own API, ``LLMEngine.reset_prefix_cache`` (what
+        the server's POST /reset_prefix_cache calls), between two engine steps. vLLM declines a
+        plain reset while any block is held; with ``reset_running_requests`` it first preempts
+        every running request back to the waiting queue (recorded in ``rec.preempted``; they are
+        recomputed, and the next step lists them as preempted). A KV connector's store is left
+        alone, as the endpoint's default (``reset_external`` false) leaves it."""
+        preempted: list[str] = []
+        if ev.reset_running_requests:
+            running = list(getattr(self._core().scheduler, "running", []))
+            preempted = sorted({internal.get(r.request_id, r.request_id) for r in running})
+        done = bool(self._llm.reset_prefix_cache(reset_running_requests=ev.reset_running_requests))
+        rec.effective, rec.reset, rec.preempted = done, "done" if done else "declined", preempted
 
     def _step_budget(self, trace: Trace) -> int:
         # Generous: every token of every request in its own step, plus preemption recompute.

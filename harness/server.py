@@ -310,6 +310,7 @@ class ServerEngine(HttpEngineBase):
         names = list(trace.engine.toggles if toggles is None else toggles)
         self._ensure(names)
         self._clean_slate()
+        self._require_resets(trace)
         book = self._adapter_book(trace) if trace.engine.lora.enabled else None
         if book is not None:
             self._bind_working_copies(book, trace)
@@ -374,6 +375,11 @@ class ServerEngine(HttpEngineBase):
         finally:
             if self.server is not None and self.server.alive():
                 self._drop_reference_adapter(temp)
+
+    def _server_name(self) -> str:
+        if self.options.python == sys.executable:
+            return super()._server_name()  # this environment's vLLM release
+        return f"the managed server ({self.options.python})"
 
     def _embeds_model(self, trace: Trace, send: SendEvent) -> str | None:
         """The directory the server loaded (--model): its table is the one the server embeds with."""

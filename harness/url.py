@@ -11,6 +11,10 @@ and the finding says so (``reference_note``). A send's own ``cache_salt`` (tenan
 within a trace) is joined to that isolation salt as ``isolation:own`` (``wire.combine_salts``):
 tenants stay apart within a run, and no run or reference shares blocks with another.
 
+A trace's ``reset-prefix-cache`` events need that endpoint as well (refused, exit 2, naming the
+event, on a server without it), and one with ``reset_running_requests`` a route whose OpenAPI
+document declares the parameter (harness/http/engine.py ``_require_resets``).
+
 Adapter lifecycle events use the server's runtime endpoints (``/v1/load_lora_adapter``,
 ``/v1/unload_lora_adapter``), which vLLM serves only when started with
 ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``; without them a lifecycle trace is refused (exit 2,
@@ -130,6 +134,14 @@ class UrlEngine(HttpEngineBase):
         engine = trace.engine.model_copy(update={"lora": trace.engine.lora.model_copy(update={"enabled": False})})
         return resolve_model(engine).model_path
 
+    def _reset_missing(self) -> str | None:
+        if self.reference_isolation == "reset_prefix_cache":  # it answered the probe at start
+            return None
+        return f"{self.shown_url} does not serve it (vLLM does only when started with VLLM_SERVER_DEV_MODE=1)"
+
+    def _server_name(self) -> str:
+        return self.shown_url
+
     def _require_runtime_lora(self) -> None:
         """Refuse (exit 2, one line) when the server has no runtime adapter endpoints."""
         assert self.target is not None
@@ -169,6 +181,7 @@ class UrlEngine(HttpEngineBase):
         book = None
         if trace.lifecycle:
             self._require_runtime_lora()
+        self._require_resets(trace)
         salt = self._before_run()
         if trace.lifecycle:
             book = self._adapter_book(trace)

@@ -54,6 +54,8 @@ def engine_args(config: EngineConfig, model_path: str, *, device: str = "cpu") -
         args["enable_prompt_embeds"] = True
     if config.speculative is not None:
         args["speculative_config"] = config.speculative.config()
+    if config.long_prefill_token_threshold is not None:
+        args["long_prefill_token_threshold"] = config.long_prefill_token_threshold
     args.update(config.extra_args)
     return args
 

@@ -170,6 +170,8 @@ def shape(finding: Finding) -> tuple[int, list[str]]:
         kinds.add("adapter")
     if any(getattr(s.prompt, "prefix_len", 0) for s in t.sends):
         kinds.add("shared-prefix")
+    if t.resets:
+        kinds.add("reset-prefix-cache")
     return len(t.sends), sorted(kinds)
 
 

@@ -58,13 +58,17 @@ def cancel(rid: str, step: int | None = None, *, after_tokens: int | None = None
     return CancelEvent(request_id=rid, at=at)
 
 
+# The corpus's trace format: a new schema version does not rewrite it (its traces use nothing newer).
+CORPUS_SCHEMA = 4
+
+
 def regression(name: str, engine: EngineConfig, events: list, *, report: str, shape: str, models: str,
                fails_in: list[str], **notes: str) -> Trace:
     """One corpus trace: its events in step order, the report it models (``notes``: report,
     shape, then what differs from it) and what the self-test expects."""
     events = sorted(events, key=lambda e: e.at.step or 0)
     return Trace(name=name, engine=engine, events=events, notes={"report": report, "shape": shape, **notes},
-                 expect=Expectation(models=models, fails_in=fails_in))
+                 expect=Expectation(models=models, fails_in=fails_in), schema_version=CORPUS_SCHEMA)
 
 
 def finding_00450() -> Trace:

@@ -65,7 +65,7 @@ def test_finding_round_trips_exactly_including_infinite_logprobs(tmp_path):
 
 
 @pytest.mark.parametrize("mutate,field,needle", [
-    (lambda d: d.update(schema_version=5), "schema_version", "unsupported schema_version 5"),
+    (lambda d: d.update(schema_version=6), "schema_version", "unsupported schema_version 6"),
     (lambda d: d["events"].append({"kind": "explode", "request_id": "x", "at": {"step": 1}}), "events.3", "explode"),
     (lambda d: d["events"].append({"kind": "cancel", "request_id": "nobody", "at": {"step": 1}}), "events.3.request_id" , "cancel of unknown request 'nobody'"),
     (lambda d: d["events"][0]["at"].update(step=-1), "events.0.send.at.step", "greater than or equal to 0"),

@@ -34,7 +34,7 @@ def test_v2_keeps_each_seeds_v1_events_and_adds_after_them():
     eng = default_engine(lora=True)
     adapters = sorted(eng.lora.adapters)
     for seed in range(40):
-        plain = dict(adapters=adapters, request_state=0.0, p_priority=0.0, p_embeds=0.0, p_spec=0.0)  # the schedule alone
+        plain = dict(adapters=adapters, request_state=0.0, p_priority=0.0, p_embeds=0.0, p_spec=0.0, p_reset=0.0)  # the schedule alone
         v1 = generate(seed, eng, GenOptions(**plain, p_retry=0, p_interrupted_prefill=0, p_pressure=0))
         v2 = generate(seed, eng, GenOptions(**plain))
         ids = {e.request_id for e in v1.sends}
@@ -81,7 +81,7 @@ def test_default_generation_and_mutation_are_pinned():
     ids = []
     for lora in (False, True):
         eng = default_engine(lora=lora)
-        plain = GenOptions(adapters=sorted(eng.lora.adapters) if lora else [], request_state=0.0, p_priority=0.0, p_embeds=0.0, p_spec=0.0)
+        plain = GenOptions(adapters=sorted(eng.lora.adapters) if lora else [], request_state=0.0, p_priority=0.0, p_embeds=0.0, p_spec=0.0, p_reset=0.0)
         for s in range(25):
             t = generate(s, eng, plain)
             ids += [t.trace_id(), mutate(t, random.Random(s)).trace_id()]

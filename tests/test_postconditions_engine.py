@@ -1,11 +1,11 @@
-"""Rule 5 on the real CPU engine (issue 30): faults kvfuzz has never seen break the
+"""The post-conditions on the real CPU engine: faults kvfuzz has never seen break the
 post-condition of the operation they corrupt (harness/postconditions.py). Four faults
 installed in one child process (an unseen fault is always on once installed, so never in the
 test run's shared engines): P (an eviction that leaves the prefix-cache entry), T (a
 persistent-batch row move that drops a block id) and U (a prefix hit that takes no reference on
-a block in use; written after the rule), each named on its own victims, and V (an append to a
-non-empty row that repeats its first id; written after rule 5.2), in a reference run (rule 5.3). The clean side (no break on
-unmodified vLLM) is tests/test_engine.py."""
+a block in use), each named on its own victims, and V (an append to a non-empty row that
+repeats its first id), in a reference run. The clean side (no break on unmodified vLLM) is
+tests/test_engine.py."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ eng = InProcessEngine(cfg)
 eng.start()
 out = []
 # The KV schedules these seeds draw (random-v2: no per-request state, one engine).
-plain = GenOptions(request_state=0.0, p_priority=0.0, p_embeds=0.0, p_spec=0.0)
+plain = GenOptions(request_state=0.0, p_priority=0.0, p_embeds=0.0, p_spec=0.0, p_reset=0.0)
 for seed in (1, 4):
     h = eng.replay(generate(seed, cfg, plain))
     out.append([b.model_dump(mode="json") for b in h.breaks])
@@ -60,7 +60,7 @@ def test_four_unseen_faults_each_break_their_own_post_condition():
     assert names <= {"worker-row", "map-entry-orphaned", "held-block-undercounted", "held-block-foreign",
                      "held-block-repeated", "held-block-unwritten", "held-block-derived"}, names
     # A later holder of a block a victim computed after its break reads KV derived from it
-    # (rule 5.17), named by that victim's break.
+    # (held-block-derived), named by that victim's break.
     derived = [b for run in runs for b in run if b["name"] == "held-block-derived"]
     assert all(b["root"] in ("worker-row", "map-entry-orphaned", "held-block-undercounted") for b in derived), derived
     # A slot left unwritten here is a consequence: T's, read a step after its row broke (the
@@ -79,7 +79,7 @@ def test_four_unseen_faults_each_break_their_own_post_condition():
     assert all(b["root"] in ("map-entry-orphaned", "held-block-undercounted") for b in foreign), foreign
     assert {b["root"] for run in runs for b in run if b["request"] and b["name"] != "held-block-derived"} <= {
         None, "map-entry-orphaned", "held-block-undercounted"}
-    # V (rule 5.3): a reference run records the breaks on its own request.
+    # V: a reference run records the breaks on its own request.
     ref = json.loads(next(ln for ln in p.stdout.splitlines() if ln.startswith("REF "))[4:])
     # (Its row's repeated id sent the new block's tokens elsewhere: read unwritten a step later.)
     assert [(b["name"], b["request"]) for b in ref if b["name"] != "held-block-unwritten"] == [("worker-row", "long")], ref
@@ -108,12 +108,12 @@ print("JUDGED " + json.dumps(out))
 
 
 def test_a_token_written_to_another_slot_breaks_worker_slot_on_its_request():
-    """Faults W and Z (the worker's slot mapping; written after rules 5.3 and 5.6, before this
-    check) leave every record of vLLM's in agreement; only where a token's KV was written is
-    wrong. W: a decode token that opens a new block goes to offset 0 of the block before; Z: a
-    continuing chunk's first token goes to the slot before it. Both victims of each trace break
-    ``worker-slot`` at that token, and the references (each request alone: not hit) break
-    nothing. The clean side (no break on unmodified vLLM) is tests/test_engine.py."""
+    """Faults W and Z (the worker's slot mapping) leave every record of vLLM's in agreement; only
+    where a token's KV was written is wrong. W: a decode token that opens a new block goes to
+    offset 0 of the block before; Z: a continuing chunk's first token goes to the slot before it.
+    Both victims of each trace break ``worker-slot`` at that token, and the references (each
+    request alone: not hit) break nothing. The clean side (no break on unmodified vLLM) is
+    tests/test_engine.py."""
     got = _child(WZ_SCRIPT, "unseen_faults.new_block_slot_in_previous,unseen_faults.chunk_start_slot_before",
                  judge=False)
     for trace in got.values():
@@ -183,10 +183,10 @@ VICTIM = "r1"
 
 
 def test_a_hit_that_counts_a_block_it_does_not_hold_breaks_held_block_unwritten():
-    """Fault AC (written after the last rule change; rule 5.9 was written for it): a prefix hit
-    of two blocks or more counts one block more, whose KV no step computes. No record of vLLM's
-    disagrees; the request reads a slot nothing wrote since its block was handed out. Its
-    reference (alone: no hit) breaks nothing. The clean side is tests/test_engine.py."""
+    """Fault AC: a prefix hit of two blocks or more counts one block more, whose KV no step
+    computes. No record of vLLM's disagrees; the request reads a slot nothing wrote since its
+    block was handed out. Its reference (alone: no hit) breaks nothing. The clean side is
+    tests/test_engine.py."""
     got = _child(AC_SCRIPT, "unseen_faults.hit_counts_one_block_more")
     assert [(name, r) for name, r, _ in got["breaks"]] == [("held-block-unwritten", "r1")], got
     assert got["diverged"] and got["ref_breaks"] == [], got
@@ -198,14 +198,14 @@ cfg = load_trace(sys.argv[1]).engine  # the hybrid model's configuration (127 bl
 eng = InProcessEngine(cfg)
 eng.start()
 # x.r6 decodes past its window (128) while four prompts arrive and take the free blocks:
-# AD's witness of the 3-minute bfloat16 campaign at abff882, minimized (float32 here).
+# a minimized campaign witness of AD (found in bfloat16, run in float32 here).
 spec = [("x.r6", 0, 384, 141975695, 17), ("r0", 7, 410, 324464274, 8), ("r1", 7, 477, 269801985, 8),
         ("r3", 7, 342, 453936934, 1), ("r2", 9, 446, 41130535, 6)]
 sends = [SendEvent(request_id=r, at=At(step=s), max_tokens=m, prompt=GenPrompt(length=n, seed=seed))
          for r, s, n, seed, m in spec]
 # r1_retry's prompt is r1's and one token more; its hit (the external KV r1 stored) skips the
-# blocks outside the window, and AD one block inside it: AD's witness of its 10-minute bfloat16
-# campaign at 5560fff, minimized, that opened a second bucket (float32 here).
+# blocks outside the window, and AD one block inside it: a minimized campaign witness of AD's
+# second path (found in bfloat16, run in float32 here).
 hit = [SendEvent(request_id=r, at=At(step=0), max_tokens=m,
                  prompt=GenPrompt(length=n, prefix_group="g2227455224-0", prefix_len=127, seed=260254882))
        for r, n, m in (("r1", 160, 1), ("r1_retry", 161, 3))]
@@ -214,10 +214,9 @@ print("JUDGED " + json.dumps({"window": judged(sends, "x.r6"), "hit": judged(hit
 
 
 def test_a_window_block_released_early_and_handed_to_another_breaks_held_block_released():
-    """Fault AD (written after rule 5.9; rule 5.10 was written for it): the sliding window
-    releases its oldest block one block early. The scheduler's records agree; the worker's row
-    still lists the block, and once another request holds it the window reads that request's
-    KV. The reference (alone: the block stays unused) breaks nothing."""
+    """Fault AD: the sliding window releases its oldest block one block early. The scheduler's
+    records agree; the worker's row still lists the block, and once another request holds it the
+    window reads that request's KV. The reference (alone: the block stays unused) breaks nothing."""
     regression = TESTS.parent / "traces" / "regressions" / "vllm-44409-cross-group-external.json"
     both = _child(AD_SCRIPT, "unseen_faults.window_drops_one_block_early", str(regression), judge=False)
     got = both["window"]
@@ -238,8 +237,8 @@ cfg = type(base).model_validate({**base.model_dump(), "lora": {
     "enabled": True, "adapters": {"a": "embedded:a", "b": "embedded:b"}, "max_loras": 1}})
 eng = InProcessEngine(cfg)
 eng.start()
-# r0 ends at step 4 and leaves row 0; r6 (adapter a) is moved there by condense. AE's witness
-# of the 3-minute float32 campaign at 8d74830, minimized.
+# r0 ends at step 4 and leaves row 0; r6 (adapter a) is moved there by condense. A minimized
+# campaign witness of AE.
 sends = [SendEvent(request_id="r0", at=At(step=0), max_tokens=5, prompt=GenPrompt(length=1, seed=369101016)),
          SendEvent(request_id="r6", at=At(step=4), max_tokens=2, prompt=GenPrompt(length=1, seed=730724908),
                    adapter="a")]
@@ -249,7 +248,7 @@ VICTIM = "r6"
 
 # Fault AM's witness (in AE's child; AE moves r1's row, but r1 has no adapter to drop): r1's
 # prompt is prefilled in row 1 while r0 (adapter a) decodes in row 0, so its first token runs
-# through adapter a. The witness of AM's 3-minute float32 campaign at 0df6a90, minimized.
+# through adapter a. A minimized campaign witness of AM.
 AM_WITNESS = """
 am = [SendEvent(request_id="r0", at=At(step=2), max_tokens=17, adapter="a",
                 prompt=GenPrompt(length=63, prefix_group="g0", prefix_len=32, seed=783703631)),
@@ -260,10 +259,9 @@ print("JUDGED " + json.dumps({**judged(sends, VICTIM), "am": judged(am, "r1")}))
 
 
 def test_a_moved_row_that_loses_its_adapter_breaks_worker_adapter():
-    """Fault AE (written after rule 5.10; rule 5.11 was written for it): a row moved by
-    ``condense`` loses its LoRA adapter, so the moved request's next token comes from the base
-    model. Every block record agrees; the worker's LoRA mapping of the row is not the request's
-    adapter. The reference (alone: never moved) breaks nothing."""
+    """Fault AE: a row moved by ``condense`` loses its LoRA adapter, so the moved request's next
+    token comes from the base model. Every block record agrees; the worker's LoRA mapping of the
+    row is not the request's adapter. The reference (alone: never moved) breaks nothing."""
     got = _child(AE_SCRIPT + AM_WITNESS, "unseen_faults.moved_row_drops_adapter,"
                  "unseen_faults.prefill_first_token_neighbours_adapter", judge=False)
     assert [(name, r) for name, r, _ in got["breaks"]] == [("worker-adapter", "r6")], got
@@ -295,11 +293,11 @@ print("JUDGED " + json.dumps({"crash": [h.crashed, h.crash_kind, h.crash_detail]
 
 
 def test_a_request_the_engine_schedules_forever_is_a_hang_after_stall_steps_not_the_step_budget():
-    """Fault AF (written after rule 5.11): a row moved by ``condense`` gets its computed-token
-    count one short for a step; the moved request then never produces another token, and its
-    campaigns ran every such trace to its step budget (24,073 steps once). The replay now calls
-    it a hang after ``STALL_STEPS`` steps in a row that scheduled nothing or decodes only and
-    produced no token. The engine answered every step, so ``recover`` keeps it."""
+    """Fault AF: a row moved by ``condense`` gets its computed-token count one short for a step;
+    the moved request then never produces another token, and without a stall check every such
+    trace runs to its step budget (tens of thousands of steps). The replay calls it a hang after
+    ``STALL_STEPS`` steps in a row that scheduled nothing or decodes only and produced no token.
+    The engine answered every step, so ``recover`` keeps it."""
     got = _child(AF_SCRIPT, "unseen_faults.moved_row_count_one_short", judge=False)
     assert got["crash"][:2] == [True, "hang"], got
     assert f"hang: {got['stall']} engine steps in a row" in got["crash"][2], got
@@ -314,8 +312,8 @@ AH_SCRIPT = """
 cfg = default_engine(kv_cache_bytes=24 * 2**20)
 eng = InProcessEngine(cfg)
 eng.start()
-# r0 decodes its second token while r1's prompt is prefilled beside it: AH's witness of the
-# 10-minute float32 campaign at 1d0792a, minimized.
+# r0 decodes its second token while r1's prompt is prefilled beside it: a minimized campaign
+# witness of AH.
 sends = [SendEvent(request_id="r0", at=At(step=0), max_tokens=2,
                    prompt=GenPrompt(length=63, prefix_group="g287602570-0", prefix_len=32, seed=783703631)),
          SendEvent(request_id="r1", at=At(step=1), max_tokens=1, prompt=GenPrompt(length=3, seed=591025858))]
@@ -324,11 +322,10 @@ VICTIM = "r0"
 
 
 def test_a_kernel_told_one_position_short_breaks_worker_seq_len():
-    """Fault AH (written after rule 5.11; rule 5.12 was written for it, after its 10-minute
-    campaigns split): in a batch that mixes a prefill with decodes, each decode's kernel is
-    handed a sequence length one short. No block record or slot changes; the kernel's length
-    for the decode's row is not the request's computed plus scheduled tokens. The reference
-    (alone: never beside a prefill) breaks nothing."""
+    """Fault AH: in a batch that mixes a prefill with decodes, each decode's kernel is handed a
+    sequence length one short. No block record or slot changes; the kernel's length for the
+    decode's row is not the request's computed plus scheduled tokens. The reference (alone: never
+    beside a prefill) breaks nothing."""
     got = _child(AH_SCRIPT, "unseen_faults.mixed_decode_misses_own_key")
     assert [(name, r) for name, r, _ in got["breaks"]] == [("worker-seq-len", "r0")], got
     assert got["diverged"] and got["ref_breaks"] == [], got
@@ -348,11 +345,10 @@ VICTIM = "v"
 
 
 def test_a_request_added_back_with_stale_token_ids_breaks_worker_token():
-    """Fault AL (written after rule 5.16; rule 5.18 was written for it, after its Ray bfloat16
-    campaign split): a request added back to the persistent batch keeps its row's stale token
-    ids where its output tokens belong. Every record, slot, length and position agrees; the
-    model is handed another token than the request's own. The reference (alone: never
-    preempted) breaks nothing."""
+    """Fault AL: a request added back to the persistent batch keeps its row's stale token ids
+    where its output tokens belong. Every record, slot, length and position agrees; the model is
+    handed another token than the request's own. The reference (alone: never preempted) breaks
+    nothing."""
     got = _child(AL_SCRIPT, "unseen_faults.readded_row_keeps_stale_tokens")
     assert [(name, r) for name, r, _ in got["breaks"]] == [("worker-token", "v")], got
     assert got["diverged"] and got["ref_breaks"] == [], got
@@ -372,8 +368,8 @@ ak = [SendEvent(request_id="r0", at=At(step=0), max_tokens=4, prompt=GenPrompt(l
 out["ak"] = judged(ak, "r1")
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 GPUModelRunner._prepare_inputs = GPUModelRunner._prepare_inputs.__wrapped__
-# AI's two witnesses of its 3-minute float32 campaign at e32462f, minimized: a prompt's second
-# chunk (r5, 2,062 tokens at a 2,048-token budget) and a prompt's rest after a prefix hit (r1).
+# AI's two minimized campaign witnesses: a prompt's second chunk (r5, 2,062 tokens at a
+# 2,048-token budget) and a prompt's rest after a prefix hit (r1).
 # One engine replays all three (one child process: its start is most of the test's time).
 g = "g287602570-0"
 WITNESSES = {
@@ -399,11 +395,9 @@ def ai_and_ak() -> dict:
 
 
 def test_a_prefill_handed_positions_one_early_breaks_worker_position(ai_and_ak):
-    """Fault AI (written after rule 5.12; rule 5.13 was written for it, after its 3-minute
-    campaigns split 38 + 22 on "needs prefix caching" against "needs chunked prefill"): a prefill
-    that starts past position 0 is handed positions one early after its slots were computed. Its
-    two kinds of witness (a later chunk; the rest after a prefix hit) both break
-    ``worker-position``; the reference (alone) breaks nothing."""
+    """Fault AI: a prefill that starts past position 0 is handed positions one early after its
+    slots were computed. Its two kinds of witness (a later chunk; the rest after a prefix hit)
+    both break ``worker-position``; the reference (alone) breaks nothing."""
     for path, victim in (("chunk", "r5"), ("hit", "r1")):
         got = ai_and_ak[path]
         assert [(name, r) for name, r, _ in got["breaks"]] == [("worker-position", victim)], (path, got)
@@ -412,10 +406,9 @@ def test_a_prefill_handed_positions_one_early_breaks_worker_position(ai_and_ak):
 
 
 def test_a_prefill_sampled_from_the_row_above_breaks_worker_sample_row(ai_and_ak):
-    """Fault AK (written after rule 5.14; ``worker-sample-row`` was written for it, after AK and
-    AJ on at once gave one bucket): a prefill that ends below the batch's first row samples its
-    first token from the row above's hidden state. Its blocks, slots, lengths and positions are
-    right; only the sampled row is not its own. The reference (alone) breaks nothing."""
+    """Fault AK: a prefill that ends below the batch's first row samples its first token from the
+    row above's hidden state. Its blocks, slots, lengths and positions are right; only the
+    sampled row is not its own. The reference (alone) breaks nothing."""
     got = ai_and_ak["ak"]
     assert [(name, r) for name, r, _ in got["breaks"]] == [("worker-sample-row", "r1")], got
     assert got["diverged"] and got["ref_breaks"] == [], got

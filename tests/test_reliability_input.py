@@ -38,7 +38,7 @@ def lora_engine(adapters: dict) -> dict:
 # name -> (file content (None: no file), extra CLI args, field named, message needle)
 CASES = {
     "malformed JSON": ('{"schema_version": 1, "events": [', None, None, "malformed JSON"),
-    "wrong schema_version": (trace_with(schema_version=7), None, "schema_version", "unsupported schema_version 7"),
+    "wrong schema_version": (trace_with(schema_version=6), None, "schema_version", "unsupported schema_version 6"),
     "unknown event kind": (trace_with(events=[{**GOOD_SEND, "kind": "explode"}]), None, "events.0",
                            "does not match any of the expected tags"),
     "cancel of an unknown request": (trace_with(events=[GOOD_SEND, {"kind": "cancel", "request_id": "ghost",
@@ -117,13 +117,13 @@ def test_bad_input_table(name, debug, tmp_path, busy_port, capsys, monkeypatch):
 
 def test_bad_input_in_a_real_subprocess(tmp_path):
     bad = tmp_path / "t.json"
-    bad.write_text(json.dumps(trace_with(schema_version=7)))
+    bad.write_text(json.dumps(trace_with(schema_version=6)))
     env = {k: v for k, v in os.environ.items() if k != "KVFUZZ_DEBUG"}
     p = subprocess.run([sys.executable, "-m", "kvfuzz", "replay", str(bad)], capture_output=True, text=True,
                        timeout=300, cwd=tmp_path, env=env)
     assert p.returncode == 2
-    assert p.stderr.strip() == f"kvfuzz: error: {bad}: schema_version: unsupported schema_version 7 " \
-                               f"(this kvfuzz reads 1, 2, 3, 4)"
+    assert p.stderr.strip() == f"kvfuzz: error: {bad}: schema_version: unsupported schema_version 6 " \
+                               f"(this kvfuzz reads 1, 2, 3, 4, 5)"
 
 
 # -- security rules (units) ------------------------------------------------------------------

@@ -176,7 +176,7 @@ def test_a_default_campaign_covers_the_fields_in_a_share_of_its_requests():
 
 
 def test_the_state_is_drawn_apart_from_the_schedule():
-    plain = generate(7, opts=GenOptions(request_state=0.0, p_priority=0.0, p_embeds=0.0, p_spec=0.0))
+    plain = generate(7, opts=GenOptions(request_state=0.0, p_priority=0.0, p_embeds=0.0, p_spec=0.0, p_reset=0.0))
     dressed = generate(7)
     assert plain.lineage.generator == "random-v2" and dressed.lineage.generator == GENERATOR
     strip = [s.model_copy(update={"sampling": Sampling(), "priority": 0, "embeds": None}) for s in dressed.sends]

@@ -244,6 +244,33 @@ def test_teacher_forcing_through_the_server_matches_the_in_process_engine(server
     assert max(abs(a[0][1] - r[0][1]) for a, r in zip(over_http, ref.logprobs)) < 1e-3
 
 
+def test_prefix_cache_resets_through_the_managed_server(session, server):
+    """reset-prefix-cache events reach the managed server's dev-mode POST /reset_prefix_cache at
+    their offsets (with ``reset_running_requests`` while r0 decodes), the record keeps vLLM 0.32's
+    answer, and no output changes (docs/oracle.md, "Prefix-cache resets")."""
+    from kvfuzz.oracle import divergent
+    from kvfuzz.traces import ResetPrefixCacheEvent
+
+    t = Trace(engine=_cfg(server), events=[
+        SendEvent(request_id="r0", at=At(offset_ms=0), max_tokens=48,
+                  prompt=GenPrompt(length=200, prefix_group="rs", prefix_len=160, seed=5)),
+        ResetPrefixCacheEvent(at=At(offset_ms=150), reset_running_requests=True),
+        SendEvent(request_id="r1", at=At(offset_ms=150), max_tokens=16,
+                  prompt=GenPrompt(length=230, prefix_group="rs", prefix_len=160, seed=6)),
+        ResetPrefixCacheEvent(at=At(offset_ms=200)),
+    ])
+    checked = session.check(t, runs=1)
+    assert not divergent(checked.verdicts), [(v.request_id, v.class_, v.detail) for v in checked.verdicts]
+    (h,) = checked.histories
+    resets = sorted((e for e in h.events if e.kind == "reset-prefix-cache"), key=lambda e: e.index)
+    assert [e.index for e in resets] == [1, 3] and all(e.error is None for e in resets)
+    assert resets[0].reset == "done" and resets[0].actual_offset_ms >= 150  # a reset of running requests always happens
+    assert resets[1].reset in ("done", "declined")  # declined while r0 or r1 still held blocks
+    assert h.requests["r1"].sent_ms >= resets[0].actual_offset_ms  # r1 waited for the reset's answer
+    # The route's parameters, as kvfuzz reads them before a reset of running requests.
+    assert {"reset_running_requests", "reset_external"} <= (control.reset_route_params(server.target) or set())
+
+
 def test_toggle_reaches_server_processes_via_restart(session, server):
     """Arms with other toggles restart the server with KVFUZZ_TOGGLES; the kvfuzz plugin must
     apply them in the server's worker process. Evidence: the known CPU LoRA bug (a base request

@@ -386,7 +386,7 @@ def test_allocator_faults_keep_the_allocator_books_balanced(session):
     for seed in range(4):
         # Plain requests (no early EOS finishes): the pressure these faults need.
         t = generate(100 + seed, SMALL, GenOptions(min_requests=8, p_cancel=0.5, p_prefix=0.9, p_long=0.0, max_tokens=(48, 128),
-                                                   gaps=(0, 0, 1), request_state=0.0, p_priority=0.0, p_embeds=0.0, p_spec=0.0))
+                                                   gaps=(0, 0, 1), request_state=0.0, p_priority=0.0, p_embeds=0.0, p_spec=0.0, p_reset=0.0))
         eng = session.engine_for(t.engine)  # the scheduling policy is drawn per trace
         pool = eng._core().scheduler.kv_cache_manager.block_pool
         h = eng.replay(t, toggles=faults)

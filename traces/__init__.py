@@ -54,6 +54,7 @@ from .trace import (
     Lineage,
     LoraSettings,
     PromptEmbeds,
+    ResetPrefixCacheEvent,
     Sampling,
     SendEvent,
     Speculative,
@@ -76,7 +77,7 @@ __all__ = [
     "EMBEDDED_HYBRID", "EMBEDDED_MODEL", "EngineConfig", "Environment", "Expectation", "Explanation", "EventRecord",
     "Finding", "GenPrompt",
     "History", "InfraError", "KvfuzzError", "Lineage", "LoraSettings", "Minimization",
-    "PromptEmbeds", "RequestRecord", "SCHEMA_VERSION", "Sampling", "Scoring", "SendEvent", "Speculative", "StepRecord", "TokenPrompt", "Trace", "VersionResult",
+    "PromptEmbeds", "RequestRecord", "ResetPrefixCacheEvent", "SCHEMA_VERSION", "Sampling", "Scoring", "SendEvent", "Speculative", "StepRecord", "TokenPrompt", "Trace", "VersionResult",
     "atomic_write_text", "expand", "json_schemas", "load_any", "load_finding", "load_trace",
     "parse_finding", "parse_trace", "save", "sweep_partial_writes",
 ]

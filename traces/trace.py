@@ -1,4 +1,5 @@
-"""The trace: an engine configuration plus a schedule of send / cancel / adapter-lifecycle events.
+"""The trace: an engine configuration plus a schedule of send / cancel / adapter-lifecycle /
+prefix-cache reset events.
 
 A trace is data, versioned by ``schema_version``. It names *when* each event happens in two
 clocks: ``step`` (an engine step, exact for the in-process engine) and ``offset_ms`` (wall
@@ -18,9 +19,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serial
 # 2: adapter lifecycle events (load / unload / reload), ``cache_salt`` on sends,
 # ``lora.max_cpu_loras``. 3: a send's per-request state (``sampling``, ``priority``, ``embeds``)
 # and the engine's ``scheduling_policy`` and ``enable_prompt_embeds``. 4: the engine's
-# ``speculative`` decoding. Older files still load (they cannot carry those).
-SCHEMA_VERSION: Final = 4
-SCHEMA_VERSIONS = (1, 2, 3, 4)
+# ``speculative`` decoding. 6: ``reset-prefix-cache`` events. Older files still load (they cannot
+# carry those).
+SCHEMA_VERSION: Final = 5
+SCHEMA_VERSIONS = (1, 2, 3, 4, 5)
 
 # Embedded default model (see harness/embedded.py); a path or hub name selects another model.
 EMBEDDED_MODEL = "embedded:tiny-qwen2"
@@ -132,6 +134,9 @@ class EngineConfig(_Strict):
     enable_prompt_embeds: bool = False
     # Speculative decoding, or none (not written out). A request's reference runs without it.
     speculative: Speculative | None = None
+    # vLLM's long_prefill_token_threshold: a prompt longer than this is prefilled at most this
+    # many tokens a step (None: vLLM's default, no cap; not written out).
+    long_prefill_token_threshold: int | None = Field(default=None, ge=1, le=MAX_LEN)
 
     @field_validator("kv_connector")
     @classmethod
@@ -150,7 +155,8 @@ class EngineConfig(_Strict):
 
     @model_serializer(mode="wrap")
     def _drop_unset_connector(self, handler: Any) -> Any:
-        data = _drop_none(handler(self), ("kv_connector", "scheduling_policy", "speculative"))
+        data = _drop_none(handler(self), ("kv_connector", "scheduling_policy", "speculative",
+                                          "long_prefill_token_threshold"))
         if isinstance(data, dict) and data.get("enable_prompt_embeds") is False:
             data.pop("enable_prompt_embeds")
         return data
@@ -518,7 +524,26 @@ class ReloadAdapterEvent(_SourcedEvent):
 AdapterEvent = Union[LoadAdapterEvent, UnloadAdapterEvent, ReloadAdapterEvent]
 ADAPTER_EVENT_TYPES = (LoadAdapterEvent, UnloadAdapterEvent, ReloadAdapterEvent)
 
-Event = Annotated[Union[SendEvent, CancelEvent, LoadAdapterEvent, UnloadAdapterEvent, ReloadAdapterEvent],
+
+class ResetPrefixCacheEvent(_Strict):
+    """Empty vLLM's prefix cache (``LLMEngine.reset_prefix_cache`` in-process, ``POST
+    /reset_prefix_cache`` on a server). vLLM declines a plain reset while any block is held
+    (requests running); with ``reset_running_requests`` it first preempts every running request
+    back to the waiting queue (they are recomputed), so the reset always happens. Never changes a
+    temperature-0 output (docs/oracle.md)."""
+
+    kind: Literal["reset-prefix-cache"] = "reset-prefix-cache"
+    at: At
+    reset_running_requests: bool = False
+
+    @field_validator("at")
+    @classmethod
+    def _absolute_at(cls, at: At) -> At:
+        return _absolute(at, "reset-prefix-cache")
+
+
+Event = Annotated[Union[SendEvent, CancelEvent, LoadAdapterEvent, UnloadAdapterEvent, ReloadAdapterEvent,
+                        ResetPrefixCacheEvent],
                   Field(discriminator="kind")]
 
 
@@ -564,7 +589,7 @@ class Expectation(_Strict):
 
 
 class Trace(_Strict):
-    schema_version: Literal[1, 2, 3, 4] = SCHEMA_VERSION
+    schema_version: Literal[1, 2, 3, 4, 5] = SCHEMA_VERSION
     name: str | None = None
     engine: EngineConfig = Field(default_factory=EngineConfig)
     events: list[Event] = Field(default_factory=list)
@@ -607,10 +632,14 @@ class Trace(_Strict):
                     raise ValueError(f"events[{i}]: {ev.kind} needs engine.lora.enabled")
                 if self.schema_version < 2:
                     raise ValueError(f"events[{i}]: {ev.kind} needs schema_version 2")
+            elif isinstance(ev, ResetPrefixCacheEvent) and self.schema_version < 5:
+                raise ValueError(f"events[{i}]: {ev.kind} needs schema_version 5")
         if self.engine.scheduling_policy is not None and self.schema_version < 3:
             raise ValueError("engine.scheduling_policy: needs schema_version 3")
         if self.engine.enable_prompt_embeds and self.schema_version < 3:
             raise ValueError("engine.enable_prompt_embeds: needs schema_version 3")
+        if self.engine.long_prefill_token_threshold is not None and self.schema_version < 5:
+            raise ValueError("engine.long_prefill_token_threshold: needs schema_version 5")
         if self.engine.speculative is not None:
             if self.schema_version < 4:
                 raise ValueError("engine.speculative: needs schema_version 4")
@@ -689,6 +718,10 @@ class Trace(_Strict):
     @property
     def cancels(self) -> list[CancelEvent]:
         return [e for e in self.events if isinstance(e, CancelEvent)]
+
+    @property
+    def resets(self) -> list[ResetPrefixCacheEvent]:
+        return [e for e in self.events if isinstance(e, ResetPrefixCacheEvent)]
 
     def send(self, request_id: str) -> SendEvent:
         """The send of ``request_id``: a send's own id, or a completion id of its ``n``

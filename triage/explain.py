@@ -41,6 +41,7 @@ from kvfuzz.traces.buckets import KEY_MECHANISMS
 from kvfuzz.traces.errors import BadInput, InfraError
 from kvfuzz.traces.finding import SEVERITY
 from kvfuzz.traces.result import Judged
+from kvfuzz.traces.trace import ADAPTER_EVENT_TYPES
 
 from .controls import replay_seconds, steps_alone
 from .minimize import Target, choose_target
@@ -113,7 +114,7 @@ def no_adapters(trace: Trace) -> tuple[Trace | None, str]:
         return None, "no adapter requests"
     # Adapter lifecycle events go too: without LoRA there is nothing to load.
     events = [e.model_copy(update={"adapter": None}) if isinstance(e, SendEvent) else e for e in trace.events
-              if isinstance(e, (SendEvent, CancelEvent))]
+              if not isinstance(e, ADAPTER_EVENT_TYPES)]
     lora = trace.engine.lora.model_copy(update={"enabled": False, "adapters": {}})
     return trace.model_copy(update={"events": events, "engine": trace.engine.model_copy(update={"lora": lora})}), \
         "every request on the base model, LoRA off"

@@ -12,7 +12,8 @@ up to k times (stopping as soon as the outcome is decided) and kept on m hits.
 Passes, repeated until nothing changes or the budget is spent:
 
 1. events: probabilistic delta debugging (ProbDD; or classic ddmin) over requests — a send
-   and its cancels go together, the victim always stays; then each remaining cancel alone;
+   and its cancels go together, the victim always stays; then over the events that belong to
+   no request (adapter lifecycle events, prefix-cache resets); then each remaining cancel alone;
 2. adapters: each LoRA request to the base model, then all adapters unified to one;
 3. engine: fewer LoRA slots / LoRA off when no adapter is left (these restart the engine);
 4. numbers: max_tokens, shared prefix (dropped, then shortened), prompt length, and the
@@ -249,7 +250,8 @@ class Minimizer:
 
         def with_requests(keep: list[str]) -> Trace | None:
             ids = set(keep) | {victim}
-            # Adapter lifecycle events have no request id: they stay (the plan needs its bindings).
+            # Events of no request (adapter lifecycle events, prefix-cache resets) stay here (the
+            # plan needs its bindings); the schedule pass tries dropping them.
             return _rebuild(trace, [e for e in trace.events
                                     if not isinstance(e, (SendEvent, CancelEvent)) or e.request_id in ids])
 
@@ -263,9 +265,10 @@ class Minimizer:
         return out
 
     def lifecycle_pass(self, trace: Trace) -> Trace:
-        """Adapter lifecycle events the divergence does not need, removed (a candidate that
+        """The schedule pass: events of no request (adapter lifecycle events, prefix-cache resets,
+        any kind a later schema adds) the divergence does not need, removed (a candidate that
         leaves a send on an unbound name is not a valid trace and is never replayed)."""
-        idx = [i for i, e in enumerate(trace.events) if isinstance(e, ADAPTER_EVENT_TYPES)]
+        idx = [i for i, e in enumerate(trace.events) if not isinstance(e, (SendEvent, CancelEvent))]
         if not idx:
             return trace
 
@@ -278,7 +281,9 @@ class Minimizer:
         kept = reduce(idx, lambda sub: self.keeps(keeping(sub)))
         out = keeping(kept) if len(kept) < len(idx) else trace
         assert out is not None
-        self.passes.append(f"lifecycle: {len(idx)} -> {len(out.lifecycle)} adapter events ({_n(self.replays - n0)})")
+        left = sum(1 for e in out.events if not isinstance(e, (SendEvent, CancelEvent)))
+        what = "adapter events" if all(isinstance(trace.events[i], ADAPTER_EVENT_TYPES) for i in idx) else "events"
+        self.passes.append(f"lifecycle: {len(idx)} -> {left} {what} ({_n(self.replays - n0)})")
         return out
 
     def cancels_pass(self, trace: Trace) -> Trace:

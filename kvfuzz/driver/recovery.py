@@ -20,7 +20,7 @@ from kvfuzz.harness.base import Engine
 from kvfuzz.oracle.check import ENGINE
 from kvfuzz.driver.session import Session
 from kvfuzz.traces import CrashInfo, CrashKind, Divergence, Finding, History, Trace
-from kvfuzz.traces.errors import EngineHang, InfraError
+from kvfuzz.traces.errors import BadInput, ConfigRefused, EngineHang, InfraError
 from kvfuzz.traces.result import Checked, Recording
 
 log = logging.getLogger("kvfuzz.driver.recovery")
@@ -76,6 +76,13 @@ def crash_finding(trace: Trace, engine: Engine, error: InfraError, *, arms: dict
     return f
 
 
+def refusal(error: str) -> str:
+    """The reason an engine configuration was refused: the error's last non-empty line (vLLM's
+    own message ends a start failure's traceback), shortened."""
+    lines = [ln.strip() for ln in error.splitlines() if ln.strip()]
+    return (lines[-1] if lines else "the engine did not start")[:200]
+
+
 @dataclass
 class Recovering:
     """Wraps ``session.check``: an engine that dies or hangs during a trace becomes an
@@ -88,10 +95,18 @@ class Recovering:
     crashes: int = 0
     restarts: int = 0
     _consecutive: int = 0
+    _started: bool = False  # an engine configuration started in this campaign
 
     def check(self, trace: Trace, *, runs: int | None = None, arms: dict[str, list[str]] | None = None) -> Checked:
-        # A start failure is not the trace's doing: it stays an infrastructure error (exit 3).
-        self.session.engine_for(trace.engine)
+        # A start failure is not the trace's doing: an infrastructure error (exit 3), unless
+        # another configuration started before: then this configuration is what was refused.
+        try:
+            self.session.engine_for(trace.engine)
+        except (InfraError, BadInput) as e:
+            if not self._started:
+                raise
+            raise ConfigRefused(refusal(str(e))) from e
+        self._started = True
         try:
             checked = self.session.check(trace, runs=runs, arms=arms)
         except InfraError as e:

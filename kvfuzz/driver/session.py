@@ -50,6 +50,10 @@ class Session:
     # Where the session's time goes (traces/timing.py), shared with its stores.
     ledger: Ledger = field(default_factory=Ledger)
     _bounds: dict[str, NoiseBounds] = field(default_factory=dict, repr=False)
+    # Measures and keeps a profile for an engine configuration that has none (a campaign that
+    # calibrates sets it: its traces' drawn configurations change how prompts are split into
+    # kernel calls, so their noise is measured too, once each); None: the dtype's defaults.
+    calibrate_missing: Callable[[EngineConfig], NoiseBounds | None] | None = field(default=None, repr=False)
     # Which divergent verdicts teacher forcing scores (``scoring``): all of them, or only near
     # ties — the one class scoring can change (it can call a near tie corruption, never the
     # reverse), which is what a campaign's fuzzed runs need.
@@ -168,6 +172,15 @@ class Session:
         if k not in self._bounds:
             key = self.engine_for(config).noise_key()
             profile = next((p for p in self.profiles if p.key == key), None) or find_profile(key, self.profiles_dir)
+            if profile is None and self.calibrate_missing is not None:
+                measure, self.calibrate_missing = self.calibrate_missing, None  # not again from inside it
+                try:
+                    got = measure(config)
+                finally:
+                    self.calibrate_missing = measure
+                if got is not None:
+                    self._bounds[k] = got
+                    return got
             self._bounds[k] = self._with_overrides(bounds_from(profile) if profile else default_bounds(config.dtype))
         return self._bounds[k]
 

@@ -18,11 +18,24 @@ from kvfuzz.oracle.controls import primary_arm, signature_of
 from kvfuzz.oracle.diff import margin_at
 from kvfuzz.oracle.noise import NoiseBounds
 from kvfuzz.oracle.noise import finding_bounds
-from kvfuzz.traces import Divergence, Finding, GenPrompt, History, RequestRecord, Scoring, SendEvent
+from kvfuzz.traces import Divergence, EventRecord, Finding, GenPrompt, History, RequestRecord, Scoring, SendEvent
 from kvfuzz.traces.buckets import Bucket, bucket_from_state
 from kvfuzz.traces.finding import DIVERGENT_CLASSES, MECHANISM_WORDS, SEVERITY
 
 LIFECYCLE = ("load-adapter", "unload-adapter", "reload-adapter")
+RESET = "reset-prefix-cache"
+
+
+def reset_label(e: EventRecord, running: bool) -> str:
+    """A prefix-cache reset where it landed: with the requests it preempted, or why it did nothing."""
+    label = "reset prefix cache" + (" + running" if running else "")
+    if e.preempted:
+        label += f" (preempted {', '.join(e.preempted[:4])}{' …' if len(e.preempted) > 4 else ''})"
+    if e.error:
+        label += " (refused)"
+    elif e.reset == "declined":
+        label += " (declined: blocks held)"
+    return label
 
 # -- schedule --------------------------------------------------------------------------------------
 
@@ -71,7 +84,8 @@ class Bar:
 
 @dataclass(frozen=True)
 class Line:
-    """An adapter lifecycle event where it landed: a vertical line labelled with the adapter."""
+    """An adapter lifecycle event or a prefix-cache reset where it landed: a vertical line
+    labelled with the adapter (none for a reset)."""
 
     kind: str
     adapter: str
@@ -278,12 +292,16 @@ def schedule_data(finding: Finding, history: History | None = None, *, kept: set
                         (rid in kept) if kept is not None else (True if m is not None else None)))
     lines = []
     for e in h.events:
-        if e.kind not in LIFECYCLE:
+        if e.kind not in LIFECYCLE and e.kind != RESET:
             continue
         at = e.actual_step if unit == "step" else e.actual_offset_ms
         if at is None:
             continue
         ev = trace.events[e.index] if 0 <= e.index < len(trace.events) else None
+        if e.kind == RESET:
+            lines.append(Line(e.kind, "", float(at), float(at), reset_label(e, getattr(ev, "reset_running_requests", False)),
+                              refused=not e.effective))
+            continue
         verb = e.kind.removesuffix("-adapter")
         name = e.adapter or getattr(ev, "name", "") or "?"
         label = f"{verb} {name}"

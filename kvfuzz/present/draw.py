@@ -208,7 +208,10 @@ def schedule_figure(s: Schedule) -> Any:
                     Line2D([], [], marker="*", color="#b71c1c", ms=10, ls="none", label="first differing token"),
                     Patch(fill=False, ec=CLASS_COLOR.get(s.worst, "#c62828"), lw=1.8, label=f"victim ({s.worst})")]
         if s.lines:
-            handles.append(Line2D([], [], color=LIFECYCLE_COLOR, ls="--", label="adapter load / unload / reload"))
+            resets = [ln.kind == "reset-prefix-cache" for ln in s.lines]
+            kinds = (["adapter load / unload / reload"] if not all(resets) else []) + (
+                ["prefix-cache reset"] if any(resets) else [])
+            handles.append(Line2D([], [], color=LIFECYCLE_COLOR, ls="--", label=", ".join(kinds)))
         if partial:
             handles.append(Patch(color="#fff3c4", label="kept by the minimizer"))
         fig.legend(handles=handles, loc="outside lower center", ncol=6)

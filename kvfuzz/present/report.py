@@ -13,8 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvfuzz.traces import (BisectRecord, CancelEvent, Divergence, Finding, GenPrompt, History, RequestRecord, SendEvent,
-                            TokenPrompt)
+from kvfuzz.traces import (BisectRecord, CancelEvent, Divergence, Finding, GenPrompt, History, RequestRecord,
+                            ResetPrefixCacheEvent, SendEvent, TokenPrompt)
 from kvfuzz.traces.finding import DIVERGENT_CLASSES, SEVERITY
 
 from kvfuzz.driver.arms import replay_command, replay_engine_args
@@ -295,6 +295,9 @@ def build(finding: Finding, *, source: str = "FINDING.json",
                          str(ev.max_tokens), diverged])
         elif isinstance(ev, CancelEvent):
             rows.append([str(i), "cancel", ev.request_id, _when(ev, mps), "", "", "", "", ""])
+        elif isinstance(ev, ResetPrefixCacheEvent):
+            what = "all running" if ev.reset_running_requests else ""  # preempted and recomputed
+            rows.append([str(i), ev.kind, what, _when(ev, mps), "", "", "", "", ""])
         else:  # an adapter lifecycle event: the adapter column names it and the weights it binds
             bound = getattr(ev, "source", None)
             what = ev.name + (f" ← {bound}" if bound else "") + (" (same path)" if getattr(ev, "same_path", False)

@@ -310,7 +310,7 @@ class WorkerCore:
     def start(self, config, profile=None, calibrate: bool = False, profile_file: str | None = None) -> dict:
         """Start the engine and settle its noise bounds: ``profile`` (measured by another
         worker), else the profile file / cache / a calibration when ``calibrate``."""
-        from kvfuzz.driver.calibrate import prepare_bounds
+        from kvfuzz.driver.calibrate import calibrate_drawn, prepare_bounds
         from kvfuzz.traces.calibration import find_profile
 
         self.session.engine_for(config)
@@ -322,6 +322,8 @@ class WorkerCore:
                                     calibrate_if_missing=calibrate, warn=warned.append)
             profile = next(iter(self.session.profiles), None) or find_profile(
                 self.session.engine_for(config).noise_key(), self.session.profiles_dir)
+        if calibrate and profile_file is None:
+            self.session.calibrate_missing = calibrate_drawn(self.session, None, warned)
         return {"profile": profile, "warnings": warned, "bounds": bounds.describe(), **self.ready()}
 
     def run(self, task) -> Any:
@@ -336,8 +338,13 @@ class WorkerCore:
         ledger = self.session.ledger
         before = ledger.breakdown()
         ledger.fresh = True  # the trace's first replay is its fuzzed run (traces/timing.py)
-        with ledger.span(TRIAGE):
-            triaged = self.triage(task.trace)
+        from kvfuzz.traces.errors import ConfigRefused
+
+        try:
+            with ledger.span(TRIAGE):
+                triaged = self.triage(task.trace)
+        except ConfigRefused as e:
+            return Result(task.index, self.name, refused=e.reason, seconds=time.monotonic() - t0)
         checked = triaged.checked
         spent = ledger.breakdown().minus(before)
         buckets = sorted(trace_signature(checked.histories, task.trace))

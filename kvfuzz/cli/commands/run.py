@@ -102,6 +102,12 @@ def run(
                                                          "speculative decoding, each request judged against the same "
                                                          "request on an engine without it (default 0.2 in-process; "
                                                          "a server campaign draws none).")] = None,
+    engine_configs: Annotated[Optional[float], typer.Option(min=0.0, max=1.0, help="Share of traces whose engine "
+                                                            "has one scheduler or KV-cache knob moved (prefix "
+                                                            "caching or chunked prefill off, block size, max "
+                                                            "sequences, token budget, long-prefill cap; "
+                                                            "fuzzer/configs.py). Default 0.4 in-process, 0 on a "
+                                                            "server (it would restart for each).")] = None,
 ) -> None:
     """Fuzz the embedded default model on the in-process vLLM engine or a managed vLLM server.
 
@@ -109,7 +115,7 @@ def run(
     re-run in the clean arm to say which toggle explains it; unexplained ones are candidate
     new vLLM bugs and are listed first."""
     options.use_release(vllm, device=device)
-    from kvfuzz.driver.calibrate import prepare_bounds
+    from kvfuzz.driver.calibrate import calibrate_drawn, prepare_bounds
     from kvfuzz.cli.display import CampaignDisplay
     from kvfuzz.fuzzer import CampaignOptions, default_engine, run_campaign
     from kvfuzz.harness.dtypes import check_dtype
@@ -178,6 +184,7 @@ def run(
             raise BadInput(f"unknown operator {unknown[0] if unknown else operators!r} "
                            f"(known: {', '.join(OPERATORS)})", field="--operators")
     from kvfuzz.fuzzer import GenOptions
+    from kvfuzz.fuzzer.configs import DEFAULT_SHARE as DEFAULT_ENGINE_CONFIGS
     from kvfuzz.fuzzer.reuse import DEFAULT_PROMPT_REUSE
 
     # The engine settings drawn per trace (priority scheduling, prompt embeddings, speculative
@@ -188,13 +195,18 @@ def run(
     elif speculative and kind != "inprocess":
         raise BadInput("speculative decoding is drawn per trace, which a server would restart for: in-process only",
                        field="--speculative")
+    if engine_configs is None:
+        engine_configs = DEFAULT_ENGINE_CONFIGS if kind == "inprocess" and not lifecycle else 0.0
+    elif engine_configs and kind != "inprocess":
+        raise BadInput("engine configurations are drawn per trace, which a server would restart for: in-process "
+                       "only", field="--engine-configs")
     gen = GenOptions(min_requests=min(2, max_requests), max_requests=max_requests,
                      adapters=sorted(engine.lora.adapters) if engine.lora.enabled else [], lifecycle=lifecycle,
                      prompt_reuse=0.0 if lifecycle else (DEFAULT_PROMPT_REUSE if prompt_reuse is None else prompt_reuse),
                      pool_seed=seed, request_state=request_state,
                      p_priority=GenOptions.p_priority if per_trace else 0.0,
                      p_embeds=GenOptions.p_embeds if per_trace else 0.0,
-                     p_spec=speculative)
+                     p_spec=speculative, p_config=engine_configs)
     opts = CampaignOptions(seed=seed, budget_s=budget, max_traces=traces_n, runs=runs, out=out, engine=engine, gen=gen,
                            resume=resume, corpus=corpus, mode="feedback" if feedback else "random", operators=ops,
                            # Naming an engine-changing operator (small_kv) is asking for restarts.
@@ -229,6 +241,8 @@ def run(
             warned: list[str] = []
             bounds = prepare_bounds(session, engine, profile_file=calibration, calibrate_if_missing=calibrate,
                                     progress=display.status, warn=warned.append)
+            if calibrate and calibration is None:
+                session.calibrate_missing = calibrate_drawn(session, display.status, warned)
             display.status("fuzzing")
             state = run_campaign(opts, triage, display.update,
                                  on_start=lambda c: triage.restore(c.state.bug_buckets),

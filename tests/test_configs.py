@@ -1,0 +1,119 @@
+"""Engine configurations per trace (fuzzer/configs.py): drawn one knob at a time on their own
+random stream, named by region for coverage and the campaign's counts, mutated one knob at a
+time, passed to vLLM, and skipped with a counted reason when the engine refuses one."""
+
+import random
+
+import pytest
+
+from kvfuzz.fuzzer import configs
+from kvfuzz.fuzzer.campaign import CampaignOptions, run_campaign
+from kvfuzz.fuzzer.generate import GenOptions, default_engine, generate
+from kvfuzz.harness.vllm_args import engine_args, server_command
+from kvfuzz.traces import EngineConfig
+from kvfuzz.traces.errors import ConfigRefused
+
+
+def test_a_draw_moves_one_knob_at_the_share_asked_and_leaves_the_other_traces_as_they_were():
+    base = default_engine()
+    moved = [configs.moved(configs.draw(s, base, 0.4), base) for s in range(400)]
+    share = sum(bool(m) for m in moved) / len(moved)
+    assert 0.3 < share < 0.5
+    # One knob, besides the token budget chunked prefill off raises with it.
+    assert all(len({k for k in m if not (k == "max_num_batched_tokens" and "enable_chunked_prefill" in m)}) <= 1
+               for m in moved)
+    assert {k for m in moved for k in m} == set(configs.VARIANTS)
+    moved_any = False
+    for seed in range(60):
+        with_ = generate(seed, opts=GenOptions(p_config=0.4))
+        without = generate(seed, opts=GenOptions())
+        if with_.engine == without.engine:
+            assert with_.events == without.events  # its own random stream
+        else:
+            moved_any = True
+            assert configs.region(with_.engine) != "default" and configs.region(without.engine) == "default"
+    assert moved_any
+
+
+def test_chunked_prefill_off_holds_a_whole_prompt_and_a_region_reads_as_its_knob():
+    base = default_engine()
+    off = configs.with_knob(base, "enable_chunked_prefill", False)
+    assert off.max_num_batched_tokens >= off.max_model_len
+    assert configs.region(off) == "enable_chunked_prefill=False"
+    assert configs.region(base) == "default"
+    assert configs.region(configs.with_knob(base, "block_size", 64)) == "block_size=64"
+    assert configs.counts_text({"default": 5, "block_size=64": 2}) == "default 5, block_size=64 2"
+
+
+def test_the_mutation_moves_one_knob_or_moves_it_back():
+    rng = random.Random(0)
+    base = default_engine()
+    seen = set()
+    for _ in range(200):
+        e = configs.mutate_knob(base, rng)
+        assert e is not None and configs.region(e) != "default"
+        seen.add(configs.region(e))
+        back = configs.mutate_knob(e, random.Random(1))
+        assert back is None or back != e
+    assert len(seen) >= 8
+    # Chunked prefill back on returns to the campaign's token budget.
+    off = configs.with_knob(base, "enable_chunked_prefill", False)
+    for seed in range(50):
+        e = configs.mutate_knob(off, random.Random(seed))
+        if e is not None and e.enable_chunked_prefill:
+            assert e.max_num_batched_tokens == base.max_num_batched_tokens
+
+
+def test_every_knob_reaches_vllm_and_the_server_alike():
+    e = EngineConfig(block_size=64, enable_prefix_caching=False, max_num_seqs=2, long_prefill_token_threshold=64)
+    args = engine_args(e, "/m")
+    assert (args["block_size"], args["enable_prefix_caching"], args["max_num_seqs"],
+            args["long_prefill_token_threshold"]) == (64, False, 2, 64)
+    cmd = server_command(e, model_path="/m", adapter_paths={}, port=1)
+    assert cmd[cmd.index("--long-prefill-token-threshold") + 1] == "64" and "--no-enable-prefix-caching" in cmd
+    assert "long_prefill_token_threshold" not in EngineConfig().model_dump(mode="json")  # not written unset
+
+
+def test_a_refused_configuration_is_skipped_and_counted(tmp_path):
+    seen = []
+
+    def check(trace):
+        seen.append(trace)
+        if len(seen) % 2 == 0:
+            raise ConfigRefused("block_size 64 is not supported")
+        from kvfuzz.traces import Environment
+        from kvfuzz.traces.result import Checked, Recording
+
+        return Checked(Recording(trace=trace, histories=[], references={},
+                                 environment=Environment(kvfuzz_version="t")), [], None)
+
+    st = run_campaign(CampaignOptions(out=tmp_path, max_traces=3, budget_s=None, mode="random"), check)
+    assert st.traces == 3 and st.refused == {"block_size 64 is not supported": 2} and len(seen) == 5
+
+
+def test_a_configuration_that_fails_to_start_after_another_one_started_is_refused():
+    from kvfuzz.driver.recovery import Recovering
+    from kvfuzz.traces.errors import InfraError
+
+    class Session:
+        def __init__(self):
+            self.fail = [True, False, True]
+
+        def engine_for(self, config):
+            if self.fail.pop(0):
+                raise InfraError("engine did not start\nValueError: block_size must be a multiple of 32")
+
+        def check(self, trace, **kw):
+            from kvfuzz.traces import Environment
+            from kvfuzz.traces.result import Checked, Recording
+
+            return Checked(Recording(trace=trace, histories=[], references={},
+                                     environment=Environment(kvfuzz_version="t")), [], None)
+
+    guard = Recovering(Session())  # type: ignore[arg-type]
+    t = generate(0)
+    with pytest.raises(InfraError):
+        guard.check(t)  # the first configuration: the machine's failure, exit 3
+    guard.check(t)
+    with pytest.raises(ConfigRefused, match="block_size must be a multiple of 32"):
+        guard.check(t)
