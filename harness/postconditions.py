@@ -94,7 +94,7 @@ from typing import Any
 
 import numpy as np
 
-from kvfuzz.traces.history import Break, BreakName
+from kvfuzz.traces.history import BREAKS, Break, BreakName
 
 log = logging.getLogger(__name__)
 
@@ -168,6 +168,10 @@ class Monitor:
         # Block -> offsets written since it was handed out (a bit mask), and the step it was.
         self._written: dict[int, int] = {}
         self._handed: dict[int, int] = {}
+        # Block -> the request first seen holding it since it was handed out: the one whose
+        # tokens should write it. A reader of a slot it never wrote, after a break that sent its
+        # writes elsewhere (``BreakKind.misdirects``), reads that writer's loss.
+        self._writer: dict[int, str] = {}
         # (request, group) -> its blocks already found written wherever it read them: each step
         # reads only what is new (a block's written slots only grow until it is handed out again).
         self._read_ok: dict[tuple[str, int], list[int]] = {}
@@ -251,6 +255,7 @@ class Monitor:
         for b in blocks:
             self._written[b.block_id] = 0
             self._handed[b.block_id] = self.step
+            self._writer.pop(b.block_id, None)
             # A request that found it written before reads it afresh (a preempted request may be
             # handed its own old block again, at the same position).
             for key in self._ok_by_block.pop(b.block_id, ()):
@@ -381,6 +386,9 @@ class Monitor:
                 ids = [b.block_id for b in blocks]
                 rows.setdefault(rid, []).append(ids)
                 real = [i for i in ids if i != null]
+                for i in real:
+                    if i in self._handed and i not in self._writer:
+                        self._writer[i] = ext(rid)
                 holders.update(real)
                 held.append((g, rid, blocks, ids))
                 if len(set(real)) != len(real):
@@ -691,10 +699,15 @@ class Monitor:
                 missing = need & ~have
                 if missing:
                     o = (missing & -missing).bit_length() - 1
+                    writer = self._writer.get(bid)
+                    lost = next((b for b in self.breaks if b.request == writer and BREAKS[b.name].misdirects),
+                                None) if writer is not None and writer != ext(rid) else None
                     self._once(step, "held-block-unwritten", ext(rid), bid,
                                f"group {g}: position {i * bs + o} (block {bid} offset {o}) counts as computed, "
                                f"but nothing wrote that slot since block {bid} was handed out at step "
-                               f"{self._handed.get(bid, '?')}")
+                               f"{self._handed.get(bid, '?')}"
+                               + (f" to {writer}, after its own {lost.name} at step {lost.step}" if lost else ""),
+                               root=(lost.root or lost.name) if lost is not None else None)
                     break
             else:
                 self._read_ok[key] = row[:full]

@@ -1,4 +1,4 @@
-"""Rule 5 (issue 30): the post-conditions of vLLM's KV bookkeeping, checked after every step
+"""The post-conditions of vLLM's KV bookkeeping, checked after every step
 (harness/postconditions.py), the name the oracle gives a victim (oracle/postconditions.py), and
 the bucket key that holds it. Fakes with vLLM's attribute names: the engine tier checks the real
 thing (test_engine.py: none break on clean runs; test_postconditions_engine.py: faults break
@@ -262,8 +262,8 @@ def test_the_campaign_summary_names_the_post_conditions_broken_and_each_buckets(
 
 
 def test_a_row_is_checked_against_the_blocks_its_step_was_scheduled_with():
-    """Fault T's 10-minute split: the victim's row was moved in the step it finished in; by the
-    step's end the scheduler had freed it, and a check against the live blocks saw nothing."""
+    """Fault T's shape on a row moved in the step its request finishes in: by the step's end the
+    scheduler has freed the blocks, so a check against the live blocks would see nothing."""
     a, b = Block(1, G(1)), Block(2, G(2))
     pool = Pool([a, b], {G(1): a, G(2): b})
     live = Scheduler(pool, {"v": [a, b]}, {"v": [H(1), H(2)]})
@@ -276,8 +276,8 @@ def test_a_row_is_checked_against_the_blocks_its_step_was_scheduled_with():
 
 def test_a_block_the_scheduler_dropped_to_null_may_keep_its_old_id_in_the_worker_row():
     """A sliding-window group (the hybrid model) drops blocks that left the window to the null
-    block; the worker's row keeps their old ids, which no kernel reads. Every trace of a clean
-    hybrid campaign broke worker-row before this (issue 30, cross-group fault's campaigns)."""
+    block; the worker's row keeps their old ids, which no kernel reads. Judged, they would break
+    worker-row on every trace of a clean hybrid campaign."""
     a, b = Block(1, G(1)), Block(2, G(2))
     pool = Pool([a, b], {G(1): a, G(2): b})
     held = {"v": [pool.null_block, b]}
@@ -287,9 +287,9 @@ def test_a_block_the_scheduler_dropped_to_null_may_keep_its_old_id_in_the_worker
 
 
 def test_a_short_count_is_latent_until_its_block_is_handed_out_again():
-    """Fault U's shape (rule 5.2): a hit takes no reference on a block in use. The short count
-    names nothing alone; once the block is reallocated under the reader, the reader holds a
-    block another request writes, and the count is the root of that."""
+    """Fault U's shape: a hit takes no reference on a block in use. The short count names nothing
+    alone; once the block is reallocated under the reader, the reader holds a block another
+    request writes, and the count is the root of that."""
     b = Block(2, G(2), ref_cnt=1)
     pool = Pool([b], {G(2): b})
     m = monitor(pool, {"a": [b], "v": [b]}, {"a": [H(2)], "v": [H(2)]})
@@ -303,8 +303,8 @@ def test_a_short_count_is_latent_until_its_block_is_handed_out_again():
 
 
 def test_a_latent_break_of_one_cause_never_claims_the_victim_of_another():
-    """T and U on at once: a victim whose count U broke first and whose row T broke later is
-    T's (54 of 56 such victims in a 3-minute campaign had been named after U's count)."""
+    """T and U on at once: a victim whose count U broke first (latent: nothing wrong read yet)
+    and whose row T broke later is T's, whose break is the one that made it read wrong KV."""
     breaks = [Break(step=2, name="held-block-undercounted", request="v", block=3),
               Break(step=9, name="worker-row", request="v", block=8)]
     assert origin(breaks, "v") == "worker-row"
@@ -312,7 +312,7 @@ def test_a_latent_break_of_one_cause_never_claims_the_victim_of_another():
 
 def test_a_flipped_near_tie_on_a_request_whose_own_state_broke_is_corruption():
     """16-bit noise flips near ties; a request that holds a block of other content read wrong
-    KV however small its margin (U in bfloat16 had filed such a victim as a near tie)."""
+    KV however small its margin, so its flip is corruption, not a near tie."""
     from test_oracle import FP32, REF, hist, rec, verdict
 
     near = rec("r0", [1, 7, 3, 4], margins=[1, 0.0003, 1, 1])
@@ -327,10 +327,10 @@ def test_a_flipped_near_tie_on_a_request_whose_own_state_broke_is_corruption():
 
 
 def test_a_break_in_the_reference_run_names_the_divergence_and_the_report_says_so():
-    """Rule 5.3: fault V fires when a long prompt is chunked, i.e. when the request runs alone
-    (its reference), not in the trace where a prefix hit spared the chunk: the run is right
-    and the reference is wrong. The reference's own break names the divergence; a run's own
-    break still comes first."""
+    """A fault may hit only the reference: fault V fires when a long prompt is chunked, i.e. when
+    the request runs alone (its reference), not in the trace where a prefix hit spared the chunk:
+    the run is right and the reference is wrong. The reference's own break names the divergence;
+    a run's own break still comes first."""
     from test_oracle import hist, rec, verdict
     from test_report import finding
 
@@ -445,6 +445,26 @@ def test_a_position_counted_as_computed_whose_slot_nothing_wrote_breaks_on_each_
     assert [(x.name, x.request, x.block) for x in m.breaks[1:]] == [("held-block-unwritten", "v", 3)]
 
 
+def test_a_read_of_a_slot_its_writer_never_wrote_after_its_own_break_is_named_by_that_break():
+    """w's worker row lists another block where the scheduler gave it block 2 (``worker-row``):
+    its tokens never reach block 2. v, later holding block 2 (a sibling or a prefix hit), reads
+    those slots unwritten: the loss is w's, so v's break is rooted in w's and names it, as a
+    block computed after a writer's break does (``held-block-derived``). A reader whose block's
+    writer broke nothing keeps the plain name (the test above)."""
+    a, b, c = Block(1), Block(2), Block(3)
+    pool = Pool([a, b, c], {})
+    m = Monitor()
+    m.handed_out([a, b])
+    stepped(pool, {"w": [a, b]}, {"w": []}, {"w": (0, 6)}, {"w": [1, 3]}, [4, 5, 6, 7, 12, 13], m=m)
+    assert [(x.name, x.request) for x in m.breaks] == [("worker-row", "w")]
+    m.handed_out([c])
+    stepped(pool, {"v": [b, c]}, {"v": []}, {"v": (4, 1)}, {"v": [2, 3]}, [12], step=1, m=m)
+    v = next(x for x in m.breaks if x.request == "v")
+    assert (v.name, v.block, v.root) == ("held-block-unwritten", 2, "worker-row"), v
+    assert "to w, after its own worker-row at step 0" in v.detail
+    assert origin(m.breaks, "v") == "worker-row"
+
+
 def test_a_block_not_handed_out_in_the_run_or_dropped_to_null_is_not_judged_and_a_connector_turns_it_off():
     a, b = Block(1), Block(2)
     pool = Pool([a, b], {})
@@ -468,9 +488,9 @@ def test_a_block_not_handed_out_in_the_run_or_dropped_to_null_is_not_judged_and_
 
 
 def test_a_block_handed_out_again_is_read_afresh_even_at_the_same_position_of_the_same_request():
-    """A preempted request may be handed its own old block again at the same position (seen on
-    AC at 3c25a0c: a 14,720-token prompt preempted and resumed on its own prefix hits). What it
-    found written before that no longer counts."""
+    """A preempted request may be handed its own old block again at the same position (a long
+    prompt preempted and resumed on its own prefix hits). What it found written before that no
+    longer counts."""
     a, b, c = Block(1), Block(2), Block(3)
     pool = Pool([a, b, c], {})
     m = Monitor()
@@ -515,7 +535,7 @@ def test_a_position_in_the_window_whose_block_the_scheduler_released_breaks_held
            "that block from the request's row, and another request holds it now" in w.detail
     # A prefix hit (or external KV) skips the blocks outside the window for the hit's length: the
     # null block in both rows. One more (index 1, positions 4..7, inside the window of position
-    # 12) is read as the null block's content (AD's hits: its 10-minute bfloat16 split, 503 + 3).
+    # 12) is read as the null block's content (fault AD's shape on a prefix hit).
     for worker_row, want in (([0, 2, 3, 4], []), ([0, 0, 3, 4], [("held-block-released", "r", 0)])):
         held = {"r": [null, null if worker_row[1] == 0 else bs[1], bs[2], bs[3]]}
         m = windowed(pool, held, {"r": (12, 1)}, {"r": worker_row}, [16])
@@ -529,12 +549,12 @@ def test_a_position_in_the_window_whose_block_the_scheduler_released_breaks_held
         assert [x.name for x in m.breaks] == want, kind
 
 
-# -- KV computed after a request's own break (held-block-derived, rule 5.17) --------------------
+# -- KV computed after a request's own break (held-block-derived) --------------------------------
 def test_a_block_computed_after_its_writers_break_breaks_held_block_derived_on_a_later_holder():
-    """Fault AD's retries (issue 30, its 10-minute bfloat16 campaign split 465 + 3): r reads a
-    released block another request holds (held-block-released), and the KV r computes from then
-    on is wrong past the first layer. A retry whose prefix hit holds a block r wrote after that
-    reads it, and is named by r's break; a block whose hash changed since holds new content."""
+    """Fault AD's shape on a retry: r reads a released block another request holds
+    (held-block-released), and the KV r computes from then on is wrong past the first layer. A
+    retry whose prefix hit holds a block r wrote after that reads it, and is named by r's break;
+    a block whose hash changed since holds new content."""
     bs = [Block(i) for i in range(1, 7)]
     pool = Pool(bs, {})
     null = pool.null_block
@@ -560,8 +580,9 @@ def test_a_block_computed_after_its_writers_break_breaks_held_block_derived_on_a
 
 
 def test_a_wrong_sampled_row_derives_nothing():
-    """Rule 5.17's exception: a token sampled from another row is its request's alone; the KV it
-    computes after it is right for the tokens it follows, so a later holder breaks nothing."""
+    """held-block-derived's exception: a token sampled from another row is its request's alone;
+    the KV it computes after it is right for the tokens it follows, so a later holder breaks
+    nothing."""
     a, b, c, d = Block(1), Block(2), Block(3, G(3)), Block(4)
     pool = Pool([a, b, c, d], {})  # s's prompt goes to block 3, registered
     m = stepped(pool, {"r": [a, b], "s": [c, d]}, {"r": [], "s": []}, {"r": (5, 1), "s": (0, 3)},
@@ -572,12 +593,12 @@ def test_a_wrong_sampled_row_derives_nothing():
     assert [x.request for x in m.breaks] == ["s"]
 
 
-# -- the token ids the model is handed (worker-token, rule 5.18) --------------------------------
+# -- the token ids the model is handed (worker-token) -------------------------------------------
 def test_a_token_handed_to_the_model_that_is_not_the_requests_own_breaks_worker_token():
     """Fault AL's shape (and AA's): a request added back to the batch (resumed, or left out of a
     step) keeps its row's stale token ids. Rows, slots, lengths and positions agree; the model is
     handed another token than the request's at that position. Its KV is wrong from there on, so
-    a later holder of a block it wrote breaks held-block-derived, named by it (rule 5.17)."""
+    a later holder of a block it wrote breaks held-block-derived, named by it."""
     a, b, c, d = Block(1), Block(2), Block(3, G(3)), Block(4)
     pool = Pool([a, b, c, d], {})
     spans = {"r": (5, 1), "s": (0, 3)}  # r decodes position 5; s's prompt, positions 0..2
