@@ -47,6 +47,9 @@ def row(out: Path, label: str) -> str:
         parts = []
         for b in bs:
             what = b.key.explained_by and f"explained by `{b.key.explained_by}`" or "unexplained"
+            if b.key.crash_kind:
+                parts.append(f"{b.count} {b.key.crash_kind}: {b.key.crash_state or '?'}")
+                continue
             if b.key.broke:
                 key = f"broke `{b.key.broke}`"
             elif b.key.provisional:
