@@ -1,6 +1,6 @@
 """``kvfuzz report FILE``: an issue-ready report of a finding (rich in the terminal,
 markdown with --markdown or -o, a self-contained HTML page with --html, the pictures as PNG and
-SVG with --plots)."""
+SVG with --plots), or with --upstream a page that reads as a vLLM GitHub issue (docs/upstream/)."""
 
 from __future__ import annotations
 
@@ -25,6 +25,15 @@ def report_cmd(
     plots: Annotated[Optional[Path], typer.Option("--plots", help="Write each picture as PNG and SVG into this "
                                                                   "directory (for a GitHub issue); the markdown report "
                                                                   "links them. Needs kvfuzz[plots].")] = None,
+    upstream: Annotated[bool, typer.Option("--upstream", help="A page that reads as a vLLM GitHub issue (markdown; "
+                                                              "-o to write it): environment, what goes wrong, the "
+                                                              "standalone script of `kvfuzz export`, expected vs "
+                                                              "actual, and for a known bug its mechanism, releases, "
+                                                              "upstream status and suggested fix (docs/upstream/). "
+                                                              "A finding or trace file.")] = False,
+    bug: Annotated[Optional[str], typer.Option("--bug", help="With --upstream: the known bug to describe (its id, "
+                                                             "or its regression trace's name; default: matched by "
+                                                             "the trace's name).")] = None,
 ) -> None:
     """Render a finding as an issue-ready report: verdicts, minimal trace, tokens around the
     first divergence, control arms, toggles and the replay command; with --html / --plots, the
@@ -32,6 +41,10 @@ def report_cmd(
     from kvfuzz.harness.toggles import catalog
     from kvfuzz.present.report import build, to_markdown, to_rich
 
+    if upstream or bug is not None:
+        _upstream_report(file, out, bug, others=html is not None or plots is not None or as_markdown,
+                         upstream=upstream)
+        return
     if html is not None or plots is not None:
         from kvfuzz.present.draw import require
 
@@ -73,6 +86,26 @@ def report_cmd(
         return
     for r in to_rich(report):
         console.print(r)
+
+
+def _upstream_report(file: Path, out: Optional[Path], bug: Optional[str], *, others: bool, upstream: bool) -> None:
+    """``--upstream``: the vLLM issue page of a finding or trace (kvfuzz.present.upstream)."""
+    from kvfuzz.present.upstream import build_page
+    from kvfuzz.traces import BadInput
+
+    if not upstream:
+        raise BadInput("needs --upstream", field="--bug")
+    if others:
+        raise BadInput("--upstream writes markdown only: drop --html, --plots and --markdown", field="--upstream")
+    if file.is_dir() or file.name == "campaign.json":
+        raise BadInput("--upstream takes one finding or trace file, not a campaign", source=str(file))
+    text, src, record = build_page(file, bug=bug)
+    if out is None:
+        typer.echo(text, nl=False)
+        return
+    atomic_write_text(out, text)
+    what = f"known bug {record.id}" if record is not None else "no known bug: mechanism not yet diagnosed"
+    console.print(f"wrote {out} ({what})", markup=False, highlight=False, soft_wrap=True)
 
 
 def _campaign_report(path: Path, out: Optional[Path], as_markdown: bool) -> None:
