@@ -208,10 +208,12 @@ def test_the_executor_allows_what_the_settings_switch_on_while_the_budget_lasts(
     assert Executor(None, None, TriageSettings(), b).allowed() == INTERVENTIONS  # type: ignore[arg-type]
     b.spent = 10.0
     assert ex.allowed() == frozenset()
-    # One is not started when what is left is less than what it took on average so far.
+    # One is not started when what is left is less than the longest of its last few.
     b.spent = 4.0
-    ex.costs = {"attribute": [4.0, 10.0]}
+    ex.costs = {"attribute": [7.0, 4.0]}
     assert ex.allowed() == {"float32-control"}
+    ex.costs = {"attribute": [7.0, *[4.0] * 5]}
+    assert ex.allowed() == {"attribute", "float32-control"}
 
 
 # -- what a campaign writes ----------------------------------------------------------------------

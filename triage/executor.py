@@ -34,7 +34,7 @@ from .minimize import NotReproduced
 Clock = Callable[[], float]
 
 # Triage's credit at the start of a campaign (its share is TriageSettings.share, --triage-share).
-TRIAGE_FLOOR_S = 20.0
+TRIAGE_FLOOR_S = 10.0
 # The confirmation's minimization replays (the ablation of the witness comes after them).
 CONFIRM_REPLAYS = 64
 # Of a new bucket's witness intervention: the share its minimization may take (the ablation
@@ -81,7 +81,8 @@ class Executor:
     budget: Budget = field(default_factory=Budget)
     status: Callable[[str], None] = lambda _m: None
     # Seconds each kind of intervention took so far: one is not started when what is left of
-    # the budget is less than its mean (cut short, it would spend the budget for nothing).
+    # the budget is less than the longest of its last few (cut short, or run past the budget, it
+    # would spend time the campaign's throughput needs for nothing).
     costs: dict[str, list[float]] = field(default_factory=dict)
 
     def allowed(self) -> frozenset[str]:
@@ -90,8 +91,7 @@ class Executor:
         left = self.budget.left()
         on = {"attribute": s.attribute, "float32-control": s.controls, "confirm": s.minimize and s.ablate,
               "minimize": s.minimize}
-        return frozenset(k for k in INTERVENTIONS
-                         if on[k] and left > 0 and left >= sum(self.costs.get(k, [0.0])) / len(self.costs.get(k, [0.0])))
+        return frozenset(k for k in INTERVENTIONS if on[k] and left > 0 and left >= max(self.costs.get(k, [0.0])[-5:]))
 
     @contextmanager
     def _running(self, kind: str) -> Iterator[None]:

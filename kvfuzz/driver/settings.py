@@ -101,7 +101,7 @@ class TriageSettings(BaseModel):
     # The campaign's --budget: triage never runs past it.
     budget_s: float | None = None
     # --triage-share: the share of the campaign's time triage may spend (triage/executor.py).
-    share: float = 0.2
+    share: float = 0.15
 
 
 class CampaignSettings(BaseModel):

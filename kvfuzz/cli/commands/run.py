@@ -57,7 +57,7 @@ def run(
     minimize_seconds: Annotated[float, typer.Option(min=1, help="Time limit per minimization.")] = 120.0,
     triage_share: Annotated[float, typer.Option(min=0.0, max=1.0, help="Share of the campaign's time triage may "
                                                 "spend on attribution, confirmations and witnesses (1: all it "
-                                                "needs); what it cannot reach is provisional.")] = 0.2,
+                                                "needs); what it cannot reach is provisional.")] = 0.15,
     controls: Annotated[bool, typer.Option("--controls/--no-controls", help="Run control arms on findings.")] = True,
     engine_name: options.EngineOpt = "inprocess",
     server_arg: options.ServerArgOpt = None,
