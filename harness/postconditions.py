@@ -545,7 +545,7 @@ class Monitor:
             want = self._want_tokens.get(rid)
             if want is None:
                 continue  # speculative tokens scheduled beyond its tokens: not judged
-            bad = np.nonzero(got != want)[0]
+            bad = np.nonzero((got != want) & (got >= 0))[0]  # -1: an embedding, not a token id
             if len(bad):
                 i = int(bad[0])
                 self._once(step, "worker-token", ext(rid), -1,
@@ -822,13 +822,21 @@ def worker_positions(core: Any) -> Any | None:
 
 
 def worker_input_ids(core: Any) -> Any | None:
-    """The in-process model runner's token ids buffer, or None on another layout or with prompt
-    embeddings (whose rows are not token ids)."""
+    """The in-process model runner's token ids buffer, or None on another layout. With prompt
+    embeddings the runner embeds only the positions it marks as token ids (``is_token_ids``):
+    the others read -1, which the token check does not judge."""
     runner = worker_runner(core)
-    if runner is None or getattr(runner, "enable_prompt_embeds", False):
+    if runner is None:
         return None
     buf = getattr(runner, "input_ids", None)
-    return getattr(buf, "gpu", buf)
+    ids = getattr(buf, "gpu", buf)
+    if not getattr(runner, "enable_prompt_embeds", False):
+        return ids
+    mask = getattr(getattr(runner, "is_token_ids", None), "np", None)
+    if mask is None or ids is None:
+        return None
+    got = _ints(ids[:len(mask)])
+    return np.where(np.asarray(mask, dtype=bool)[:len(got)], got, -1)
 
 
 def worker_batch(core: Any) -> Any | None:

@@ -333,7 +333,8 @@ def test_a_kernel_told_one_position_short_breaks_worker_seq_len():
 
 
 AL_SCRIPT = """
-cfg = default_engine(kv_cache_bytes=2**20, max_model_len=960)  # 31 blocks of 32 tokens
+cfg = default_engine(kv_cache_bytes=2**20, max_model_len=960,  # 31 blocks of 32 tokens
+                     enable_prompt_embeds=sys.argv[1:] == ["embeds"])
 eng = InProcessEngine(cfg)
 eng.start()
 # h and v decode together until the cache is full: v (the latest) is preempted, and resumes in
@@ -344,12 +345,14 @@ VICTIM = "v"
 """
 
 
-def test_a_request_added_back_with_stale_token_ids_breaks_worker_token():
+@pytest.mark.parametrize("engine", ["ids", "embeds"])
+def test_a_request_added_back_with_stale_token_ids_breaks_worker_token(engine):
     """Fault AL: a request added back to the persistent batch keeps its row's stale token ids
     where its output tokens belong. Every record, slot, length and position agrees; the model is
     handed another token than the request's own. The reference (alone: never preempted) breaks
-    nothing."""
-    got = _child(AL_SCRIPT, "unseen_faults.readded_row_keeps_stale_tokens")
+    nothing. An engine that takes prompt embeddings embeds its token-id positions from the same
+    ids: the check reads those."""
+    got = _child(AL_SCRIPT, "unseen_faults.readded_row_keeps_stale_tokens", engine)
     assert [(name, r) for name, r, _ in got["breaks"]] == [("worker-token", "v")], got
     assert got["diverged"] and got["ref_breaks"] == [], got
     assert "row 0: the model is handed token" in got["breaks"][0][2] and "at position 300;" in got["breaks"][0][2], got
