@@ -94,6 +94,8 @@ def summary(out: Path, name: str) -> dict | None:
     if not state.is_file():
         return None
     d = json.loads(state.read_text())
+    if not d.get("complete"):
+        return None
     bugs = [b for b in d.get("bug_buckets", {}).values() if b["key"]["class"] == "corruption"]
     t = d.get("time") or {}
     return {"traces": d["traces"], "rate": 60 * d["traces"] / max(1.0, d["seconds"]),

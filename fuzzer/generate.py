@@ -140,8 +140,10 @@ def generate(seed: int, engine: EngineConfig | None = None, opts: GenOptions | N
     rng = random.Random(seed)
     engine = engine or default_engine()
     opts = opts or GenOptions(adapters=sorted(engine.lora.adapters) if engine.lora.enabled else [])
+    moved = False
     if engine.model == EMBEDDED_MODEL and engine.kv_connector is None:
-        engine = configs.draw(seed, engine, opts.p_config)
+        drawn = configs.draw(seed, engine, opts.p_config)
+        moved, engine = drawn != engine, drawn
     bs = engine.block_size
     n = rng.randint(opts.min_requests, opts.max_requests)
     groups = [f"g{seed}-{i}" for i in range(rng.randint(1, 3))]
@@ -179,8 +181,12 @@ def generate(seed: int, engine: EngineConfig | None = None, opts: GenOptions | N
         # Its own RNG: the trace drawn above is the same whatever the reuse probability.
         events = reuse_prompts(events, seed, engine, opts)
     events = _additions(rng, engine, opts, events, step)
-    dressed, engine = requests.dress(events, seed, engine, share=opts.request_state, p_priority=opts.p_priority,
-                                     p_embeds=opts.p_embeds, p_spec=opts.p_spec)
+    # One engine dimension moved a trace: a knob, or priority scheduling, embeddings or drafts.
+    # It keeps a campaign's engines few enough for its pool, and a finding's engine one step
+    # from the campaign's.
+    dressed, engine = requests.dress(events, seed, engine, share=opts.request_state,
+                                     p_priority=0.0 if moved else opts.p_priority,
+                                     p_embeds=0.0 if moved else opts.p_embeds, p_spec=0.0 if moved else opts.p_spec)
     dressed = _reset(dressed, seed, engine, opts.p_reset)
     plain = (opts.request_state <= 0 and opts.p_priority <= 0 and opts.p_embeds <= 0 and opts.p_spec <= 0
              and opts.p_reset <= 0 and opts.p_config <= 0)

@@ -1054,11 +1054,11 @@ _POOL: EnginePool | None = None
 _POOL_USERS = 0
 # Engines a campaign (or a Ray worker) keeps alive for triage: its own configuration, and one per
 # ablation that restarts the engine (prefix caching, chunked prefill, KV pressure, LoRA off,
-# adapter slots, float32) plus the references' and controls' configurations. Six thrashed on a
-# LoRA campaign in bfloat16 (19 engine starts in 3 minutes, the same configurations started up
-# to three times, 32 s of 180). With ten, that campaign's whole process peaked at 2.1 GB
-# (docs/benchmarks.md).
-CAMPAIGN_POOL_SIZE = 10
+# adapter slots, float32) plus the references' and controls' configurations, and the engine
+# configurations its traces draw (fuzzer/configs.py, priority, embeddings, drafts). Ten thrashed
+# once traces drew knobs (34 starts in 3 minutes, half the campaign's time); each engine of the
+# embedded model is a few hundred MB (ten: 2.1 GB for the whole process, docs/benchmarks.md).
+CAMPAIGN_POOL_SIZE = 16
 
 
 def share_engines(size: int) -> EnginePool:

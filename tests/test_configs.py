@@ -23,6 +23,11 @@ def test_a_draw_moves_one_knob_at_the_share_asked_and_leaves_the_other_traces_as
     assert all(len({k for k in m if not (k == "max_num_batched_tokens" and "enable_chunked_prefill" in m)}) <= 1
                for m in moved)
     assert {k for m in moved for k in m} == set(configs.VARIANTS)
+    for seed in range(200):
+        t = generate(seed, opts=GenOptions(p_config=0.4, p_spec=0.5, p_embeds=0.5, p_priority=0.5))
+        if configs.region(t.engine) != "default":  # one engine dimension a trace
+            assert t.engine.speculative is None and not t.engine.enable_prompt_embeds
+            assert t.engine.scheduling_policy is None
     moved_any = False
     for seed in range(60):
         with_ = generate(seed, opts=GenOptions(p_config=0.4))
