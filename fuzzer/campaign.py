@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from kvfuzz.traces import CampaignOrigin, EngineConfig, Finding, LineageLink, Trace, atomic_write_text, save, sweep_partial_writes
-from kvfuzz.traces.buckets import Bucket, BucketDescription, BucketKey, BucketMembership, Triaged, bucket_from_state, live
+from kvfuzz.traces.buckets import Bucket, BucketMembership, Triaged, bucket_from_state, live
 from kvfuzz.traces.errors import BadInput, ConfigRefused
 from kvfuzz.traces.io import finding_path
 from kvfuzz.traces.result import Checked
@@ -33,6 +33,7 @@ from kvfuzz.traces.timing import GENERATION, TRIAGE, Ledger, TimeBreakdown
 
 from .corpus import Corpus, CorpusEntry, Item, Scheduler, Seed, measured_key, now
 from . import configs
+from .bucketdb import BucketDB, untriaged
 from .feedback import SPEC_ACCEPTED, Coverage, trace_signature
 from .generate import GenOptions, generate
 from .mutate import mutate, mutate_into
@@ -278,6 +279,7 @@ class Campaign:
         self.out = opts.out
         self.corpus = Corpus(opts.corpus_dir)
         self.state = load_state(self.out, opts)
+        self.buckets = BucketDB(self.out, self.state.bug_buckets)
         self.coverage = Coverage.from_json(self.state.coverage)
         self.scheduler = Scheduler()
         self.bandit = SourceBandit.from_json(self.state.bandit)
@@ -345,6 +347,15 @@ class Campaign:
             return mutate_into(self._fresh(i), parent.trace, rng, **how), "mutant"
         return self._fresh(i), "fresh"
 
+    def upcoming(self, i: int) -> Trace | None:
+        """What iteration ``i`` will most likely run, without changing the campaign: its seed
+        trace, else its fresh trace (what random mode runs; feedback mode runs it, or grafts a
+        mutant into it). For work done ahead of need (a reference engine's), never for a verdict."""
+        st = self.state
+        if i < len(st.seeds):
+            return self.seed_traces.get(st.seeds[i])
+        return self._fresh(i)
+
     def _fresh(self, i: int) -> Trace:
         return generate(trace_seed(self.opts.seed, i), self.opts.engine, self.opts.gen)
 
@@ -408,7 +419,7 @@ class Campaign:
             prov.lineage = [LineageLink.model_validate(link) for link in self.lineage(trace)]
         members = list(memberships if memberships is not None else finding.buckets)
         if not members and finding.worst_class() != "ok":
-            members = _fallback_memberships(finding)
+            members = untriaged(finding)
         finding.buckets = members
         finding.bucket = members[0].bucket if members else None
         path = finding_path(self.out / "findings", finding)
@@ -419,50 +430,18 @@ class Campaign:
         counts = Counter(st.by_class)
         counts[finding.worst_class()] += 1
         st.by_class = dict(counts)
-        for m in members:
-            bucket = st.bug_buckets.get(m.bucket)
-            if bucket is None:
-                bucket = Bucket(id=m.bucket, key=m.key, first_index=i, representative=rel,
-                                description=m.description or BucketDescription(text=m.key.label()),
-                                report=f"kvfuzz report {path}")
-                # The bucket's regression case, for `kvfuzz gate`.
-                case = self.out / "buckets" / f"{m.bucket}.json"
-                save((cases or {}).get(m.bucket, finding), case)
-                bucket.case = str(case.relative_to(self.out))
-                st.bug_buckets[m.bucket] = bucket
-            bucket.count += 1
-            bucket.assigned += m.status == "assigned"
-            bucket.findings.append(rel)
-            self.write_bucket(bucket.id)
-
-    def write_bucket(self, bid: str) -> None:
-        """``OUT/buckets/<id>.findings.jsonl``: the bucket (its first line), then one line per
-        finding in it. Not ``.json``: ``kvfuzz gate
-        OUT/buckets`` reads every ``.json`` there as a regression case."""
-        b = self.state.bug_buckets[bid]
-        path = self.out / "buckets" / f"{bid}.findings.jsonl"
-        b.listing = str(path.relative_to(self.out))
-        head: dict[str, object] = {"bucket": b.model_dump(mode="json", by_alias=True, exclude={"findings"})}
-        lines = [json.dumps(head, sort_keys=True)] + [json.dumps({"finding": f}) for f in b.findings]
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(path, "\n".join(lines) + "\n")
-
-
-def _fallback_memberships(finding: Finding) -> list[BucketMembership]:
-    """Untriaged campaigns (a checker without triage): by class and explanation alone."""
-    worst = finding.worst_class()
-    explained = sorted({d.explained_by or "" for d in finding.divergences if d.class_ == worst})
-    keys = [BucketKey(cls=worst, explained_by=e or None) for e in explained] or [BucketKey(cls=worst)]
-    return [BucketMembership(bucket=k.digest(), key=k, status="assigned", how="key (no triage)",
-                             description=BucketDescription(text=k.label() + " (not triaged)")) for k in keys]
+        self.buckets.file(i, finding, rel, members, cases)
 
 
 def run_campaign(opts: CampaignOptions, check_trace: Callable[[Trace], Checked | Triaged],
                  on_outcome: Callable[[TraceOutcome, CampaignState], None] | None = None,
-                 on_start: Callable[["Campaign"], None] | None = None, ledger: Ledger | None = None) -> CampaignState:
+                 on_start: Callable[["Campaign"], None] | None = None, ledger: Ledger | None = None,
+                 lookahead: Callable[[Trace], None] | None = None) -> CampaignState:
     """Run traces until the budget or trace count is used up. ``check_trace`` records and
     checks one trace (harness + oracle); its histories feed coverage, its finding is kept.
-    ``ledger``: the session's (traces/timing.py): where the time went lands in ``state.time``."""
+    ``ledger``: the session's (traces/timing.py): where the time went lands in ``state.time``.
+    ``lookahead``: told, before each trace is checked, the trace the next iteration will most
+    likely run (``Campaign.upcoming``; a reference engine computes its references meanwhile)."""
     out = opts.out
     (out / "findings").mkdir(parents=True, exist_ok=True)
     ledger = ledger if ledger is not None else Ledger()
@@ -484,6 +463,9 @@ def run_campaign(opts: CampaignOptions, check_trace: Callable[[Trace], Checked |
         t0 = time.monotonic()
         with ledger.span(GENERATION):
             trace, source = camp.next_trace(i)
+            nxt = camp.upcoming(i + 1) if lookahead is not None else None
+        if lookahead is not None and nxt is not None:
+            lookahead(nxt)
         # Everything check_trace spends outside runs, references and scorings is triage's.
         ledger.fresh = True
         try:
