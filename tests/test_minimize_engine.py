@@ -128,7 +128,7 @@ def test_real_cpu_lora_bug_minimizes_to_one_base_and_one_lora_request(session, l
     assert found is not None and found.worst_class() == "corruption"
     # What `kvfuzz run` does with a finding that opens a bucket: its witness minimized, ablated
     # and with its control arms, linked to the original (the campaign's finding file).
-    small = Executor(session, Recovering(session), budget=TriageBudget(share=1.0)).witness(found, None)
+    small = Executor(session, Recovering(session), budget=TriageBudget(share=1.0, floor=600.0)).witness(found, None)
     assert small.provenance.minimized_from.id == found.id
     assert small.provenance.minimized_from.file == f"findings/corruption-{found.id}.json" and found.controls == []
     assert small.explanation is not None and "lora" in small.explanation.needs
