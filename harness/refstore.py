@@ -149,12 +149,19 @@ def reference_key(engine: Engine, send: SendEvent, binding: Binding | None) -> d
     """The key of ``send``'s reference inside its namespace (max_tokens is not in it: a longer
     reference serves a shorter request with its prefix; cache_salt is not: it only partitions
     the prefix cache, which a solo run on a clean cache does not read)."""
+    return reference_key_for(engine, engine.config, send, binding)
+
+
+def reference_key_for(engine: Engine, config: EngineConfig, send: SendEvent, binding: Binding | None) -> dict[str, object]:
+    """``reference_key`` of ``send`` on an engine of ``config`` (the reference's configuration,
+    ``base.reference_config`` of ``engine``'s) with ``engine``'s reference toggles: the key
+    without starting the reference's own engine."""
     adapter = None
     if send.adapter is not None:
-        source = binding.source if binding is not None else engine.config.lora.adapters.get(send.adapter)
+        source = binding.source if binding is not None else config.lora.adapters.get(send.adapter)
         adapter = adapter_identity(source) if source is not None else f"name:{send.adapter}"
     prompt = hashlib.sha256(json.dumps(expand(send.prompt)).encode()).hexdigest()
-    return {"settings": solo_settings(engine.config, list(engine.reference_toggles)), "adapter": adapter,
+    return {"settings": solo_settings(config, list(engine.reference_toggles)), "adapter": adapter,
             "prompt_sha256": prompt, "sampling": sampling_key(send)}
 
 
@@ -348,4 +355,4 @@ def same_reference(stored: RequestRecord, fresh: RequestRecord, *, exact: bool) 
 
 
 __all__ = ["DiskTiers", "Namespace", "ReferenceMismatch", "RemoteTiers", "StoreService", "namespace_of",
-           "reference_key", "same_reference", "solo_settings"]
+           "reference_key", "reference_key_for", "same_reference", "solo_settings"]

@@ -78,7 +78,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 # `--durations=0` summed per file). Only the order of files uses them: a stale figure costs
 # balance, never a result.
 FILE_SECONDS = {"test_server.py": 191, "test_postconditions_engine.py": 127, "test_explain_engine.py": 66,
-                "test_buckets_engine.py": 58, "test_gate.py": 56, "test_reliability_resume.py": 47,
+                "test_buckets_engine.py": 58, "test_refengine_engine.py": 55, "test_gate.py": 56, "test_reliability_resume.py": 47,
                 "test_toggles.py": 35, "test_cli.py": 30, "test_oracle_campaign.py": 28, "test_controls.py": 13,
                 "test_engine.py": 13, "test_loaders_fuzz.py": 13, "test_minimize_engine.py": 10}
 

@@ -20,10 +20,12 @@ CONFIRM = "confirmation_runs"
 REF_COMPUTED = "references_computed"
 REF_STORE = "references_from_store"
 REF_VERIFY = "references_verified"
+# The fuzzed run waiting for a reference the reference engine computes (harness/refengine.py).
+REF_WAIT = "references_waited"
 SCORES = "scores"
 TRIAGE = "triage"
 GENERATION = "generation_feedback_files"
-PHASES = (ENGINE_START, FUZZED, CONFIRM, REF_COMPUTED, REF_STORE, REF_VERIFY, SCORES, TRIAGE, GENERATION)
+PHASES = (ENGINE_START, FUZZED, CONFIRM, REF_COMPUTED, REF_STORE, REF_VERIFY, REF_WAIT, SCORES, TRIAGE, GENERATION)
 SECONDS = tuple(f"{p}_s" for p in PHASES) + ("wall_s",)
 
 
@@ -38,6 +40,9 @@ class TimeBreakdown(BaseModel):
     references_computed_s: float = 0.0
     references_from_store_s: float = 0.0
     references_verified_s: float = 0.0
+    # Waiting for the reference engine (``--reference-engines 1``): the references it computes
+    # cost the fuzzed engine only this.
+    references_waited_s: float = 0.0
     scores_s: float = 0.0
     triage_s: float = 0.0
     generation_feedback_files_s: float = 0.0
@@ -48,6 +53,8 @@ class TimeBreakdown(BaseModel):
     # Hits served by an entry another worker (or an earlier campaign) wrote.
     references_shared: int = 0
     references_verified: int = 0
+    # Of references_computed, those the reference engine computed.
+    references_ahead: int = 0
 
     @property
     def other_s(self) -> float:
@@ -122,7 +129,8 @@ class Ledger:
                              references_computed=c.get("references_computed", 0),
                              references_from_store=c.get("references_from_store", 0),
                              references_shared=c.get("references_shared", 0),
-                             references_verified=c.get("references_verified", 0))
+                             references_verified=c.get("references_verified", 0),
+                             references_ahead=c.get("references_ahead", 0))
 
 
 __all__ = ["PHASES", "Ledger", "TimeBreakdown"]

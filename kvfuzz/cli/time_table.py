@@ -14,6 +14,7 @@ LABELS = {
     "references_computed": "references computed",
     "references_from_store": "references from the store",
     "references_verified": "references verified",
+    "references_waited": "waiting for the reference engine",
     "scores": "teacher-forced scorings",
     "triage": "triage (and oracle)",
     "generation_feedback_files": "generation, feedback, files",
@@ -34,6 +35,9 @@ def time_table(time: TimeBreakdown) -> Table:
     n = time.references_computed + time.references_from_store
     table.add_row("references: computed / from store", f"{time.references_computed} / {time.references_from_store}",
                   f"hit rate {time.hit_rate:.0%}" if n else "")
+    if time.references_ahead:
+        table.add_row("  of which by the reference engine", f"{time.references_ahead}",
+                      f"waited {time.references_waited_s:.1f} s")
     if time.references_shared or time.references_verified:
         table.add_row("  of which shared / verified", f"{time.references_shared} / {time.references_verified}", "")
     return table

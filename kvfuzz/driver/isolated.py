@@ -37,7 +37,9 @@ def child_session(req: dict) -> Session:
     """The child's session, built from the parent's settings (kvfuzz.driver.session.build_session)."""
     from kvfuzz.driver.session import build_session
 
-    settings = SessionSettings.model_validate(req["settings"]).model_copy(update={"runs": req["runs"]})
+    # One trace, checked once: no reference engine beside it (its references are computed in turn).
+    settings = SessionSettings.model_validate(req["settings"]).model_copy(update={"runs": req["runs"],
+                                                                                   "reference_engines": 0})
     log = Path(req["log_file"]) if req.get("log_file") else None
     if log is None:
         return build_session(settings, Path(tempfile.gettempdir()), log_name="kvfuzz-isolated-engine.log")

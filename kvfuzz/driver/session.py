@@ -58,6 +58,8 @@ class Session:
     # ties — the one class scoring can change (it can call a near tie corruption, never the
     # reverse), which is what a campaign's fuzzed runs need.
     _score_classes: tuple[str, ...] = field(default=("corruption", "numeric-near-tie"), repr=False)
+    # The trace the campaign will most likely run next (``look_ahead``), for the reference engine.
+    _upcoming: list[Trace] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         self.references.ledger = self.scores.ledger = self.ledger
@@ -69,8 +71,26 @@ class Session:
         from kvfuzz.harness.refstore import DiskTiers
 
         tiers = DiskTiers.for_campaign(out, cache=cache)
+        ahead = self.references.ahead
         self.references = ReferenceStore(tiers=tiers, verify=verify, ledger=self.ledger, verify_seed=seed)
+        self.references.ahead = ahead
         self.scores = ScoreStore(tiers=tiers, ledger=self.ledger)
+
+    def use_reference_engine(self, log_file: Path | None = None) -> None:
+        """A reference engine beside the fuzzed one (harness/refengine.py): a child process that
+        computes each trace's references while its runs replay; the store waits for them."""
+        from kvfuzz.harness.refengine import DEFAULT_TIMEOUT_S, ReferenceEngine
+
+        if self.references.ahead is None:
+            # A begun reference not answered within a trace's timeout: the child is hung.
+            self.references.ahead = ReferenceEngine(log_file=log_file,
+                                                    timeout_s=self.trace_deadline_s or DEFAULT_TIMEOUT_S).start()
+
+    def close_references(self) -> None:
+        """Stop the reference engine, if there is one."""
+        ahead, self.references.ahead = self.references.ahead, None
+        if ahead is not None:
+            ahead.close()
 
     # -- the settings, read where the session is used ---------------------------------------------
     @property
@@ -161,8 +181,17 @@ class Session:
     def record(self, trace: Trace, *, runs: int | None = None,
                arms: dict[str, list[str]] | None = None) -> Recording:
         """Replay ``trace`` ``runs`` times in each arm (default: its own toggles), with references."""
+        fuzzed = self.ledger.take_fresh()
+        upcoming, self._upcoming = (self._upcoming, []) if fuzzed else ([], self._upcoming)
         return record(self.engine_for(trace.engine), trace, runs=runs or self.runs, arms=arms, store=self.references,
-                      fuzzed=self.ledger.take_fresh())
+                      fuzzed=fuzzed, upcoming=upcoming)
+
+    def look_ahead(self, trace: Trace) -> None:
+        """``trace`` will most likely be the next fuzzed trace: with a reference engine, its
+        references are asked for right after the current trace's (``kvfuzz run``'s campaign
+        loop tells it; without a reference engine nothing is done)."""
+        if self.references.ahead is not None and self.references.ahead.off is None:
+            self._upcoming = [trace]
 
     # -- noise bounds ------------------------------------------------------------------------------
     def bounds_for(self, config: EngineConfig) -> NoiseBounds:
@@ -381,6 +410,7 @@ class Session:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+        self.close_references()
 
 
 # -- the one construction path (kvfuzz.driver.settings) ---------------------------------------------------
@@ -402,4 +432,8 @@ def build_session(settings: SessionSettings, log_dir: Path, *, log_name: str = "
     session = Session(settings=settings, log_file=log_dir / log_name, server_options=server_options(settings, log_dir))
     if settings.store is not None:
         session.use_reference_store(settings.store.out, verify=settings.store.verify, seed=settings.store.seed)
+    if settings.reference_engines:
+        if settings.kind != "inprocess":
+            raise BadInput("a reference engine runs beside the in-process engine only", field="--reference-engines")
+        session.use_reference_engine(log_dir / "reference-engine.log")
     return session

@@ -81,6 +81,9 @@ class SessionSettings(BaseModel):
     api_key: SecretStr | None = Field(default=None, exclude=True)
     served_model: str | None = None
     store: StoreSettings | None = None
+    # Reference engines beside the fuzzed one (``--reference-engines``; harness/refengine.py):
+    # 0, references computed on the fuzzed engine in turn; 1, by a child process ahead of need.
+    reference_engines: int = Field(0, ge=0, le=1)
 
     @property
     def step_exact(self) -> bool:

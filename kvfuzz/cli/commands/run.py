@@ -90,6 +90,10 @@ def run(
                                                   "in-memory memo per campaign; docs/oracle.md).")] = True,
     verify_references: Annotated[float, typer.Option(min=0.0, max=1.0, help="Share of reference store hits computed "
                                                      "again and compared; any mismatch stops the campaign.")] = 0.02,
+    reference_engines: Annotated[int, typer.Option(min=0, help="Reference engines beside the fuzzed one: 1 computes "
+                                                   "each trace's references in a second process while the trace "
+                                                   "runs (0: on the fuzzed engine, in turn; in-process only; "
+                                                   "docs/oracle.md \"Reference engine\").")] = 0,
     prompt_reuse: Annotated[Optional[float], typer.Option(min=0.0, max=1.0, help="Probability that a fresh trace's request "
                                                 "takes a prompt (or a shared prefix) from the campaign's pool, as "
                                                 "real traffic repeats prompts (default 0: off, by measurement; docs/fuzzer.md).")] = None,
@@ -130,11 +134,19 @@ def run(
         raise BadInput("must be positive", field="--budget")
     if ray_address is not None and port is not None:
         raise BadInput("one port cannot serve every Ray worker's server", field="--port")
+    if reference_engines > 1:
+        raise BadInput(f"{reference_engines} reference engines are not supported yet (0 or 1)",
+                       field="--reference-engines")
+    if reference_engines and ray_address is not None:
+        raise BadInput("not with --ray (each worker computes its own references)", field="--reference-engines")
+    if reference_engines and (engine_name != "inprocess"):
+        raise BadInput("a reference engine runs beside the in-process engine only", field="--reference-engines")
     settings = CampaignSettings(
         session=options.session_settings(engine_name, device, runs=runs, near_tie=near_tie, bound=bound,
                                          calibration=calibration, server_arg=server_arg, port=port,
                                          trace_timeout=trace_timeout).model_copy(update={
-            "store": StoreSettings(out=out.resolve(), verify=verify_references, seed=seed) if reference_store else None}),
+            "store": StoreSettings(out=out.resolve(), verify=verify_references, seed=seed) if reference_store else None,
+            "reference_engines": reference_engines}),
         arms=arm_specs.build_arms(with_=with_, without=without, arms=arms, device=device),
         triage=TriageSettings(runs_fixed=runs_fixed, attribute=attribute, minimize=minimize, controls=controls,
                               ablate=explain_, minimize_seconds=minimize_seconds, budget_s=budget,
@@ -246,9 +258,11 @@ def run(
             display.status("fuzzing")
             state = run_campaign(opts, triage, display.update,
                                  on_start=lambda c: triage.restore(c.state.bug_buckets),
-                                 ledger=session.ledger)
+                                 ledger=session.ledger,
+                                 lookahead=session.look_ahead if settings.session.reference_engines else None)
     finally:
         session.close()
+        session.close_references()
         if pooled:
             from kvfuzz.harness.inprocess import unshare_engines
 
