@@ -170,8 +170,10 @@ class Monitor:
         self._handed: dict[int, int] = {}
         # Block -> the request first seen holding it since it was handed out: the one whose
         # tokens should write it. A reader of a slot it never wrote, after a break that sent its
-        # writes elsewhere (``BreakKind.misdirects``), reads that writer's loss.
+        # writes elsewhere (``BreakKind.misdirects``), reads that writer's loss. ``_unowned``:
+        # blocks handed out whose first holder is not seen yet.
         self._writer: dict[int, str] = {}
+        self._unowned: set[int] = set()
         # (request, group) -> its blocks already found written wherever it read them: each step
         # reads only what is new (a block's written slots only grow until it is handed out again).
         self._read_ok: dict[tuple[str, int], list[int]] = {}
@@ -256,6 +258,7 @@ class Monitor:
             self._written[b.block_id] = 0
             self._handed[b.block_id] = self.step
             self._writer.pop(b.block_id, None)
+            self._unowned.add(b.block_id)
             # A request that found it written before reads it afresh (a preempted request may be
             # handed its own old block again, at the same position).
             for key in self._ok_by_block.pop(b.block_id, ()):
@@ -386,9 +389,9 @@ class Monitor:
                 ids = [b.block_id for b in blocks]
                 rows.setdefault(rid, []).append(ids)
                 real = [i for i in ids if i != null]
-                for i in real:
-                    if i in self._handed and i not in self._writer:
-                        self._writer[i] = ext(rid)
+                for i in self._unowned.intersection(real) if self._unowned else ():
+                    self._writer[i] = ext(rid)
+                    self._unowned.discard(i)
                 holders.update(real)
                 held.append((g, rid, blocks, ids))
                 if len(set(real)) != len(real):
