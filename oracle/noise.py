@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, replace
 from kvfuzz.traces import Finding, RequestRecord, Scoring
 from kvfuzz.traces.calibration import CalibrationProfile, ContextNoise
 
-from .diff import teacher_drifts
+from .diff import prompt_drifts, teacher_drifts
 
 # Bounds are the measured maxima times this: a profile's requests are a sample, and the
 # largest value a sample shows underestimates the largest noise a campaign meets.
@@ -126,7 +126,9 @@ def bounds_from(profile: CalibrationProfile, headroom: float = HEADROOM) -> Nois
     ctx = profile.contexts
     shift = max([c.max_dmargin for c in ctx] + [s for c in ctx for s in c.flip_shifts] + [0.0])
     drift = max([c.max_dlogprob for c in ctx] + [0.0])
-    teacher = max([c.max_teacher for c in ctx] + [profile.prefill_vs_decode])
+    # One bound for every comparison of a prefill: with a decode (teacher forcing) or with a
+    # prefill of the same prompt in another batch (prompt logprobs).
+    teacher = max([c.max_teacher for c in ctx] + [c.max_prompt for c in ctx] + [profile.prefill_vs_decode])
     return NoiseBounds(dtype=profile.key.dtype, near_tie=max(floor, headroom * shift),
                        drift=max(floor, headroom * drift), teacher=max(floor, headroom * teacher),
                        source="profile", profile=profile.id)
@@ -160,6 +162,7 @@ def measure_context(name: str, references: dict[str, RequestRecord], runs: dict[
             ctx.max_dlogprob = max(ctx.max_dlogprob, abs(rl - gl))
             if rt2 == gt2:
                 ctx.max_dmargin = max(ctx.max_dmargin, abs((rl - rl2) - (gl - gl2)))
+        ctx.max_prompt = max([ctx.max_prompt, *prompt_drifts(ref, run)])
         scoring = scorings.get(rid)
         if scoring is not None:
             ctx.max_teacher = max([ctx.max_teacher, *teacher_drifts(run, scoring)])

@@ -13,6 +13,7 @@ from kvfuzz.harness.vllm_args import server_command
 from kvfuzz.oracle.noise import bounds_from
 from kvfuzz.traces import EngineConfig
 from kvfuzz.traces.calibration import (
+    CALIBRATION_VERSION,
     CalibrationProfile,
     ContextNoise,
     NoiseKey,
@@ -83,10 +84,14 @@ def test_calibration_profile_round_trip(tmp_path):
 
 def test_a_bad_profile_file_is_one_line_bad_input(tmp_path, kvfuzz_cli):
     bad = tmp_path / "p.json"
-    bad.write_text(json.dumps({"schema_version": 1, "kind": "calibration", "key": {"device": "cpu"}}))
+    bad.write_text(json.dumps({"schema_version": CALIBRATION_VERSION, "kind": "calibration", "key": {"device": "cpu"}}))
     with pytest.raises(BadInput) as e:
         load_profile(bad)
     assert str(bad) in str(e.value) and "key" in str(e.value)
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"schema_version": 1, "kind": "calibration", "key": {"device": "cpu"}}))
+    with pytest.raises(BadInput, match="version-1 profile.*kvfuzz calibrate"):
+        load_profile(old)
     p = kvfuzz_cli("gate", "--calibration", bad, "--out", tmp_path / "o")
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1 and "p.json" in p.stderr
     p = kvfuzz_cli("run", "--calibration", tmp_path / "missing.json", "--out", tmp_path / "o")

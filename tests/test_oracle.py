@@ -110,7 +110,7 @@ def test_wilson():
 
 # -- thresholds per dtype, boundaries, end-of-sequence, aggregation -------------------------------
 
-from kvfuzz.oracle.noise import DEFAULTS, HEADROOM, bounds_from, default_bounds, resolution  # noqa: E402
+from kvfuzz.oracle.noise import DEFAULTS, HEADROOM, bounds_from, default_bounds, measure_context, resolution  # noqa: E402
 from kvfuzz.traces import EngineConfig  # noqa: E402
 from kvfuzz.traces.calibration import CalibrationProfile, ContextNoise, NoiseKey  # noqa: E402
 
@@ -149,6 +149,20 @@ def test_bounds_from_a_profile_are_the_measured_maxima_times_the_headroom_above_
     assert tiny.near_tie == tiny.drift == tiny.teacher == 2 * resolution("bfloat16")
     f32 = bounds_from(_profile("float32", max_dmargin=2e-5, max_dlogprob=1e-5, max_teacher=1e-5))
     assert f32.near_tie == pytest.approx(8e-5) and f32.teacher == pytest.approx(HEADROOM * 0.01)
+
+
+def test_a_prompt_measured_in_a_batch_widens_the_bound_that_judges_prompt_logprobs():
+    # The alone run and the batched run of one prompt: its logprobs moved by 3e-5 at one position.
+    alone = rec("c0", [1, 2], prompt_logprobs=[[(7, -1.0)], [(8, -2.0)]])
+    batched = rec("c0", [1, 2], prompt_logprobs=[[(7, -1.0)], [(8, -2.00003)]])
+    ctx = measure_context("batched", {"c0": alone}, {"c0": batched}, {})
+    assert ctx.max_prompt == pytest.approx(3e-5)
+    profile = CalibrationProfile(key=NoiseKey(device="cpu", device_name="t", dtype="float32", model="m"),
+                                 contexts=[ctx], prefill_vs_decode=1e-7)
+    assert bounds_from(profile).teacher == pytest.approx(HEADROOM * 3e-5)
+    # Without it the teacher bound is what teacher forcing alone measured.
+    assert bounds_from(profile.model_copy(update={"contexts": [ctx.model_copy(update={"max_prompt": 0.0})]})).teacher \
+        == pytest.approx(2 * resolution("float32"))
 
 
 def _dtype_trace(dtype):

@@ -17,7 +17,7 @@ from .errors import BadInput
 from .io import atomic_write_text
 from .paths import kvfuzz_cache
 
-CALIBRATION_VERSION: Final = 1
+CALIBRATION_VERSION: Final = 2
 
 
 class _Data(BaseModel):
@@ -67,6 +67,9 @@ class ContextNoise(_Data):
     # Largest |the run's decode logprob - the same token scored alone by teacher forcing|, over
     # every generated position (after a flip too: the run's own tokens are scored).
     max_teacher: float = 0.0
+    # Largest |prompt-token logprob difference|, run vs alone, over the prompts of requests that
+    # ask for them: a prefill in the batch against the same prefill alone.
+    max_prompt: float = 0.0
     # What the context did, so a profile shows it exercised what it claims.
     prefix_hit_requests: int = 0
     chunked_requests: int = 0
@@ -74,7 +77,7 @@ class ContextNoise(_Data):
 
 
 class CalibrationProfile(_Data):
-    schema_version: Literal[1] = CALIBRATION_VERSION
+    schema_version: Literal[2] = CALIBRATION_VERSION
     kind: Literal["calibration"] = "calibration"
     key: NoiseKey
     created: str | None = None
@@ -118,6 +121,9 @@ def load_profile(path: Path) -> CalibrationProfile:
     except ValidationError as e:
         err = e.errors()[0]
         where = ".".join(str(x) for x in err["loc"]) or "profile"
+        if where == "schema_version":
+            raise BadInput(f"schema_version: a version-{err.get('input')} profile; this kvfuzz reads version "
+                           f"{CALIBRATION_VERSION} (measure it again with kvfuzz calibrate)", source=str(path)) from None
         raise BadInput(f"{where}: {err['msg']}", source=str(path)) from None
 
 

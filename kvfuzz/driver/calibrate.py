@@ -26,7 +26,7 @@ from pathlib import Path
 from kvfuzz.harness.toggles import clean_set
 from kvfuzz.oracle.noise import HEADROOM, NoiseBounds, bounds_from, measure_context
 from kvfuzz.driver.session import Session
-from kvfuzz.traces import At, EngineConfig, GenPrompt, History, RequestRecord, Scoring, SendEvent, Trace
+from kvfuzz.traces import At, EngineConfig, GenPrompt, History, RequestRecord, Sampling, Scoring, SendEvent, Trace
 from kvfuzz.traces.calibration import (
     DEFAULT_BUDGET_S,
     CalibrationProfile,
@@ -49,31 +49,44 @@ class Plan:
     budget_s: float = DEFAULT_BUDGET_S
 
 
+# Batch-order noise grows with the context a position attends to, so the calibration's prompts
+# span the lengths campaigns draw (fuzzer/generate.py: up to 6,000 tokens, pressure shapes more);
+# bounds measured on short prompts alone called a long prompt's noise corruption.
+LONG_PROMPT = (3000, 7000)
+
+
 def calibration_sends(config: EngineConfig, plan: Plan) -> list[SendEvent]:
     """The calibration requests: lengths on and next to block boundaries, some long enough to
-    be split by chunked prefill in a batch, half sharing prefixes, LoRA adapters when on."""
+    be split by chunked prefill in a batch, two of several thousand tokens, half sharing
+    prefixes, LoRA adapters when on. The long ones and a few others ask for their prompt's
+    logprobs: a prefill in a batch against the same prefill alone is a comparison the oracle
+    makes (``prompt_logprobs``), so it is measured too."""
     rng = random.Random(plan.seed)
     bs = config.block_size
-    longest = max(8, min(1500, config.max_model_len - plan.max_tokens - 1))
+    fits = max(8, config.max_model_len - plan.max_tokens - 1)
+    longest = min(1500, fits)
     adapters = sorted(config.lora.adapters) if config.lora.enabled else []
     sends = []
     for i in range(plan.requests):
         kind = i % 4
         if kind == 0:  # on / next to a block boundary
             length = rng.randint(1, 30) * bs + rng.choice((-1, 0, 1))
+        elif kind == 1 and i % 8 == 5:  # long: thousands of positions of context
+            length = rng.randint(*LONG_PROMPT)
         elif kind == 1:  # split by chunked prefill when batched with others
             length = rng.randint(600, 1500)
         else:
             length = rng.randint(8, 500)
-        length = max(1, min(length, longest))
+        length = max(1, min(length, fits if kind == 1 and i % 8 == 5 else longest))
         group, prefix = None, 0
         if rng.random() < 0.5:  # shared prefixes: later requests hit the prefix cache
             group = f"cal{rng.randint(0, 2)}"
             prefix = min(length, rng.choice((bs, 2 * bs, 4 * bs, 4 * bs + 3)))
         adapter = rng.choice([*adapters, None, None]) if adapters else None
+        sampling = Sampling(prompt_logprobs=0) if kind == 1 else Sampling()
         sends.append(SendEvent(request_id=f"c{i}", at=At(step=0), max_tokens=plan.max_tokens, adapter=adapter,
-                               prompt=GenPrompt(length=length, prefix_group=group, prefix_len=prefix,
-                                                seed=rng.randrange(1 << 30))))
+                               sampling=sampling, prompt=GenPrompt(length=length, prefix_group=group,
+                                                                   prefix_len=prefix, seed=rng.randrange(1 << 30))))
     return sends
 
 

@@ -19,25 +19,26 @@ def profile_table(profile: CalibrationProfile) -> Table:
     t = Table(title=f"noise: {profile.key.dtype} on {profile.key.device_name}", header_style="bold",
               title_justify="left")
     for col in ("context", "requests", "flips (pair shift)", "max |d logprob|", "max |d margin|",
-                "max teacher-forced |d|", "prefix hits / chunked / preempted"):
+                "max teacher-forced |d|", "max prompt |d|", "prefix hits / chunked / preempted"):
         t.add_column(col, overflow="fold")
     for c in profile.contexts:
         flips = f"{c.flips}" + (f" ({', '.join(f'{s:.3g}' for s in c.flip_shifts)})" if c.flip_shifts else "")
         t.add_row(c.name, str(c.requests), flips, f"{c.max_dlogprob:.3g}", f"{c.max_dmargin:.3g}",
-                  f"{c.max_teacher:.3g}",
+                  f"{c.max_teacher:.3g}", f"{c.max_prompt:.3g}",
                   f"{c.prefix_hit_requests} / {c.chunked_requests} / {c.preempted_requests}")
-    t.add_row("alone: teacher forcing vs decode", str(profile.requests), "", "", "", f"{profile.prefill_vs_decode:.3g}", "")
+    t.add_row("alone: teacher forcing vs decode", str(profile.requests), "", "", "", f"{profile.prefill_vs_decode:.3g}", "", "")
     return t
 
 
 def profile_markdown(profile: CalibrationProfile) -> str:
     lines = ["| context | requests | flips (pair shift) | max \\|Δ logprob\\| | max \\|Δ margin\\| | "
-             "max teacher-forced \\|Δ\\| | prefix hits / chunked / preempted |", "| --- | ---: | --- | ---: | ---: | ---: | --- |"]
+             "max teacher-forced \\|Δ\\| | max prompt \\|Δ\\| | prefix hits / chunked / preempted |",
+             "| --- | ---: | --- | ---: | ---: | ---: | ---: | --- |"]
     for c in profile.contexts:
         flips = f"{c.flips}" + (f" ({', '.join(f'{s:.3g}' for s in c.flip_shifts)})" if c.flip_shifts else "")
         lines.append(f"| {c.name} | {c.requests} | {flips} | {c.max_dlogprob:.3g} | {c.max_dmargin:.3g} | "
-                     f"{c.max_teacher:.3g} | {c.prefix_hit_requests} / {c.chunked_requests} / {c.preempted_requests} |")
-    lines.append(f"| alone: teacher forcing vs decode | {profile.requests} | | | | {profile.prefill_vs_decode:.3g} | |")
+                     f"{c.max_teacher:.3g} | {c.max_prompt:.3g} | {c.prefix_hit_requests} / {c.chunked_requests} / {c.preempted_requests} |")
+    lines.append(f"| alone: teacher forcing vs decode | {profile.requests} | | | | {profile.prefill_vs_decode:.3g} | | |")
     b = profile.bounds
     lines.append("")
     lines.append(f"Bounds (x{profile.headroom:g} headroom, floor 2 steps of {profile.key.dtype}): pair shift "
