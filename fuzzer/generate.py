@@ -16,7 +16,9 @@ traces with ngram speculative decoding (its own random stream: the other traces 
 ``random-v6`` moves one engine knob on a share of its traces (fuzzer/configs.py; `kvfuzz run`'s
 default) and empties the prefix cache once in a share of them, half of those resetting the
 running requests too (``shapes.prefix_cache_reset``); each on its own stream, so a trace that
-draws neither is v5's.
+draws neither is v5's. ``random-v7`` draws speculative decoding first, on a larger share from
+three settings (``requests.SPECULATIVE``), and a trace that drafts moves no other engine
+dimension.
 
 ``GenOptions(lifecycle=True)`` selects the lifecycle generator (``lifecycle-v1``,
 ``generate_lifecycle``): adapter names loaded, unloaded and reloaded between sends (docs/fuzzer.md,
@@ -41,7 +43,7 @@ from kvfuzz.traces.trace import (
 from . import configs, hybrid, lifecycle, requests, shapes
 from .reuse import reuse_prompts
 
-GENERATOR = "random-v6"
+GENERATOR = "random-v7"
 
 EMBEDDED_ADAPTERS = {"a": "embedded:a", "b": "embedded:b", "c": "embedded:c"}
 
@@ -113,8 +115,9 @@ class GenOptions:
     # their prompts as embeddings (in-process engines only: `kvfuzz run` turns it off elsewhere).
     p_embeds: float = 0.15
     # The probability that a trace's engine runs ngram speculative decoding (in-process only,
-    # as above); most of its sends then restrict their output so drafts are accepted.
-    p_spec: float = 0.2
+    # as above); most of its sends then restrict their output so drafts are accepted. Drawn
+    # first: such a trace moves no other engine dimension.
+    p_spec: float = 0.3
     # The probability that a trace empties the prefix cache once while a request runs, before a
     # request sharing its prefix; half of them with reset_running_requests (every running request
     # preempted and recomputed). shapes.prefix_cache_reset.
@@ -140,8 +143,8 @@ def generate(seed: int, engine: EngineConfig | None = None, opts: GenOptions | N
     rng = random.Random(seed)
     engine = engine or default_engine()
     opts = opts or GenOptions(adapters=sorted(engine.lora.adapters) if engine.lora.enabled else [])
-    moved = False
-    if engine.model == EMBEDDED_MODEL and engine.kv_connector is None:
+    moved = spec = requests.draws_speculative(seed, engine, opts.p_spec)
+    if not spec and engine.model == EMBEDDED_MODEL and engine.kv_connector is None:
         drawn = configs.draw(seed, engine, opts.p_config)
         moved, engine = drawn != engine, drawn
     bs = engine.block_size
@@ -186,7 +189,7 @@ def generate(seed: int, engine: EngineConfig | None = None, opts: GenOptions | N
     # from the campaign's.
     dressed, engine = requests.dress(events, seed, engine, share=opts.request_state,
                                      p_priority=0.0 if moved else opts.p_priority,
-                                     p_embeds=0.0 if moved else opts.p_embeds, p_spec=0.0 if moved else opts.p_spec)
+                                     p_embeds=0.0 if moved else opts.p_embeds, p_spec=1.0 if spec else 0.0)
     dressed = _reset(dressed, seed, engine, opts.p_reset)
     plain = (opts.request_state <= 0 and opts.p_priority <= 0 and opts.p_embeds <= 0 and opts.p_spec <= 0
              and opts.p_reset <= 0 and opts.p_config <= 0)

@@ -54,11 +54,23 @@ def without_knobs(engine: EngineConfig) -> EngineConfig:
     return engine.model_copy(update={"scheduling_policy": None, "enable_prompt_embeds": False, "speculative": None})
 
 
+# Ngram drafting settings a trace may take: (draft tokens, lookup min, lookup max). Few, so a
+# campaign's engines stay few enough for the engine pool to keep; one and several drafts a step,
+# short and long lookups.
+SPECULATIVE = ((1, 1, 2), (3, 1, 3), (5, 2, 4))
+
+
 def draw_speculative(rng: random.Random) -> Speculative:
-    """Ngram drafting: up to 1-5 draft tokens from a 1-4 token lookup."""
-    high = rng.randint(1, 4)
-    return Speculative(num_speculative_tokens=rng.randint(1, 5), prompt_lookup_max=high,
-                       prompt_lookup_min=rng.randint(1, high))
+    k, low, high = rng.choice(SPECULATIVE)
+    return Speculative(num_speculative_tokens=k, prompt_lookup_min=low, prompt_lookup_max=high)
+
+
+def draws_speculative(seed: int, engine: EngineConfig, p: float) -> bool:
+    """Whether trace ``seed``'s engine drafts: with probability ``p`` where ngram drafting
+    applies (token ids of a model whose vocabulary kvfuzz knows; LoRA or a KV connector with
+    it are left to a later generator). The same stream ``dress`` draws the setting from."""
+    return (p > 0 and random.Random(f"kvfuzz/speculative/{seed}").random() < p and knows_vocab(engine)
+            and not engine.lora.enabled and engine.kv_connector is None)
 
 
 def knows_vocab(engine: EngineConfig) -> bool:
@@ -162,10 +174,10 @@ def dress(events: Sequence[Event], seed: int, engine: EngineConfig, *, share: fl
     if embeds:
         engine = engine.model_copy(update={"enable_prompt_embeds": True})
     # Its own stream, so traces without it are drawn as before. Ngram drafting needs token ids
-    # (not with embeddings), and LoRA or a KV connector with it are left to a later generator.
-    spec_rng = random.Random(f"kvfuzz/speculative/{seed}")
-    if spec_rng.random() < p_spec and not embeds and knows_vocab(engine) and not engine.lora.enabled \
-            and engine.kv_connector is None:
+    # (not with embeddings).
+    if not embeds and draws_speculative(seed, engine, p_spec):
+        spec_rng = random.Random(f"kvfuzz/speculative/{seed}")
+        spec_rng.random()
         engine = engine.model_copy(update={"speculative": draw_speculative(spec_rng)})
         share = max(share, 0.7)
     drawn_embeds: dict[str, PromptEmbeds | None] = {}

@@ -40,6 +40,22 @@ def test_a_draw_moves_one_knob_at_the_share_asked_and_leaves_the_other_traces_as
     assert moved_any
 
 
+def test_speculative_decoding_is_drawn_first_at_its_share_from_few_settings_and_moves_nothing_else():
+    from kvfuzz.fuzzer.requests import SPECULATIVE
+    traces = [generate(s, opts=GenOptions(p_config=0.4, p_spec=0.3)) for s in range(300)]
+    drafting = [t for t in traces if t.engine.speculative is not None]
+    assert 0.22 < len(drafting) / len(traces) < 0.38
+    settings = {(t.engine.speculative.num_speculative_tokens, t.engine.speculative.prompt_lookup_min,
+                 t.engine.speculative.prompt_lookup_max) for t in drafting}
+    assert settings == set(SPECULATIVE)
+    for t in drafting:  # one engine dimension a trace
+        assert configs.region(t.engine) == "default" and not t.engine.enable_prompt_embeds
+        assert t.engine.scheduling_policy is None
+    # The knobs keep their share among the others.
+    others = [t for t in traces if t.engine.speculative is None]
+    assert 0.28 < sum(configs.region(t.engine) != "default" for t in others) / len(others) < 0.52
+
+
 def test_chunked_prefill_off_holds_a_whole_prompt_and_a_region_reads_as_its_knob():
     base = default_engine()
     off = configs.with_knob(base, "enable_chunked_prefill", False)

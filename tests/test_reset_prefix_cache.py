@@ -95,7 +95,7 @@ def test_the_generator_draws_a_reset_in_a_tenth_of_traces_half_with_running_requ
     assert 0.3 <= running / len(with_reset) <= 0.7
     paired = 0
     for t in with_reset:
-        assert len(t.resets) == 1 and t.lineage.generator == GENERATOR == "random-v6"
+        assert len(t.resets) == 1 and t.lineage.generator == GENERATOR == "random-v7"
         assert parse_trace(t.model_dump(mode="json")) == t
         i = t.events.index(t.resets[0])
         step = t.resets[0].at.step
