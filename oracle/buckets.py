@@ -1,15 +1,11 @@
 """Buckets: one key, one bucket, compared by equality (pure). docs/oracle.md "Buckets" states the
 rule; the data is in traces/buckets.py; the interventions ``decide`` asks for run in triage/.
 
-A finding has one key per distinct cause among its worst-class divergences (``keys_of``): the
-class; the toggle that explains it, or the kind of engine crash; the first harmful
-post-condition of vLLM's bookkeeping its victim broke (traces.history.BREAKS), or none. That
-comes from the recorded run (and attribution's arm re-runs). Only a key with none of them — an
-unexplained, unnamed divergence — is completed by one bounded confirmation: the witness is
-minimized to its victim within a fixed number of replays and the minimal witness ablated once;
-what it needs joins the key. Without a minimal witness the key is provisional. ``decide`` says,
-for one key and what is known so far, whether to join a bucket, open one, or run an
-intervention first.
+A finding has one key per distinct cause among its worst-class divergences (``keys_of``), from
+the recorded run (and attribution's arm re-runs). Only an unexplained, unnamed key is completed
+by one bounded confirmation: what its minimal witness needs joins the key; without a minimal
+witness the key is provisional. ``decide`` says, for one key and what is known so far, whether
+to join a bucket, open one, or run an intervention first.
 """
 
 from __future__ import annotations
@@ -17,10 +13,10 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 from kvfuzz.traces import Divergence, Finding
-from kvfuzz.traces.buckets import KEY_MECHANISMS, Bucket, BucketDescription, BucketKey, Outcome, ReleaseRange, live
+from kvfuzz.traces.buckets import KEY_MECHANISMS, Bucket, BucketDescription, BucketKey, Outcome, ReleaseRange
 from kvfuzz.traces.finding import DIVERGENT_CLASSES, MECHANISM_WORDS, SEVERITY, Explanation
 from kvfuzz.traces.history import SELF_ONLY_BREAKS
 
@@ -32,7 +28,7 @@ CHEAP_MECHANISMS = ("concurrency", "cancels", "lora")
 # tie is corruption in float32; confirm: minimize to the victim within a fixed number of replays,
 # then ablate the minimal witness once; minimize: a new bucket's witness, to its own victim.
 Intervention = Literal["attribute", "float32-control", "confirm", "minimize"]
-INTERVENTIONS: frozenset[str] = frozenset({"attribute", "float32-control", "confirm", "minimize"})
+INTERVENTIONS: frozenset[str] = frozenset(get_args(Intervention))
 
 
 @dataclass(frozen=True)
@@ -68,12 +64,6 @@ class Open:
 Decision = Run | Join | Open
 
 
-def confirmable(key: BucketKey) -> bool:
-    """A key the recorded run leaves incomplete: unexplained, unnamed, not a crash, not a near tie
-    (16-bit noise has no cause to confirm; its float32 control decides its class)."""
-    return key.confirmable and key.cls != "numeric-near-tie"
-
-
 def decide(facts: Facts, buckets: Mapping[str, Bucket]) -> Decision:
     """The next step for one key: an intervention it still needs and may run, else the bucket
     its key equals (join), else a new bucket (open) once its witness is minimized, if it may be."""
@@ -85,7 +75,8 @@ def decide(facts: Facts, buckets: Mapping[str, Bucket]) -> Decision:
     key = facts.key
     if not facts.attributed:
         key = key.model_copy(update={"provisional": True, "verdicts": {}})
-    elif confirmable(key) and not facts.confirmed:
+    # A near tie is never confirmed: 16-bit noise has no cause; its float32 control decides its class.
+    elif key.confirmable and key.cls != "numeric-near-tie" and not facts.confirmed:
         if "confirm" in can:
             return Run("confirm", facts.victim)
         key = key.model_copy(update={"provisional": True, "verdicts": {}})
@@ -163,16 +154,10 @@ def verdicts_of(explanation: Explanation | None) -> dict[str, Outcome]:
 def shape(finding: Finding) -> tuple[int, list[str]]:
     """The (minimal) trace's shape: how many requests, and which kinds of events remain."""
     t = finding.trace
-    kinds = {"send"} if t.sends else set()
-    if t.cancels:
-        kinds.add("cancel")
-    if any(s.adapter for s in t.sends):
-        kinds.add("adapter")
-    if any(getattr(s.prompt, "prefix_len", 0) for s in t.sends):
-        kinds.add("shared-prefix")
-    if t.resets:
-        kinds.add("reset-prefix-cache")
-    return len(t.sends), sorted(kinds)
+    kinds = {"send": bool(t.sends), "cancel": bool(t.cancels), "adapter": any(s.adapter for s in t.sends),
+             "shared-prefix": any(getattr(s.prompt, "prefix_len", 0) for s in t.sends),
+             "reset-prefix-cache": bool(t.resets)}
+    return len(t.sends), sorted(k for k, present in kinds.items() if present)
 
 
 def words(mechanisms: Iterable[str]) -> str:
@@ -216,15 +201,12 @@ def split_by_release(bucket: Bucket, ranges: Mapping[str, ReleaseRange]) -> list
     representative (else the first) keeps the id; the others become ``<id>.r2``, ``<id>.r3``,
     ... with the same key. Findings not bisected, or whose bisection concluded nothing, stay
     with the bucket (a range says nothing about them)."""
-    groups: list[ReleaseRange] = []
+    by_range: dict[tuple[str, str | None, str | None], ReleaseRange] = {}
     for f, r in ranges.items():
-        if not r.conclusive:
-            continue
-        same = next((g for g in groups if g.same(r)), None)
-        if same is None:
-            groups.append(r.model_copy(update={"findings": [f]}))
-        else:
-            same.findings.append(f)
+        if r.conclusive:
+            g = by_range.setdefault((r.verdict, r.first_bad, r.first_good), r.model_copy(update={"findings": []}))
+            g.findings.append(f)
+    groups = list(by_range.values())
     if not groups:
         return [bucket]
     keep = next((g for g in groups if bucket.representative in g.findings or bucket.case in g.findings), groups[0])
@@ -238,7 +220,3 @@ def split_by_release(bucket: Bucket, ranges: Mapping[str, ReleaseRange]) -> list
                           releases=g, split_from=bucket.id))
     return out
 
-
-__all__ = ["CHEAP_MECHANISMS", "INTERVENTIONS", "Decision", "Facts", "Intervention", "Join", "Open", "Run",
-           "confirmable", "crash_state", "decide", "describe", "keys_of", "live", "needs_text", "same_key_victims",
-           "severity_order", "shape", "split_by_release", "verdicts_of", "victim_of", "words"]

@@ -3,6 +3,7 @@ its interventions run under, and what a campaign writes. Pure logic, no engine: 
 below answer each ablation from a table, as a fault with known mechanisms would. Real campaigns
 are in tests/test_buckets_engine.py."""
 
+import contextlib
 import json
 import shutil
 from pathlib import Path
@@ -304,7 +305,7 @@ def test_memberships_and_keys_written_before_keys_were_exact_still_load():
 class Table:
     """A replayer whose victim diverges unless a mechanism in ``needs`` is removed."""
 
-    step_exact = False  # rule 5.8 (a flaky witness) is tested apart
+    step_exact = False  # a witness that does not reproduce is tested apart
 
     def __init__(self, needs):
         self.needs = set(needs)
@@ -326,6 +327,72 @@ def unexplained():
     f.divergences[0].explained_by = None
     f.trace = f.trace.model_copy(update={"engine": f.trace.engine.model_copy(update={"enable_prefix_caching": True})})
     return f
+
+
+class Witnessing(Table):
+    """``Table`` as a campaign's session: full checks too (victim B diverges in every run), or,
+    with ``never``, a victim that never diverges again."""
+
+    reference_runs = 0
+    device = "cpu"
+    settings = None
+
+    def __init__(self, needs, never=False):
+        super().__init__(needs)
+        self.never = never
+
+    def scoring(self, mode):
+        return contextlib.nullcontext()
+
+    def judge(self, trace, *, victim, arm, toggles):
+        return "ok" if self.never else super().judge(trace, victim=victim, arm=arm, toggles=toggles)
+
+    def check(self, trace, *, runs=None, arms=None):
+        from kvfuzz.traces import Divergence, Environment
+        from kvfuzz.traces.result import Checked, Recording
+
+        (arm,) = arms
+        runs = runs or 1
+        cls = self.judge(trace, victim="B", arm=arm, toggles=())
+        verdicts = [Divergence(request_id=s.request_id, class_=cls if s.request_id == "B" else "ok", arm=arm,
+                               runs_diverged=runs if s.request_id == "B" and cls != "ok" else 0, runs=runs)
+                    for s in trace.sends]
+        env = Environment(kvfuzz_version="t")
+        diverged = [v for v in verdicts if v.class_ != "ok"]
+        f = Finding(trace=trace, environment=env, divergences=diverged, verdicts=verdicts, arms=dict(arms))
+        rec = Recording(trace=trace, histories=[], references={}, environment=env, arms=dict(arms))
+        return Checked(rec, verdicts, f if diverged else None)
+
+
+def test_the_confirmation_and_a_new_buckets_witness_are_one_step():
+    """Both minimize the finding to the key's victim, then ablate it. The confirmation ablates
+    only the key's mechanisms and gives nothing when the victim's signature does not reproduce; a
+    bucket's witness is ablated on every mechanism, and kept unminimized when it does not."""
+    from kvfuzz.triage.executor import minimal
+    from kvfuzz.triage.explain import ABLATIONS
+
+    def executor(**kw):
+        b = Budget(share=1.0, floor=600.0)
+        b.start()
+        session = Witnessing(["prefix-caching"], **kw)
+        return Executor(session, None, TriageSettings(controls=False), b)  # type: ignore[arg-type]
+
+    f = unexplained()
+    f.attribution = None  # attribution re-runs arms: not this fake's
+    ex = executor()
+    small = ex.witness(f, "B", confirm=True)
+    assert [s.request_id for s in small.trace.sends] == ["B"] and minimal(small)
+    assert [a.mechanism for a in small.explanation.ablations] == list(KEY_MECHANISMS)
+    assert rule.verdicts_of(small.explanation)["prefix-caching"] == "disappears"
+    small = ex.witness(f, "B")
+    assert [s.request_id for s in small.trace.sends] == ["B"]
+    assert [a.mechanism for a in small.explanation.ablations] == list(ABLATIONS)
+    assert set(ex.costs) == {"confirm", "minimize"}
+    ex = executor(never=True)
+    assert ex.witness(f, "B", confirm=True) is None
+    kept = ex.witness(f, "B")
+    assert kept.trace == f.trace and kept.minimization == f.minimization and kept is not f
+    assert [a.mechanism for a in kept.explanation.ablations] == list(ABLATIONS)
 
 
 def test_the_kv_pressure_removal_gives_few_engine_configurations():
@@ -375,14 +442,14 @@ def test_a_removal_that_leaves_a_milder_divergence_is_not_evidence():
     assert a == {"prefix-caching": "disappears"} and b["chunked-prefill"] == "persists"
     assert key(a) == key(b)  # what a minimal witness needs is all a key compares
     assert rule.verdicts_of(ex("ok"))["chunked-prefill"] == "disappears"
-    # 16-bit numerics is never keyed (fault R in bfloat16: float32 removed it on one witness only).
+    # 16-bit numerics is never keyed: float32 can remove one witness's flip and not another's.
     assert "numerics" not in rule.verdicts_of(ex("ok"))
 
 
 class Drifting(Table):
-    """Fault W's witness on Ray: with KV pressure removed its victim's tokens all match the
-    reference (the flip was at a 0.0047 margin), but its logprobs drift by 0.0039 against a
-    bound of 1.1e-5. Only that removal is asked of it here."""
+    """A witness whose victim's tokens all match the reference with KV pressure removed (the flip
+    was at a small margin), but whose logprobs drift far past the noise bound. Only that removal
+    is asked of it here."""
 
     def __init__(self, drift, bound=1.1e-5):
         super().__init__([])
@@ -393,9 +460,9 @@ class Drifting(Table):
 
 
 def test_a_token_equal_victim_whose_logprobs_drifted_past_noise_still_persists():
-    """Issue 30, fault W on Ray (63 + 1 buckets): an ablation that only moved the victim off its
-    flip read as "needs KV pressure". A drift past the noise bound is wrong KV without a flip:
-    the corruption persists, and the record says why. Within the bound it disappears."""
+    """An ablation that only moves the victim off its flip must not read as "needs" the
+    mechanism. A drift past the noise bound is wrong KV without a flip: the corruption persists,
+    and the record says why. Within the bound it disappears."""
     from kvfuzz.triage.explain import explain
 
     f = unexplained()
@@ -425,8 +492,8 @@ def test_judged_drifted_only_for_a_token_equal_run_past_its_bound():
 
 
 class Moving(Table):
-    """Fault Y's 19-request finding on Ray: without prefix caching its victim reads exactly right
-    KV, but another of its victims still corrupts (or, ``still=False``, is right too)."""
+    """A finding whose victim reads exactly right KV without prefix caching, while another of its
+    victims still corrupts (or, ``still=False``, is right too)."""
 
     def __init__(self, still):
         super().__init__([])
@@ -447,9 +514,9 @@ def _two_victims(broke=None):
 
 
 def test_a_removal_that_moves_the_cause_to_another_victim_is_no_evidence():
-    """Issue 30, rule 5.6 (fault Y split 60 + 1 on Ray, "needs prefix caching"): a removal under
-    which the victim is right while another victim of the same finding still corrupts changed
-    which request the cause hit. It is "moved", and the key leaves it out, like a removal not
+    """A removal under which the victim is right while another victim of the same finding still
+    corrupts changed which request the cause hit, not whether it acts (read as "needs", it would
+    split one bug's findings). It is "moved", and the key leaves it out, like a removal not
     tried; with every victim right it disappears."""
     from kvfuzz.triage.explain import explain
 
@@ -464,9 +531,8 @@ def test_a_removal_that_moves_the_cause_to_another_victim_is_no_evidence():
 
 
 class StateDependent(Table):
-    """Fault AA's shape on a step-exact engine: the victim corrupted only in the finding's own
-    first run, on state an earlier trace left; every replay after it is right, whatever is
-    removed."""
+    """A step-exact engine whose victim corrupted only in the finding's own first run, on state an
+    earlier trace left; every replay after it is right, whatever is removed."""
 
     step_exact = True
 
@@ -479,11 +545,10 @@ class StateDependent(Table):
 
 
 def test_a_removal_is_no_evidence_when_the_witness_does_not_reproduce_with_nothing_removed():
-    """Issue 30, rule 5.8 (fault AA, written after rule 5.7: a stale-state bug split 41 + 5 in
-    both dtypes, the odd witness "needs KV pressure, cancels"): its victim diverged in 1 of 3
-    runs, and every replay after the first one came out right. A "disappears" is flaky — no
-    evidence — when the victim's own runs were not all divergent, or, after one run, when a
-    control replay of the finding as is is right too; a "persists" stands."""
+    """A stale-state bug: its victim diverged in 1 of 3 runs, and every replay after the first one
+    comes out right, so any removal would seem to cure it. A "disappears" is flaky (no evidence)
+    when the victim's own runs were not all divergent, or, after one run, when a control replay
+    of the finding as is is right too; a "persists" stands."""
     from kvfuzz.triage.explain import explain
 
     f = unexplained()
@@ -538,7 +603,7 @@ def test_another_victim_still_corrupt_but_without_the_keys_post_condition_is_not
 
 def test_a_victim_of_another_post_condition_is_not_asked():
     """With two faults on at once, a victim that broke another post-condition is the other
-    cause's: it must not hide what this one needs (faults Y + P)."""
+    cause's: it must not hide what this one needs."""
     from kvfuzz.triage.explain import explain
 
     f, victim = _two_victims(broke="map-entry-orphaned")
@@ -548,7 +613,7 @@ def test_a_victim_of_another_post_condition_is_not_asked():
 
 
 def test_old_campaigns_and_findings_still_load(tmp_path):
-    """campaign.json and finding files written before issue 30 (notes["buckets"], prekeys)."""
+    """campaign.json and finding files an older kvfuzz wrote (notes["buckets"], text keys)."""
     state = json.loads((DATA / "campaign.json").read_text())
     assert state["bug_buckets"] and all("prekey" in b for b in state["bug_buckets"].values())
     s = CampaignState(**state)

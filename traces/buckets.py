@@ -1,15 +1,8 @@
 """Bug buckets as data: a bucket's key, a finding's membership of a bucket, a campaign's
-bucket. The policy that keys and places a finding is oracle/buckets.py; the interventions it
-asks for run in triage/; docs/oracle.md "Buckets" says why the key is what it is.
-
-A key is compared by equality, and a bucket's id is its key's digest. It holds what the
-recorded run (and, for one kind of finding, one bounded confirmation) says about the cause:
-the class; what among kvfuzz's own switches makes it disappear (``explained_by``: a toggle,
-fix or arm; None: nothing does, a candidate vLLM bug) or an engine crash's kind; the first of
-vLLM's harmful post-conditions broken on the victim's own state (``broke``); and, only for a
-key with none of those, the engine mechanisms a **minimal** witness needs (``verdicts``), or
-``provisional`` when no minimal witness was measured. Keys equal in everything but the last
-two are *related* (shown side by side), never merged.
+bucket. The policy that keys and places a finding is oracle/buckets.py; docs/oracle.md
+"Buckets" says why the key is what it is. A key is compared by equality, and a bucket's id is
+its key's digest; keys equal in everything but what the confirmation measured (``verdicts``,
+``provisional``) are *related* (shown side by side), never merged.
 """
 
 from __future__ import annotations
@@ -17,13 +10,12 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 if TYPE_CHECKING:
     from .finding import Finding
-    from .history import History
     from .result import Checked
 
 # Mechanisms whose ablation switches an engine code path off (triage/explain.py): what a
@@ -42,13 +34,15 @@ Status = Literal["opened", "triaged", "assigned"]
 
 class _Data(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    # Fields an older kvfuzz wrote, read and ignored.
+    retired: ClassVar[tuple[str, ...]] = ()
 
-
-def _drop(data: Any, names: Iterable[str]) -> Any:
-    """Fields written by campaigns before keys were exact, read and ignored."""
-    if isinstance(data, dict) and any(n in data for n in names):
-        return {k: v for k, v in data.items() if k not in names}
-    return data
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_retired(cls, data: Any) -> Any:
+        if isinstance(data, dict) and any(n in data for n in cls.retired):
+            return {k: v for k, v in data.items() if k not in cls.retired}
+        return data
 
 
 class BucketKey(_Data):
@@ -68,11 +62,7 @@ class BucketKey(_Data):
     # Unexplained, unnamed, and no minimal witness was measured (the confirmation's replays or
     # the triage budget ran out): its own bucket, which never takes a confirmed finding.
     provisional: bool = False
-
-    @model_validator(mode="before")
-    @classmethod
-    def _legacy(cls, data: Any) -> Any:
-        return _drop(data, ("enforced",))
+    retired = ("enforced",)
 
     @property
     def base(self) -> tuple[str, str | None, str | None, str | None, str | None]:
@@ -82,10 +72,6 @@ class BucketKey(_Data):
     @property
     def needs(self) -> list[str]:
         return sorted(m for m, o in self.verdicts.items() if o == "disappears")
-
-    @property
-    def not_needed(self) -> list[str]:
-        return sorted(m for m, o in self.verdicts.items() if o == "persists")
 
     @property
     def confirmable(self) -> bool:
@@ -103,9 +89,8 @@ class BucketKey(_Data):
         return f"{self.cls}, {what}"
 
     def digest(self) -> str:
-        body = "|".join([self.cls, self.explained_by or "-", self.crash_kind or "-", self.crash_state or "-",
-                         self.broke or "-",
-                         ",".join(self.needs), "provisional" if self.provisional else ""])
+        body = "|".join([*(part or "-" for part in self.base), ",".join(self.needs),
+                         "provisional" if self.provisional else ""])
         return hashlib.sha256(body.encode()).hexdigest()[:10]
 
     def __eq__(self, other: object) -> bool:
@@ -141,11 +126,7 @@ class BucketMembership(_Data):
     how: str = ""
     # The request whose divergence the key speaks for.
     victim: str | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _legacy(cls, data: Any) -> Any:
-        return _drop(data, ("evidence", "enforced", "checks", "unsettled", "rewitness"))
+    retired = ("evidence", "enforced", "checks", "unsettled", "rewitness")
 
 
 class ReleaseRange(_Data):
@@ -164,9 +145,6 @@ class ReleaseRange(_Data):
     def conclusive(self) -> bool:
         """A range that tells a bug: it reproduced somewhere and the search ended."""
         return self.verdict in ("reproduces in every release", "regression", "fixed")
-
-    def same(self, other: "ReleaseRange") -> bool:
-        return (self.verdict, self.first_bad, self.first_good) == (other.verdict, other.first_bad, other.first_good)
 
     @property
     def label(self) -> str:
@@ -194,17 +172,13 @@ class Bucket(_Data):
     listing: str | None = None  # OUT/buckets/<id>.findings.jsonl: every finding of the bucket
     report: str | None = None  # the command that shows the representative
     findings: list[str] = Field(default_factory=list)
-    # The previous text key of campaigns written before issue 30 (kept, never matched on).
+    # The text key an older kvfuzz wrote (kept, never matched on).
     prekey: str | None = None
     # ``kvfuzz bisect OUT/``: the release range its bisected findings agree on, and the bucket it
     # was split from when their ranges disagreed (two bugs under one key).
     releases: ReleaseRange | None = None
     split_from: str | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _legacy(cls, data: Any) -> Any:
-        return _drop(data, ("merged_from", "unsettled"))
+    retired = ("merged_from", "unsettled")
 
     @property
     def near_tie(self) -> bool:
@@ -226,14 +200,6 @@ class Triaged:
     status: str = "clean"
     cases: "dict[str, Finding]" = field(default_factory=dict)
 
-    @property
-    def finding(self) -> "Finding | None":
-        return self.checked.finding
-
-    @property
-    def histories(self) -> "list[History]":
-        return self.checked.histories
-
 
 def live(buckets: Mapping[str, Bucket]) -> list[Bucket]:
     """A campaign's buckets, earliest first."""
@@ -246,7 +212,7 @@ def related(bucket: Bucket, buckets: Iterable[Bucket]) -> list[Bucket]:
     return [b for b in buckets if b.id != bucket.id and b.key.base == bucket.key.base and b.key != bucket.key]
 
 
-# -- campaigns and findings written before issue 30 ------------------------------------------------
+# -- campaigns and findings an older kvfuzz wrote, with text keys --------------------------------
 def _old_key(prekey: str, old: dict[str, Any] | None) -> BucketKey:
     """``class|explained_by`` / ``class|unexplained|cheap-needs`` / ``engine-crash|kind``."""
     parts = prekey.split("|")
@@ -254,13 +220,9 @@ def _old_key(prekey: str, old: dict[str, Any] | None) -> BucketKey:
     if cls == "engine-crash":
         return BucketKey(cls=cls, crash_kind=parts[1] if len(parts) > 1 else "died")
     explained = parts[1] if len(parts) > 1 and parts[1] != "unexplained" else None
-    verdicts: dict[str, Outcome] = {}
-    for m in (old or {}).get("needs") or []:
-        if m in KEY_MECHANISMS:
-            verdicts[m] = "disappears"
-    for m in (old or {}).get("not_needed") or []:
-        if m in KEY_MECHANISMS:
-            verdicts[m] = "persists"
+    old = old or {}
+    verdicts: dict[str, Outcome] = {m: "disappears" for m in old.get("needs") or [] if m in KEY_MECHANISMS}
+    verdicts.update({m: "persists" for m in old.get("not_needed") or [] if m in KEY_MECHANISMS})
     return BucketKey(cls=cls, explained_by=explained, verdicts=verdicts)
 
 
@@ -294,7 +256,3 @@ def bucket_from_state(bid: str, data: dict[str, Any]) -> Bucket:
                   representative=data.get("representative"), case=data.get("case"), report=data.get("report"),
                   findings=list(data.get("findings") or []), prekey=prekey)
 
-
-__all__ = ["KEY_MECHANISMS", "AblationOutcome", "Bucket", "BucketDescription", "BucketKey", "BucketMembership",
-           "Outcome", "ReleaseRange", "Status", "Triaged", "bucket_from_state", "live", "memberships_from_notes",
-           "related"]

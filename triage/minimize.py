@@ -1,50 +1,48 @@
 """Shrink a finding to the smallest trace that still shows the same bug.
 
-The signature kept is *(class, victim)*: the victim request still gets the same verdict
-class — and, on a step-exact engine (whose runs record vLLM's post-conditions), the same first
-broken post-condition or none (with two causes on, a witness of one must not shrink into a
-witness of the other, which would file the other's witness under the first one's name). A
-candidate trace is kept when that signature reproduces in at least ``m`` of ``k`` replays
-(``Acceptance``). The in-process engine replays a trace step by step and is
-deterministic, so k = m = 1 there; a wall-clock server is not, so a candidate is replayed
-up to k times (stopping as soon as the outcome is decided) and kept on m hits.
+The signature kept is *(class, victim)*: the victim request keeps its verdict class and, on a
+step-exact engine (whose runs record vLLM's post-conditions), its first broken post-condition
+or none, so that with two causes on, a witness of one never shrinks into a witness of the
+other. A candidate is kept when the signature reproduces in at least ``m`` of ``k`` replays
+(``Acceptance``): k = m = 1 on the deterministic in-process engine; a wall-clock server's
+candidate is replayed up to k times, stopping once the outcome is decided.
 
 Passes, repeated until nothing changes or the budget is spent:
 
-1. events: probabilistic delta debugging (ProbDD; or classic ddmin) over requests — a send
-   and its cancels go together, the victim always stays; then over the events that belong to
-   no request (adapter lifecycle events, prefix-cache resets); then each remaining cancel alone;
+1. events: ProbDD (or ddmin) over requests (a send and its cancels together, the victim always
+   stays), then over the events of no request (adapter lifecycle, prefix-cache resets), then
+   each remaining cancel alone;
 2. adapters: each LoRA request to the base model, then all adapters unified to one;
 3. engine: fewer LoRA slots / LoRA off when no adapter is left (these restart the engine);
-4. numbers: max_tokens, shared prefix (dropped, then shortened), prompt length, and the
-   clock of every event (step or offset_ms, and a cancel's after_tokens), each bisected
+4. numbers: max_tokens, shared prefix, prompt length and every event's clock, each bisected
    towards its smallest value.
 
-Nothing here imports torch or vLLM: replays go through a ``Replayer`` (triage/probe.py;
-``kvfuzz.driver.session.Session`` on any engine), so the same code minimizes against the in-process
-engine and a managed server. The reducers are pure (triage/reduce.py).
+Replays go through a ``Replayer`` (triage/probe.py), so the same code minimizes against the
+in-process engine and a server; the reducers are pure (triage/reduce.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeGuard, TypeVar
 
 from pydantic import ValidationError
 
 from kvfuzz.oracle.check import ENGINE
-from kvfuzz.traces import (CancelEvent, EngineConfig, Finding, GenPrompt, MinimizedFrom, Minimization, Sampling, SendEvent, TokenPrompt,
-                           Trace)
+from kvfuzz.traces import (CancelEvent, EngineConfig, Finding, GenPrompt, MinimizedFrom, Minimization, Sampling,
+                           SendEvent, TokenPrompt, Trace)
 from kvfuzz.traces.finding import DIVERGENT_CLASSES
 from kvfuzz.traces.trace import ADAPTER_EVENT_TYPES, Event
 
 from .probe import Probe, Replayer
 from .reduce import Acceptance, accepts, ddmin, default_acceptance, probdd, shrink_int
 
-# -- the signature and how a candidate is judged ---------------------------------------------
+T = TypeVar("T")
+# Rounds of all passes; later rounds catch what earlier changes enabled.
+MAX_ROUNDS = 3
 
 
 @dataclass(frozen=True)
@@ -95,9 +93,6 @@ def choose_target(finding: Finding, victim: str | None = None, *, named: bool = 
                   broke=best.broke if named else None, named=named)
 
 
-# -- the minimizer -----------------------------------------------------------------------------
-
-
 class BudgetExhausted(Exception):
     pass
 
@@ -121,12 +116,8 @@ class Options:
     clock: Literal["step", "offset"] = "step"
     # Try engine settings that need an engine restart (fewer LoRA slots, LoRA off).
     engine: bool = True
-    # Rounds of all passes; later rounds catch what earlier changes enabled.
-    max_rounds: int = 3
-    # Begin with the numbers pass: a minimization that goes on from one its budget cut after the
-    # structure passes (``resumes_at_numbers``) would only repeat them first: they already ran
-    # on this trace, and repeating them can spend the budget again before the prompt lengths
-    # (which can let a request go) are reached.
+    # Begin with the numbers pass: the structure passes already ran on this trace
+    # (``resumes_at_numbers``), and repeating them can spend the budget again.
     numbers_first: bool = False
 
 
@@ -140,7 +131,6 @@ class Result:
     passes: list[str]
     engine_changes: dict[str, list[Any]]
     stopped: str | None
-    seconds: float
 
 
 def _rebuild(trace: Trace, events: Iterable[Event] | None = None, engine: EngineConfig | None = None) -> Trace | None:
@@ -171,19 +161,17 @@ class Minimizer:
         self.accepted: list[Trace] = []
         self.longest = 0.0  # the longest candidate replay so far (seconds)
 
-    # -- judging a candidate -------------------------------------------------------------------
     def _check_budget(self) -> None:
         b = self.opts.budget
         if b.max_replays is not None and self.replays >= b.max_replays:
             raise BudgetExhausted(f"replay budget of {b.max_replays} spent")
-        # A candidate is not started unless it and the verification replay after the last one
-        # (each about as long as the longest replay so far) end within the budget: with long
-        # replays, a minimization can otherwise overrun its budget by several of them and leave
-        # the steps after it no time.
+        # A candidate starts only if it and the verification replay after the last one (each
+        # about as long as the longest replay so far) end within the budget.
         if b.max_seconds is not None and self._clock() - self._t0 + 2 * self.longest >= b.max_seconds:
             raise BudgetExhausted(f"time budget of {b.max_seconds:g} s spent")
 
-    def keeps(self, cand: Trace | None) -> bool:
+    def keeps(self, cand: Trace | None) -> TypeGuard[Trace]:
+        """Whether ``cand`` (None: not a valid trace) still shows the target."""
         if cand is None:
             return False
         key = cand.trace_id()
@@ -207,7 +195,6 @@ class Minimizer:
             self.accepted.append(cand)
         return kept
 
-    # -- driver ----------------------------------------------------------------------------------
     def run(self, trace: Trace) -> Result:
         self._t0 = self._clock()
         self.accepted = [trace]
@@ -217,7 +204,7 @@ class Minimizer:
         try:
             if self.opts.numbers_first:
                 cur = self.numbers_pass(cur)
-            for rnd in range(self.opts.max_rounds):
+            for rnd in range(MAX_ROUNDS):
                 before = cur.trace_id()
                 cur = self.events_pass(cur)
                 cur = self.lifecycle_pass(cur)
@@ -238,9 +225,17 @@ class Minimizer:
             cur = self.accepted[-1]
         cur = _tidy(cur, use_step=self.opts.clock == "step")
         return Result(trace=cur, accepted=self.accepted, replays=self.replays, passes=self.passes,
-                      engine_changes=self.engine_changes, stopped=stopped, seconds=self._clock() - self._t0)
+                      engine_changes=self.engine_changes, stopped=stopped)
 
     # -- pass 1: events --------------------------------------------------------------------------
+    def _reduce(self, trace: Trace, items: Sequence[T], keeping: Callable[[list[T]], Trace | None]) -> Trace:
+        """``trace`` with the fewest of ``items`` (``keeping`` builds the candidate) that still keeps."""
+        reduce = probdd if self.opts.strategy == "probdd" else ddmin
+        kept = reduce(items, lambda sub: self.keeps(keeping(sub)))
+        out = keeping(kept) if len(kept) < len(items) else trace
+        assert out is not None
+        return out
+
     def events_pass(self, trace: Trace) -> Trace:
         # The victim's send (a completion of n is its send's).
         victim = self.target.victim if self.target.victim == ENGINE else trace.send(self.target.victim).request_id
@@ -249,25 +244,21 @@ class Minimizer:
             return trace
 
         def with_requests(keep: list[str]) -> Trace | None:
+            # Events of no request (adapter lifecycle, resets) stay: the lifecycle pass tries them.
             ids = set(keep) | {victim}
-            # Events of no request (adapter lifecycle events, prefix-cache resets) stay here (the
-            # plan needs its bindings); the schedule pass tries dropping them.
             return _rebuild(trace, [e for e in trace.events
                                     if not isinstance(e, (SendEvent, CancelEvent)) or e.request_id in ids])
 
         n0 = self.replays
-        reduce = probdd if self.opts.strategy == "probdd" else ddmin
-        kept = reduce(others, lambda sub: self.keeps(with_requests(sub)))
-        out = with_requests(kept) if len(kept) < len(others) else trace
-        assert out is not None
+        out = self._reduce(trace, others, with_requests)
         self.passes.append(f"{self.opts.strategy}: {len(trace.sends)} -> {len(out.sends)} requests "
                            f"({_n(self.replays - n0)})")
         return out
 
     def lifecycle_pass(self, trace: Trace) -> Trace:
-        """The schedule pass: events of no request (adapter lifecycle events, prefix-cache resets,
-        any kind a later schema adds) the divergence does not need, removed (a candidate that
-        leaves a send on an unbound name is not a valid trace and is never replayed)."""
+        """The events of no request (adapter lifecycle, prefix-cache resets, any later kind) the
+        divergence does not need, removed (a candidate that leaves a send on an unbound adapter
+        name is not a valid trace and is never replayed)."""
         idx = [i for i, e in enumerate(trace.events) if not isinstance(e, (SendEvent, CancelEvent))]
         if not idx:
             return trace
@@ -277,10 +268,7 @@ class Minimizer:
             return _rebuild(trace, [e for i, e in enumerate(trace.events) if i not in drop])
 
         n0 = self.replays
-        reduce = probdd if self.opts.strategy == "probdd" else ddmin
-        kept = reduce(idx, lambda sub: self.keeps(keeping(sub)))
-        out = keeping(kept) if len(kept) < len(idx) else trace
-        assert out is not None
+        out = self._reduce(trace, idx, keeping)
         left = sum(1 for e in out.events if not isinstance(e, (SendEvent, CancelEvent)))
         what = "adapter events" if all(isinstance(trace.events[i], ADAPTER_EVENT_TYPES) for i in idx) else "events"
         self.passes.append(f"lifecycle: {len(idx)} -> {left} {what} ({_n(self.replays - n0)})")
@@ -293,7 +281,6 @@ class Minimizer:
             if isinstance(trace.events[i], CancelEvent):
                 cand = _rebuild(trace, trace.events[:i] + trace.events[i + 1:])
                 if self.keeps(cand):
-                    assert cand is not None
                     trace = cand
                     continue
             i += 1
@@ -308,21 +295,15 @@ class Minimizer:
         n0 = self.replays
         before = sorted({s.adapter for s in trace.sends if s.adapter})
         for s in list(trace.sends):
-            if s.adapter is None:
-                continue
-            cand = _replace_send(trace, s.request_id, adapter=None)
-            if self.keeps(cand):
-                assert cand is not None
+            if s.adapter is not None and self.keeps(cand := _replace_send(trace, s.request_id, adapter=None)):
                 trace = cand
         used = [s.adapter for s in trace.sends if s.adapter]
         if len(set(used)) > 1:
             # Prefer the adapter most requests already use; the others become it.
             for keep in sorted(set(used), key=lambda a: (-used.count(a), a)):
-                events = [e.model_copy(update={"adapter": keep}) if isinstance(e, SendEvent) and e.adapter else e
-                          for e in trace.events]
-                cand = _rebuild(trace, events)
+                cand = _rebuild(trace, [e.model_copy(update={"adapter": keep}) if isinstance(e, SendEvent) and e.adapter
+                                        else e for e in trace.events])
                 if self.keeps(cand):
-                    assert cand is not None
                     trace = cand
                     break
         after = sorted({s.adapter for s in trace.sends if s.adapter})
@@ -332,38 +313,26 @@ class Minimizer:
 
     # -- pass 3: engine settings -----------------------------------------------------------------
     def engine_pass(self, trace: Trace) -> Trace:
-        eng = trace.engine
-        if not eng.lora.enabled:
+        lora = trace.engine.lora
+        change: tuple[str, Any, Any, dict[str, Any]]
+        if not lora.enabled:
             return trace
-        n0 = self.replays
-        start = trace
-        adapters = {s.adapter for s in trace.sends if s.adapter}
-        if not adapters:
-            cand = _rebuild(trace, engine=eng.model_copy(update={"lora": eng.lora.model_copy(
-                update={"enabled": False, "adapters": {}})}))
-            if self.keeps(cand):
-                assert cand is not None
-                self._changed("lora.enabled", True, False)
-                trace = cand
-        elif eng.lora.max_loras > 1:
-            cand = _rebuild(trace, engine=eng.model_copy(update={"lora": eng.lora.model_copy(
-                update={"max_loras": 1})}))
-            if self.keeps(cand):
-                assert cand is not None
-                self._changed("lora.max_loras", eng.lora.max_loras, 1)
-                trace = cand
-        if trace is not start or self.replays > n0:
-            self.passes.append(f"engine: {self._describe_changes() or 'unchanged'} ({_n(self.replays - n0)})")
-        return trace
-
-    def _changed(self, key: str, old: Any, new: Any) -> None:
-        if key in self.engine_changes:
-            self.engine_changes[key][1] = new
+        if not any(s.adapter for s in trace.sends):
+            change = ("lora.enabled", True, False, {"enabled": False, "adapters": {}})
+        elif lora.max_loras > 1:
+            change = ("lora.max_loras", lora.max_loras, 1, {"max_loras": 1})
         else:
-            self.engine_changes[key] = [old, new]
-
-    def _describe_changes(self) -> str:
-        return ", ".join(f"{k} {a} -> {b}" for k, (a, b) in self.engine_changes.items())
+            return trace
+        key, old, new, update = change
+        n0, start = self.replays, trace
+        cand = _rebuild(trace, engine=trace.engine.model_copy(update={"lora": lora.model_copy(update=update)}))
+        if self.keeps(cand):
+            self.engine_changes.setdefault(key, [old, new])[1] = new
+            trace = cand
+        if trace is not start or self.replays > n0:
+            changes = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in self.engine_changes.items())
+            self.passes.append(f"engine: {changes or 'unchanged'} ({_n(self.replays - n0)})")
+        return trace
 
     # -- pass 4: numbers -------------------------------------------------------------------------
     def numbers_pass(self, trace: Trace) -> Trace:
@@ -374,7 +343,6 @@ class Minimizer:
         def attempt(rid: str, **update: Any) -> bool:
             cand = _replace_send(box[0], rid, **update)
             if self.keeps(cand):
-                assert cand is not None
                 box[0] = cand
                 return True
             return False
@@ -405,28 +373,21 @@ class Minimizer:
                 shrink_int(len(p.token_ids), 1, lambda v: attempt(
                     rid, prompt=TokenPrompt(token_ids=p.token_ids[:v])))
         box[0] = self._timing(box[0])
-        after = _sizes(box[0])
-        self.passes.append(f"numbers: {before} -> {after} ({_n(self.replays - n0)})")
+        self.passes.append(f"numbers: {before} -> {_sizes(box[0])} ({_n(self.replays - n0)})")
         return box[0]
 
     def _timing(self, trace: Trace) -> Trace:
         mps = trace.engine.ms_per_step
         use_step = self.opts.clock == "step"
-
-        def when(e: Event) -> float:
-            return e.at.step_or(mps) if use_step else e.at.offset_or(mps)
-
         # Shift everything so the first event is at time 0 (one candidate), then each event
         # towards its earliest possible time, in trace order.
         timed = [e for e in trace.events if e.at.after_tokens is None]
-        if timed:
-            first = min(when(e) for e in timed)
-            if first > 0:
-                cand = _rebuild(trace, [_shift(e, -first, use_step, mps) if e.at.after_tokens is None else e
-                                        for e in trace.events])
-                if self.keeps(cand):
-                    assert cand is not None
-                    trace = cand
+        first = min((_when(e, use_step, mps) for e in timed), default=0)
+        if first > 0:
+            cand = _rebuild(trace, [_at_time(e, _when(e, use_step, mps) - first, use_step, mps)
+                                    if e.at.after_tokens is None else e for e in trace.events])
+            if self.keeps(cand):
+                trace = cand
         for idx in range(len(trace.events)):
             ev = trace.events[idx]
             box = [trace]
@@ -434,7 +395,6 @@ class Minimizer:
             def put(new_ev: Event, idx: int = idx) -> bool:
                 cand = _rebuild(box[0], box[0].events[:idx] + [new_ev] + box[0].events[idx + 1:])
                 if self.keeps(cand):
-                    assert cand is not None
                     box[0] = cand
                     return True
                 return False
@@ -443,11 +403,8 @@ class Minimizer:
                 shrink_int(ev.at.after_tokens, 0, lambda v: put(
                     ev.model_copy(update={"at": ev.at.model_copy(update={"after_tokens": v})})))
             else:
-                lo = 0
-                if isinstance(ev, CancelEvent):
-                    lo = int(when(box[0].send(ev.request_id)))
-                cur = int(when(ev))
-                shrink_int(cur, lo, lambda v: put(_at_time(ev, v, use_step, mps)))
+                lo = int(_when(box[0].send(ev.request_id), use_step, mps)) if isinstance(ev, CancelEvent) else 0
+                shrink_int(int(_when(ev, use_step, mps)), lo, lambda v: put(_at_time(ev, v, use_step, mps)))
             trace = box[0]
         return trace
 
@@ -468,8 +425,8 @@ def engine_diff(a: EngineConfig, b: EngineConfig) -> dict[str, list[Any]]:
     return {k: [fa.get(k), fb.get(k)] for k in sorted(set(fa) | set(fb)) if fa.get(k) != fb.get(k)}
 
 
-def _n(k: int, word: str = "replay") -> str:
-    return f"{k} {word}{'' if k == 1 else 's'}"
+def _n(k: int) -> str:
+    return f"{k} replay{'' if k == 1 else 's'}"
 
 
 def _sizes(trace: Trace) -> str:
@@ -482,6 +439,10 @@ def _replace_send(trace: Trace, rid: str, **update: Any) -> Trace | None:
     events = [e.model_copy(update=update) if isinstance(e, SendEvent) and e.request_id == rid else e
               for e in trace.events]
     return _rebuild(trace, events)
+
+
+def _when(e: Event, use_step: bool, mps: float) -> float:
+    return e.at.step_or(mps) if use_step else e.at.offset_or(mps)
 
 
 def _at_time(ev: Event, v: float, use_step: bool, mps: float) -> Event:
@@ -497,32 +458,22 @@ def _at_time(ev: Event, v: float, use_step: bool, mps: float) -> Event:
     return ev.model_copy(update={"at": at.model_copy(update=upd)})
 
 
-def _shift(ev: Event, delta: float, use_step: bool, mps: float) -> Event:
-    cur = ev.at.step_or(mps) if use_step else ev.at.offset_or(mps)
-    return _at_time(ev, max(0, cur + delta), use_step, mps)
-
-
 def _tidy(trace: Trace, *, use_step: bool = True) -> Trace:
     """Events in time order for reading (sorting by (time, position) keeps the replay order
     of equal times; relative cancels are placed right after their send)."""
     mps = trace.engine.ms_per_step
     pos = {e.request_id: i for i, e in enumerate(trace.events) if isinstance(e, SendEvent)}
 
-    def when(e: Event) -> float:
-        return e.at.step_or(mps) if use_step else e.at.offset_or(mps)
-
     def key(ie: tuple[int, Event]) -> tuple[float, float]:
         i, e = ie
         # Only a cancel can be relative (after_tokens: At and the events' validators).
         if (isinstance(e, CancelEvent) and e.at.after_tokens is not None
                 and e.at.step is None and e.at.offset_ms is None):
-            return (when(trace.events[pos[e.request_id]]), pos[e.request_id] + 0.5)
-        return (when(e), float(i))
+            return (_when(trace.events[pos[e.request_id]], use_step, mps), pos[e.request_id] + 0.5)
+        return (_when(e, use_step, mps), float(i))
 
     events = [e for _, e in sorted(enumerate(trace.events), key=key)]
     return _rebuild(trace, events) or trace
-
-
 
 
 # -- against a replayer -----------------------------------------------------------------------
@@ -565,9 +516,7 @@ def minimize_finding(replayer: Replayer, finding: Finding, *, victim: str | None
     mini = Minimizer(target, probe, opts)
     t0 = time.monotonic()
     if recorded_here and replayer.step_exact and _recorded_holds(finding, target):
-        # A replay would give the recorded run again, and a long one can leave the
-        # minimization's share no room to start.
-        kept, spent = True, 0
+        kept, spent = True, 0  # a replay would give the recorded run again
     else:
         kept, spent = accepts(lambda: probe(finding.trace), opts.acceptance)
     mini.replays += spent
@@ -577,22 +526,20 @@ def minimize_finding(replayer: Replayer, finding: Finding, *, victim: str | None
     result = mini.run(finding.trace)
 
     # Verify from scratch: the minimized trace must reproduce again, with as many runs as the
-    # original arm had. A flaky last step falls back to the previous accepted trace.
+    # original arm had. A flaky last step falls back to the previous accepted trace, unless the
+    # budget is spent (each step is ``runs`` replays: the walk would overrun the time box).
     runs = runs or max(1, sum(1 for h in finding.runs if h.arm == target.arm))
     need = opts.acceptance.needed(runs)
     final = None
     passes = list(result.passes)
-    cut = False
-    for n, cand in enumerate([result.trace, *reversed(result.accepted)]):
-        if n and result.stopped is not None:
-            # The budget is spent: no walk back through every accepted step (each is ``runs``
-            # replays, which would overrun the time box by several of them).
-            cut = True
-            break
-        cls, checked = probe.victim_class(cand, runs=runs)
+    cut = result.stopped is not None and result.trace is not finding.trace
+    walk = [result.trace] if cut else [result.trace, *reversed(result.accepted)]
+    for n, cand in enumerate(walk):
+        checked = replayer.check(cand, runs=runs, arms={target.arm: list(target.toggles)})
         mini.replays += runs
         v = next((d for d in checked.verdicts if d.request_id == target.victim and d.arm == target.arm), None)
-        if v is not None and target.holds(cls, v.broke) and v.runs_diverged >= need and checked.finding is not None:
+        if (v is not None and target.holds(v.class_, v.broke) and v.runs_diverged >= need
+                and checked.finding is not None):
             final = checked.finding
             if n:
                 passes.append(f"verification: the result did not reproduce {need} of {runs} times; "
@@ -606,9 +553,9 @@ def minimize_finding(replayer: Replayer, finding: Finding, *, victim: str | None
         passes.append(f"verification: the result did not reproduce {need} of {runs} times and the budget was spent; "
                       "the original is kept" if cut else
                       f"verification: nothing reproduced {need} of {runs} times, not even the original")
+    original = finding.id or finding.compute_id()
     final.minimization = Minimization(
-        original=finding.id or finding.compute_id(),
-        original_requests=len(finding.trace.sends), requests=len(final.trace.sends),
+        original=original, original_requests=len(finding.trace.sends), requests=len(final.trace.sends),
         original_events=len(finding.trace.events), events=len(final.trace.events),
         replays=mini.replays, signature=target.signature, arm=target.arm, toggles=list(target.toggles),
         repeats=opts.acceptance.repeats, min_hits=opts.acceptance.min_hits,
@@ -618,6 +565,6 @@ def minimize_finding(replayer: Replayer, finding: Finding, *, victim: str | None
     )
     final.inherit(finding, drop_notes=("minimize",))
     final.provenance = final.provenance.model_copy(update={
-        "minimized_to": None, "minimized_from": MinimizedFrom(id=finding.id or finding.compute_id(), file=original_path)})
+        "minimized_to": None, "minimized_from": MinimizedFrom(id=original, file=original_path)})
     final.id = final.compute_id()
     return final

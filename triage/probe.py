@@ -1,14 +1,7 @@
 """How triage replays a candidate trace and judges it: the ``Replayer`` seam and the probe.
 
 A replayer is ``kvfuzz.driver.session.Session`` (in-process engine, managed server or URL) or a
-fake in tests. It declares what it can do instead of being probed for it:
-
-- ``step_exact``: events land at exact engine steps, so a replay is deterministic and one
-  replay decides a candidate (the in-process engine). Wall-clock engines are not.
-- ``judge``: one replay of a trace, judged on one victim request only (only its reference is
-  needed, so shrinking the other requests' prompts costs no reference runs); ``judge_victim``
-  the same, with the victim's logprob drift when no token flipped (the ablations read it).
-- ``check``: the full recording and verdicts (runs x arms), as a finding is made.
+fake in tests; it declares what it can do instead of being probed for it.
 """
 
 from __future__ import annotations
@@ -25,7 +18,10 @@ if TYPE_CHECKING:
 
 class Replayer(Protocol):
     @property
-    def step_exact(self) -> bool: ...
+    def step_exact(self) -> bool:
+        """Events land at exact engine steps (the in-process engine), so one replay decides a
+        candidate; a wall-clock engine's replays vary."""
+        ...
 
     @property
     def reference_runs(self) -> int:
@@ -33,7 +29,8 @@ class Replayer(Protocol):
         ...
 
     def judge(self, trace: Trace, *, victim: str, arm: str, toggles: Sequence[str]) -> str:
-        """The verdict class of ``victim`` in one replay of ``trace`` in ``arm``."""
+        """The verdict class of ``victim`` in one replay of ``trace`` in ``arm``: only its reference
+        is needed, so shrinking the other requests' prompts costs no reference runs."""
         ...
 
     def judge_victim(self, trace: Trace, *, victim: str, arm: str, toggles: Sequence[str],
@@ -44,6 +41,7 @@ class Replayer(Protocol):
         ...
 
     def check(self, trace: Trace, *, runs: int | None = None, arms: dict[str, list[str]] | None = None) -> Checked:
+        """The full recording and verdicts (runs x arms), as a finding is made."""
         ...
 
 
@@ -66,11 +64,3 @@ class Probe:
             return self.target.holds(j.cls, j.broke)
         cls = self.replayer.judge(trace, victim=self.victim, arm=self.arm, toggles=self.toggles)
         return self.target.holds(cls, None)
-
-    def victim_class(self, trace: Trace, runs: int = 1) -> tuple[str | None, Checked]:
-        """The victim's class over ``runs`` full runs (the final verification)."""
-        checked = self.replayer.check(trace, runs=runs, arms={self.arm: list(self.toggles)})
-        for v in checked.verdicts:
-            if v.request_id == self.victim and v.arm == self.arm:
-                return v.class_, checked
-        return None, checked

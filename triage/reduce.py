@@ -36,9 +36,8 @@ def default_acceptance(step_exact: bool) -> Acceptance:
 def accepts(run_once: Callable[[], bool], acc: Acceptance) -> tuple[bool, int]:
     """Replay until the k-of-m outcome is decided. Returns (kept, replays spent)."""
     hits = 0
-    for i in range(acc.repeats):
+    for done in range(1, acc.repeats + 1):
         hits += bool(run_once())
-        done = i + 1
         if hits >= acc.min_hits:
             return True, done
         if hits + (acc.repeats - done) < acc.min_hits:
@@ -49,14 +48,14 @@ def accepts(run_once: Callable[[], bool], acc: Acceptance) -> tuple[bool, int]:
 # -- set reduction: ProbDD and ddmin -----------------------------------------------------------
 
 
-def probdd(items: Sequence[T], keeps: Callable[[list[T]], bool], *, p0: float = 0.1) -> list[T]:
+def probdd(items: Sequence[T], keeps: Callable[[list[T]], bool]) -> list[T]:
     """Probabilistic delta debugging (Wang et al., FSE 2021): every item has a probability
     of being needed; each round removes the set with the best expected gain (size x chance
     that none of it is needed), and a failed removal raises the probabilities of what it
     tried to remove. Ends when every remaining item has been shown necessary on its own.
     ``keeps(subset)`` says whether the subset still reproduces."""
     items = list(items)
-    p = {i: p0 for i in range(len(items))}
+    p = {i: 0.1 for i in range(len(items))}  # the prior chance that an item is needed
     alive = list(range(len(items)))
     if alive and keeps([]):
         return []
