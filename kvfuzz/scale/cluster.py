@@ -212,6 +212,16 @@ class WorkerSpec:
         return self.settings.session.device
 
     @property
+    def reference_engines(self) -> int:
+        return self.settings.session.reference_engines
+
+    @property
+    def cpus(self) -> int:
+        """CPUs a worker asks for: its engine's threads, and one for its reference engine's
+        child (one torch thread), so Ray never places that child on a core a worker uses."""
+        return self.threads + self.reference_engines
+
+    @property
     def pooled(self) -> bool:
         return self.settings.pooled
 
@@ -364,6 +374,7 @@ class WorkerCore:
 
     def stop(self) -> None:
         self.session.close()
+        self.session.close_references()
         if self.pooled:
             from kvfuzz.harness.inprocess import unshare_engines
 
@@ -371,13 +382,26 @@ class WorkerCore:
             unshare_engines()
 
 
-def ray_worker_class(ray, spec: WorkerSpec):
-    """``WorkerCore`` as a Ray actor class with the resources of one engine: a GPU on CUDA, its
-    CPU share on CPU. max_restarts=0: Ray never silently brings back a worker whose engine
-    state is unknown; the driver re-queues its trace and starts a fresh one."""
+def worker_resources(spec: WorkerSpec) -> dict[str, int]:
+    """What one worker asks Ray for: a GPU on CUDA, its CPU share on CPU; with a reference
+    engine, as much again for its child (a GPU of its own: two engines on one device take turns
+    on it; one CPU on CPU)."""
     if spec.device == "cuda":
-        return ray.remote(num_gpus=1, num_cpus=1, max_restarts=0)(WorkerCore)
-    return ray.remote(num_cpus=spec.threads, max_restarts=0)(WorkerCore)
+        return {"num_gpus": 1 + spec.reference_engines, "num_cpus": 1 + spec.reference_engines}
+    return {"num_cpus": spec.cpus}
+
+
+def describe_resources(spec: WorkerSpec) -> str:
+    """``worker_resources`` in words, for the message of a worker Ray cannot place."""
+    names = {"num_gpus": "GPU(s)", "num_cpus": "CPU(s)"}
+    return " and ".join(f"{n} {names[what]}" for what, n in worker_resources(spec).items())
+
+
+def ray_worker_class(ray, spec: WorkerSpec):
+    """``WorkerCore`` as a Ray actor class with ``worker_resources``. max_restarts=0: Ray never
+    silently brings back a worker whose engine state is unknown; the driver re-queues its trace
+    and starts a fresh one."""
+    return ray.remote(**worker_resources(spec), max_restarts=0)(WorkerCore)
 
 
 def worker_died_finding(trace: Trace, arms: dict[str, list[str]] | None, deaths: list[dict], *,
@@ -462,8 +486,8 @@ class RayExecutor:
             return self.ray.get(refs, timeout=timeout)
         except self.ray.exceptions.GetTimeoutError:
             raise InfraError(f"Ray workers did not start within {timeout:.0f} s (does the cluster have "
-                             f"{'a GPU' if self.spec.device == 'cuda' else f'{self.spec.threads} CPU(s)'} "
-                             f"free per worker? resources: {self.ray.cluster_resources()})") from None
+                             f"{describe_resources(self.spec)} free per worker? resources: "
+                             f"{self.ray.cluster_resources()})") from None
         except self.ray.exceptions.RayTaskError as e:
             raise _cause(e) from None
         except self.ray.exceptions.RayActorError as e:
@@ -636,11 +660,12 @@ def _cause(e: Exception) -> KvfuzzError:
     return InfraError(f"a Ray worker failed: {what}")
 
 
-def local_cpus(workers: int, threads: int) -> float:
-    """CPUs of a local Ray instance: every worker fits, even when that oversubscribes the
-    machine (each engine is then slower, not absent; docs/scale.md)."""
-    return float(max(os.cpu_count() or 1, workers * threads))
+def local_cpus(workers: int, cpus: int) -> float:
+    """CPUs of a local Ray instance for ``workers`` of ``cpus`` each (``WorkerSpec.cpus``): every
+    worker fits, even when that oversubscribes the machine (each engine is then slower, not
+    absent; docs/scale.md)."""
+    return float(max(os.cpu_count() or 1, workers * cpus))
 
 
 __all__ = ["RayExecutor", "WorkerCore", "WorkerSpec", "connect", "local_cpus", "ray_available", "worker_died_finding",
-           "worker_env"]
+           "worker_env", "worker_resources"]

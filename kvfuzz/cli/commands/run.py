@@ -93,7 +93,8 @@ def run(
     reference_engines: Annotated[int, typer.Option(min=0, help="Reference engines beside the fuzzed one: 1 computes "
                                                    "each trace's references in a second process while the trace "
                                                    "runs (0: on the fuzzed engine, in turn; in-process only; "
-                                                   "docs/oracle.md \"Reference engine\").")] = 0,
+                                                   "with --ray, one beside each worker; docs/oracle.md \"Reference "
+                                                   "engine\", docs/scale.md).")] = 0,
     prompt_reuse: Annotated[Optional[float], typer.Option(min=0.0, max=1.0, help="Probability that a fresh trace's request "
                                                 "takes a prompt (or a shared prefix) from the campaign's pool, as "
                                                 "real traffic repeats prompts (default 0: off, by measurement; docs/fuzzer.md).")] = None,
@@ -137,8 +138,6 @@ def run(
     if reference_engines > 1:
         raise BadInput(f"{reference_engines} reference engines are not supported yet (0 or 1)",
                        field="--reference-engines")
-    if reference_engines and ray_address is not None:
-        raise BadInput("not with --ray (each worker computes its own references)", field="--reference-engines")
     if reference_engines and (engine_name != "inprocess"):
         raise BadInput("a reference engine runs beside the in-process engine only", field="--reference-engines")
     settings = CampaignSettings(
@@ -292,7 +291,7 @@ def _run_on_ray(address: str, opts: Any, spec: WorkerSpec, *, arm_map: dict[str,
 
     threads = spec.threads
     display = CampaignDisplay(console, budget_s=opts.budget_s, max_traces=opts.max_traces, out=opts.out)
-    owns = connect(None if address == "local" else address, num_cpus=local_cpus(workers, threads),
+    owns = connect(None if address == "local" else address, num_cpus=local_cpus(workers, spec.cpus),
                    env=worker_env(threads))
     import ray
 
