@@ -16,7 +16,7 @@ traces with ngram speculative decoding (its own random stream: the other traces 
 ``random-v6`` moves one engine knob on a share of its traces (fuzzer/configs.py; `kvfuzz run`'s
 default) and empties the prefix cache once in a share of them, half of those resetting the
 running requests too (``shapes.prefix_cache_reset``); each on its own stream, so a trace that
-draws neither is v5's. ``random-v7`` draws speculative decoding first, on a larger share from
+draws neither is v5's. ``random-v7`` draws speculative decoding first, on a larger share (35 %) from
 three settings (``requests.SPECULATIVE``), and a trace that drafts moves no other engine
 dimension.
 
@@ -117,7 +117,7 @@ class GenOptions:
     # The probability that a trace's engine runs ngram speculative decoding (in-process only,
     # as above); most of its sends then restrict their output so drafts are accepted. Drawn
     # first: such a trace moves no other engine dimension.
-    p_spec: float = 0.3
+    p_spec: float = 0.35
     # The probability that a trace empties the prefix cache once while a request runs, before a
     # request sharing its prefix; half of them with reset_running_requests (every running request
     # preempted and recomputed). shapes.prefix_cache_reset.
