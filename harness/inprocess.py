@@ -335,7 +335,8 @@ class InProcessEngine:
             capture["partial"] = partial
             capture["preempted"] = list(so.preempted_req_ids or ())
             capture["blocks"] = _holders(scheduler)
-            self._monitor.after_schedule(scheduler, so.num_scheduled_tokens)
+            self._monitor.after_schedule(scheduler, so.num_scheduled_tokens,
+                                         getattr(so, "scheduled_spec_decode_tokens", None))
             return so
 
         client.get_output = get_output

@@ -32,6 +32,19 @@ compares vLLM's own records with each other, the way vLLM's invariants say they 
   before, zeros on a fresh one. That breaks ``held-block-unwritten`` on each such reader (the
   request itself, or a later prefix hit on the block). Each run starts on a clean slate, so
   every block a run holds was handed out in it; a block not seen handed out is not judged;
+- each position a request counts as computed, before the step and after it (once
+  ``update_from_output`` took its rejected drafts back), was last written with the request's
+  own token there: each write is booked with the token the scheduler scheduled at its position,
+  its own or a draft (``SchedulerOutput.scheduled_spec_decode_tokens``). A rejected draft's KV
+  stays in its slot until the accepted token's overwrites it; a count that keeps it reads KV
+  computed from a token the request does not have, and breaks ``held-block-token``;
+- each block the prefix-cache map finds under a hash holds, in every slot written, the KV of the
+  token the hash covers there (a request's ``block_hashes[i]`` covers its tokens in block
+  ``i``): judged after the step's writes, since vLLM registers a block as the step that writes
+  its last slots is scheduled. A block that holds another token's KV (a rejected draft's,
+  cached under the accepted tokens' hash) breaks ``map-entry-unbacked``, latent until a hit
+  reads it (that reader's ``held-block-token`` then names it, or the writer's own break that
+  put the other token there: a count that kept a draft, a write sent elsewhere);
 - each position the step's tokens attend to lies in a block the scheduler holds for the request:
   every earlier position under full attention, the last ``sliding_window`` positions under a
   sliding window (a token at ``p`` attends to ``p - sliding_window + 1 .. p``). A sliding-window
@@ -56,8 +69,8 @@ compares vLLM's own records with each other, the way vLLM's invariants say they 
   position (the runner's ``input_ids`` against the scheduler's ``Request.all_token_ids``): a
   row whose token ids were not refreshed (a request added back after a preemption, a moved row
   copied short) feeds the model another request's token, and its KV is computed from it. That
-  breaks ``worker-token`` on the request (not checked with prompt embeddings, nor
-  for a request with speculative tokens scheduled);
+  breaks ``worker-token`` on the request (a draft judged against the draft scheduled there;
+  with prompt embeddings only the positions embedded from token ids);
 - each request's next token is sampled from the hidden state of its own last scheduled token
   (the runner's ``logits_indices``; the harness reports them via ``sampled``): a runner whose
   sampled rows are counted apart from its scheduled ones (padding, a reordered batch) hands a
@@ -105,10 +118,18 @@ MAX_BREAKS = 64
 MAX_MAP_BREAKS = 8
 # A request's breaks that say its KV read is wrong (a block of other content, one block twice)
 # and so carry the latent break of their block as their root.
-ROOTED: tuple[BreakName, ...] = ("held-block-foreign", "held-block-repeated", "held-block-unwritten")
+ROOTED: tuple[BreakName, ...] = ("held-block-foreign", "held-block-repeated", "held-block-unwritten",
+                                  "held-block-token")
 # A request's breaks after which its KV is not wrong: a latent count (nothing read yet), and a
 # wrong sampled row (the tokens after it are computed right for what they follow).
 UNDERIVED: tuple[BreakName, ...] = ("held-block-undercounted", "worker-sample-row", "worker-sampling")
+# A slot's last write (per offset of a block handed out in the run): the token id the scheduler
+# scheduled there, its own or a draft, whose KV the step computed. The rest are markers.
+UNWRITTEN = -1  # nothing since the block was handed out
+ANY = -2  # written, token unknown (not in the scheduler's records): matches any token
+PAD = -3  # a padding draft (vLLM's -1): no request's token
+NO_TOKEN = -4  # read side only: a position past the request's tokens
+_EMPTY: np.ndarray = np.empty(0, dtype=np.int64)
 
 
 def _map_blocks(value: Any) -> Iterable[Any]:
@@ -118,6 +139,17 @@ def _map_blocks(value: Any) -> Iterable[Any]:
 
 def _hex(h: Any) -> str:
     return h[:4].hex() if isinstance(h, bytes) else str(h)[:8]
+
+
+def _wrote_other(b: Break) -> bool:
+    """A writer's break that explains another token's KV in its block: its writes sent elsewhere
+    (``misdirects``: another position's token landed there), or its count kept a draft."""
+    return BREAKS[b.name].misdirects or b.name == "held-block-token"
+
+
+def _token(t: int) -> str:
+    """A slot's or a position's token, as a break's detail says it."""
+    return {PAD: "a padding draft", NO_TOKEN: "none (past its tokens)"}.get(t, f"token {t}")
 
 
 @dataclass
@@ -151,8 +183,8 @@ class Monitor:
         self.step = 0
         self.ext = ext
         self._map_broken: set[int] = set()  # blocks whose map entry broke (checked once)
-        # Block -> its first latent break (a map entry, a short count): the root of a later
-        # request break on that block.
+        # Block -> its first latent break (a map entry, a short count), or the root that break
+        # took from its writer: the root of a later request break on that block.
         self._roots: dict[int, BreakName] = {}
         self._map_recorded = 0
         self._seen: set[tuple[str, str]] = set()
@@ -160,13 +192,17 @@ class Monitor:
         self._null = 0  # the pool's null block id (vLLM's is 0), read with the rows
         # Request -> (first position, tokens) scheduled this step; the slot check's positions.
         self._spans: dict[str, tuple[int, int]] = {}
-        # Request -> its own token ids at those positions (the token check's).
+        # Request -> its own token ids at those positions, drafts included (the token check's,
+        # only where all are known; a padding draft is -1, not judged), and the same as written
+        # to its slots (``ANY`` where unknown, ``PAD`` for a padding draft).
         self._want_tokens: dict[str, np.ndarray] = {}
+        self._write_tokens: dict[str, np.ndarray] = {}
         self._taints: dict[int, _Taint] = {}
         self._slots_off = False  # the slot check alone found another layout
         self._blocks_of: Any = ()  # the pool's blocks (by id), for a tainted block's hash
-        # Block -> offsets written since it was handed out (a bit mask), and the step it was.
-        self._written: dict[int, int] = {}
+        # Block -> its slots' last writes since it was handed out (token ids, ``UNWRITTEN``...;
+        # shorter than the block: the rest unwritten), and the step it was.
+        self._written: dict[int, np.ndarray] = {}
         self._handed: dict[int, int] = {}
         # Block -> the request first seen holding it since it was handed out: the one whose
         # tokens should write it. A reader of a slot it never wrote, after a break that sent its
@@ -179,6 +215,19 @@ class Monitor:
         self._read_ok: dict[tuple[str, int], list[int]] = {}
         self._ok_by_block: dict[int, set[tuple[str, int]]] = {}  # block -> the entries above listing it
         self._writes_off = not writes  # a step's writes went unseen: no evidence from then on
+        # The prefix-cache map's entries whose block was found holding the KV of its hash's
+        # tokens (key -> block), by block (a write or a handing out undoes it); the entries to
+        # judge after this step's writes; the blocks already broken; and what each hash covers
+        # (a request's block hash -> its tokens, from the requests' own records).
+        self._backed: dict[Any, Any] = {}
+        self._backed_by_block: dict[int, set[Any]] = {}
+        self._to_back: list[tuple[Any, Any]] = []
+        self._unbacked: set[int] = set()
+        self._hash_tokens: dict[Any, np.ndarray] = {}
+        self._hashed: dict[str, int] = {}  # request -> its block hashes indexed so far
+        self._hash_size = 0  # tokens a request's block hash covers (``hash_block_size``)
+        self._group_sizes: list[int] = []  # block size per KV cache group
+        self._pool: Any = None  # the block pool (its extra hashes per block)
         # Per group: the positions a token attends to back from itself (None: all of them), or
         # absent for a kind of attention this check does not know (chunked local, Mamba, ...).
         self._windows: dict[int, int | None] = {}
@@ -193,10 +242,13 @@ class Monitor:
         self._derives: dict[str, Break] = {}
         self._step_slots: dict[str, list[tuple[np.ndarray, int]]] = {}
 
-    def after_schedule(self, scheduler: Any, scheduled: Mapping[str, int] | None = None) -> None:
+    def after_schedule(self, scheduler: Any, scheduled: Mapping[str, int] | None = None,
+                       drafts: Mapping[str, Iterable[int]] | None = None) -> None:
         """``scheduled``: the step's tokens per request (``SchedulerOutput.num_scheduled_tokens``),
-        whose positions the slot check needs; without it slots are not checked."""
-        self._guarded(lambda: self._scheduler(scheduler, scheduled or {}))
+        whose positions the slot check needs; without it slots are not checked. ``drafts``: the
+        draft tokens scheduled past a request's own (``scheduled_spec_decode_tokens``), whose KV
+        the step writes too; without them a draft's token is unknown (matches any)."""
+        self._guarded(lambda: self._scheduler(scheduler, scheduled or {}, drafts or {}))
 
     def after_step(self, batch: Any | None, positions: Any | None = None, input_ids: Any | None = None) -> None:
         """The worker's rows, kernels, positions and slots only: the scheduler's state was
@@ -255,27 +307,38 @@ class Monitor:
         if self._writes_off or self.disabled:
             return
         for b in blocks:
-            self._written[b.block_id] = 0
+            self._written[b.block_id] = _EMPTY
             self._handed[b.block_id] = self.step
             self._writer.pop(b.block_id, None)
             self._unowned.add(b.block_id)
+            self._unbacked.discard(b.block_id)
             # A request that found it written before reads it afresh (a preempted request may be
             # handed its own old block again, at the same position).
-            for key in self._ok_by_block.pop(b.block_id, ()):
-                self._read_ok.pop(key, None)
+            self._forget(b.block_id)
+
+    def _forget(self, bid: int) -> None:
+        """What was found right about block ``bid``'s content is judged again (it changed)."""
+        for key in self._ok_by_block.pop(bid, ()):
+            self._read_ok.pop(key, None)
+        for h in self._backed_by_block.pop(bid, ()):
+            self._backed.pop(h, None)
 
     def check(self, step: int, scheduler: Any, batch: Any | None, scheduled: Mapping[str, int] | None = None,
               *, kernels: Iterable[Any] = (), positions: Any | None = None, sampled: Any | None = None,
-              input_ids: Any | None = None) -> None:
-        """Every check at once, on a state that did not change in between (unit tests):
-        ``kernels``, the attention metadata the step's builders returned; ``sampled``, the
-        runner's sampled rows."""
+              input_ids: Any | None = None, drafts: Mapping[str, Iterable[int]] | None = None,
+              update: Callable[[], None] | None = None) -> None:
+        """Every check at once (unit tests): ``kernels``, the attention metadata the step's
+        builders returned; ``sampled``, the runner's sampled rows; ``update``, what the
+        scheduler's ``update_from_output`` does to its requests between the step and its
+        checks (a rejected draft's rollback)."""
         self.step = step
-        self.after_schedule(scheduler, scheduled)
+        self.after_schedule(scheduler, scheduled, drafts)
         for metadata in kernels:
             self.kernel_built(metadata)
         if sampled is not None:
             self.sampled(sampled)
+        if update is not None:
+            update()
         self.after_step(batch, positions, input_ids)
 
     @property
@@ -293,19 +356,15 @@ class Monitor:
             log.debug("post-conditions not checked on this vLLM layout", exc_info=True)
             self.disabled = True
 
-    def _scheduler(self, scheduler: Any, scheduled: Mapping[str, int]) -> None:
+    def _scheduler(self, scheduler: Any, scheduled: Mapping[str, int], drafts: Mapping[str, Iterable[int]]) -> None:
         # After ``schedule()`` a request's computed tokens already count this step's.
         self._kernel = []  # built during the step to come
         self._sampled = None
         self._step_slots = {}
         self._spans = {rid: (scheduler.requests[rid].num_computed_tokens - n, n)
                        for rid, n in scheduled.items() if rid in scheduler.requests}
-        self._want_tokens = {}
-        for rid, (start, n) in self._spans.items():
-            toks = scheduler.requests[rid].all_token_ids[start:start + n]
-            if len(toks) == n:  # not with speculative tokens scheduled beyond them
-                self._want_tokens[rid] = np.asarray(toks, dtype=np.int64)
         self._requests = {rid: scheduler.requests[rid] for rid in self._spans}
+        self._scheduled_tokens(drafts)
         self._adapters = {rid: int(getattr(getattr(req, "lora_request", None), "lora_int_id", 0) or 0)
                           for rid, req in self._requests.items()}
         mgr = scheduler.kv_cache_manager
@@ -319,6 +378,25 @@ class Monitor:
         if pool.enable_caching:
             self._check_map(self.step, pool)
         self._check_requests(self.step, scheduler, pool, managers, self.ext)
+        self._to_back = []
+        if pool.enable_caching and not self._writes_off:
+            self._hash_size = int(getattr(pool, "hash_block_size", 0) or 0)
+            self._group_sizes = [int(m.block_size) for m in managers]
+            self._index_hashes(scheduler)
+            self._to_back = self._unjudged_entries(pool)
+
+    def _scheduled_tokens(self, drafts: Mapping[str, Iterable[int]]) -> None:
+        """Each scheduled request's tokens at its scheduled positions: its own, then the drafts
+        scheduled past them (whose KV the step writes too, and which a rejection takes back)."""
+        self._want_tokens, self._write_tokens = {}, {}
+        for rid, (start, n) in self._spans.items():
+            own = list(self._requests[rid].all_token_ids[start:start + n])
+            extra = [int(t) if t >= 0 else PAD for t in list(drafts.get(rid, ()))[:n - len(own)]]
+            got: np.ndarray = np.full(n, ANY, dtype=np.int64)
+            got[:len(own) + len(extra)] = own + extra
+            if len(own) + len(extra) == n:
+                self._want_tokens[rid] = np.where(got == PAD, -1, got)
+            self._write_tokens[rid] = got
 
     def _add(self, step: int, name: BreakName, *, request: str | None = None, block: int | None = None,
              detail: str = "", root: BreakName | None = None) -> None:
@@ -547,8 +625,9 @@ class Monitor:
         for row, rid, start, got in self._token_rows(batch, input_ids):
             want = self._want_tokens.get(rid)
             if want is None:
-                continue  # speculative tokens scheduled beyond its tokens: not judged
-            bad = np.nonzero((got != want) & (got >= 0))[0]  # -1: an embedding, not a token id
+                continue  # drafts scheduled beyond its tokens, not reported: not judged
+            # got -1: an embedding, not a token id; want -1: a padding draft.
+            bad = np.nonzero((got != want) & (got >= 0) & (want >= 0))[0]
             if len(bad):
                 i = int(bad[0])
                 self._once(step, "worker-token", ext(rid), -1,
@@ -621,6 +700,7 @@ class Monitor:
             self._writes_off = True  # this step's writes are unknown from here on
             return
         total = sum(self._spans[r][1] for r in ids)
+        read: list[tuple[int, int]] = []  # (group, block size): its reads, once every write is in
         for g, t in enumerate(batch.block_table.block_tables):
             if getattr(getattr(t, "slot_mapping_mode", None), "name", "TOKEN_TO_KV_SLOT") != "TOKEN_TO_KV_SLOT" \
                     or getattr(t, "dcp_world_size", 1) != 1:
@@ -632,15 +712,18 @@ class Monitor:
                 width = int(t.num_blocks_per_row[row])
                 blocks = t.block_table.np[row, :width].astype(np.int64)
                 got = got_all[off:off + n]
-                if not self._writes_off:
-                    self._wrote(got, bs)
-                self._step_slots.setdefault(rid, []).append((got, bs))  # a break later this step counts too
-                if g in self._windows and n and rid in self._rows and g < len(self._rows[rid]):
-                    self._check_held(step, g, bs, rid, self._rows[rid][g], start, n, blocks, ext)
                 inside = pos // bs < width  # a missing block is the row check's (worker-row)
                 want: np.ndarray = np.full(n, -1, dtype=np.int64)
                 want[inside] = blocks[pos[inside] // bs] * bs + pos[inside] % bs
                 bad = np.nonzero(inside & (got != want))[0]
+                if not self._writes_off:
+                    toks = self._write_tokens.get(rid)
+                    toks = toks.copy() if toks is not None and len(toks) == n else np.full(n, ANY, dtype=np.int64)
+                    toks[bad] = ANY  # written, but sent to another slot: worker-slot's, not the token checks'
+                    self._wrote(got, toks, bs)
+                self._step_slots.setdefault(rid, []).append((got, bs))  # a break later this step counts too
+                if g in self._windows and n and rid in self._rows and g < len(self._rows[rid]):
+                    self._check_held(step, g, bs, rid, self._rows[rid][g], start, n, blocks, ext)
                 if not len(bad):
                     continue
                 i = int(bad[0])
@@ -654,6 +737,12 @@ class Monitor:
                         if 0 < blk < len(self._blocks_of) and blk not in self._taints:
                             self._taints[blk] = _Taint(writer=writer, step=step, detail=detail,
                                                        hash=self._blocks_of[blk].block_hash)
+            read.append((g, bs))
+        # Blocks that entered the prefix-cache map before the reads: a hit taken this step on
+        # one reads it after the writes, and its break is rooted in the block's.
+        if not self._writes_off:
+            self._check_backed(step)
+        for g, bs in read:
             self._check_reads(step, g, bs, ids, ext)
         # Another holder scheduled this step read the wrong KV already (writes come first).
         for blk, taint in self._taints.items():
@@ -663,59 +752,184 @@ class Monitor:
                 if ext(rid) != taint.writer and any(blk in ids_ for ids_ in groups) and rid in self._spans:
                     self._tainted_read(step, ext(rid), blk, taint)
 
-    def _wrote(self, slots: np.ndarray, bs: int) -> None:
-        """Marks the slots a row's tokens were written to this step (where they really went)."""
-        slots = slots[slots >= 0]
+    def _wrote(self, slots: np.ndarray, tokens: np.ndarray, bs: int) -> None:
+        """Records the token each of a row's slots was written with this step (where it really
+        went: a wrong slot holds that token's KV now)."""
+        keep = slots >= 0
+        slots, tokens = slots[keep], tokens[keep]
         if not len(slots):
             return
         blocks: np.ndarray = slots // bs
         offs: np.ndarray = slots % bs
         for blk in np.unique(blocks).tolist():
-            mask = 0
-            for o in np.unique(offs[blocks == blk]).tolist():
-                mask |= 1 << o
-            if blk in self._written:
-                self._written[blk] |= mask
+            have = self._written.get(blk)
+            if have is None:
+                continue  # not handed out in this run: no evidence
+            at = blocks == blk
+            o = offs[at]
+            top = int(o.max()) + 1
+            if len(have) < top:
+                have = np.concatenate([have, np.full(top - len(have), UNWRITTEN, dtype=np.int64)])
+                self._written[blk] = have
+            have[o] = tokens[at]
+            if blk in self._ok_by_block or blk in self._backed_by_block:
+                self._forget(blk)  # content found right changed (a wrong write: normal ones land past it)
 
     def _check_reads(self, step: int, g: int, bs: int, ids: list[str], ext: Callable[[str], str]) -> None:
         """Group ``g``: each scheduled request read positions ``0 .. start - 1`` through the
         scheduler's blocks for it (a null block, dropped from a sliding window, is not read),
-        after this step's writes (a forward pass writes every token's KV before attention)."""
+        after this step's writes (a forward pass writes every token's KV before attention), and
+        counts as computed every position below its count after the step (a rejection takes
+        its drafts back): what later steps, and blocks registered from that count, read."""
         if self._writes_off:
             return
-        whole = (1 << bs) - 1
         for rid in ids:
             groups = self._rows.get(rid)
             if not groups or g >= len(groups):
                 continue
             row, start = groups[g], self._spans[rid][0]
-            full, part = divmod(start, bs)
+            end = self._counted(rid, start)
             key = (rid, g)
             ok = self._read_ok.get(key, [])
             first = len(ok) if row[:len(ok)] == ok else 0
-            for i in range(first, min(len(row), full + (1 if part else 0))):
-                bid = row[i]
-                have = self._written.get(bid)
-                if bid == self._null or have is None:
-                    continue  # not handed out in this run: no evidence
-                need = whole if i < full else (1 << part) - 1
-                missing = need & ~have
-                if missing:
-                    o = (missing & -missing).bit_length() - 1
-                    writer = self._writer.get(bid)
-                    lost = next((b for b in self.breaks if b.request == writer and BREAKS[b.name].misdirects),
-                                None) if writer is not None and writer != ext(rid) else None
-                    self._once(step, "held-block-unwritten", ext(rid), bid,
-                               f"group {g}: position {i * bs + o} (block {bid} offset {o}) counts as computed, "
-                               f"but nothing wrote that slot since block {bid} was handed out at step "
-                               f"{self._handed.get(bid, '?')}"
-                               + (f" to {writer}, after its own {lost.name} at step {lost.step}" if lost else ""),
-                               root=(lost.root or lost.name) if lost is not None else None)
+            for i in range(first, min(len(row), -(-end // bs))):
+                if self._misread(step, g, bs, rid, row[i], i * bs, start, end, ext):
                     break
             else:
+                full = start // bs
                 self._read_ok[key] = row[:full]
                 for bid in row[first:full]:
                     self._ok_by_block.setdefault(bid, set()).add(key)
+
+    def _counted(self, rid: str, start: int) -> int:
+        """The positions ``rid`` counts as computed after the step, at least ``start``; just
+        ``start`` for a request the step finished (freed: it reads nothing more)."""
+        req = self._requests.get(rid)
+        done = getattr(req, "is_finished", None)
+        if req is None or (callable(done) and done()):
+            return start
+        return max(start, int(req.num_computed_tokens))
+
+    def _misread(self, step: int, g: int, bs: int, rid: str, bid: int, lo: int, start: int, end: int,
+                 ext: Callable[[str], str]) -> bool:
+        """Block ``bid``, positions ``lo ..`` of ``rid``: each one read (below ``start``) written
+        since the block was handed out (``held-block-unwritten``), each one counted (below
+        ``end``) last written with the request's own token there (``held-block-token``: a
+        draft's KV stays in its slot until the accepted token's overwrites it). True: broken."""
+        have = self._written.get(bid)
+        if bid == self._null or have is None:
+            return False  # not handed out in this run: no evidence
+        n = min(bs, end - lo)
+        slots: np.ndarray = np.full(n, UNWRITTEN, dtype=np.int64)
+        slots[:min(n, len(have))] = have[:n]
+        unwritten = np.flatnonzero(slots[:max(0, start - lo)] == UNWRITTEN)
+        writer = self._writer.get(bid)
+        if len(unwritten):
+            o = int(unwritten[0])
+            lost = self._writer_break(writer, ext(rid), lambda b: BREAKS[b.name].misdirects)
+            self._once(step, "held-block-unwritten", ext(rid), bid,
+                       f"group {g}: position {lo + o} (block {bid} offset {o}) counts as computed, "
+                       f"but nothing wrote that slot since block {bid} was handed out at step "
+                       f"{self._handed.get(bid, '?')}"
+                       + (f" to {writer}, after its own {lost.name} at step {lost.step}" if lost else ""),
+                       root=(lost.root or lost.name) if lost is not None else None)
+            return True
+        taint = self._taints.get(bid)
+        if taint is not None and taint.name == "worker-slot":
+            return False  # a write sent to another slot: that break names every holder
+        toks = list(self._requests[rid].all_token_ids[lo:lo + n])
+        mine: np.ndarray = np.full(n, NO_TOKEN, dtype=np.int64)
+        mine[:len(toks)] = toks
+        wrong = np.flatnonzero((slots != mine) & (slots != UNWRITTEN) & (slots != ANY))
+        if not len(wrong):
+            return False
+        o = int(wrong[0])
+        prior = self._writer_break(writer, ext(rid), _wrote_other)
+        when = "counts as computed after the step" if lo + o >= start else "counts as computed"
+        self._once(step, "held-block-token", ext(rid), bid,
+                   f"group {g}: position {lo + o} (block {bid} offset {o}) {when}, but its slot's last write is "
+                   f"the KV of {_token(int(slots[o]))}; the request's token there is {_token(int(mine[o]))}"
+                   + (f" (block {bid} written by {writer}, after its own {prior.name} at step {prior.step})"
+                      if prior else ""),
+                   root=self._roots.get(bid) or ((prior.root or prior.name) if prior is not None else None))
+        return True
+
+    def _writer_break(self, writer: str | None, reader: str, which: Callable[[Break], bool]) -> Break | None:
+        """The first break of a block's writer other than its reader that says whose loss the
+        reader reads (``which``), or None."""
+        if writer is None or writer == reader:
+            return None
+        return next((b for b in self.breaks if b.request == writer and which(b)), None)
+
+    # -- the prefix-cache map's content ---------------------------------------------------------
+    def _index_hashes(self, scheduler: Any) -> None:
+        """The tokens each request's new block hashes cover (a hash covers its block's tokens,
+        and through its parent every token before): what a block registered under it must hold."""
+        size = self._hash_size
+        if size <= 0:
+            return
+        for rid, req in scheduler.requests.items():
+            hashes = req.block_hashes
+            done = self._hashed.get(rid, 0)
+            if len(hashes) <= done:
+                continue
+            toks = req.all_token_ids
+            for i in range(done, len(hashes)):
+                self._hash_tokens[hashes[i]] = np.asarray(toks[i * size:(i + 1) * size], dtype=np.int64)
+            self._hashed[rid] = len(hashes)
+
+    def _unjudged_entries(self, pool: Any) -> list[tuple[Any, Any]]:
+        """The map's (hash, block) pairs not yet found holding their hash's tokens: registered,
+        or written, since (judged after the step's writes: a block is registered as the step
+        that writes its last slots is scheduled)."""
+        self._pool = pool
+        table = pool.cached_block_hash_to_block
+        entries: dict[Any, Any] = table._cache if hasattr(table, "_cache") else table
+        backed = self._backed
+        fresh = [(key, value) for key, value in entries.items() if backed.get(key) is not value]
+        return [(key, b) for key, value in fresh for b in _map_blocks(value)
+                if b.block_id not in self._unbacked and key not in self._backed_by_block.get(b.block_id, ())]
+
+    def _check_backed(self, step: int) -> None:
+        """Each entry: its block's slots hold the KV of the tokens its hash covers. A slot
+        written with another token (a draft's, a position counted wrongly) breaks it; one never
+        written is left to its reader (``held-block-unwritten``); a group whose blocks span
+        several hashes is not judged."""
+        pending, self._to_back = self._to_back, []
+        extra: dict[int, set[Any]] = getattr(self._pool, "cached_block_hashes_by_block", None) or {}
+        for key, block in pending:
+            bid = block.block_id
+            if block.block_hash != key and key not in extra.get(bid, ()):
+                continue  # the map check's (orphaned, stolen)
+            have = self._written.get(bid)
+            want = self._hash_tokens.get(key[:-4]) if isinstance(key, bytes) else None
+            g = int.from_bytes(key[-4:], "big") if isinstance(key, bytes) else -1
+            taint = self._taints.get(bid)
+            if have is not None and want is not None and 0 <= g < len(self._group_sizes) \
+                    and self._group_sizes[g] == len(want) and not (taint is not None and taint.name == "worker-slot"):
+                n = min(len(have), len(want))
+                wrong = np.flatnonzero((have[:n] != want[:n]) & (have[:n] != UNWRITTEN) & (have[:n] != ANY))
+                if len(wrong):
+                    o = int(wrong[0])
+                    self._unbacked_entry(step, bid, key, o, int(have[o]), int(want[o]))
+                    continue
+            self._backed[key] = block
+            self._backed_by_block.setdefault(bid, set()).add(key)
+
+    def _unbacked_entry(self, step: int, bid: int, key: Any, o: int, got: int, want: int) -> None:
+        """Records the entry's break. Its root, which a reader's break on the block takes: the
+        block writer's own break before that put another token's KV there (``_wrote_other``),
+        else this break."""
+        writer = self._writer.get(bid)
+        prior = self._writer_break(writer, "", _wrote_other)
+        root = (prior.root or prior.name) if prior is not None else None
+        self._unbacked.add(bid)
+        self._roots.setdefault(bid, root or "map-entry-unbacked")
+        self._add(step, "map-entry-unbacked", block=bid, root=root,
+                  detail=f"hash {_hex(key)} finds block {bid}, whose offset {o} holds the KV of {_token(got)}; "
+                         f"the hash covers token {want} there"
+                         + (f" (written by {writer}, after its own {prior.name} at step {prior.step})"
+                            if prior else ""))
 
     def _check_held(self, step: int, g: int, bs: int, rid: str, row: list[int], start: int, n: int,
                     worker: np.ndarray, ext: Callable[[str], str]) -> None:

@@ -6,14 +6,15 @@ scheduler's, a worker row whose LoRA adapter is not the request's, a token's KV 
 another slot than its row's (its own, or one in a block it holds), a block at a full position
 that holds another prefix's content (it carries another hash, or none while another request
 holds it), one block at two positions, a position counted as computed whose slot nothing wrote
-since its block was handed out, a position it attends to in a block the scheduler released,
-an attention kernel told another length than its own, a token handed to the model at another
-position than its own, another token than its own handed to the model, a block whose KV
-another request computed after its own harmful break (named by that request's break, its
-root). Those are the *harmful* breaks. Others are *latent*: a prefix-cache entry that finds
-the wrong block, a reference count short of the block's holders — nothing reads wrong KV
-until a request is handed that block. A latent break is the root of a later harmful break
-on its block, and then it is the name (it says which operation went wrong, not where it
+since its block was handed out, or that holds another token's KV (a rejected draft's), a
+position it attends to in a block the scheduler released, an attention kernel told another
+length than its own, a token handed to the model at another position than its own, another
+token than its own handed to the model, a block whose KV another request computed after its own
+harmful break (named by that request's break, its root). Those are the *harmful* breaks. Others
+are *latent*: a prefix-cache entry that finds the wrong block, or a block holding another
+token's KV than its hash covers, a reference count short of the block's holders — nothing reads
+wrong KV until a request is handed that block. A latent break is the root of a later harmful
+break on its block, and then it is the name (it says which operation went wrong, not where it
 showed); alone it names nothing: a fault that breaks a count in every trace but corrupts an
 output in few must not claim the victims of another cause in the same run (two bugs at once).
 One name per request: its first harmful break by step, then by a fixed precedence."""

@@ -93,12 +93,14 @@ def slot_batch(rows: dict[str, list[int]], slots: list[int], bs: int = 4):
 
 
 def stepped(pool, held, hashes, spans, rows, slots, step=0, m=None, manager=None, kernels=(), positions=None,
-            sampled=None, tokens=None, input_ids=None):
+            sampled=None, tokens=None, input_ids=None, drafts=None, after=None, bs=4):
     """One step: ``spans`` = request -> (first position, tokens) scheduled; ``manager``: the
     group's KV cache manager instead of the default fake; ``kernels``: the attention metadata
     the step's builders returned; ``positions``: the model runner's positions buffer;
     ``sampled``: its sampled rows; ``tokens``: request -> its token ids (prompt and output);
-    ``input_ids``: the token ids the model was handed."""
+    ``input_ids``: the token ids the model was handed; ``drafts``: request -> the draft tokens
+    scheduled past its own; ``after``: request -> (computed tokens, token ids) once the step's
+    output is in (``update_from_output``: sampled tokens appended, rejected drafts taken back)."""
     m = m or Monitor()
     sched = Scheduler(pool, held, hashes)
     if manager is not None:
@@ -107,8 +109,13 @@ def stepped(pool, held, hashes, spans, rows, slots, step=0, m=None, manager=None
         sched.requests[r].num_computed_tokens = start + n  # after schedule(), as in vLLM
     for r, toks in (tokens or {}).items():
         sched.requests[r].all_token_ids = toks
-    m.check(step, sched, slot_batch(rows, slots), {r: n for r, (_, n) in spans.items()}, kernels=kernels,
-            positions=positions, sampled=sampled, input_ids=input_ids)
+
+    def update():
+        for r, (count, toks) in (after or {}).items():
+            sched.requests[r].num_computed_tokens, sched.requests[r].all_token_ids = count, toks
+
+    m.check(step, sched, slot_batch(rows, slots, bs), {r: n for r, (_, n) in spans.items()}, kernels=kernels,
+            positions=positions, sampled=sampled, input_ids=input_ids, drafts=drafts, update=update)
     return m
 
 
@@ -505,6 +512,100 @@ def test_a_block_handed_out_again_is_read_afresh_even_at_the_same_position_of_th
     assert [(x.name, x.request, x.block) for x in m.breaks] == [("held-block-unwritten", "r", 2)]
 
 
+# -- rejected drafts: the token a slot was written with (held-block-token, map-entry-unbacked) ----
+def spec_manager(held):
+    """A full-attention group whose block size is the hash's (4): its blocks' hashes are judged."""
+    return type("M", (), {"req_to_blocks": held, "block_size": 4})()
+
+
+def drafted(kept: bool):
+    """r (block size 4) prefills [1, 2, 3], samples 7, then computes 7 with drafts [8, 9, 10]:
+    the model keeps 8 and samples 11 where 9 was. vLLM takes 9 and 10 back (``kept``: the fault
+    keeps 9 counted, so its KV stays in the slot of 11, which no step computes). r goes on to 14;
+    block 2 (positions 4..7) fills and is registered. The monitor, and r's blocks."""
+    a, b, c = Block(1), Block(2), Block(3)
+    pool = Pool([a, b, c], {}, hash_block_size=4)
+    m = Monitor()
+    m.handed_out([a, b])
+
+    def step(n, held, hashes, spans, slots, tokens, drafts=None, after=None):
+        stepped(pool, held, hashes, spans, {r: [x.block_id for x in bl] for r, bl in held.items() if r in spans},
+                slots, step=n, m=m, manager=spec_manager(held), tokens=tokens, drafts=drafts, after=after)
+
+    step(0, {"r": [a, b]}, {"r": []}, {"r": (0, 3)}, [4, 5, 6], {"r": [1, 2, 3]}, after={"r": (3, [1, 2, 3, 7])})
+    a.block_hash = G(1)  # full once 7 is scheduled: registered by this step's schedule
+    pool.entries[G(1)] = a
+    seven = [1, 2, 3, 7, 8, 11]
+    step(1, {"r": [a, b]}, {"r": [H(1)]}, {"r": (3, 4)}, [7, 8, 9, 10], {"r": [1, 2, 3, 7]}, drafts={"r": [8, 9, 10]},
+         after={"r": (6 if kept else 5, seven)})
+    if kept:  # its count is its tokens: only its next drafts are scheduled, at 6..7
+        step(2, {"r": [a, b]}, {"r": [H(1)]}, {"r": (6, 2)}, [10, 11], {"r": seven}, drafts={"r": [12, 13]},
+             after={"r": (8, seven + [12, 13, 14])})
+    else:  # 11 computed at 5, over 9's KV
+        step(2, {"r": [a, b]}, {"r": [H(1)]}, {"r": (5, 3)}, [9, 10, 11], {"r": seven}, drafts={"r": [12, 13]},
+             after={"r": (8, seven + [12, 13, 14])})
+    b.block_hash = G(2)  # [8, 11, 12, 13]: full, registered as 14 is scheduled
+    pool.entries[G(2)] = b
+    m.handed_out([c])
+    step(3, {"r": [a, b, c]}, {"r": [H(1), H(2)]}, {"r": (8, 1)}, [12], {"r": seven + [12, 13, 14]})
+    return m, pool, (a, b, c)
+
+
+def test_a_rejected_draft_kept_counted_breaks_held_block_token_and_its_cached_block_and_a_later_hit():
+    """A count that keeps a rejected draft claims the draft's KV as the KV of the token sampled
+    in its place: the request breaks ``held-block-token`` as the step's output is taken in. The
+    block, registered once full under the hash of the request's tokens, holds that KV
+    (``map-entry-unbacked``, rooted in the writer's count), and a later prefix hit on it reads
+    it (``held-block-token``, named by the same root). vLLM's own rollback breaks nothing."""
+    m, _, _ = drafted(kept=False)
+    assert m.breaks == []
+    m, pool, (a, b, _) = drafted(kept=True)
+    assert [(x.name, x.request, x.block, x.step, x.root) for x in m.breaks] == [
+        ("held-block-token", "r", 2, 1, None), ("map-entry-unbacked", None, 2, 3, "held-block-token")]
+    assert ("position 5 (block 2 offset 1) counts as computed after the step, but its slot's last write is the KV "
+            "of token 9; the request's token there is token 11") in m.breaks[0].detail
+    assert "finds block 2, whose offset 1 holds the KV of token 9; the hash covers token 11 there" in m.breaks[1].detail
+    d = Block(4)
+    pool.blocks.append(d)
+    m.handed_out([d])
+    v = [1, 2, 3, 7, 8, 11, 12, 13, 20]  # r's tokens, then its own: it hits blocks 1 and 2
+    stepped(pool, {"v": [a, b, d]}, {"v": [H(1), H(2)]}, {"v": (8, 1)}, {"v": [1, 2, 4]}, [16], step=4, m=m,
+            manager=spec_manager({"v": [a, b, d]}), tokens={"v": v})
+    w = m.breaks[-1]
+    assert (w.name, w.request, w.block, w.root) == ("held-block-token", "v", 2, "held-block-token"), w
+    assert "(block 2 written by r, after its own held-block-token at step 1)" in w.detail
+    assert origin(m.breaks, "v") == origin(m.breaks, "r") == "held-block-token"
+
+
+def test_a_block_registered_before_its_rejected_draft_is_overwritten_breaks_map_entry_unbacked():
+    """r computes 7 with drafts [8, 9]; the model keeps none and samples 11 where 8 was, which
+    fills block 1 (positions 0..3). vLLM registers it as the step that computes 11 is scheduled,
+    so 11's KV is in before any hit reads it; registered right away (before r's next step) it
+    holds 8's KV under the hash of [1, 2, 7, 11]. r's count is right (it reads nothing wrong);
+    v, whose hit on it is taken in a step r is not scheduled, reads 8's KV, named by the entry."""
+    a, b, c = Block(1), Block(2), Block(3)
+    pool = Pool([a, b, c], {}, hash_block_size=4)
+    m = Monitor()
+    m.handed_out([a, b])
+    for n, spans, slots, toks, drafts, after in (
+            (0, {"r": (0, 2)}, [4, 5], [1, 2], None, (2, [1, 2, 7])),
+            (1, {"r": (2, 3)}, [6, 7, 8], [1, 2, 7], {"r": [8, 9]}, (3, [1, 2, 7, 11]))):
+        stepped(pool, {"r": [a, b]}, {"r": []}, spans, {"r": [1, 2]}, slots, step=n, m=m,
+                manager=spec_manager({"r": [a, b]}), tokens={"r": toks}, drafts=drafts, after={"r": after})
+    assert m.breaks == []
+    a.block_hash, a.ref_cnt = G(1), 2
+    pool.entries[G(1)] = a
+    m.handed_out([c])
+    held = {"r": [a, b], "v": [a, c]}
+    sched_tokens = {"r": [1, 2, 7, 11], "v": [1, 2, 7, 11, 20]}
+    stepped(pool, held, {"r": [H(1)], "v": [H(1)]}, {"v": (4, 1)}, {"v": [1, 3]}, [12], step=2, m=m,
+            manager=spec_manager(held), tokens=sched_tokens)
+    assert [(x.name, x.request, x.block, x.root) for x in m.breaks] == [
+        ("map-entry-unbacked", None, 1, None), ("held-block-token", "v", 1, "map-entry-unbacked")]
+    assert "whose offset 3 holds the KV of token 8; the hash covers token 11 there" in m.breaks[0].detail
+    assert origin(m.breaks, "v") == "map-entry-unbacked" and origin(m.breaks, "r") is None
+
+
 # -- blocks read that the scheduler released (held-block-released) -------------------------------
 def windowed(pool, held, spans, rows, slots, *, kind="SlidingWindowManager", window=8, step=0, m=None):
     """One step of a group of vLLM's kind ``kind`` (block size 4; hashes not checked)."""
@@ -611,10 +712,16 @@ def test_a_token_handed_to_the_model_that_is_not_the_requests_own_breaks_worker_
                 [9, 12, 13, 14], tokens=tokens, input_ids=torch.tensor([15, 20, 99, 22]))
     assert "row 1: the model is handed token 99 at position 1; the request's token there is 21" in m.breaks[0].detail
     assert origin(m.breaks, "s") == "worker-token"
-    # A request whose tokens the scheduler does not list that far (speculative tokens) is skipped.
+    # A request whose tokens the scheduler does not list that far (speculative tokens) is skipped,
+    # unless its drafts are reported: a draft is its token there (a padding draft, -1, any).
     m = stepped(pool, {"s": [c, d]}, {"s": []}, {"s": (0, 3)}, {"s": [3, 4]}, [12, 13, 14],
                 tokens={"s": [20, 21]}, input_ids=torch.tensor([20, 99, 22]))
     assert m.breaks == []
+    for ids, drafts, want in (([20, 21, 22], [22], []), ([20, 21, 99], [22], [("worker-token", "s")]),
+                              ([20, 21, 0], [-1], [])):
+        m = stepped(pool, {"s": [c, d]}, {"s": []}, {"s": (0, 3)}, {"s": [3, 4]}, [12, 13, 14],
+                    tokens={"s": [20, 21]}, input_ids=torch.tensor(ids), drafts={"s": drafts})
+        assert [(x.name, x.request) for x in m.breaks] == want, (ids, drafts)
     # s's block 3 (registered) holds KV computed from the wrong token: v's prefix hit reads it.
     m = stepped(pool, {"r": [a, b], "s": [c, d]}, {"r": [], "s": []}, spans, {"r": [1, 2], "s": [3, 4]},
                 [9, 12, 13, 14], tokens=tokens, input_ids=torch.tensor([15, 20, 99, 22]))
@@ -712,6 +819,8 @@ def test_one_table_says_what_each_break_can_harm():
     assert HARMFUL[:4] == ("worker-row", "worker-adapter", "worker-slot", "worker-seq-len")
     assert set(SELF_ONLY_BREAKS) == {"worker-seq-len", "worker-sample-row", "worker-sampling"}
     assert "held-block-undercounted" not in HARMFUL and "map-entry-stolen" not in HARMFUL
+    # Rejected drafts: the reader's break is harmful, the cached block's latent on the map.
+    assert BREAKS["held-block-token"].harm == "others" and BREAKS["map-entry-unbacked"] == ("latent", "map", False)
 
 
 def test_a_finding_written_with_a_divergence_s_later_break_and_repair_still_loads():

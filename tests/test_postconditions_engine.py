@@ -58,7 +58,17 @@ def test_four_unseen_faults_each_break_their_own_post_condition():
     assert {"worker-row", "map-entry-orphaned", "held-block-undercounted"} <= names, names
     # Nothing else is broken by these faults: no stolen entries.
     assert names <= {"worker-row", "map-entry-orphaned", "held-block-undercounted", "held-block-foreign",
-                     "held-block-repeated", "held-block-unwritten", "held-block-derived"}, names
+                     "held-block-repeated", "held-block-unwritten", "held-block-derived", "held-block-token",
+                     "map-entry-unbacked"}, names
+    # A row that sends a token's KV into another block (T, V) leaves there another position's
+    # token: its block, cached, and who counts that slot, are named by the row's break (or by the
+    # block's own latent break, on a hit).
+    for run in runs:
+        for b in run:
+            if b["name"] in ("held-block-token", "map-entry-unbacked"):
+                rows_before = [x for x in run if x["name"] == "worker-row" and x["step"] <= b["step"]]
+                assert b["root"] in ("map-entry-orphaned", "held-block-undercounted") or (
+                    b["root"] == "worker-row" and rows_before), (b, run)
     # A later holder of a block a victim computed after its break reads KV derived from it
     # (held-block-derived), named by that victim's break.
     derived = [b for run in runs for b in run if b["name"] == "held-block-derived"]
@@ -80,12 +90,16 @@ def test_four_unseen_faults_each_break_their_own_post_condition():
     foreign = [b for run in runs for b in run if b["name"] == "held-block-foreign"]
     assert all(b["root"] in ("map-entry-orphaned", "held-block-undercounted") for b in foreign), foreign
     assert {b["root"] for run in runs for b in run if b["request"] and b["name"] not in (
-        "held-block-derived", "held-block-unwritten")} <= {None, "map-entry-orphaned", "held-block-undercounted"}
+        "held-block-derived", "held-block-unwritten", "held-block-token")} <= {None, "map-entry-orphaned",
+                                                                               "held-block-undercounted"}
     # V: a reference run records the breaks on its own request.
     ref = json.loads(next(ln for ln in p.stdout.splitlines() if ln.startswith("REF "))[4:])
-    # (Its row's repeated id sent the new block's tokens elsewhere: read unwritten a step later.)
-    assert [(b["name"], b["request"]) for b in ref if b["name"] != "held-block-unwritten"] == [("worker-row", "long")], ref
-    assert all(b["request"] == "long" and b["step"] > ref[0]["step"] for b in ref[1:]), ref
+    # (Its row's repeated id sent the new block's tokens elsewhere: over the first new block's,
+    # whose slot then holds another token's KV as the step ends, and read unwritten a step later.)
+    assert [(b["name"], b["request"]) for b in ref if b["name"] not in ("held-block-unwritten", "held-block-token")] \
+        == [("worker-row", "long")], ref
+    assert all(b["request"] == "long" and (b["step"] > ref[0]["step"] or b["name"] == "held-block-token")
+               and b["root"] in (None, "worker-row") for b in ref[1:]), ref
 
 
 WZ_SCRIPT = """
@@ -418,3 +432,50 @@ def test_a_prefill_sampled_from_the_row_above_breaks_worker_sample_row(ai_and_ak
     assert [(name, r) for name, r, _ in got["breaks"]] == [("worker-sample-row", "r1")], got
     assert got["diverged"] and got["ref_breaks"] == [], got
     assert "row 1: its next token is sampled from hidden state 0 (a token of row 0)" in got["breaks"][0][2], got
+
+
+AV_SCRIPT = """
+from kvfuzz.traces import Sampling, Speculative, TokenPrompt
+cfg = default_engine(kv_cache_bytes=8 * 2**20, max_model_len=4096).model_copy(
+    update={"speculative": Speculative(num_speculative_tokens=3, prompt_lookup_max=3)})
+eng = InProcessEngine(cfg)
+eng.start()
+# Two allowed tokens, both in the prompt: a drafts from its first token on, and some drafts are
+# rejected. b, sent once a is done, is a's prompt and output: its prefix hit reads a's blocks.
+a = SendEvent(request_id="a", at=At(step=0), max_tokens=48, sampling=Sampling(allowed_token_ids=[5, 9]),
+              prompt=TokenPrompt(token_ids=[(7 * i + 3) % 500 + 1 for i in range(38)] + [5, 9]))
+alone = eng.replay(Trace(engine=cfg, events=[a]))
+r = alone.requests["a"]
+b = SendEvent(request_id="b", at=At(step=r.finished_step + 1), max_tokens=4,
+              prompt=TokenPrompt(token_ids=a.prompt.token_ids + r.token_ids[:40]))
+both = eng.replay(Trace(engine=cfg, events=[a, b]))
+print("JUDGED " + json.dumps({
+    "runs": [[[x.name, x.request, x.block, x.root, x.step, x.detail] for x in h.breaks] for h in (alone, both)],
+    "rejected": sum(s.draft_tokens - s.accepted_tokens for s in alone.steps),
+    "same": both.requests["a"].token_ids == r.token_ids,
+    "b": [both.requests["b"].num_cached_tokens, min(s.step for s in both.steps if "b" in s.scheduled)]}))
+"""
+
+
+def test_a_rejected_draft_kept_counted_breaks_held_block_token_and_map_entry_unbacked():
+    """Fault AV: the scheduler takes a request's rejected drafts back one short, so the first
+    rejected draft's KV stays counted as the KV of the token sampled in its place. Every record
+    agrees; the request breaks ``held-block-token`` as that step's output is taken in, its block
+    breaks ``map-entry-unbacked`` once full and registered (rooted in that count), and a later
+    request whose prefix hit reads the block breaks ``held-block-token``, named by the same
+    root. The clean side (drafts accepted and rejected, no break) is test_speculative_engine.py."""
+    got = _child(AV_SCRIPT, "unseen_faults.rejected_draft_stays_counted", judge=False)
+    alone, both = got["runs"]
+    assert got["rejected"] > 0 and got["same"], got
+    assert [(name, req, root) for name, req, _, root, _, _ in alone] == [
+        ("held-block-token", "a", None), ("map-entry-unbacked", None, "held-block-token")], alone
+    assert "counts as computed after the step, but its slot's last write is the KV of token" in alone[0][5], alone
+    assert alone[1][2] == alone[0][2] and alone[1][4] > alone[0][4], alone  # a's block, registered later
+    assert both[:2] == alone, both
+    # b reads the draft's KV at its first step, and the KV a computed after it (held-block-derived):
+    # both on a's block, both named by a's count.
+    cached, first = got["b"]
+    hit = {name: (block, root, step, detail) for name, req, block, root, step, detail in both if req == "b"}
+    assert cached >= 64 and set(hit) == {"held-block-token", "held-block-derived"}, both
+    assert all(x[:3] == (alone[0][2], "held-block-token", first) for x in hit.values()), hit
+    assert "(block %d written by a, after its own held-block-token at step" % alone[0][2] in hit["held-block-token"][3]

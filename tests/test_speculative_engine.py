@@ -1,13 +1,14 @@
 """Speculative decoding (ngram) on the real vLLM CPU engine, in float32 and bfloat16: drafts
 are proposed and accepted, the output equals decoding without it (each request's reference runs
-on an engine without speculative decoding), and the reference engine is one beside the fuzzed
-one (docs/oracle.md)."""
+on an engine without speculative decoding), the reference engine is one beside the fuzzed one
+(docs/oracle.md), and no KV post-condition breaks while drafts are rejected (the faulty side is
+test_postconditions_engine.py)."""
 
 import pytest
 
 from kvfuzz.fuzzer.generate import default_engine
 from kvfuzz.oracle import divergent
-from kvfuzz.traces import At, GenPrompt, Sampling, SendEvent, Speculative, Trace
+from kvfuzz.traces import At, GenPrompt, Sampling, SendEvent, Speculative, TokenPrompt, Trace
 
 pytestmark = pytest.mark.engine
 
@@ -29,6 +30,44 @@ def test_speculative_decoding_accepts_drafts_and_changes_no_output(session, dtyp
     fuzzed = session.engine_for(engine)
     ref = fuzzed.reference_engine()
     assert ref is not fuzzed and ref.config.speculative is None and ref.config.dtype == dtype
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_speculative_traces_keep_every_kv_post_condition(session, dtype):
+    """Unmodified vLLM, ngram drafts accepted and rejected: no post-condition breaks
+    (harness/postconditions.py). Each position a request counts as computed holds the KV of its
+    own token (a rejected draft's is overwritten before it counts), and each block the prefix
+    cache maps holds the KV of its hash's tokens: also b, whose prompt is a's prompt and output
+    and whose prefix hit reads a's blocks where drafts were rejected; prompts sharing a prefix;
+    a chunked prefill beside the drafts."""
+    engine = default_engine(dtype=dtype, kv_cache_bytes=8 * 2**20, max_model_len=4096).model_copy(
+        update={"speculative": Speculative(num_speculative_tokens=3, prompt_lookup_max=3)})
+    eng = session.engine_for(engine)
+    # Two allowed tokens, both in the prompt: a drafts from its first token on.
+    a = SendEvent(request_id="a", at=At(step=0), max_tokens=48, sampling=Sampling(allowed_token_ids=[5, 9]),
+                  prompt=TokenPrompt(token_ids=[(7 * i + 3) % 500 + 1 for i in range(38)] + [5, 9]))
+    alone = eng.replay(Trace(engine=engine, events=[a]))
+    out = alone.requests["a"].token_ids
+    b = SendEvent(request_id="b", at=At(step=(alone.requests["a"].finished_step or 0) + 1), max_tokens=16,
+                  sampling=Sampling(allowed_token_ids=[5, 9, 17]),
+                  prompt=TokenPrompt(token_ids=a.prompt.token_ids + out[:40]))
+    hit = eng.replay(Trace(engine=engine, events=[a, b]))
+    backed = len(eng._monitor._backed)  # type: ignore[attr-defined]  # cached blocks it judged
+    group = [SendEvent(request_id=f"r{i}", at=At(step=i % 3), max_tokens=32,
+                       sampling=Sampling(allowed_token_ids=[5, 9, 17, 33][: 2 + i % 3]) if i % 4 else Sampling(),
+                       prompt=GenPrompt(length=48 + 24 * i, prefix_group="g", prefix_len=40, seed=i))
+             for i in range(8)]
+    group.append(SendEvent(request_id="long", at=At(step=3), max_tokens=8,  # past the step's token budget
+                           prompt=GenPrompt(length=engine.max_num_batched_tokens + 100, prefix_group="g", prefix_len=40,
+                                            seed=99)))
+    shared = eng.replay(Trace(engine=engine, events=group))
+    assert [x for h in (alone, hit, shared) for x in h.breaks] == []
+    for h in (alone, shared):
+        drafts, accepted = sum(s.draft_tokens for s in h.steps), sum(s.accepted_tokens for s in h.steps)
+        assert 0 < accepted < drafts, (drafts, accepted)  # some accepted, some rejected
+    assert hit.requests["a"].token_ids == out and (hit.requests["b"].num_cached_tokens or 0) >= 64
+    assert backed >= 2  # a's two full blocks, b's hit among them: the cached content was judged
+    assert any(s.partial_prefills for s in shared.steps) and max(s.prefix_hits for s in shared.steps) > 0
 
 
 def test_a_sampled_request_under_speculative_decoding_crashes_unless_fixed(session):

@@ -21,7 +21,8 @@ class _Data(BaseModel):
 BreakName = Literal["map-entry-orphaned", "map-entry-stolen", "held-block-foreign", "held-block-repeated",
                     "held-block-undercounted", "worker-row", "worker-slot", "held-block-unwritten",
                     "held-block-released", "worker-adapter", "worker-seq-len", "worker-position",
-                    "worker-sample-row", "held-block-derived", "worker-token", "worker-sampling"]
+                    "worker-sample-row", "held-block-derived", "worker-token", "worker-sampling",
+                    "held-block-token", "map-entry-unbacked"]
 # What each break can harm — one table (the checks are harness/postconditions.py; the oracle
 # names a victim's first harmful break by this order, oracle/postconditions.py):
 # - "latent": allocator state nobody has read wrong KV through yet (a prefix-cache entry that
@@ -59,12 +60,14 @@ BREAKS: dict[str, BreakKind] = {
     "held-block-foreign": BreakKind("others"),
     "held-block-repeated": BreakKind("others"),
     "held-block-unwritten": BreakKind("others"),
+    "held-block-token": BreakKind("others"),
     "held-block-released": BreakKind("others"),
     "held-block-derived": BreakKind("others"),
     # latent
     "held-block-undercounted": BreakKind("latent"),
     "map-entry-orphaned": BreakKind("latent", "map"),
     "map-entry-stolen": BreakKind("latent", "map"),
+    "map-entry-unbacked": BreakKind("latent", "map"),
 }
 MAP_BREAKS: tuple[str, ...] = tuple(n for n, k in BREAKS.items() if k.on == "map")
 HARMFUL_BREAKS: tuple[str, ...] = tuple(n for n, k in BREAKS.items() if k.harm != "latent")
@@ -236,6 +239,9 @@ class StepRecord(_Data):
 #   carry, and no block carries it (the entry outlived the block's content);
 # - map-entry-stolen: the same, while another block carries that hash and the map no longer
 #   finds it (the entry was taken from its block);
+# - map-entry-unbacked: the map finds a block under a hash while a slot of the block was last
+#   written with another token's KV than the one the hash covers there (e.g. a rejected draft's):
+#   a prefix hit on it would read that KV;
 # - held-block-foreign: a request holds, at a full position, a block carrying another hash than
 #   the request's own at that position, or none while another request holds it too;
 # - held-block-repeated: a request holds one block at two positions;
@@ -245,6 +251,9 @@ class StepRecord(_Data):
 #   the writer and on every other request holding a block so left wrong (harness/postconditions.py);
 # - held-block-unwritten: a request counts as computed a position whose slot no token's KV was
 #   written to since its block was handed out (it reads KV never computed for it);
+# - held-block-token: a request counts as computed (before or after the step) a position whose
+#   slot was last written with another token's KV than the request's own there (a draft the
+#   step rejected, kept counted): it reads KV computed from a token it does not have;
 # - held-block-released: a position the step's tokens attend to lies in a block the scheduler
 #   no longer holds for the request (the null block, e.g. released from a sliding window early),
 #   and another request holds it, or the worker's row lists the null block there too;
@@ -263,9 +272,9 @@ class StepRecord(_Data):
 # - held-block-derived: a request holds a block whose KV another request computed after that
 #   request's own harmful break (past the first layer, KV computed from a wrong read
 #   is wrong too), e.g. a retry's prefix hit; its ``root`` is the writer's first break.
-# The map entries and the count are latent (no request reads wrong KV yet); the other thirteen are
-# harmful, and a foreign, repeated or unwritten block carries its block's latent break as
-# ``root`` (harness/postconditions.py ``ROOTED``; oracle/postconditions.py).
+# The map entries and the count are latent (no request reads wrong KV yet); the other fourteen are
+# harmful, and a foreign, repeated, unwritten or other token's block carries its block's latent
+# break as ``root`` (harness/postconditions.py ``ROOTED``; oracle/postconditions.py).
 class Scoring(_Data):
     """Teacher forcing: one run's generated tokens scored by the request alone on a clean cache
     (prompt + those tokens as one prompt, prompt logprobs, no prefix-cache hits). ``logprobs[i]``

@@ -106,6 +106,11 @@ batch of two requests or more), so its reference, the same request alone, stays 
 - AT ``batched_rows_lose_precision`` (the attention kernel's precision): in a batch of two or
   more, every row below the first has its attention output rounded to a coarser precision than
   the dtype's. Systematic drift far past the noise; nothing recorded is wrong. None.
+- AV ``rejected_draft_stays_counted`` (speculative decoding's rollback; speculative traces only):
+  the scheduler takes a request's rejected drafts back one short, so the first rejected draft's
+  KV stays counted in the slot of the token sampled in its place, and is cached under that
+  token's hash once its block fills. ``held-block-token`` (its request, and a later prefix hit
+  on the block), ``map-entry-unbacked`` (the block).
 
 There is no AN: a fault in the copy of block ids to the device block table cannot fire on CPU,
 where the runner's "device" buffers are its host buffers (``CPUModelRunner`` sets each ``.gpu``
