@@ -542,6 +542,7 @@ class InProcessEngine:
         mps = trace.engine.ms_per_step
         hist = History(trace_id=trace.trace_id(), engine="inprocess", arm=arm, run_index=run_index,
                        toggles=toggles)
+        self._record_kv_shape(hist)
         # Absolute-time events in trace order within a step; relative cancels checked each step.
         timed: list[tuple[int, int, SendEvent | CancelEvent | AdapterEvent | ResetPrefixCacheEvent]] = []
         relative: list[tuple[int, CancelEvent]] = []
@@ -821,6 +822,16 @@ class InProcessEngine:
             preempted = sorted({internal.get(r.request_id, r.request_id) for r in running})
         done = bool(self._llm.reset_prefix_cache(reset_running_requests=ev.reset_running_requests))
         rec.effective, rec.reset, rec.preempted = done, "done" if done else "declined", preempted
+
+    def _record_kv_shape(self, hist: History) -> None:
+        """The KV cache's size in blocks and its groups: what turns a step's ``kv_usage`` into
+        free blocks (the oracle's liveness check asks whether a waiting request could fit)."""
+        try:
+            scheduler = self._core().scheduler
+            hist.kv_blocks = int(scheduler.kv_cache_manager.block_pool.num_gpu_blocks) - 1  # the null block
+            hist.kv_groups = len(scheduler.kv_cache_config.kv_cache_groups)
+        except AttributeError:  # another vLLM layout: the check then assumes the cache may be full
+            log.debug("KV cache shape not recorded", exc_info=True)
 
     def _step_budget(self, trace: Trace) -> int:
         # Generous: every token of every request in its own step, plus preemption recompute.

@@ -16,6 +16,7 @@ from kvfuzz.traces.history import StopAtFlip
 from kvfuzz.traces.finding import DIVERGENT_CLASSES, SEVERITY
 
 from .diff import Comparison, compare, early_stop_comparison, margin_at, prompt_drifts, teacher_drifts
+from .liveness import Stall, stalls
 from .noise import NoiseBounds, default_bounds
 from .postconditions import origin
 from .stats import wilson
@@ -116,6 +117,15 @@ def classify_run(send: SendEvent, ref: RequestRecord | None, rec: RequestRecord 
                       teacher=teacher, teacher_over=over)
 
 
+def with_liveness(v: RunVerdict, stall: Stall | None) -> RunVerdict:
+    """A run's verdict with its liveness judged too (oracle/liveness.py): a stalled request is
+    ``stall`` unless its tokens are already worse. The stall's witness replaces the token
+    comparison, which would otherwise read as the finding's first differing token."""
+    if stall is None or SEVERITY[v.cls] <= SEVERITY["stall"]:
+        return v
+    return RunVerdict("stall", detail=stall.describe(), evidence=("liveness",))
+
+
 def _prompt_broken(ref: RequestRecord, rec: RequestRecord, bounds: NoiseBounds) -> str | None:
     """Why the run's prompt logprobs are not the reference's (requests that asked for them), or
     None. Both are prefills of one prompt, a pair the teacher bound covers (a decode against a
@@ -205,10 +215,12 @@ def check(trace: Trace, histories: list[History], references: dict[str, RequestR
         crash_only: list[History] = []
         for h in hs:
             touched = False
+            stalled = stalls(trace, h)  # in-process histories only: servers record no steps
             for rid, acc in accs.items():
                 rec = h.requests.get(rid)
                 ref = references.get(acc.send.request_id)
                 v = classify_run(acc.send, ref, rec, h, th, scored.get((h.arm, h.run_index, rid)))
+                v = with_liveness(v, stalled.get(rid))
                 touched |= v.cls == "engine-crash"
                 acc.verdicts.append(v)
                 if acc.broke is None and v.cls in DIVERGENT_CLASSES:

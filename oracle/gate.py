@@ -1,7 +1,7 @@
 """The regression gate's verdicts and reports (pure: no engine here).
 
 A *case* is one corpus file replayed in one arm. It fails when a request comes back as
-``corruption``, ``error`` or ``engine-crash`` (``numeric-near-tie`` too under ``strict``).
+``corruption``, ``stall``, ``error`` or ``engine-crash`` (``numeric-near-tie`` too under ``strict``).
 In the self-test a case may instead be *expected* to fail (a fault arm): then it passes only if
 it does fail, and a fault arm that stops failing means the detector went blind.
 
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from kvfuzz.traces import Divergence
 
-FAILING = ("engine-crash", "error", "corruption")
+FAILING = ("engine-crash", "error", "corruption", "stall")
 FAILING_STRICT = (*FAILING, "numeric-near-tie")
 
 

@@ -80,7 +80,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 FILE_SECONDS = {"test_server.py": 191, "test_postconditions_engine.py": 127, "test_explain_engine.py": 66,
                 "test_buckets_engine.py": 58, "test_refengine_engine.py": 55, "test_gate.py": 56, "test_reliability_resume.py": 47,
                 "test_toggles.py": 35, "test_cli.py": 30, "test_oracle_campaign.py": 28, "test_controls.py": 13,
-                "test_engine.py": 13, "test_loaders_fuzz.py": 13, "test_minimize_engine.py": 10}
+                "test_engine.py": 13, "test_liveness_engine.py": 60, "test_loaders_fuzz.py": 13, "test_minimize_engine.py": 10}
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -30,7 +30,7 @@ def v(rid, cls, **kw):
 @pytest.mark.parametrize("cls,strict,fails", [
     ("ok", False, False), ("truncation", False, False), ("numeric-near-tie", False, False),
     ("numeric-near-tie", True, True), ("corruption", False, True), ("error", False, True),
-    ("engine-crash", False, True),
+    ("engine-crash", False, True), ("stall", False, True),
 ])
 def test_which_classes_fail_the_gate(cls, strict, fails):
     c = Case(source="f.json", name="f", arm="vanilla", toggles=[], verdicts=[v("A", "ok"), v("B", cls)], strict=strict)

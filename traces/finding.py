@@ -26,12 +26,14 @@ FINDING_SCHEMA_VERSIONS = (1, 2, 3)
 
 # Verdict classes, most severe first. "ok", "truncation" and "unconstrained" are verdicts, not
 # divergences. "unconstrained": the schedule allows any output for this request (its adapter was
-# reloaded in place while it ran; docs/oracle.md, "Adapter lifecycle").
-DivergenceClass = Literal["engine-crash", "error", "corruption", "numeric-near-tie", "unconstrained", "truncation",
-                          "ok"]
-DIVERGENT_CLASSES: tuple[str, ...] = ("engine-crash", "error", "corruption", "numeric-near-tie")
-SEVERITY: dict[str, int] = {c: i for i, c in enumerate(["engine-crash", "error", "corruption", "numeric-near-tie",
-                                                        "unconstrained", "truncation", "ok"])}
+# reloaded in place while it ran; docs/oracle.md, "Adapter lifecycle"). "stall": the request
+# waited longer than vLLM's scheduler allows while others were served (docs/oracle.md,
+# "Liveness"); a wrong output is worse than a late one, a hang (engine-crash) worse than both.
+DivergenceClass = Literal["engine-crash", "error", "corruption", "stall", "numeric-near-tie", "unconstrained",
+                          "truncation", "ok"]
+DIVERGENT_CLASSES: tuple[str, ...] = ("engine-crash", "error", "corruption", "stall", "numeric-near-tie")
+SEVERITY: dict[str, int] = {c: i for i, c in enumerate(["engine-crash", "error", "corruption", "stall",
+                                                        "numeric-near-tie", "unconstrained", "truncation", "ok"])}
 
 
 class _Data(BaseModel):

@@ -318,6 +318,21 @@ class History(_Data):
     # reads had finished (``replay(until=...)``); the other requests were aborted there, so
     # only those are complete. None: the whole trace ran.
     stopped_at: int | None = None
+    # In-process engine: the KV cache's size in blocks (vLLM's null block left out: the base of
+    # ``StepRecord.kv_usage``) and its number of KV cache groups (a request takes blocks in
+    # each). The liveness check reads free blocks from them (oracle/liveness.py). Written only
+    # when known, so other histories keep their bytes.
+    kv_blocks: int | None = None
+    kv_groups: int | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unknown_kv(self, handler: Any) -> Any:
+        data = handler(self)
+        if isinstance(data, dict):
+            for k in ("kv_blocks", "kv_groups"):
+                if data.get(k) is None:
+                    data.pop(k, None)
+        return data
 
 
 _WALL_CLOCK = {"planned_offset_ms", "sent_ms", "first_token_ms", "cancel_ms", "finished_ms", "actual_offset_ms"}

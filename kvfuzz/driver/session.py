@@ -19,8 +19,9 @@ from kvfuzz.harness.base import Engine, EngineKind
 from kvfuzz.harness.environment import stamp
 from kvfuzz.harness.runner import ReferenceStore, ScoreStore, record, score_diverged
 from kvfuzz.oracle import NoiseBounds, bounds_from, check, classify_run, default_bounds, divergent, make_finding
-from kvfuzz.oracle.check import ENGINE, stop_at_flip
+from kvfuzz.oracle.check import ENGINE, stop_at_flip, with_liveness
 from kvfuzz.oracle.diff import logprob_drift
+from kvfuzz.oracle.liveness import stalls
 from kvfuzz.oracle.postconditions import origin
 from kvfuzz.traces import Attribution, Divergence, EngineConfig, Finding, History, RequestRecord, Scoring, Trace
 from kvfuzz.traces.calibration import CalibrationProfile, find_profile
@@ -360,6 +361,7 @@ class Session:
                 scoring = Scoring(request_id=rid, arm=arm, token_ids=toks,
                                   logprobs=self.scores.get(engine, send, toks, binding))
                 verdict = classify_run(send, ref, rec, h, bounds, scoring)
+            verdict = with_liveness(verdict, stalls(trace, h).get(rid))
             broke = origin(h.breaks, rid)
             if verdict.cls == "ok" and ref is not None and rec is not None and verdict.comparison is not None:
                 return Judged("ok", drift=logprob_drift(ref, rec, verdict.comparison.compared), bound=bounds.drift,

@@ -21,6 +21,7 @@ from .deps import PLOTS_HINT
 from .data import CampaignView, DivergenceData, GateCaseView, Grid, Schedule
 
 CLASS_COLOR = {"corruption": "#c62828", "engine-crash": "#8e24aa", "error": "#d32f2f", "numeric-near-tie": "#e69500",
+               "stall": "#00838f",
                "unconstrained": "#757575", "truncation": "#757575", "ok": "#2e7d32", "—": "#757575"}
 BASE_COLOR = "#607d8b"
 ADAPTER_COLORS = ["#1e88e5", "#8e24aa", "#00897b", "#f4511e", "#6d4c41", "#3949ab", "#7cb342", "#d81b60"]

@@ -38,7 +38,7 @@ code,pre{font-family:SFMono-Regular,Consolas,Menlo,monospace;font-size:.88em;bac
 pre{padding:10px;overflow-x:auto;white-space:pre-wrap}code{padding:1px 4px;border-radius:3px}
 figure{margin:1em 0}figcaption{font-size:.85em;color:#555}svg.plot{max-width:100%;height:auto;display:block}
 .c-corruption,.c-engine-crash,.c-error,.s-FAIL,.s-BLIND,.s-error{color:#c62828;font-weight:bold}
-.c-numeric-near-tie{color:#b26a00;font-weight:bold}.c-ok,.s-pass,.s-detected{color:#2e7d32}
+.c-numeric-near-tie{color:#b26a00;font-weight:bold}.c-stall{color:#00838f;font-weight:bold}.c-ok,.s-pass,.s-detected{color:#2e7d32}
 .c-truncation,.c-unconstrained,.s-skipped{color:#757575}.muted{color:#757575;font-size:.9em}
 .row{display:flex;flex-wrap:wrap;gap:12px}.row figure{flex:1 1 480px}
 """

@@ -195,8 +195,11 @@ def build(finding: Finding, *, source: str = "FINDING.json",
         send = trace.send(d.request_id) if d.request_id != ENGINE else None
         what = (f" ({_adapter(send.adapter)}, {send.prompt.length}-token prompt, {send.max_tokens} new "
                 f"token{'s' if send.max_tokens != 1 else ''})" if send else "")
+        # A stall is judged on the schedule, not against the reference's tokens.
+        how = (" waited longer than vLLM's scheduler allows while other requests were served"
+               if d.class_ == "stall" else " diverged from its reference (the same request alone on a clean cache)")
         r.p((worst, worst), ": request ", (d.request_id, "code"), what,
-            f" diverged from its reference (the same request alone on a clean cache) in {d.runs_diverged} of "
+            f"{how} in {d.runs_diverged} of "
             f"{d.runs} runs (Wilson 95% interval {_pct(d.rate_low)}–{_pct(d.rate_high)}), "
             f"{d.variants} distinct output{'s' if d.variants != 1 else ''}.")
         w = next((x for h in finding.runs if h.arm == d.arm
@@ -321,7 +324,8 @@ def build(finding: Finding, *, source: str = "FINDING.json",
              "detail"], rows, class_col=2, right=(4, 5, 6), wrap=(8,))
     r.p("Classes: corruption = a differing token that some evidence says is not noise (the pair shift "
         f"at it >= {bounds.near_tie:.3g}, the drift before it > {bounds.drift:.3g}, or the teacher-forced drift > "
-        f"{bounds.teacher:.3g} nats); numeric-near-tie = every piece within its bound; truncation = a cancelled "
+        f"{bounds.teacher:.3g} nats); stall = the request waited for a token longer than vLLM's scheduler allows "
+        "while others were served; numeric-near-tie = every piece within its bound; truncation = a cancelled "
         "or shorter stream that agrees with the reference as far as it goes (not a divergence). See docs/oracle.md.")
 
     # Tokens around the first divergence

@@ -3,5 +3,5 @@
 from __future__ import annotations
 
 CLASS_STYLE = {"corruption": "bold red", "engine-crash": "bold magenta", "error": "red",
-               "numeric-near-tie": "yellow", "unconstrained": "dim", "truncation": "dim",
+               "stall": "bold cyan", "numeric-near-tie": "yellow", "unconstrained": "dim", "truncation": "dim",
                "ok": "green"}

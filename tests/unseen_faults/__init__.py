@@ -106,6 +106,9 @@ batch of two requests or more), so its reference, the same request alone, stays 
 - AT ``batched_rows_lose_precision`` (the attention kernel's precision): in a batch of two or
   more, every row below the first has its attention output rounded to a coarser precision than
   the dtype's. Systematic drift far past the noise; nothing recorded is wrong. None.
+- AU ``newest_running_left_out`` (the scheduler's running queue): while two or more requests
+  run, the newest is left out of every step (its blocks kept): no token changes, the request
+  just starves while the others are served. None; the liveness check names it ``stall``.
 - AV ``rejected_draft_stays_counted`` (speculative decoding's rollback; speculative traces only):
   the scheduler takes a request's rejected drafts back one short, so the first rejected draft's
   KV stays counted in the slot of the token sampled in its place, and is cached under that
