@@ -128,8 +128,8 @@ def with_liveness(v: RunVerdict, stall: Stall | None) -> RunVerdict:
 
 def _prompt_broken(ref: RequestRecord, rec: RequestRecord, bounds: NoiseBounds) -> str | None:
     """Why the run's prompt logprobs are not the reference's (requests that asked for them), or
-    None. Both are prefills of one prompt, a pair the teacher bound covers (a decode against a
-    prefill) with room to spare."""
+    None. Both are prefills of one prompt: calibration measures that pair into the teacher
+    bound (oracle/noise.py ``bounds_from``)."""
     drifts = prompt_drifts(ref, rec)
     if not drifts or max(drifts) <= bounds.teacher:
         return None
