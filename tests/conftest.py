@@ -113,6 +113,19 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         print("\nERROR: the fast tier imported ray; mark the test that does with @pytest.mark.engine", file=sys.stderr)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _own_calibration_cache(tmp_path_factory):
+    """Calibration profiles the tests read are the ones they measure: a profile a campaign left
+    in the developer's kvfuzz cache decides verdicts (a gate judged by a cached bfloat16 profile
+    passed where the defaults a fresh machine has did not)."""
+    from kvfuzz.traces import calibration
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(calibration, "calibration_dir", lambda d=tmp_path_factory.mktemp("calibration-cache"): d)
+    yield
+    mp.undo()
+
+
 @pytest.fixture(scope="session")
 def session(kvfuzz_session, tmp_path_factory):
     # The engine tests check 3 runs per arm: step-exact replays must agree run for run.

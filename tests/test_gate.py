@@ -231,6 +231,9 @@ def test_self_test_of_the_bundled_corpus_in_bfloat16(tmp_path, kvfuzz_cli):
     import os
 
     out = Path(os.environ.get("KVFUZZ_CI_OUT", tmp_path)) / "gate-bfloat16"
+    # Bounds measured on this machine, as docs/gate.md asks of a 16-bit gate: with the defaults
+    # alone the repetition-penalty case's flip (margin 0.09) is a near tie.
+    assert kvfuzz_cli("calibrate", "--dtype", "bfloat16").returncode == 0
     p = kvfuzz_cli("gate", "--self-test", "--dtype", "bfloat16", "--out", out, "--junit", out / "junit.xml")
     cases = json.loads((out / "gate.json").read_text())["cases"]
     st = {(c["name"], c["arm"]): c["status"] for c in cases}
