@@ -356,6 +356,23 @@ def test_replay_probe_runs_the_release_and_reads_the_victims(releases, monkeypat
     assert (r.status, r.k) == ("bad", 1) and releases.built == ["0.31.0", "0.31.0", "0.31.0"]
 
 
+def test_a_release_is_bad_only_with_the_files_own_bug(releases, monkeypatch, tmp_path):
+    f = tmp_path / "f.json"
+    crashed = _summary([("B", "engine-crash", 3)])
+    crashed["verdicts"][0]["detail"] = "engine step 3 raised RuntimeError: max(): empty input"
+    fake_child(monkeypatch, crashed)
+    kw = dict(file=f, out=tmp_path / "o", runs=3, flags=[], victims={"B"})
+    # A crash that raised something else is another bug; so is a crash where the file's bug
+    # was a wrong output; the same exception (numbers aside) is the file's.
+    other = search.same_bug("TypeError: Cannot inspect kernel parameters for function")
+    assert search.replay_probe("0.31.0", bug=other, **kw).status == "good"
+    assert search.replay_probe("0.31.0", bug=search.same_bug(None), **kw).status == "good"
+    same = search.same_bug("RuntimeError: max(): empty input")
+    assert (search.replay_probe("0.31.0", bug=same, **kw).k, search.replay_probe("0.31.0", **kw).k) == (3, 3)
+    fake_child(monkeypatch, _summary([("B", "corruption", 2)]))
+    assert search.replay_probe("0.31.0", bug=search.same_bug(None), **kw).k == 2
+
+
 def test_replay_probe_failures_are_never_good_or_bad(releases, monkeypatch, tmp_path):
     f = tmp_path / "f.json"
     kw = dict(file=f, out=tmp_path / "o", runs=3, flags=[], victims={"B"})
@@ -436,8 +453,8 @@ def probe_history(monkeypatch, releases):
     """`kvfuzz bisect`'s probe replaced: a regression in 0.31.0, 0.30.1 unavailable."""
     calls = []
 
-    def probe(version, *, file, out, runs, flags, victims, min_rate=0.0, device="cpu", progress=None):
-        calls.append({"version": version, "flags": flags, "victims": victims, "runs": runs, "file": file})
+    def probe(version, *, file, out, runs, flags, victims, bug=None, min_rate=0.0, device="cpu", progress=None):
+        calls.append({"version": version, "flags": flags, "victims": victims, "runs": runs, "file": file, "bug": bug})
         if version == "0.30.1":
             return search.not_run(version, "unavailable", "no wheel")
         bad = search.version_key(version) >= (0, 31, 0)
@@ -464,6 +481,8 @@ def test_cli_bisect_a_finding(kvfuzz_cli, tmp_path, probe_history):
     # vanilla by default, the finding's victims, K passed through
     assert probe_history[0]["flags"] == ["--engine", "inprocess", "--device", "cpu", "--arms", "vanilla"]
     assert probe_history[0]["victims"] == {"B"} and probe_history[0]["runs"] == 2
+    # a wrong output's finding: a crash at another release is not its bug
+    assert probe_history[0]["bug"]({"class": "corruption"}) and not probe_history[0]["bug"]({"class": "engine-crash"})
     # the finding gained the record
     rec = load_finding(src).bisect
     assert rec is not None and (rec.verdict, rec.first_bad, rec.last_good) == ("regression", "0.31.0", "0.30.0")

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
+from kvfuzz.oracle.buckets import crash_state
 from kvfuzz.oracle.stats import wilson
 from kvfuzz.traces import BisectRecord, VersionResult
 from kvfuzz.traces.buckets import ReleaseRange
@@ -264,13 +265,25 @@ def parse_versions(text: str | None, known: Sequence[str], *, parse: Callable[[s
 # -- one probe: `kvfuzz replay FILE --vllm V` in a child process ---------------------------------
 
 
-def summary_k(summary: dict[str, Any], victims: set[str] | None) -> tuple[int, int, list[str]]:
+def same_bug(crash: str | None) -> Callable[[dict[str, Any]], bool]:
+    """Which of a replay summary's divergences are a finding's bug: for a crash, one that raised
+    the same (``crash``, oracle/buckets.py ``crash_state``); for a wrong output, any but a crash.
+    Another exception, or a crash where the file had a wrong output, is another bug: a release
+    that has it is not bad for this one."""
+    if crash is not None:
+        return lambda v: v.get("class") == "engine-crash" and crash_state(str(v.get("detail") or "")) == crash
+    return lambda v: v.get("class") != "engine-crash"
+
+
+def summary_k(summary: dict[str, Any], victims: set[str] | None,
+              bug: Callable[[dict[str, Any]], bool] | None = None) -> tuple[int, int, list[str]]:
     """(k, K, other diverged requests) of a replay summary (kvfuzz/cli/commands/replay.py): k is
-    the most runs in which one of ``victims`` diverged (None: any request), in any arm."""
+    the most runs in which one of ``victims`` diverged (None: any request), in any arm, with the
+    file's ``bug`` (``same_bug``; None: any divergence)."""
     k = 0
     others: set[str] = set()
     for v in summary.get("verdicts") or []:
-        if v.get("class") not in DIVERGENT_CLASSES:
+        if v.get("class") not in DIVERGENT_CLASSES or (bug is not None and not bug(v)):
             continue
         rid = str(v.get("request_id"))
         if victims is None or rid in victims:
@@ -298,6 +311,7 @@ def _last_error(log: Path) -> str:
 
 def replay_probe(version: str, *, file: Path, out: Path, runs: int, flags: Sequence[str],
                  victims: set[str] | None, min_rate: float = 0.0, device: str = "cpu",
+                 bug: Callable[[dict[str, Any]], bool] | None = None,
                  progress: Callable[..., Any] | None = None) -> VersionResult:
     """Probe one release: make its environment (kvfuzz.versions.releases.ensure_env), then run
     ``python -m kvfuzz replay FILE --vllm V --runs K --out OUT/V FLAGS`` and judge the summary
@@ -337,7 +351,7 @@ def replay_probe(version: str, *, file: Path, out: Path, runs: int, flags: Seque
     ran = _ran_version(vllm)
     if ran is not None and ran != version:
         return not_run(version, "error", f"the replay ran vLLM {ran}, not {version} (log: {log})", seconds=seconds)
-    k, K, others = summary_k(summary, victims)
+    k, K, others = summary_k(summary, victims, bug)
     if K <= 0:
         return not_run(version, "error", f"the replay summary records no runs (log: {log})", seconds=seconds)
     detail = f"also diverged: {', '.join(others)}" if others else None

@@ -154,6 +154,8 @@ class _Bisector:
         chosen, runs, min_rate = self.chosen, int(self.how["runs"]), float(self.how["min_rate"])
         # Whose divergence counts: the file's victims; a trace expecting nothing: any request.
         victims = {rid for _, rid in item.expected} if item.expected else None
+        # Which divergences are its bug: another crash, or a crash instead of a wrong output, is not.
+        bug = search.same_bug(item.crash) if item.kind != "trace" else None
         bound = search.probe_bound(len(chosen), self.exhaustive)
         count = 0
 
@@ -167,7 +169,7 @@ class _Bisector:
             console.print(f"probe {count}" + (f" of at most {bound}" if count <= bound else "")
                           + f": vLLM {version} ({runs} run{'s' if runs != 1 else ''})", markup=False, highlight=False)
             r = search.replay_probe(version, file=file, out=out, runs=runs, flags=self.flags, victims=victims,
-                                    min_rate=min_rate, device=str(self.how["device"]), progress=say)
+                                    bug=bug, min_rate=min_rate, device=str(self.how["device"]), progress=say)
             got = (f" ({r.k}/{r.runs} runs diverged, {r.seconds:.1f} s)" if r.status in search.USABLE
                    else f" — {r.detail or 'no detail'}")
             console.print(f"  {version}: {r.status}{got}", markup=False, highlight=False)

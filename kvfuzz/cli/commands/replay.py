@@ -20,6 +20,7 @@ from rich.table import Table
 from rich.text import Text
 
 from kvfuzz.driver import arms as arm_specs
+from kvfuzz.oracle.buckets import crash_state
 from kvfuzz.cli import options, tables
 from kvfuzz.cli.app import app, console
 from kvfuzz.present.style import CLASS_STYLE
@@ -40,13 +41,16 @@ class Item:
     # (arm, request id) pairs the file reports as diverged; None: the file expects nothing.
     expected: set[tuple[str, str]] | None
     notes: list[str] = field(default_factory=list)
+    # What a finding's crash raised (oracle/buckets.py ``crash_state``); None: no crash.
+    crash: str | None = None
 
 
 def load_item(path: Path) -> Item:
     obj = load_any(path)
     if isinstance(obj, Finding):
         expected = {(d.arm, d.request_id) for d in obj.divergences}
-        return Item(path, "finding", obj.trace, dict(obj.arms) or None, expected)
+        crash = crash_state(obj.crash.detail) if obj.crash is not None and obj.crash.detail else None
+        return Item(path, "finding", obj.trace, dict(obj.arms) or None, expected, crash=crash)
     if isinstance(obj, ForeignFinding):
         return Item(path, "foreign", obj.trace, None, {("default", r) for r in obj.expected_diverged},
                     notes=list(obj.notes))
