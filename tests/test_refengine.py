@@ -201,9 +201,12 @@ def test_the_time_table_says_how_long_the_fuzzed_run_waited():
 
     console = Console(width=120, record=True)
     console.print(time_table(TimeBreakdown(wall_s=10.0, references_waited_s=2.5, references_computed=4,
-                                           references_ahead=3)))
+                                           references_ahead=3, fuzzed_runs_s=5.0, references_computed_s=1.0,
+                                           engine_start_s=1.0)))
     text = console.export_text()
     assert "waiting for the reference engine" in text and "by the reference engine" in text and "2.5" in text
+    # Busy: the fuzzed runs and the references it computed itself, not its start or the wait.
+    assert "the fuzzed engine busy" in text and "60%" in text
 
 
 def test_reference_engines_beyond_one_are_one_line_bad_input(kvfuzz_cli, tmp_path):

@@ -25,6 +25,8 @@ REF_WAIT = "references_waited"
 SCORES = "scores"
 TRIAGE = "triage"
 GENERATION = "generation_feedback_files"
+# The phases in which the fuzzed engine runs (``TimeBreakdown.busy_share``).
+BUSY = ("fuzzed_runs", "confirmation_runs", "references_computed", "references_verified", "scores", "triage")
 PHASES = (ENGINE_START, FUZZED, CONFIRM, REF_COMPUTED, REF_STORE, REF_VERIFY, REF_WAIT, SCORES, TRIAGE, GENERATION)
 SECONDS = tuple(f"{p}_s" for p in PHASES) + ("wall_s",)
 
@@ -59,6 +61,15 @@ class TimeBreakdown(BaseModel):
     @property
     def other_s(self) -> float:
         return max(0.0, self.wall_s - sum(getattr(self, f"{p}_s") for p in PHASES))
+
+    @property
+    def busy_share(self) -> float:
+        """The share of the wall the fuzzed engine spent running something: its fuzzed runs,
+        confirmations, the references and scorings it computed itself, triage's replays (and
+        the oracle beside them). Not its start, store reads, waiting for the reference engine,
+        generation or files: a reference engine is worth what it moves from the first group
+        to the second."""
+        return self.share(*BUSY)
 
     @property
     def hit_rate(self) -> float:

@@ -303,9 +303,11 @@ def run_bench(*, toggles: list[str] | None, seeds: list[int], budget: float, max
     time_spent = session.ledger.breakdown()
     return {
         "date": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
-        # Where the benchmark's wall time went; fuzzed_share: the share in fuzzed runs.
+        # Where the benchmark's wall time went; fuzzed_share: the share in fuzzed runs;
+        # busy_share: the share the fuzzed engine ran anything (traces/timing.py).
         "time": time_spent.model_dump(),
         "fuzzed_share": round(time_spent.share("fuzzed_runs"), 3),
+        "busy_share": round(time_spent.busy_share, 3),
         "machine": _machine(),
         "load_avg_before": [round(x, 2) for x in load_before],
         "load_avg_after": [round(x, 2) for x in os.getloadavg()],

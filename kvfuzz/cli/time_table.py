@@ -32,6 +32,7 @@ def time_table(time: TimeBreakdown) -> Table:
         table.add_row(LABELS[p], f"{s:.1f}", f"{s / wall:.0%}")
     table.add_row("other (calibration, start-up)", f"{time.other_s:.1f}", f"{time.other_s / wall:.0%}")
     table.add_row("wall", f"{time.wall_s:.1f}", "100%")
+    table.add_row("the fuzzed engine busy", "", f"{time.busy_share:.0%}")
     n = time.references_computed + time.references_from_store
     table.add_row("references: computed / from store", f"{time.references_computed} / {time.references_from_store}",
                   f"hit rate {time.hit_rate:.0%}" if n else "")

@@ -146,7 +146,8 @@ def bench_cmd(
     path = json_path or out / "bench.json"
     atomic_write_text(path, json.dumps(report, indent=2) + "\n")
     console.print(render(report))
-    console.print(f"fuzzed runs: {report['fuzzed_share']:.0%} of the benchmark's wall time")
+    console.print(f"fuzzed runs: {report['fuzzed_share']:.0%} of the benchmark's wall time; the fuzzed engine "
+                  f"busy {report['busy_share']:.0%}")
     console.print(f"machine: {report['machine'].get('cpu', '?')} x{report['machine'].get('cpus')}, "
                   f"load average before/after {report['load_avg_before']} / {report['load_avg_after']}")
     console.print(f"report written to {path.resolve()}")
