@@ -179,14 +179,23 @@ def test_no_release_bad():
     assert rec.detail.startswith("good at both ends (1.0.0 and 1.3.0)")
 
 
-def test_non_monotone_is_inconclusive_and_says_where():
+def test_one_bad_window_is_a_regression_then_a_fix():
     vs = versions(7)
     statuses = {vs[3]: "bad", vs[4]: "bad"}
     # Without --exhaustive the middle is never probed: the ends say "no release".
     assert search.bisect(vs, Fake(statuses)).verdict == "reproduces in no release"
     rec = search.bisect(vs, Fake(statuses), exhaustive=True)
+    assert (rec.verdict, rec.first_bad, rec.last_good, rec.first_good, rec.last_bad) == (
+        "regression, then fixed", vs[3], vs[2], vs[5], vs[4])
+    assert rec.detail == "good up to 1.2.0, bad in 1.3.0–1.4.0, good from 1.5.0 on"
+    assert search.release_range(rec).label == "first bad 1.3.0, first good 1.5.0"
+
+
+def test_non_monotone_is_inconclusive_and_says_where():
+    vs = versions(7)
+    rec = search.bisect(vs, Fake({vs[0]: "bad", vs[3]: "bad", vs[4]: "bad"}), exhaustive=True)
     assert rec.verdict == "inconclusive" and rec.first_bad is None and rec.first_good is None
-    assert rec.detail == "non-monotone: good in 1.0.0–1.2.0, bad in 1.3.0–1.4.0, good in 1.5.0–1.6.0"
+    assert rec.detail == "non-monotone: bad in 1.0.0, good in 1.1.0–1.2.0, bad in 1.3.0–1.4.0, good in 1.5.0–1.6.0"
 
 
 def test_exhaustive_regression_and_nothing_probeable():

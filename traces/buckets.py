@@ -144,7 +144,7 @@ class ReleaseRange(_Data):
     @property
     def conclusive(self) -> bool:
         """A range that tells a bug: it reproduced somewhere and the search ended."""
-        return self.verdict in ("reproduces in every release", "regression", "fixed")
+        return self.verdict in ("reproduces in every release", "regression", "fixed", "regression, then fixed")
 
     @property
     def label(self) -> str:
@@ -153,6 +153,8 @@ class ReleaseRange(_Data):
             return f"first bad {self.first_bad} (last good {self.last_good})"
         if self.verdict == "fixed":
             return f"first good {self.first_good} (last bad {self.last_bad})"
+        if self.verdict == "regression, then fixed":
+            return f"first bad {self.first_bad}, first good {self.first_good}"
         if self.verdict == "reproduces in every release":
             return f"every release{span}"
         return f"{self.verdict}{span}"

@@ -225,7 +225,7 @@ class BisectRecord(_Data):
     versions: list[str]  # the releases searched, ascending (probed or not)
     results: list[VersionResult] = Field(default_factory=list)  # probed only, ascending
     verdict: Literal["reproduces in every release", "reproduces in no release", "regression", "fixed",
-                     "inconclusive"]
+                     "regression, then fixed", "inconclusive"]
     detail: str | None = None
     first_bad: str | None = None  # regression: the oldest bad release after the last good one
     last_good: str | None = None

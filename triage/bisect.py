@@ -37,6 +37,8 @@ EVERY = "reproduces in every release"
 NONE = "reproduces in no release"
 REGRESSION = "regression"
 FIXED = "fixed"
+# One window of bad releases with good ones on both sides: introduced, then fixed.
+WINDOW = "regression, then fixed"
 INCONCLUSIVE = "inconclusive"
 
 
@@ -184,6 +186,11 @@ def _from_sequence(versions: list[str], results: dict[int, VersionResult],
     if len(changes) == 1:
         k = changes[0]
         return _transition(versions, results, seq[k - 1][0], seq[k][0], record)
+    if len(changes) == 2 and seq[0][1] == "good":
+        (good, bad), (last, fixed) = [(versions[seq[k - 1][0]], versions[seq[k][0]]) for k in changes]
+        return record(WINDOW, f"good up to {good}, bad in {bad}" + (f"–{last}" if last != bad else "")
+                      + f", good from {fixed} on" + _skipped_note(versions, results),
+                      first_bad=bad, last_good=good, first_good=fixed, last_bad=last)
     # Non-monotone: say where it is good and where bad, run by run.
     spans: list[str] = []
     start = 0

@@ -478,6 +478,8 @@ def bisect_summary(rec: BisectRecord) -> str:
         return f"regression, first bad release {rec.first_bad} (last good {rec.last_good})"
     if rec.verdict == "fixed":
         return f"fixed in {rec.first_good} (last bad {rec.last_bad})"
+    if rec.verdict == "regression, then fixed":
+        return f"bad from {rec.first_bad} (last good {rec.last_good}), fixed in {rec.first_good} (last bad {rec.last_bad})"
     return rec.verdict
 
 
