@@ -231,6 +231,12 @@ class InProcessEngine:
         config = reference_config(self.config)
         if config is self.config:
             return self
+        pool = _POOL
+        if pool is not None:
+            # The twin's configuration is usually one the campaign runs anyway (speculative
+            # decoding off: the campaign's own engine): the pool's engine serves both.
+            return pool.acquire(config, device=self.device, log_file=self.log_file,
+                                trace_deadline_s=self.trace_deadline_s, keep=self)
         if self._reference is None:
             self._reference = InProcessEngine(config, device=self.device, log_file=self.log_file,
                                               trace_deadline_s=self.trace_deadline_s).start()
@@ -1020,7 +1026,7 @@ class EnginePool:
         self._first: EngineConfig | None = None
 
     def acquire(self, config: EngineConfig, *, device: str, log_file: Path | None,
-                trace_deadline_s: float | None) -> InProcessEngine:
+                trace_deadline_s: float | None, keep: "InProcessEngine | None" = None) -> InProcessEngine:
         key = (config.key(), device)
         engine = self._live.pop(key, None)
         if engine is not None and engine._llm is not None:
@@ -1032,7 +1038,11 @@ class EnginePool:
             self.reuses += 1
             return engine
         while len(self._live) >= self.size:
-            self._live.pop(next(iter(self._live))).close()
+            # ``keep``: the engine asking (its reference's twin must not close it mid-trace).
+            oldest = next((k for k, e in self._live.items() if e is not keep), None)
+            if oldest is None:
+                break
+            self._live.pop(oldest).close()
         engine = InProcessEngine(config, device=device, log_file=log_file, trace_deadline_s=trace_deadline_s)
         engine.start()
         self.starts += 1

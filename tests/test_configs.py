@@ -138,3 +138,31 @@ def test_a_configuration_that_fails_to_start_after_another_one_started_is_refuse
     guard.check(t)
     with pytest.raises(ConfigRefused, match="block_size must be a multiple of 32"):
         guard.check(t)
+
+
+
+def test_a_speculative_engine_takes_its_references_twin_from_the_pool_and_is_never_evicted_by_it(monkeypatch):
+    from kvfuzz.harness import inprocess
+    from kvfuzz.harness.base import reference_config
+    from kvfuzz.traces import Speculative
+
+    def start(self):
+        self._llm = object()
+        return self
+
+    monkeypatch.setattr(inprocess.InProcessEngine, "start", start)
+    monkeypatch.setattr(inprocess.InProcessEngine, "close", lambda self: setattr(self, "_llm", None))
+    pool = inprocess.EnginePool(2)
+    monkeypatch.setattr(inprocess, "_POOL", pool)
+    plain = default_engine()
+    drafting = plain.model_copy(update={"speculative": Speculative()})
+    campaigns_own = pool.acquire(plain, device="cpu", log_file=None, trace_deadline_s=None)
+    spec = pool.acquire(drafting, device="cpu", log_file=None, trace_deadline_s=None)
+    assert reference_config(drafting) == plain
+    assert spec.reference_engine() is campaigns_own and pool.starts == 2  # no twin of its own
+    # A full pool evicts another engine for the twin, never the engine asking.
+    pool.size = 1
+    asking = pool.acquire(drafting.model_copy(update={"block_size": 64}), device="cpu", log_file=None,
+                          trace_deadline_s=None)
+    twin = asking.reference_engine()
+    assert twin is not asking and twin._llm is not None and asking._llm is not None
