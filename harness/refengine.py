@@ -54,6 +54,9 @@ CHILD_POOL_SIZE = 4
 # "0": the caller waits for every reference it asked for, even one the child has not begun
 # (tests that must see the child compute; measurements).
 STEAL_ENV = "KVFUZZ_REFERENCE_STEAL"
+# "0" or "1": ``kvfuzz run``'s default instead of the machine's (the test suite pins 0: its
+# campaigns measure other things and must not start a child each).
+DEFAULT_ENV = "KVFUZZ_REFERENCE_ENGINES"
 
 
 def child_env(base: dict[str, str] | None = None) -> dict[str, str]:
@@ -66,6 +69,27 @@ def child_env(base: dict[str, str] | None = None) -> dict[str, str]:
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env.setdefault("NUMBA_THREADING_LAYER", "workqueue")
     return env
+
+
+def default_reference_engines(engine: str, device: str, *, ray: bool, cores: int | None = None) -> int:
+    """``kvfuzz run``'s default: a reference engine where it has a core or a device to itself.
+    In-process only (a server computes its references through its own HTTP queue); not on Ray,
+    where it doubles what each worker asks of the cluster (``--reference-engines 1`` says so).
+    CPU: the fuzzed engine's torch threads (``OMP_NUM_THREADS``, one by default) plus one core
+    for the child. CUDA: a second visible GPU (``reference_gpu``)."""
+    if (chosen := os.environ.get(DEFAULT_ENV)) is not None:
+        return 1 if chosen.strip() == "1" else 0
+    if engine != "inprocess" or ray:
+        return 0
+    if device == "cuda":
+        return 1 if child_gpu() is not None else 0
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        threads = max(1, int(os.environ.get("OMP_NUM_THREADS", "1")))
+    except ValueError:
+        threads = 1
+    return 1 if cores >= threads + 1 else 0
 
 
 def reference_gpu(visible: str | None, count: int) -> str | None:

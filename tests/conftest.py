@@ -21,6 +21,11 @@ import sys
 # 111 s beside another worker). The children the tests start inherit it.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+# Campaigns the tests run compute their references on the fuzzed engine, as before the
+# reference engine was the default on two cores: each would otherwise start a child engine.
+# Tests of the reference engine ask for it (--reference-engines 1).
+os.environ.setdefault("KVFUZZ_REFERENCE_ENGINES", "0")
+
 # CLI tests read table cells from stdout. pytest-xdist workers inherit an 80-column $COLUMNS,
 # where rich folds names across lines; the CLI's own rule for pipes is 200.
 os.environ["COLUMNS"] = "200"

@@ -334,3 +334,22 @@ def test_a_cuda_sessions_reference_engine_runs_on_a_gpu_of_its_own(tmp_path, mon
         assert "one GPU" in capsys.readouterr().err
     else:
         assert s.references.ahead is not None and s.references.ahead.env["CUDA_VISIBLE_DEVICES"] == child
+
+
+def test_the_default_is_a_reference_engine_where_a_core_or_device_is_free(monkeypatch):
+    from kvfuzz.harness import refengine
+
+    monkeypatch.delenv(refengine.DEFAULT_ENV, raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert refengine.default_reference_engines("inprocess", "cpu", ray=False, cores=2) == 1
+    assert refengine.default_reference_engines("inprocess", "cpu", ray=False, cores=1) == 0
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")  # the fuzzed engine takes both cores
+    assert refengine.default_reference_engines("inprocess", "cpu", ray=False, cores=2) == 0
+    assert refengine.default_reference_engines("server", "cpu", ray=False, cores=8) == 0
+    assert refengine.default_reference_engines("inprocess", "cpu", ray=True, cores=8) == 0
+    monkeypatch.setattr(refengine, "child_gpu", lambda: None)
+    assert refengine.default_reference_engines("inprocess", "cuda", ray=False) == 0
+    monkeypatch.setattr(refengine, "child_gpu", lambda: "1")
+    assert refengine.default_reference_engines("inprocess", "cuda", ray=False) == 1
+    monkeypatch.setenv(refengine.DEFAULT_ENV, "0")
+    assert refengine.default_reference_engines("inprocess", "cuda", ray=False) == 0

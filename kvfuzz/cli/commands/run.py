@@ -90,11 +90,12 @@ def run(
                                                   "in-memory memo per campaign; docs/oracle.md).")] = True,
     verify_references: Annotated[float, typer.Option(min=0.0, max=1.0, help="Share of reference store hits computed "
                                                      "again and compared; any mismatch stops the campaign.")] = 0.02,
-    reference_engines: Annotated[int, typer.Option(min=0, help="Reference engines beside the fuzzed one: 1 computes "
-                                                   "each trace's references in a second process while the trace "
-                                                   "runs (0: on the fuzzed engine, in turn; in-process only; "
-                                                   "with --ray, one beside each worker; docs/oracle.md \"Reference "
-                                                   "engine\", docs/scale.md).")] = 0,
+    reference_engines: Annotated[Optional[int], typer.Option(min=0, help="Reference engines beside the fuzzed one: 1 "
+                                                   "computes each trace's references in a second process while the "
+                                                   "trace runs (0: on the fuzzed engine, in turn). Default: 1 "
+                                                   "in-process where a core (CPU) or a device (CUDA) is free beside "
+                                                   "the fuzzed engine's, else 0; with --ray 0 (1: one beside each "
+                                                   "worker). docs/oracle.md \"Reference engine\", docs/scale.md.")] = None,
     prompt_reuse: Annotated[Optional[float], typer.Option(min=0.0, max=1.0, help="Probability that a fresh trace's request "
                                                 "takes a prompt (or a shared prefix) from the campaign's pool, as "
                                                 "real traffic repeats prompts (default 0: off, by measurement; docs/fuzzer.md).")] = None,
@@ -135,6 +136,10 @@ def run(
         raise BadInput("must be positive", field="--budget")
     if ray_address is not None and port is not None:
         raise BadInput("one port cannot serve every Ray worker's server", field="--port")
+    if reference_engines is None:
+        from kvfuzz.harness.refengine import default_reference_engines
+
+        reference_engines = default_reference_engines(engine_name, device, ray=ray_address is not None)
     if reference_engines > 1:
         raise BadInput(f"{reference_engines} reference engines are not supported yet (0 or 1)",
                        field="--reference-engines")
