@@ -43,7 +43,10 @@ def test_calibrate_command_writes_a_profile_that_judges_a_campaign(kvfuzz_cli, t
     # Each context did what it claims to the measured requests.
     assert ctx["batched"].chunked_requests >= 1 and ctx["preempted"].preempted_requests >= 1
     assert any(c.prefix_hit_requests for c in profile.contexts)
-    assert all(c.requests == 8 and c.positions > 0 for c in profile.contexts)
+    # Every context measures every request, but KV pressure: the prompts one step prefills.
+    assert all(c.positions > 0 for c in profile.contexts)
+    assert all(c.requests == 8 for c in profile.contexts if not c.name.startswith("preempted"))
+    assert 1 <= ctx["preempted"].requests < 8  # the 3,000-7,000-token prompt is left out there
     b = profile.bounds
     assert b["near_tie"] >= 2 * resolution("float32") and b["teacher"] >= profile.prefill_vs_decode
     assert "max teacher-forced" in " ".join(p.stdout.split()) and str(out) in p.stdout

@@ -105,6 +105,9 @@ def _contexts(sends: list[SendEvent], capacity: int | None, config: EngineConfig
         # later: a prefill of what decode had computed, a numeric path of its own (the fuzzer's
         # pressure shape, fuzzer/shapes.py, without its slack).
         bs, max_model_len, token_budget = config.block_size, config.max_model_len, config.max_num_batched_tokens
+        # Prompts one step prefills whole: a longer one's prefill spans steps in which the
+        # others decode and finish before anyone needs a block (the other contexts measure it).
+        whole = [s for s in sends if s.prompt.length <= token_budget]
         blocks = capacity // bs
         hold_tokens = 256
         per = max_model_len - hold_tokens - 1
@@ -114,7 +117,7 @@ def _contexts(sends: list[SendEvent], capacity: int | None, config: EngineConfig
         # leave exactly the blocks of the measured requests that get a seat.
         n_hold, hold_blocks = 1, 0
         for _ in range(8):
-            seated = sends[: max(1, config.max_num_seqs - n_hold)]
+            seated = whole[: max(1, config.max_num_seqs - n_hold)]
             hold_blocks = blocks - sum(-(-s.prompt.length // bs) for s in seated)
             need = max(1, -(-hold_blocks * bs // per))
             if need <= n_hold:
@@ -125,7 +128,7 @@ def _contexts(sends: list[SendEvent], capacity: int | None, config: EngineConfig
             holders = [SendEvent(request_id=f"hold{k}", at=At(step=0), max_tokens=hold_tokens,
                                  prompt=GenPrompt(length=n, seed=9000 + k)) for k, n in enumerate(lengths)]
             late = -(-hold_blocks * bs // token_budget) + 2
-            out["preempted and recomputed (KV pressure)"] = holders + [_at(s, late) for s in sends]
+            out["preempted and recomputed (KV pressure)"] = holders + [_at(s, late) for s in whole]
     out["staggered (1 per step; prefix hits)"] = [_at(s, i) for i, s in enumerate(sends)]
     out["reversed, staggered"] = [_at(s, i) for i, s in enumerate(reversed(sends))]
     out["bursts of 4 every 7 steps"] = [_at(s, 7 * (i // 4)) for i, s in enumerate(sends)]
@@ -149,6 +152,8 @@ def calibrate(session: Session, config: EngineConfig, plan: Plan = Plan(),
     def scored(runs: dict[str, RequestRecord]) -> dict[str, Scoring]:
         out = {}
         for s in sends:
+            if s.request_id not in runs:  # a context that leaves it out
+                continue
             toks = runs[s.request_id].token_ids[: s.max_tokens]
             if toks:
                 out[s.request_id] = Scoring(request_id=s.request_id, arm="calibration", token_ids=list(toks),
