@@ -589,7 +589,7 @@ def test_managed_server_replay_then_server_dies_mid_trace(tmp_path, kvfuzz_cli):
     p = kvfuzz_cli("replay", first, second, "--engine", "server", "--runs", "1", "--out", out)
     ended = time.monotonic()
     thread.join(timeout=60)
-    assert killed, "the replay of the second file never started"
+    assert killed, "the replay of the second file never started: " + p.stdout[-2000:] + p.stderr[-2000:]
     pid = killed[0]
     assert p.returncode == 3, p.stdout[-3000:] + p.stderr[-3000:]
     msg = p.stderr.strip().splitlines()
