@@ -10,6 +10,8 @@ from typing import Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
+from .trace import _drop_none
+
 # One position: the top-k (token, logprob) alternatives, best first (k = 2 by default).
 TopLogprobs = list[tuple[int, float]]
 
@@ -183,12 +185,7 @@ class EventRecord(_Data):
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler: Any) -> Any:
         # Histories without resets keep their bytes.
-        data = handler(self)
-        if isinstance(data, dict):
-            for k in ("reset", "preempted"):
-                if data.get(k) is None:
-                    data.pop(k, None)
-        return data
+        return _drop_none(handler(self), ("reset", "preempted"))
 
 
 class StepRecord(_Data):
@@ -327,12 +324,7 @@ class History(_Data):
 
     @model_serializer(mode="wrap")
     def _drop_unknown_kv(self, handler: Any) -> Any:
-        data = handler(self)
-        if isinstance(data, dict):
-            for k in ("kv_blocks", "kv_groups"):
-                if data.get(k) is None:
-                    data.pop(k, None)
-        return data
+        return _drop_none(handler(self), ("kv_blocks", "kv_groups"))
 
 
 _WALL_CLOCK = {"planned_offset_ms", "sent_ms", "first_token_ms", "cancel_ms", "finished_ms", "actual_offset_ms"}

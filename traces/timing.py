@@ -26,7 +26,7 @@ SCORES = "scores"
 TRIAGE = "triage"
 GENERATION = "generation_feedback_files"
 # The phases in which the fuzzed engine runs (``TimeBreakdown.busy_share``).
-BUSY = ("fuzzed_runs", "confirmation_runs", "references_computed", "references_verified", "scores", "triage")
+BUSY = (FUZZED, CONFIRM, REF_COMPUTED, REF_VERIFY, SCORES, TRIAGE)
 PHASES = (ENGINE_START, FUZZED, CONFIRM, REF_COMPUTED, REF_STORE, REF_VERIFY, REF_WAIT, SCORES, TRIAGE, GENERATION)
 SECONDS = tuple(f"{p}_s" for p in PHASES) + ("wall_s",)
 
