@@ -247,11 +247,7 @@ class ReferenceEngine:
                 why = f"{why}, and would not restart ({e})"
         self.off = why
         self.warn(f"reference engine {why}: references are computed on the fuzzed engine from here on")
-        with self._lock:
-            for j in self._jobs.values():
-                j.done.set()
-            self._jobs.clear()
-            self._by_key.clear()
+        self._release_all()
 
     def _kill(self) -> None:
         proc, self._proc = self._proc, None
@@ -376,6 +372,11 @@ class ReferenceEngine:
     def close(self) -> None:
         """Stop the child (it also exits by itself when the parent's end of the pipe closes)."""
         self._kill()
+        self._release_all()
+
+    def _release_all(self) -> None:
+        """Every outstanding wait returns (with no record: the caller computes it) and nothing
+        is asked for any more."""
         with self._lock:
             for j in self._jobs.values():
                 j.done.set()

@@ -92,12 +92,7 @@ class ReferenceStore:
         with self.ledger.span(REF_STORE):
             # Answers nobody claimed (a trace asked for ahead that ran otherwise) join the store.
             for done, tag, rec in ahead.take_answered(set(longest)) if not upcoming else ():
-                self.computed += 1
-                self.ledger.count("references_computed")
-                self.ledger.count("references_ahead")
-                if self.tiers is not None and isinstance(tag, tuple):
-                    self.tiers.save_reference(tag[0], tag[1], rec)
-                self._remember(done, rec)  # type: ignore[arg-type]
+                self._keep_ahead(done, rec, tag)  # type: ignore[arg-type]
             ns = self.tiers.namespace(engine) if self.tiers is not None else None
             for k, (s, b) in longest.items():
                 scored_prompt = s.sampling.prompt_logprobs is not None
@@ -109,6 +104,16 @@ class ReferenceStore:
                         ns, disk_key, s.max_tokens, prompt_logprobs=scored_prompt) is not None:
                     continue
                 ahead.submit(k, config, engine.device, s, b, tag=(ns, disk_key) if ns is not None else None)
+
+    def _keep_ahead(self, k: tuple[str, str | None, str], rec: RequestRecord, tag: object) -> None:
+        """A reference the reference engine computed joins the store (memory, and disk under
+        ``tag``: its (namespace, key), or None), counted as computed."""
+        self.computed += 1
+        self.ledger.count("references_computed")
+        self.ledger.count("references_ahead")
+        if self.tiers is not None and isinstance(tag, tuple):
+            self.tiers.save_reference(tag[0], tag[1], rec)
+        self._remember(k, rec)
 
     def ahead_status(self, engine: Engine, send: SendEvent, binding: Binding | None) -> str | None:
         """Where the reference engine is with ``send``'s reference (``ReferenceEngine.status``);
@@ -147,13 +152,9 @@ class ReferenceStore:
             with self.ledger.span(REF_WAIT):
                 rec = self.ahead.wait(k)
             if rec is not None and complete(rec, send.max_tokens, prompt_logprobs=scored_prompt):
-                self.computed += 1
-                self.ledger.count("references_computed")
-                self.ledger.count("references_ahead")
                 with self.ledger.span(REF_STORE):
-                    if self.tiers is not None and disk_key is not None:
-                        self.tiers.save_reference(self.tiers.namespace(engine), disk_key, rec)
-                    self._remember(k, rec)
+                    self._keep_ahead(k, rec, (self.tiers.namespace(engine), disk_key)
+                                     if self.tiers is not None and disk_key is not None else None)
                 # Computed elsewhere: checked like a hit (``--verify-references``), on the fuzzed engine.
                 self._verify(fuzzed, send, binding, rec)
                 return rec.model_copy(update={"request_id": send.request_id})
