@@ -21,7 +21,7 @@ from kvfuzz.harness.runner import ReferenceStore, ScoreStore, record, score_dive
 from kvfuzz.oracle import NoiseBounds, bounds_from, check, classify_run, default_bounds, divergent, make_finding
 from kvfuzz.oracle.check import ENGINE, stop_at_flip, with_liveness
 from kvfuzz.oracle.diff import logprob_drift
-from kvfuzz.oracle.liveness import stalls
+from kvfuzz.oracle.liveness import Stall, stalls
 from kvfuzz.oracle.postconditions import origin
 from kvfuzz.traces import Attribution, Divergence, EngineConfig, Finding, History, RequestRecord, Scoring, Trace
 from kvfuzz.traces.calibration import CalibrationProfile, find_profile
@@ -348,6 +348,12 @@ class Session:
         h = run([] if victim == ENGINE else [victim])
         if victim == ENGINE:
             return Judged("engine-crash" if h.crashed else "ok")
+        judged: list[tuple[History, dict[str, Stall]]] = []  # the run's liveness, judged once
+
+        def stall(rid: str) -> Stall | None:
+            if not judged or judged[-1][0] is not h:
+                judged.append((h, stalls(trace, h)))
+            return judged[-1][1].get(rid)
 
         def one(rid: str, *, score: bool) -> Judged:
             send = trace.send(rid)
@@ -361,7 +367,7 @@ class Session:
                 scoring = Scoring(request_id=rid, arm=arm, token_ids=toks,
                                   logprobs=self.scores.get(engine, send, toks, binding))
                 verdict = classify_run(send, ref, rec, h, bounds, scoring)
-            verdict = with_liveness(verdict, stalls(trace, h).get(rid))
+            verdict = with_liveness(verdict, stall(rid))
             broke = origin(h.breaks, rid)
             if verdict.cls == "ok" and ref is not None and rec is not None and verdict.comparison is not None:
                 return Judged("ok", drift=logprob_drift(ref, rec, verdict.comparison.compared), bound=bounds.drift,
