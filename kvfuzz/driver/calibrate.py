@@ -69,15 +69,16 @@ def calibration_sends(config: EngineConfig, plan: Plan) -> list[SendEvent]:
     sends = []
     for i in range(plan.requests):
         kind = i % 4
+        long = i % 8 == 5  # of kind 1: thousands of positions of context
         if kind == 0:  # on / next to a block boundary
             length = rng.randint(1, 30) * bs + rng.choice((-1, 0, 1))
-        elif kind == 1 and i % 8 == 5:  # long: thousands of positions of context
+        elif long:
             length = rng.randint(*LONG_PROMPT)
         elif kind == 1:  # split by chunked prefill when batched with others
             length = rng.randint(600, 1500)
         else:
             length = rng.randint(8, 500)
-        length = max(1, min(length, fits if kind == 1 and i % 8 == 5 else longest))
+        length = max(1, min(length, fits if long else longest))
         group, prefix = None, 0
         if rng.random() < 0.5:  # shared prefixes: later requests hit the prefix cache
             group = f"cal{rng.randint(0, 2)}"
