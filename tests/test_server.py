@@ -525,7 +525,7 @@ def test_api_key_reaches_no_file(campaign):
 
 # -- `kvfuzz replay --engine server`: its own server, killed mid-trace ------------------------------
 
-def test_managed_server_replay_then_server_dies_mid_trace(tmp_path, kvfuzz_cli):
+def test_managed_server_replay_then_server_dies_mid_trace(tmp_path, kvfuzz_cli, monkeypatch):
     """The CLI starts its own vLLM server, replays one file, and then the server is killed in
     the middle of the second file's run: exit 3, one clear line, the first file's result kept,
     no server process left behind."""
@@ -544,53 +544,40 @@ def test_managed_server_replay_then_server_dies_mid_trace(tmp_path, kvfuzz_cli):
     out = tmp_path / "out"
     killed: list[int] = []
     stamps: list[float] = []
+    real_replay = ServerEngine._http_replay
 
-    def metrics() -> tuple[float, float]:
-        """(requests the server holds, tokens it has generated so far), from its /metrics."""
-        import re
-
-        import httpx
-
+    def generated(base_url: str) -> float:
+        """Tokens the server has generated so far, from its /metrics (0 while unreadable)."""
         try:
-            port = re.search(r"--port (\d+)", (out / "server-1.log").read_text()).group(1)  # type: ignore[union-attr]
-            text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=2.0).text
-        except (httpx.HTTPError, OSError, AttributeError):  # not up yet, or between runs
-            return 0.0, 0.0
+            text = httpx.get(f"{base_url}/metrics", timeout=2.0).text
+        except httpx.HTTPError:
+            return 0.0
+        return sum(float(line.split()[-1]) for line in text.splitlines()
+                   if line.startswith("vllm:generation_tokens_total") and len(line.split()) > 1)
 
-        def total(*names: str) -> float:
-            return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(names))
-
-        return (total("vllm:num_requests_running", "vllm:num_requests_waiting"),
-                total("vllm:generation_tokens_total"))
-
-    def killer() -> None:
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline and not (out / "replays" / "first.replay.json").exists():
-            time.sleep(0.2)
-        # Into the second file's run: its three requests held, and the engine generating since
-        # the first file ended. The gauges alone were not enough: they are set as the engine
-        # steps, so an idle engine may still show the first file's requests (under CI load the
-        # kill landed between the runs); the token counter moves only while it generates.
-        # Runs come before references, so the first tokens after the first file's report are
-        # the second file's run 1 (three requests of 12,000 tokens: far from done).
-        _, before = metrics()
-        soon = time.monotonic() + 120
-        while time.monotonic() < soon:
-            held, made = metrics()
-            if held >= 1 and made >= before + 20:
-                break
+    def kill_when_generating(engine: ServerEngine) -> None:
+        # Inside the second file's run (the hook says so, not a clock): once its requests are
+        # generating, or after a few seconds anyway (three requests of 12,000 tokens are far
+        # from done), the API server process dies.
+        assert engine.server is not None and engine.target is not None
+        pid = engine.server.pid
+        assert pid is not None
+        before = generated(engine.target.base_url)
+        soon = time.monotonic() + 10
+        while time.monotonic() < soon and generated(engine.target.base_url) < before + 20:
             time.sleep(0.1)
-        time.sleep(0.5)
-        pid = int((out / "server.pid").read_text())
-        os.kill(pid, signal.SIGKILL)  # the API server process dies
+        os.kill(pid, signal.SIGKILL)
         killed.append(pid)
         stamps.append(time.monotonic())
 
-    thread = threading.Thread(target=killer, daemon=True)
-    thread.start()
+    def replay_then_kill(self: ServerEngine, trace: Trace, **kw: object):  # type: ignore[no-untyped-def]
+        if any(s.request_id == "long0" for s in trace.sends) and kw.get("run_index") == 0 and not killed:
+            threading.Thread(target=kill_when_generating, args=(self,), daemon=True).start()
+        return real_replay(self, trace, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ServerEngine, "_http_replay", replay_then_kill)
     p = kvfuzz_cli("replay", first, second, "--engine", "server", "--runs", "1", "--out", out)
     ended = time.monotonic()
-    thread.join(timeout=150)
     assert killed, "the replay of the second file never started: " + p.stdout[-2000:] + p.stderr[-2000:]
     pid = killed[0]
     assert p.returncode == 3, p.stdout[-3000:] + p.stderr[-3000:]
