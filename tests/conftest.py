@@ -125,8 +125,9 @@ def _own_calibration_cache(tmp_path_factory):
     passed where the defaults a fresh machine has did not)."""
     from kvfuzz.traces import calibration
 
+    # An environment variable, so the kvfuzz processes a test starts read the same directory.
     mp = pytest.MonkeyPatch()
-    mp.setattr(calibration, "calibration_dir", lambda d=tmp_path_factory.mktemp("calibration-cache"): d)
+    mp.setenv(calibration.CALIBRATION_DIR_ENV, str(tmp_path_factory.mktemp("calibration-cache")))
     yield
     mp.undo()
 

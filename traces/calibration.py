@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 from typing import Final, Literal
 
@@ -99,8 +100,14 @@ class CalibrationProfile(_Data):
         return self.key.id()
 
 
+# Where profiles are read and written instead of the kvfuzz cache's: a test run (and every
+# kvfuzz process it starts) judges only by the profiles it measures.
+CALIBRATION_DIR_ENV = "KVFUZZ_CALIBRATION_DIR"
+
+
 def calibration_dir() -> Path:
-    return kvfuzz_cache() / "calibration"
+    env = os.environ.get(CALIBRATION_DIR_ENV)
+    return Path(env) if env else kvfuzz_cache() / "calibration"
 
 
 def profile_path(key: NoiseKey, directory: Path | None = None) -> Path:
