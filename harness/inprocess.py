@@ -1008,9 +1008,26 @@ def _changes(a: EngineConfig, b: EngineConfig) -> str:
     return ", ".join(f"{k}={y.get(k)}" for k in sorted(set(x) | set(y)) if x.get(k) != y.get(k))
 
 
+# Memory a new engine must leave free beyond its own KV cache, else the pool closes engines
+# (least recently used first) before starting it: what a pool holds follows the machine.
+MEMORY_HEADROOM = 1 << 30
+
+
+def available_memory() -> int | None:
+    """Bytes the kernel says are available for new allocations (Linux), or None."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 class EnginePool:
     """Live in-process engines kept for reuse within one process: at most ``size``, one per
-    (engine configuration, device), least recently used closed first.
+    (engine configuration, device), least recently used closed first, and fewer while memory
+    runs short (``MEMORY_HEADROOM``).
 
     Off by default: a command runs one engine configuration at a time and closes it. A test
     process turns it on (kvfuzz's pytest plugin does), so every test, and every CLI command
@@ -1037,7 +1054,7 @@ class EnginePool:
                 route_vllm_logs(log_file)
             self.reuses += 1
             return engine
-        while len(self._live) >= self.size:
+        while len(self._live) >= self.size or (self._live and self._memory_short(config)):
             # ``keep``: the engine asking (its reference's twin must not close it mid-trace).
             oldest = next((k for k, e in self._live.items() if e is not keep), None)
             if oldest is None:
@@ -1056,6 +1073,11 @@ class EnginePool:
                                                 _changes(first, config) or "the first", ", again" if again else "",
                                                 len(self._live))
         return engine
+
+    @staticmethod
+    def _memory_short(config: EngineConfig) -> bool:
+        free = available_memory()
+        return free is not None and free < MEMORY_HEADROOM + (config.kv_cache_bytes or 0)
 
     def release(self, engine: InProcessEngine) -> None:
         """Keep ``engine`` for the next acquire (a broken one is closed instead)."""
@@ -1077,10 +1099,11 @@ _POOL_USERS = 0
 # Engines a campaign (or a Ray worker) keeps alive for triage: its own configuration, and one per
 # ablation that restarts the engine (prefix caching, chunked prefill, KV pressure, LoRA off,
 # adapter slots, float32) plus the references' and controls' configurations, and the engine
-# configurations its traces draw (fuzzer/configs.py, priority, embeddings, drafts). Ten thrashed
-# once traces drew knobs (34 starts in 3 minutes, half the campaign's time); each engine of the
-# embedded model is a few hundred MB (ten: 2.1 GB for the whole process, docs/benchmarks.md).
-CAMPAIGN_POOL_SIZE = 16
+# configurations its traces draw (fuzzer/configs.py, priority, embeddings, drafts, and mutants
+# that combine them: 30 in a 10-minute campaign). Each engine of the embedded model is a few
+# hundred MB (ten: 2.1 GB for the whole process, docs/benchmarks.md); the memory headroom, not
+# this cap, bounds a pool on a small machine.
+CAMPAIGN_POOL_SIZE = 48
 
 
 def share_engines(size: int) -> EnginePool:

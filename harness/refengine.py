@@ -49,8 +49,9 @@ from .refstore import warn_stderr
 
 # A reference the child has not answered within this many seconds counts as a dead child.
 DEFAULT_TIMEOUT_S = 600.0
-# Engines the child keeps alive (one per reference configuration, least recently used closed).
-CHILD_POOL_SIZE = 4
+# Engines the child keeps alive (one per reference configuration, least recently used closed;
+# as in the campaign's own pool, memory bounds it before this cap does).
+CHILD_POOL_SIZE = 48
 # "0": the caller waits for every reference it asked for, even one the child has not begun
 # (tests that must see the child compute; measurements).
 STEAL_ENV = "KVFUZZ_REFERENCE_STEAL"

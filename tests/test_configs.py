@@ -166,3 +166,25 @@ def test_a_speculative_engine_takes_its_references_twin_from_the_pool_and_is_nev
                           trace_deadline_s=None)
     twin = asking.reference_engine()
     assert twin is not asking and twin._llm is not None and asking._llm is not None
+
+
+def test_the_engine_pool_keeps_engines_while_memory_allows(monkeypatch):
+    from kvfuzz.harness import inprocess
+
+    monkeypatch.setattr(inprocess.InProcessEngine, "start", lambda self: setattr(self, "_llm", object()) or self)
+    monkeypatch.setattr(inprocess.InProcessEngine, "close", lambda self: setattr(self, "_llm", None))
+    free = {"bytes": 64 << 30}
+    monkeypatch.setattr(inprocess, "available_memory", lambda: free["bytes"])
+    pool = inprocess.EnginePool(48)
+    configs = [default_engine().model_copy(update={"block_size": b}) for b in (16, 32, 64, 128)]
+    first = [pool.acquire(c, device="cpu", log_file=None, trace_deadline_s=None) for c in configs[:3]]
+    assert pool.starts == 3 and all(e._llm is not None for e in first)  # plenty of memory: all kept
+    # Short of memory for one more engine's KV cache and the headroom: the least recently used
+    # engine is closed before the new one starts, and only as many as needed.
+    free["bytes"] = inprocess.MEMORY_HEADROOM
+    pool.acquire(configs[1], device="cpu", log_file=None, trace_deadline_s=None)  # used again: newest
+    calls = iter([inprocess.MEMORY_HEADROOM, 64 << 30])
+    monkeypatch.setattr(inprocess, "available_memory", lambda: next(calls))
+    pool.acquire(configs[3], device="cpu", log_file=None, trace_deadline_s=None)
+    assert first[0]._llm is None and first[1]._llm is not None and first[2]._llm is not None
+    assert pool.starts == 4
