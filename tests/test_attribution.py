@@ -96,7 +96,8 @@ def test_build_arms_vocabulary(toggles_apply):
     from kvfuzz.driver.arms import build_arms
 
     cpu_clean = ["fix-cpu-expand-fills-output", "fix-lora-batch-keeps-every-adapter-id", "fix-lora-cpu-no-lora-tokens",
-                 "fix-lora-reload-prefix-identity", "fix-penalties-skip-embeds-positions", "fix-topk-empty-draft-batch"]
+                 "fix-lora-reload-prefix-identity", "fix-min-tokens-spec-decode-rows",
+                 "fix-penalties-skip-embeds-positions", "fix-topk-empty-draft-batch"]
     ns = "fault-lora-hash-namespace"
     assert build_arms() == {"vanilla": []}
     assert build_arms(with_=[ns]) == {f"with:{ns}": sorted([*cpu_clean, ns])}
@@ -114,7 +115,7 @@ def test_build_arms_vocabulary(toggles_apply):
     assert {a for a in arms if a.startswith("with:")} == {
         "with:fault-cancel-frees-shared-blocks", "with:fault-cross-group-one-phase", "with:fault-lora-hash-namespace",
         "with:fault-preempt-resume-stale-blocks", "with:fault-prefix-hit-before-write",
-        "with:fault-condense-leaves-sampling-state"}
+        "with:fault-condense-leaves-sampling-state", "with:fault-rejection-sampler-cpu-kernels-unbound"}
     assert build_arms(arms="vanilla,clean", with_=[ns]) == {f"vanilla,with:{ns}": [ns],
                                                             f"clean,with:{ns}": sorted([*cpu_clean, ns])}
 
@@ -151,7 +152,8 @@ def test_session_attributes_vanilla_lora_bug_to_the_missing_fix(session, lora_en
     f = c.finding
     # With several fixes in the clean arm, attribution adds clean-less-one arms to see which one.
     clean = ["fix-cpu-expand-fills-output", "fix-lora-batch-keeps-every-adapter-id", "fix-lora-cpu-no-lora-tokens",
-             "fix-lora-reload-prefix-identity", "fix-penalties-skip-embeds-positions", "fix-topk-empty-draft-batch"]
+             "fix-lora-reload-prefix-identity", "fix-min-tokens-spec-decode-rows",
+             "fix-penalties-skip-embeds-positions", "fix-topk-empty-draft-batch"]
     # Only the LoRA fixes alone: this engine takes no prompt embeddings and runs no speculative
     # decoding, so it never reaches the other fixes.
     lora = ["fix-lora-batch-keeps-every-adapter-id", "fix-lora-cpu-no-lora-tokens", "fix-lora-reload-prefix-identity"]

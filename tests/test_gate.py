@@ -102,12 +102,14 @@ def test_self_test_plan_skips_what_cannot_change_outputs_here(toggles_apply):
     assert lora.expect_fail and not lora.skipped and lora.toggles == ["fix-cpu-expand-fills-output",
                                                                       "fix-lora-batch-keeps-every-adapter-id",
                                                                       "fix-lora-reload-prefix-identity",
+                                                                      "fix-min-tokens-spec-decode-rows",
                                                                       "fix-penalties-skip-embeds-positions",
                                                                       "fix-topk-empty-draft-batch"]
     assert cpu[("vllm-38606-lora-thrash", "clean")].toggles == ["fix-cpu-expand-fills-output",
                                                                  "fix-lora-batch-keeps-every-adapter-id",
                                                                  "fix-lora-cpu-no-lora-tokens",
                                                                  "fix-lora-reload-prefix-identity",
+                                                                 "fix-min-tokens-spec-decode-rows",
                                                                  "fix-penalties-skip-embeds-positions",
                                                                  "fix-topk-empty-draft-batch"]
     cuda = {(p.entry.name, p.arm): p for p in self_test_plan(entries, "cuda")}

