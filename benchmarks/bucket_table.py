@@ -21,12 +21,12 @@ from pathlib import Path
 from kvfuzz.oracle.buckets import needs_text, severity_order
 from kvfuzz.present.buckets import broken_counts
 from kvfuzz.traces import load_finding
-from kvfuzz.traces.buckets import bucket_from_state, live
+from kvfuzz.traces.buckets import buckets_from_state, live
 
 
 def row(out: Path, label: str) -> str:
     d = json.loads((out / "campaign.json").read_text())
-    buckets = {k: bucket_from_state(k, v) for k, v in d.get("bug_buckets", {}).items()}
+    buckets = buckets_from_state(d.get("bug_buckets", {}), str(out / "campaign.json"))
     alive = severity_order(live(buckets))
     bugs = [b for b in alive if not b.near_tie]
     ties = [b for b in alive if b.near_tie]

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from kvfuzz.traces import CampaignOrigin, EngineConfig, Finding, LineageLink, Trace, atomic_write_text, save, sweep_partial_writes
-from kvfuzz.traces.buckets import Bucket, BucketMembership, Triaged, bucket_from_state, live
+from kvfuzz.traces.buckets import Bucket, BucketMembership, Triaged, buckets_from_state, live
 from kvfuzz.traces.errors import BadInput, ConfigRefused
 from kvfuzz.traces.io import finding_path
 from kvfuzz.traces.result import Checked
@@ -194,9 +194,8 @@ class CampaignState:
     prompt_reuse: float = 0.0
 
     def __post_init__(self) -> None:
-        # campaign.json keeps buckets as JSON; an older kvfuzz's campaigns in another shape.
-        self.bug_buckets = {bid: b if isinstance(b, Bucket) else bucket_from_state(bid, b)
-                            for bid, b in self.bug_buckets.items()}
+        # campaign.json keeps buckets as JSON.
+        self.bug_buckets = buckets_from_state(self.bug_buckets)
 
     @property
     def buckets(self) -> int:
@@ -236,6 +235,7 @@ def load_state(out: Path, opts: CampaignOptions) -> CampaignState:
     if opts.resume and path.exists():
         try:
             data = json.loads(path.read_text())
+            data["bug_buckets"] = buckets_from_state(data.get("bug_buckets") or {}, str(path))
             state = CampaignState(**data)
         except (ValueError, TypeError) as e:  # pydantic's ValidationError is a ValueError
             first = str(e).splitlines()[0] if str(e) else type(e).__name__

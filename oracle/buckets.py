@@ -1,11 +1,5 @@
 """Buckets: one key, one bucket, compared by equality (pure). docs/oracle.md "Buckets" states the
 rule; the data is in traces/buckets.py; the interventions ``decide`` asks for run in triage/.
-
-A finding has one key per distinct cause among its worst-class divergences (``keys_of``), from
-the recorded run (and attribution's arm re-runs). Only an unexplained, unnamed key is completed
-by one bounded confirmation: what its minimal witness needs joins the key; without a minimal
-witness the key is provisional. ``decide`` says, for one key and what is known so far, whether
-to join a bucket, open one, or run an intervention first.
 """
 
 from __future__ import annotations
@@ -23,10 +17,7 @@ from kvfuzz.traces.history import SELF_ONLY_BREAKS
 # The ablations cheap enough for every unexplained finding (no engine restart).
 CHEAP_MECHANISMS = ("concurrency", "cancels", "lora")
 
-# What triage can run for a finding, each a replay or a few (triage/executor.py):
-# attribute: the arms that tell which toggle explains it; float32-control: whether a 16-bit near
-# tie is corruption in float32; confirm: minimize to the victim within a fixed number of replays,
-# then ablate the minimal witness once; minimize: a new bucket's witness, to its own victim.
+# What triage can run for a finding, each a replay or a few (``Executor``, triage/executor.py).
 Intervention = Literal["attribute", "float32-control", "confirm", "minimize"]
 INTERVENTIONS: frozenset[str] = frozenset(get_args(Intervention))
 
@@ -52,7 +43,6 @@ class Run:
 
 @dataclass(frozen=True)
 class Join:
-    bucket: str
     key: BucketKey
 
 
@@ -61,10 +51,7 @@ class Open:
     key: BucketKey
 
 
-Decision = Run | Join | Open
-
-
-def decide(facts: Facts, buckets: Mapping[str, Bucket]) -> Decision:
+def decide(facts: Facts, buckets: Mapping[str, Bucket]) -> Run | Join | Open:
     """The next step for one key: an intervention it still needs and may run, else the bucket
     its key equals (join), else a new bucket (open) once its witness is minimized, if it may be."""
     can = facts.allowed
@@ -80,9 +67,8 @@ def decide(facts: Facts, buckets: Mapping[str, Bucket]) -> Decision:
         if "confirm" in can:
             return Run("confirm", facts.victim)
         key = key.model_copy(update={"provisional": True, "verdicts": {}})
-    bid = key.digest()
-    if bid in buckets:
-        return Join(bid, key)
+    if key.digest() in buckets:
+        return Join(key)
     if not facts.witness and key.crash_kind is None and "minimize" in can:
         return Run("minimize", facts.victim)
     return Open(key)
@@ -151,34 +137,29 @@ def verdicts_of(explanation: Explanation | None) -> dict[str, Outcome]:
     return out
 
 
-def shape(finding: Finding) -> tuple[int, list[str]]:
-    """The (minimal) trace's shape: how many requests, and which kinds of events remain."""
-    t = finding.trace
-    kinds = {"send": bool(t.sends), "cancel": bool(t.cancels), "adapter": any(s.adapter for s in t.sends),
-             "shared-prefix": any(getattr(s.prompt, "prefix_len", 0) for s in t.sends),
-             "reset-prefix-cache": bool(t.resets)}
-    return len(t.sends), sorted(k for k, present in kinds.items() if present)
-
-
 def words(mechanisms: Iterable[str]) -> str:
     return ", ".join(MECHANISM_WORDS.get(m, m) for m in mechanisms)
 
 
 def describe(key: BucketKey, finding: Finding) -> BucketDescription:
-    """The bucket's description, as measured on its witness."""
-    ex = finding.explanation
-    requests, events = shape(finding)
+    """The bucket's description, as measured on its witness: what it needs, how many requests
+    it has and which kinds of events remain."""
+    ex, t = finding.explanation, finding.trace
+    kinds = {"send": bool(t.sends), "cancel": bool(t.cancels), "adapter": any(s.adapter for s in t.sends),
+             "shared-prefix": any(getattr(s.prompt, "prefix_len", 0) for s in t.sends),
+             "reset-prefix-cache": bool(t.resets)}
+    events = sorted(k for k, present in kinds.items() if present)
     measured = ex is not None and bool(ex.needs or ex.not_needed)
     d = BucketDescription(needs=list(ex.needs) if ex else [], not_needed=list(ex.not_needed) if ex else [],
-                          not_tried=list(ex.skipped) if ex else [], measured=measured, requests=requests,
-                          events=events)
+                          not_tried=list(ex.skipped) if ex else [], measured=measured,
+                          requests=len(t.sends), events=events)
     if not measured:
         needs = "not measured"
     else:
         needs = words(d.needs) or "none of the mechanisms tried"
         if d.not_tried:
             needs += f" (not tried: {words(d.not_tried)})"
-    d.text = f"{key.label()}; needs: {needs}; {requests} request(s) ({', '.join(events)})"
+    d.text = f"{key.label()}; needs: {needs}; {d.requests} request(s) ({', '.join(events)})"
     return d
 
 

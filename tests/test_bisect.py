@@ -466,7 +466,7 @@ def probe_history(monkeypatch, releases):
         calls.append({"version": version, "flags": flags, "victims": victims, "runs": runs, "file": file, "bug": bug})
         if version == "0.30.1":
             return search.not_run(version, "unavailable", "no wheel")
-        bad = search.version_key(version) >= (0, 31, 0)
+        bad = search.version_key(version) >= search.version_key("0.31.0")
         return search.judge(version, runs if bad else 0, runs, min_rate=min_rate, seconds=1.5)
 
     monkeypatch.setattr(search, "replay_probe", probe)
@@ -586,7 +586,7 @@ def test_cli_bisect_a_campaign_records_each_bucket_s_range_and_splits_where_find
     def probe(version, *, file, **kw):
         seen.append(str(file))
         # c and d are another bug: bad in every release; the rest were fixed in 0.31.0.
-        bad = str(file).endswith(("c.json", "d.json")) or search.version_key(version) < (0, 31, 0)
+        bad = str(file).endswith(("c.json", "d.json")) or search.version_key(version) < search.version_key("0.31.0")
         return search.judge(version, 3 if bad else 0, 3)
 
     monkeypatch.setattr(search, "replay_probe", probe)

@@ -5,7 +5,6 @@ are in tests/test_buckets_engine.py."""
 
 import contextlib
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -138,25 +137,25 @@ def buckets(*keys):
     (Facts(EXPLAINED, attributed=False, allowed=NONE), (), Open(key(explained_by="fault-x", provisional=True))),
     # a 16-bit near tie's float32 control before its class counts
     (Facts(TIE, victim="A", class_settled=False), (), Run("float32-control", "A")),
-    (Facts(TIE, class_settled=False, allowed=NONE), (TIE,), Join(TIE.digest(), TIE)),
+    (Facts(TIE, class_settled=False, allowed=NONE), (TIE,), Join(TIE)),
     # an unexplained, unnamed key is confirmed once, on its victim...
     (Facts(UNNAMED, victim="B"), (), Run("confirm", "B")),
     # ...its measured key joins an equal bucket, or opens one with the confirmation's witness
-    (Facts(CONFIRMED, confirmed=True, witness=True), (CONFIRMED,), Join(CONFIRMED.digest(), CONFIRMED)),
+    (Facts(CONFIRMED, confirmed=True, witness=True), (CONFIRMED,), Join(CONFIRMED)),
     (Facts(CONFIRMED, confirmed=True, witness=True), (PROVISIONAL,), Open(CONFIRMED)),
     # ...without a budget it is provisional: its own bucket, never a confirmed one
     (Facts(UNNAMED, allowed=NONE), (CONFIRMED,), Open(PROVISIONAL)),
-    (Facts(UNNAMED, allowed=NONE), (CONFIRMED, PROVISIONAL), Join(PROVISIONAL.digest(), PROVISIONAL)),
+    (Facts(UNNAMED, allowed=NONE), (CONFIRMED, PROVISIONAL), Join(PROVISIONAL)),
     # a named or explained key is complete from the record: no confirmation
-    (Facts(NAMED, victim="A"), (NAMED,), Join(NAMED.digest(), NAMED)),
+    (Facts(NAMED, victim="A"), (NAMED,), Join(NAMED)),
     (Facts(NAMED, victim="A"), (), Run("minimize", "A")),
     (Facts(NAMED, victim="A", witness=True), (), Open(NAMED)),
-    (Facts(EXPLAINED), (EXPLAINED,), Join(EXPLAINED.digest(), EXPLAINED)),
+    (Facts(EXPLAINED), (EXPLAINED,), Join(EXPLAINED)),
     # a near tie has no cause to confirm
     (Facts(TIE), (), Run("minimize")),
     # an engine crash is never replayed
     (Facts(CRASH, allowed=INTERVENTIONS), (), Open(CRASH)),
-    (Facts(CRASH), (CRASH,), Join(CRASH.digest(), CRASH)),
+    (Facts(CRASH), (CRASH,), Join(CRASH)),
     # no budget left: a new key opens with the finding as its witness
     (Facts(NAMED, allowed=NONE), (), Open(NAMED)),
 ])
@@ -172,7 +171,7 @@ def test_decide_asks_only_what_is_allowed_and_never_joins_an_unequal_key(k, allo
     if isinstance(d, Run):
         assert d.intervention in allowed
     elif isinstance(d, Join):
-        assert have[d.bucket].key == d.key
+        assert have[d.key.digest()].key == d.key
     else:
         assert isinstance(d, Open) and d.key.digest() not in have
 
@@ -612,35 +611,41 @@ def test_a_victim_of_another_post_condition_is_not_asked():
     assert a.outcome == "disappears" and r.asked == [()]
 
 
-def test_old_campaigns_and_findings_still_load(tmp_path):
-    """campaign.json and finding files an older kvfuzz wrote (notes["buckets"], text keys)."""
+# A bucket as an older kvfuzz wrote it in campaign.json: keyed by text, no id.
+OLD_BUCKET = {"prekey": "corruption|fix-lora-cpu-no-lora-tokens", "count": 4, "first_index": 1,
+              "key": {"class": "corruption", "explained_by": "fix-lora-cpu-no-lora-tokens", "needs": [],
+                      "not_needed": [], "shape": {"requests": 3, "events": ["send"]}, "text": "old text"},
+              "findings": ["findings/corruption-9832c835ba05.json"], "case": "buckets/1e15bc5e78.json"}
+
+
+def test_old_campaigns_and_findings_load_without_their_old_buckets(tmp_path, caplog):
+    """campaign.json and finding files an older kvfuzz wrote with text keys load with those
+    buckets dropped and one warning naming the file; everything else in them is kept."""
     state = json.loads((DATA / "campaign.json").read_text())
-    assert state["bug_buckets"] and all("prekey" in b for b in state["bug_buckets"].values())
-    s = CampaignState(**state)
-    assert set(s.bug_buckets) == set(state["bug_buckets"])
-    b = next(iter(s.bug_buckets.values()))
-    assert isinstance(b, Bucket) and b.prekey and b.key.cls == b.prekey.split("|")[0] and b.text
-    f = json.loads(json.dumps(finding().model_dump(mode="json", by_alias=True)))
-    f["notes"]["buckets"] = [{"id": "abc", "prekey": "corruption|unexplained|concurrency", "first": True,
-                              "key": {"class": "corruption", "needs": ["prefix-caching", "concurrency"],
-                                      "not_needed": ["cancels"], "shape": {"requests": 2, "events": ["send"]},
-                                      "text": "old text"}}]
-    g = Finding.model_validate(f)
-    assert "buckets" not in g.notes and g.buckets[0].bucket == "abc" and g.buckets[0].status == "opened"
-    assert g.buckets[0].key.verdicts == {"prefix-caching": "disappears"} and g.buckets[0].description.text == "old text"
-    # The resumed campaign: the old state in OUT, loaded as --resume does.
+    state["bug_buckets"] = {"1e15bc5e78": OLD_BUCKET}
     out = tmp_path / "out"
     out.mkdir()
-    shutil.copy(DATA / "campaign.json", out / "campaign.json")
+    (out / "campaign.json").write_text(json.dumps(state))
     from kvfuzz.fuzzer.campaign import load_state
+    from kvfuzz.traces import EngineConfig
 
-    opts = CampaignOptions(out=out, seed=state["seed"], resume=True, mode=state["mode"])
-    try:
-        loaded = load_state(out, opts)
-    except Exception as e:  # a differing option is a one-line BadInput, never a traceback
-        assert "cannot resume" in str(e)
-    else:
-        assert set(loaded.bug_buckets) == set(state["bug_buckets"])
+    opts = CampaignOptions(out=out, seed=state["seed"], resume=True, mode=state["mode"], runs=state["runs"],
+                           engine=EngineConfig.model_validate(state["engine"]))
+    loaded = load_state(out, opts)  # what --resume reads
+    assert loaded.bug_buckets == {} and loaded.finding_files == state["finding_files"]
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert str(out / "campaign.json") in line and "older kvfuzz" in line and "\n" not in line
+    assert CampaignState(**state).bug_buckets == {}
+    # Today's buckets, with the text-key field a kvfuzz before this one still wrote (always null).
+    today = json.loads((DATA / "campaign.json").read_text())
+    for b in today["bug_buckets"].values():
+        b["prekey"] = None
+    assert set(CampaignState(**today).bug_buckets) == set(today["bug_buckets"])
+    caplog.clear()
+    f = load_finding(DATA / "bf16-near-tie.json")  # its memberships in notes["buckets"]
+    assert f.buckets == [] and "buckets" in f.notes
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert str(DATA / "bf16-near-tie.json") in line and "older kvfuzz" in line
 
 
 def test_against_a_deadline_the_key_mechanisms_are_ablated_first():

@@ -1,13 +1,12 @@
 """Bug buckets as data: a bucket's key, a finding's membership of a bucket, a campaign's
 bucket. The policy that keys and places a finding is oracle/buckets.py; docs/oracle.md
-"Buckets" says why the key is what it is. A key is compared by equality, and a bucket's id is
-its key's digest; keys equal in everything but what the confirmation measured (``verdicts``,
-``provisional``) are *related* (shown side by side), never merged.
+"Buckets" says why the key is what it is.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 from dataclasses import dataclass, field
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
@@ -17,6 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 if TYPE_CHECKING:
     from .finding import Finding
     from .result import Checked
+
+log = logging.getLogger("kvfuzz.traces")
 
 # Mechanisms whose ablation switches an engine code path off (triage/explain.py): what a
 # minimal witness needs among them is part of an unnamed key. The schedule ablations
@@ -174,13 +175,11 @@ class Bucket(_Data):
     listing: str | None = None  # OUT/buckets/<id>.findings.jsonl: every finding of the bucket
     report: str | None = None  # the command that shows the representative
     findings: list[str] = Field(default_factory=list)
-    # The text key an older kvfuzz wrote (kept, never matched on).
-    prekey: str | None = None
     # ``kvfuzz bisect OUT/``: the release range its bisected findings agree on, and the bucket it
     # was split from when their ranges disagreed (two bugs under one key).
     releases: ReleaseRange | None = None
     split_from: str | None = None
-    retired = ("merged_from", "unsettled")
+    retired = ("merged_from", "unsettled", "prekey")
 
     @property
     def near_tie(self) -> bool:
@@ -194,12 +193,11 @@ class Bucket(_Data):
 @dataclass
 class Triaged:
     """What a campaign's triage returns for one trace (triage/campaign.py): the check, the
-    finding's bucket memberships, what happened (clean / triaged / opened / assigned), and the
-    witness of each bucket it opens (its regression case: minimized to that key's victim)."""
+    finding's bucket memberships, and the witness of each bucket it opens (its regression case:
+    minimized to that key's victim)."""
 
     checked: "Checked"
     buckets: list[BucketMembership] = field(default_factory=list)
-    status: str = "clean"
     cases: "dict[str, Finding]" = field(default_factory=dict)
 
 
@@ -214,47 +212,13 @@ def related(bucket: Bucket, buckets: Iterable[Bucket]) -> list[Bucket]:
     return [b for b in buckets if b.id != bucket.id and b.key.base == bucket.key.base and b.key != bucket.key]
 
 
-# -- campaigns and findings an older kvfuzz wrote, with text keys --------------------------------
-def _old_key(prekey: str, old: dict[str, Any] | None) -> BucketKey:
-    """``class|explained_by`` / ``class|unexplained|cheap-needs`` / ``engine-crash|kind``."""
-    parts = prekey.split("|")
-    cls = parts[0]
-    if cls == "engine-crash":
-        return BucketKey(cls=cls, crash_kind=parts[1] if len(parts) > 1 else "died")
-    explained = parts[1] if len(parts) > 1 and parts[1] != "unexplained" else None
-    old = old or {}
-    verdicts: dict[str, Outcome] = {m: "disappears" for m in old.get("needs") or [] if m in KEY_MECHANISMS}
-    verdicts.update({m: "persists" for m in old.get("not_needed") or [] if m in KEY_MECHANISMS})
-    return BucketKey(cls=cls, explained_by=explained, verdicts=verdicts)
-
-
-def _old_description(old: dict[str, Any] | None) -> BucketDescription:
-    old = old or {}
-    shape = old.get("shape") or {}
-    return BucketDescription(needs=list(old.get("needs") or []), not_needed=list(old.get("not_needed") or []),
-                             measured=old.get("needs") is not None, requests=int(shape.get("requests", 0)),
-                             events=list(shape.get("events") or []), text=str(old.get("text") or ""))
-
-
-def memberships_from_notes(entries: list[dict[str, Any]]) -> list[BucketMembership]:
-    """A finding's old ``notes["buckets"]`` ([{id, prekey, first, key?}]) as memberships."""
-    out = []
-    for e in entries:
-        key = _old_key(str(e.get("prekey", "?")), e.get("key"))
-        out.append(BucketMembership(bucket=str(e["id"]), key=key, status="opened" if e.get("first") else "triaged",
-                                    description=_old_description(e.get("key")) if e.get("key") else None,
-                                    how="pre-key (written before issue 30)"))
-    return out
-
-
-def bucket_from_state(bid: str, data: dict[str, Any]) -> Bucket:
-    """A bucket as campaign.json keeps it: today's model, or the old dict (prekey, key, ...)."""
-    if "id" in data and isinstance(data.get("key"), dict) and "class" in data["key"]:
-        return Bucket.model_validate(data)
-    old = data.get("key") if isinstance(data.get("key"), dict) else None
-    prekey = str(data.get("prekey") or "?")
-    return Bucket(id=bid, key=_old_key(prekey, old), description=_old_description(old),
-                  count=int(data.get("count", 0)), first_index=data.get("first_index"),
-                  representative=data.get("representative"), case=data.get("case"), report=data.get("report"),
-                  findings=list(data.get("findings") or []), prekey=prekey)
-
+def buckets_from_state(raw: Mapping[str, Any], source: str = "campaign.json") -> dict[str, Bucket]:
+    """``CampaignState.bug_buckets`` as campaign.json (or a live state) holds them. An older
+    kvfuzz keyed its buckets by text and wrote them without an ``id``: that key cannot be made
+    exact afterwards, so such a file's buckets are not read (one warning naming ``source``). Its
+    findings stay as they are; no command re-buckets them."""
+    if any(isinstance(b, Mapping) and "id" not in b for b in raw.values()):
+        log.warning("kvfuzz: warning: %s: its bug buckets were written by an older kvfuzz (text keys) and are not "
+                    "read; its findings are kept, its buckets are not carried over", source)
+        return {}
+    return {bid: b if isinstance(b, Bucket) else Bucket.model_validate(b) for bid, b in raw.items()}

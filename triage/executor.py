@@ -1,10 +1,7 @@
 """The one executor of triage's interventions (``oracle.buckets.Intervention``), under one budget
-read from one injectable clock.
-
-Triage may take ``share`` of the campaign's time so far, plus ``floor`` seconds so a short
-campaign still completes its first key, and nothing past the campaign's own budget. Each
-intervention is cut at what is left (and at ``--minimize-seconds``); when nothing is left, the
-policy places findings by what their recorded run says (docs/oracle.md "Buckets").
+read from one injectable clock. Each intervention is cut at what is left (and at
+``--minimize-seconds``); when nothing is left, the policy places findings by what their recorded
+run says, provisional where it cannot complete them (docs/oracle.md "Buckets").
 """
 
 from __future__ import annotations
@@ -31,9 +28,8 @@ from .explain import explain
 from .finish import add_controls, minimize
 from .minimize import NotReproduced
 
-Clock = Callable[[], float]
-
-# Triage's credit at the start of a campaign (its share is TriageSettings.share, --triage-share).
+# Triage's credit at the start of a campaign, so a short campaign still completes its first key
+# (its share is TriageSettings.share, --triage-share).
 TRIAGE_FLOOR_S = 10.0
 # The confirmation's minimization replays (the ablation of the witness comes after them).
 CONFIRM_REPLAYS = 64
@@ -50,7 +46,7 @@ class Budget:
     share: float = field(default_factory=lambda: TriageSettings().share)
     floor: float = TRIAGE_FLOOR_S
     end_after: float | None = None
-    clock: Clock = time.monotonic
+    clock: Callable[[], float] = time.monotonic
     started: float | None = None
     spent: float = 0.0
 
@@ -99,9 +95,6 @@ class Executor:
             yield
         self.costs.setdefault(kind, []).append(self.budget.spent - t0)
 
-    def _seconds(self) -> float:
-        return max(1.0, min(self.budget.left(), self.settings.minimize_seconds))
-
     def attribute(self, checked: Checked, first: Sequence[str]) -> Checked:
         """The arms that tell which toggle explains each divergence, re-run."""
         with self._running("attribute"):
@@ -125,7 +118,7 @@ class Executor:
         (unminimized when it does not reproduce)."""
         self.status(f"finding {finding.id}: " + ("confirming (minimize, then ablate)" if confirm
                                                  else "minimizing a new bucket's witness"))
-        seconds = self._seconds()
+        seconds = max(1.0, min(self.budget.left(), self.settings.minimize_seconds))
         with self._running("confirm" if confirm else "minimize"):
             deadline = time.monotonic() + seconds
             try:
@@ -143,16 +136,13 @@ class Executor:
                 if finding.attribution is not None:
                     small = explain_finding(self.session, small)
             if confirm or self.settings.ablate:
-                small.explanation = explain(self.session, small, victim=_kept(small, victim), deadline=deadline,
+                # ``victim`` where the witness shows it diverging, else the witness's own choice.
+                kept = victim if victim in {d.request_id for d in small.divergences} else None
+                small.explanation = explain(self.session, small, victim=kept, deadline=deadline,
                                             mechanisms=list(KEY_MECHANISMS) if confirm else None)
             if self.settings.controls and not confirm:
                 small = add_controls(self.session, small, deadline=deadline)
         return small
-
-
-def _kept(witness: Finding, victim: str | None) -> str | None:
-    """``victim`` where the witness shows it diverging, else the witness's own choice."""
-    return victim if victim in {d.request_id for d in witness.divergences} else None
 
 
 def minimal(f: Finding) -> bool:

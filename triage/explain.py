@@ -33,9 +33,6 @@ from .controls import one_at_a_time, replay_seconds
 from .minimize import Target, choose_target
 from .probe import Replayer
 
-Ablate = Callable[[Trace], tuple[Trace | None, str]]
-
-
 def _engine(trace: Trace, **update: object) -> Trace:
     return trace.model_copy(update={"engine": trace.engine.model_copy(update=update)})
 
@@ -109,7 +106,7 @@ def float32(trace: Trace) -> tuple[Trace | None, str]:
     return trace.model_copy(update={"engine": trace.engine.with_dtype("float32")}), "float32"
 
 
-ABLATIONS: dict[str, Ablate] = {
+ABLATIONS: dict[str, Callable[[Trace], tuple[Trace | None, str]]] = {
     "prefix-caching": no_prefix_caching, "chunked-prefill": no_chunked_prefill, "preemption": no_kv_pressure,
     "concurrency": no_concurrency, "cancels": no_cancels, "lora": no_adapters, "lora-swaps": resident_adapters,
     "numerics": float32,
@@ -164,8 +161,6 @@ def explain(replayer: Replayer, finding: Finding, *, victim: str | None = None,
             continue
         cost = max(cost, time.monotonic() - t_replay)
         out.replays += 1
-        # A corruption that flipped no token but drifted past noise persists: the removal only
-        # moved the run off the near tie it flipped at, the KV is as wrong as before.
         persists = _still_diverges(j, target)
         detail = (f"no token flipped, but the logprobs drifted by {j.drift:.3g} (> {j.bound:.3g}): still wrong KV"
                   if persists and j.drifted else None)
@@ -174,7 +169,6 @@ def explain(replayer: Replayer, finding: Finding, *, victim: str | None = None,
         # or none): one corrupted by another bug in the trace is no evidence this one acts.
         still = [r for r, o in j.others if o.corrupt and o.broke == (me.broke if me is not None else None)]
         if not persists and still:
-            # The removal changed which request the cause hit, not whether it acts.
             outcome = "moved"
             detail = f"the victim is right without it, but {', '.join(still)} still corrupt(s): the cause moved"
         done[name] = Ablation(mechanism=name, change=change, victim_class=j.cls, detail=detail, outcome=outcome)
@@ -186,7 +180,8 @@ def explain(replayer: Replayer, finding: Finding, *, victim: str | None = None,
 
 def _still_diverges(j: Judged, target: Target) -> bool:
     """The victim diverges at least as badly as in the finding, or, for corruption, flipped no
-    token but drifted past noise (its KV is still wrong)."""
+    token but drifted past noise: the removal only moved the run off the near tie it flipped at,
+    the KV is as wrong as before."""
     return SEVERITY[j.cls] <= SEVERITY[target.cls] or (target.cls == "corruption" and j.drifted)
 
 

@@ -4,8 +4,7 @@ The signature kept is *(class, victim)*: the victim request keeps its verdict cl
 step-exact engine (whose runs record vLLM's post-conditions), its first broken post-condition
 or none, so that with two causes on, a witness of one never shrinks into a witness of the
 other. A candidate is kept when the signature reproduces in at least ``m`` of ``k`` replays
-(``Acceptance``): k = m = 1 on the deterministic in-process engine; a wall-clock server's
-candidate is replayed up to k times, stopping once the outcome is decided.
+(``Acceptance``, triage/reduce.py).
 
 Passes, repeated until nothing changes or the budget is spent:
 
@@ -17,8 +16,7 @@ Passes, repeated until nothing changes or the budget is spent:
 4. numbers: max_tokens, shared prefix, prompt length and every event's clock, each bisected
    towards its smallest value.
 
-Replays go through a ``Replayer`` (triage/probe.py), so the same code minimizes against the
-in-process engine and a server; the reducers are pure (triage/reduce.py).
+Replays go through a ``Replayer`` (triage/probe.py): the in-process engine or a server.
 """
 
 from __future__ import annotations
@@ -129,7 +127,6 @@ class Result:
     accepted: list[Trace]
     replays: int
     passes: list[str]
-    engine_changes: dict[str, list[Any]]
     stopped: str | None
 
 
@@ -224,8 +221,7 @@ class Minimizer:
             stopped = str(e)
             cur = self.accepted[-1]
         cur = _tidy(cur, use_step=self.opts.clock == "step")
-        return Result(trace=cur, accepted=self.accepted, replays=self.replays, passes=self.passes,
-                      engine_changes=self.engine_changes, stopped=stopped)
+        return Result(trace=cur, accepted=self.accepted, replays=self.replays, passes=self.passes, stopped=stopped)
 
     # -- pass 1: events --------------------------------------------------------------------------
     def _reduce(self, trace: Trace, items: Sequence[T], keeping: Callable[[list[T]], Trace | None]) -> Trace:
@@ -492,11 +488,6 @@ def resumes_at_numbers(done: Minimization | None) -> bool:
         return False
     return any(p.startswith(("probdd:", "ddmin:")) for p in done.passes) and \
         not any(p.startswith("numbers:") for p in done.passes)
-
-
-def size(trace: Trace) -> tuple[int, int]:
-    """How big a witness is, for "is it smaller": requests, then prompt and generated tokens."""
-    return len(trace.sends), sum(s.prompt.length + s.max_tokens for s in trace.sends)
 
 
 def minimize_finding(replayer: Replayer, finding: Finding, *, victim: str | None = None,

@@ -14,7 +14,7 @@ from typing import Any
 
 from kvfuzz.oracle.buckets import needs_text
 from kvfuzz.traces import Finding
-from kvfuzz.traces.buckets import Bucket, BucketMembership, bucket_from_state, live, related
+from kvfuzz.traces.buckets import Bucket, BucketMembership, buckets_from_state, live, related
 from kvfuzz.traces.errors import BadInput
 
 
@@ -170,7 +170,7 @@ def load_campaign(path: Path) -> tuple[list[BucketRow], int]:
     file = path / "campaign.json" if path.is_dir() else path
     try:
         data = json.loads(file.read_text(encoding="utf-8"))
-        buckets = {bid: bucket_from_state(bid, b) for bid, b in (data.get("bug_buckets") or {}).items()}
+        buckets = buckets_from_state(data.get("bug_buckets") or {}, str(file))
     except (OSError, ValueError, TypeError, KeyError) as e:
         raise BadInput(f"not a readable campaign state ({str(e).splitlines()[0] if str(e) else type(e).__name__})",
                        source=str(file)) from None

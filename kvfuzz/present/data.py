@@ -19,7 +19,7 @@ from kvfuzz.oracle.diff import margin_at
 from kvfuzz.oracle.noise import NoiseBounds
 from kvfuzz.oracle.noise import finding_bounds
 from kvfuzz.traces import Divergence, EventRecord, Finding, GenPrompt, History, RequestRecord, Scoring, SendEvent
-from kvfuzz.traces.buckets import Bucket, bucket_from_state
+from kvfuzz.traces.buckets import buckets_from_state
 from kvfuzz.traces.finding import DIVERGENT_CLASSES, MECHANISM_WORDS, SEVERITY
 
 LIFECYCLE = ("load-adapter", "unload-adapter", "reload-adapter")
@@ -618,9 +618,8 @@ def campaign_view(state: Mapping[str, Any] | Any) -> CampaignView:
     if not progress or progress[-1] != now:
         progress.append(now)
     buckets = []
-    for bid, b in (s.get("bug_buckets") or {}).items():
-        # A live CampaignState's typed bucket, or campaign.json's (of this kvfuzz or an older one).
-        bucket = b if isinstance(b, Bucket) else bucket_from_state(str(bid), b)
+    # A live CampaignState's typed buckets, or campaign.json's.
+    for bucket in buckets_from_state(s.get("bug_buckets") or {}).values():
         buckets.append(BucketView(bucket.id, bucket.count, bucket.first_index, bucket.text, bucket.representative,
                                   bucket.case, bucket.near_tie, bucket.assigned))
     buckets.sort(key=lambda b: (b.first_index if b.first_index is not None else 1 << 30, b.id))

@@ -22,7 +22,7 @@ from kvfuzz.cli import options
 from kvfuzz.cli.app import app, console, err_console
 from kvfuzz.traces.buckets import live
 from kvfuzz.traces import Finding, VersionResult, atomic_write_text, load_finding, save
-from kvfuzz.traces.buckets import Bucket, bucket_from_state
+from kvfuzz.traces.buckets import Bucket, buckets_from_state
 from kvfuzz.traces.errors import BadInput
 from kvfuzz.triage import bisect as search
 
@@ -209,7 +209,7 @@ def _bisect_campaign(campaign: Path, one: _Bisector, *, members: int, out: Path)
 
     state_file = campaign / "campaign.json"
     state = _load_state(state_file)
-    buckets = {bid: bucket_from_state(bid, b) for bid, b in (state.get("bug_buckets") or {}).items()}
+    buckets = buckets_from_state(state["bug_buckets"], str(state_file))
     # A bucket with a range was bisected by an earlier run (an interrupted one resumes here).
     todo = [b for b in live(buckets) if not b.near_tie and b.releases is None
             and b.split_from is None]
