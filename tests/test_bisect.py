@@ -372,10 +372,11 @@ def test_a_release_is_bad_only_with_the_files_own_bug(releases, monkeypatch, tmp
     fake_child(monkeypatch, crashed)
     kw = dict(file=f, out=tmp_path / "o", runs=3, flags=[], victims={"B"})
     # A crash that raised something else is another bug; so is a crash where the file's bug
-    # was a wrong output; the same exception (numbers aside) is the file's.
+    # was a wrong output (it ended every run here: masked, not bad); the same exception
+    # (numbers aside) is the file's.
     other = search.same_bug("TypeError: Cannot inspect kernel parameters for function")
-    assert search.replay_probe("0.31.0", bug=other, **kw).status == "good"
-    assert search.replay_probe("0.31.0", bug=search.same_bug(None), **kw).status == "good"
+    assert search.replay_probe("0.31.0", bug=other, **kw).status == "masked"
+    assert search.replay_probe("0.31.0", bug=search.same_bug(None), **kw).status == "masked"
     same = search.same_bug("RuntimeError: max(): empty input")
     assert (search.replay_probe("0.31.0", bug=same, **kw).k, search.replay_probe("0.31.0", **kw).k) == (3, 3)
     fake_child(monkeypatch, _summary([("B", "corruption", 2)]))
@@ -657,3 +658,26 @@ def test_the_files_bisected_for_a_bucket_are_its_case_then_members_spread_over_i
     assert bisect_subjects(b, 3) == ["c", "f1", "f3"]  # the first and the last of the rest
     # More asked than the bucket holds: every finding once.
     assert bisect_subjects(b, 9) == ["c", "f1", "f2", "f3"]
+
+
+def test_a_release_where_another_crash_ends_every_run_is_masked_not_good(releases, monkeypatch, tmp_path):
+    f = tmp_path / "f.json"
+    kw = dict(file=f, out=tmp_path / "o", runs=2, flags=[], victims={"B"})
+    crashed = _summary([("A", "engine-crash", 2), ("B", "engine-crash", 2)], runs=2)
+    for v in crashed["verdicts"]:
+        v["detail"] = "engine step 1 raised TypeError: Cannot inspect kernel parameters for function"
+    fake_child(monkeypatch, crashed)
+    mine = search.same_bug("RuntimeError: selected index k out of range")
+    r = search.replay_probe("0.31.0", bug=mine, **kw)
+    assert r.status == "masked" and "TypeError: Cannot inspect kernel parameters" in (r.detail or "")
+    # A wrong-output bug is masked by any crash that ends every run.
+    assert search.replay_probe("0.31.0", bug=search.same_bug(None), **kw).status == "masked"
+    # One run that got through and did not show the bug: good.
+    crashed["verdicts"][1]["runs_diverged"] = crashed["verdicts"][0]["runs_diverged"] = 1
+    fake_child(monkeypatch, crashed)
+    assert search.replay_probe("0.31.0", bug=mine, **kw).status == "good"
+    # The search steps around masked releases: bad where the bug shows, masked between.
+    status = {"0.29.0": "bad", "0.30.0": "masked", "0.31.0": "bad", "0.32.0": "masked"}
+    rec = search.bisect(list(status), lambda v: VersionResult(version=v, status=status[v], k=int(status[v] == "bad"),
+                                                               runs=1), exhaustive=True)
+    assert rec.verdict == "reproduces in every release" and "0.30.0, 0.32.0: masked by another crash" in rec.detail

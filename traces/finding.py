@@ -205,9 +205,9 @@ class VersionResult(_Data):
 
     version: str
     # bad: reproduced (k >= the threshold); good: not reproduced; unavailable: the release's
-    # environment cannot be built; error: the replay itself failed (infrastructure). The last
-    # two are never read as good or bad.
-    status: Literal["bad", "good", "unavailable", "error"]
+    # environment cannot be built; error: the replay itself failed (infrastructure); masked:
+    # another crash ended every run first. The last three are never read as good or bad.
+    status: Literal["bad", "good", "unavailable", "error", "masked"]
     k: int = 0  # runs in which a victim request diverged
     runs: int = 0  # K
     # Wilson 95% interval of k / runs (None when nothing ran).

@@ -3,7 +3,8 @@
 The search is pure: given the releases in ascending order and ``probe(version) ->
 VersionResult``, it checks both ends, then binary-searches for the transition when they
 disagree (about log2 N + 2 probes). A release that cannot be built ("unavailable") or replayed
-("error") is never read as good or bad; the search steps around it. ``exhaustive`` probes every
+("error"), or whose every run another crash ended first ("masked"), is never read as good or bad;
+the search steps around it. ``exhaustive`` probes every
 release: what a claim about every release needs, and what can show a non-monotone history.
 ``replay_probe`` is one probe: ``kvfuzz replay FILE --vllm V`` in a child process.
 """
@@ -60,7 +61,7 @@ def judge(version: str, k: int, runs: int, *, min_rate: float = 0.0, seconds: fl
                          seconds=round(seconds, 1), vllm=vllm, detail=detail)
 
 
-def not_run(version: str, status: Literal["unavailable", "error"], detail: str, *,
+def not_run(version: str, status: Literal["unavailable", "error", "masked"], detail: str, *,
             seconds: float = 0.0) -> VersionResult:
     """A release that could not be judged."""
     return VersionResult(version=version, status=status, seconds=round(seconds, 1), detail=detail)
@@ -201,10 +202,12 @@ def _from_sequence(versions: list[str], results: dict[int, VersionResult],
 
 
 def _skipped_note(versions: list[str], results: dict[int, VersionResult], exclude: Iterable[str] = ()) -> str:
-    skip = [versions[i] for i in sorted(results) if results[i].status not in USABLE and versions[i] not in set(exclude)]
-    if not skip:
-        return ""
-    return f" ({', '.join(skip)}: could not be probed)"
+    skip = [i for i in sorted(results) if results[i].status not in USABLE and versions[i] not in set(exclude)]
+    masked = [versions[i] for i in skip if results[i].status == "masked"]
+    failed = [versions[i] for i in skip if results[i].status != "masked"]
+    notes = [f"{', '.join(vs)}: {what}" for vs, what in ((masked, "masked by another crash"),
+                                                         (failed, "could not be probed")) if vs]
+    return f" ({'; '.join(notes)})" if notes else ""
 
 
 # -- the range ------------------------------------------------------------------------------------
@@ -345,7 +348,23 @@ def replay_probe(version: str, *, file: Path, out: Path, runs: int, flags: Seque
     if K <= 0:
         return not_run(version, "error", f"the replay summary records no runs (log: {log})", seconds=seconds)
     detail = f"also diverged: {', '.join(others)}" if others else None
-    return judge(version, k, K, min_rate=min_rate, seconds=seconds, vllm=vllm, detail=detail)
+    result = judge(version, k, K, min_rate=min_rate, seconds=seconds, vllm=vllm, detail=detail)
+    other = masking_crash(summary, bug, K) if result.status == "good" else None
+    if other is not None:
+        return not_run(version, "masked", f"another crash ended every run before the bug could show: {other}",
+                       seconds=seconds)
+    return result
+
+
+def masking_crash(summary: dict[str, Any], bug: Callable[[dict[str, Any]], bool] | None, runs: int) -> str | None:
+    """The crash state of a crash that is not the file's ``bug`` and ended all ``runs`` of a
+    replay summary, or None. Such a release says nothing about the bug: it is masked."""
+    if bug is None:
+        return None
+    for v in summary.get("verdicts") or []:
+        if v.get("class") == "engine-crash" and not bug(v) and int(v.get("runs_diverged") or 0) >= runs:
+            return crash_state(str(v.get("detail") or "")) or "engine crash"
+    return None
 
 
 def release_range(rec: BisectRecord) -> ReleaseRange:

@@ -149,7 +149,8 @@ class CampaignTriage:
         """Run ``d`` for key ``ks`` of ``t``; whether the finding itself changed (re-keyed)."""
         ex = self.executor
         if d.intervention == "attribute":
-            first = sorted({x for b in self.known.values() if b.key.explained_by for x in b.key.explained_by.split("+")})
+            first = sorted({x for b in self.known.values() if b.key.explained_by
+                            for x in b.key.explained_by.split("+")})
             checked = ex.attribute(t.checked, first)
             t.checked = checked if checked.finding is not None else replace(checked, finding=t.finding)
             t.attributed = True

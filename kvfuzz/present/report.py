@@ -26,7 +26,7 @@ from kvfuzz.present.buckets import membership_text
 from kvfuzz.present.style import CLASS_STYLE
 
 # A release's status in a bisection (kvfuzz bisect).
-STATUS_STYLE = {"bad": "bold red", "good": "green", "unavailable": "yellow", "error": "magenta", "not": "dim"}
+STATUS_STYLE = {"bad": "bold red", "good": "green", "unavailable": "yellow", "error": "magenta", "masked": "yellow", "not": "dim"}
 
 # Text segments: (text, style) where style is "", "b" (bold), "code", or a verdict class.
 Seg = tuple[str, str]
