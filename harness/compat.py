@@ -92,7 +92,11 @@ def tolerate_kernel_scan() -> None:
     Ngram drafting loads numba, and with it llvmlite's library wrapper, which answers every
     attribute name — ``__dict__`` with a function wrapper — so that walk raised
     AttributeError and the engine failed to start. The wrapper is made to answer no dunder
-    name (nothing in llvmlite asks it for one). A no-op until llvmlite is loaded."""
+    name (nothing in llvmlite asks it for one). A no-op until llvmlite is loaded.
+
+    ``kvfuzz export`` copies this function verbatim into a speculative finding's in-process
+    script (its reference engines start after the schedule's): keep it standalone, standard
+    library only."""
     import sys
 
     ffi = sys.modules.get("llvmlite.binding.ffi")

@@ -8,7 +8,9 @@ the same mapping the in-process engine and the managed server use), every prompt
 (as ``harness/inprocess.py`` applies them), the adapter bindings and working copies
 (``harness/adapters.py``), each victim's reference request (``SendEvent.alone``, on the
 reference configuration of ``harness/base.py``). The embedded model is rebuilt by the script
-from a copy of ``harness/embedded.py``'s recipe, and checked against kvfuzz's content hash.
+from a copy of ``harness/embedded.py``'s recipe, and checked against kvfuzz's content hash. A
+speculative finding's in-process script also holds a copy of ``harness/compat.py``'s
+``tolerate_kernel_scan``: its reference engines start after one that loaded numba's llvmlite.
 
 Two forms: in-process (``LLMEngine.add_request`` / ``step`` / ``abort_request`` / ``add_lora`` /
 ``remove_lora``, step-exact like kvfuzz's in-process engine) and ``--server`` (vLLM's
@@ -432,6 +434,26 @@ def recipe_source() -> str:
     return "\n".join(lines) + "\n\n\n" + "\n\n\n".join(funcs) + "\n"
 
 
+def kernel_scan_source() -> str:
+    """harness/compat.py's ``tolerate_kernel_scan``, verbatim."""
+    from kvfuzz.harness import compat
+
+    return inspect.getsource(compat.tolerate_kernel_scan)
+
+
+def _inprocess_code(speculative: bool) -> list[str]:
+    """The in-process form's code. A speculative finding's references start after an engine that
+    loaded numba's llvmlite: its script calls harness/compat.py's ``tolerate_kernel_scan`` (a
+    copy) before each engine start, as harness/inprocess.py does."""
+    code = export_runtime.INPROCESS.strip()
+    if not speculative:
+        return [code]
+    start = export_runtime.ENGINE_START
+    assert code.count(start) == 1, "export_runtime.INPROCESS: new_engine's start is not where it was"
+    code = code.replace(start, export_runtime.KERNEL_SCAN_CALL + start)
+    return [export_runtime.KERNEL_SCAN.strip(), "", "", kernel_scan_source().rstrip(), "", "", code]
+
+
 def _docstring(data: dict[str, Any], src: ExportSource, *, server: bool) -> str:
     what = f"kvfuzz finding {data['finding_id']}" if data["finding_id"] else f"kvfuzz {data['kind']}"
     sends = [e for e in data["schedule"] if e["op"] == "send"]
@@ -528,7 +550,7 @@ def render(src: ExportSource, *, server: bool = False) -> str:
         export_runtime.COMMON.strip(),
         "",
         "",
-        (export_runtime.SERVER if server else export_runtime.INPROCESS).strip(),
+        *([export_runtime.SERVER.strip()] if server else _inprocess_code(data["speculative"])),
         "",
         "",
         export_runtime.ENTRY.strip(),

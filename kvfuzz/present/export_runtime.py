@@ -7,6 +7,9 @@ kvfuzz's harness does: ``harness/inprocess.py`` (``replay``: events before engin
 cancels, outputs per completion), ``harness/adapters.py`` (working copies), ``harness/http/``
 (wall-clock sends and cancels, the runtime adapter endpoints) and the oracle's comparison
 (``oracle/diff.py`` ``compare``; ``oracle/check.py``'s truncation and ``unconstrained`` cases).
+A speculative finding's in-process script also calls ``tolerate_kernel_scan`` before each engine
+start, as ``harness/inprocess.py`` does, from a verbatim copy of ``harness/compat.py``'s
+(``KERNEL_SCAN``); other scripts do not carry it.
 tests/test_export.py compiles, runs and inspects them.
 """
 
@@ -278,6 +281,20 @@ def report(victims: list, outcomes: dict, references: dict, applied: list, crash
     say(f"NOT REPRODUCED: every judged request ({', '.join(victims)}) matches its reference")
     return 0
 '''
+
+
+# Speculative findings' in-process scripts only: why they carry harness/compat.py's
+# ``tolerate_kernel_scan`` (copied below this comment), and its call, inserted in ``new_engine``
+# before ENGINE_START. Without llvmlite loaded the call does nothing.
+KERNEL_SCAN = r'''
+# -- a workaround, not part of the finding (a copy of kvfuzz's harness/compat.py) --------------------
+# Each reference starts a fresh engine in this process after the schedule's engine, which loaded
+# numba and llvmlite for ngram speculative decoding. From vLLM 0.31.0 on, the CPU build's engine
+# start scans every loaded module for Triton kernels and raises AttributeError on llvmlite's
+# library wrapper, so the reference engine would not start. new_engine calls this first.
+'''
+KERNEL_SCAN_CALL = "    tolerate_kernel_scan()  # a reference engine after the speculative one: see above\n"
+ENGINE_START = "    try:\n        return LLMEngine.from_engine_args(EngineArgs(**args))\n"
 
 
 INPROCESS = r'''
