@@ -19,6 +19,7 @@ import os
 import subprocess
 import sys
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -50,7 +51,7 @@ SINGLE = {"P": "evict_keeps_hash", "Q": "short_hash_lookup", "R": "hit_last_bloc
           "AM": "prefill_first_token_neighbours_adapter", "AO": "mixed_batch_loses_causal_mask",
           "AP": "block_opening_decode_takes_neighbours_token", "AQ": "returning_adapter_skips_its_weights",
           "AR": "preempting_step_drops_first_write", "AS": "finished_output_swaps_with_next",
-          "AT": "batched_rows_lose_precision"}
+          "AT": "batched_rows_lose_precision", "AU": "newest_running_left_out", "AV": "rejected_draft_stays_counted"}
 # U needs a small cache to corrupt an output (8 MiB holds a 4096-token request, not 16384).
 EXTRA = {"U": ["--kv-cache-mb", "8", "--max-model-len", "4096"], "AD": ["--model", "embedded:tiny-hybrid"], "AE": LORA, "AM": LORA, "AQ": LORA}
 PARTNER = {"AD": "clean-hybrid", "AE": "clean-lora", "AM": "clean-lora", "AQ": "clean-lora"}
@@ -104,14 +105,16 @@ def summary(out: Path, name: str) -> dict | None:
             "names": sorted({b["key"].get("broke") or b["key"].get("explained_by") or
                              "needs " + (",".join(m for m, o in b["key"]["verdicts"].items() if o == "disappears")
                                          or "none") for b in bugs if not b["key"].get("provisional")}),
-            "crashes": sum(b["count"] for b in d.get("bug_buckets", {}).values() if b["key"]["class"] == "engine-crash"),
+            "other": ", ".join(f"{c} {n}" for c, n in sorted(Counter(
+                b["key"]["class"] for b in d.get("bug_buckets", {}).values() for _ in range(b["count"])
+                if b["key"]["class"] not in ("corruption", "numeric-near-tie")).items())),
             "triage": t.get("triage_s", 0.0) / max(1.0, t.get("wall_s", d["seconds"])),
             "findings": d["findings"]}
 
 
 def table(out: Path) -> str:
     rows = ["| campaign | corruption buckets: complete (findings) + provisional | key | traces/min (× partner) | "
-            "triage share | crashes |", "| --- | --- | --- | --- | --- | --- |"]
+            "triage share | other findings |", "| --- | --- | --- | --- | --- | --- |"]
     every = jobs()
     for name, (_, _, partner) in every.items():
         s = summary(out, name)
@@ -123,7 +126,7 @@ def table(out: Path) -> str:
         prov = f" + provisional ({s['provisional']})" if s["provisional"] else ""
         rows.append(f"| {name} | {len(s['complete'])}{' + 1' if s['provisional'] else ''}: {buckets}{prov} | "
                     f"{', '.join(s['names']) or '—'} | {s['rate']:.1f}{ratio} | {100 * s['triage']:.0f} % | "
-                    f"{s['crashes'] or ''} |")
+                    f"{s['other']} |")
     return "\n".join(rows)
 
 

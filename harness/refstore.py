@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import socket
 import sys
@@ -346,12 +347,20 @@ def same_reference(stored: RequestRecord, fresh: RequestRecord, *, exact: bool) 
     n = len(fresh.token_ids)
     if stored.token_ids[:n] != fresh.token_ids:
         return f"token ids differ: stored {stored.token_ids[:n]}, computed {fresh.token_ids}"
-    if exact and stored.logprobs[: len(fresh.logprobs)] != fresh.logprobs:
+    if exact:
         for i, (a, b) in enumerate(zip(stored.logprobs, fresh.logprobs)):
-            if a != b:
+            if not _same_top(a, b):
                 return f"logprobs differ at position {i}: stored {a[:2]}, computed {b[:2]}"
-        return "logprobs differ in length"
+        if len(stored.logprobs) < len(fresh.logprobs):
+            return "logprobs differ in length"
     return None
+
+
+def _same_top(a: TopLogprobs, b: TopLogprobs) -> bool:
+    # NaN is what vLLM reports where every token was masked (allowed tokens and bad words that
+    # leave none): the same answer twice, though NaN != NaN.
+    return len(a) == len(b) and all(ta == tb and (la == lb or (math.isnan(la) and math.isnan(lb)))
+                                    for (ta, la), (tb, lb) in zip(a, b))
 
 
 __all__ = ["DiskTiers", "Namespace", "ReferenceMismatch", "RemoteTiers", "StoreService", "namespace_of",

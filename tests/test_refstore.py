@@ -161,6 +161,24 @@ def test_verification_recomputes_hits_and_a_mismatch_stops_loudly(tmp_path):
     assert store(tmp_path / "a", verify=0.0).get(changed, send(), None)  # unverified: trusted
 
 
+def test_a_reference_whose_logprobs_are_nan_verifies_against_itself(tmp_path):
+    class Masked(SoloEngine):
+        """Every token masked (allowed tokens and bad words leave none): vLLM reports NaN."""
+
+        def run_alone(self, send, *, max_tokens=None, binding=None):
+            rec = super().run_alone(send, max_tokens=max_tokens, binding=binding)
+            return rec.model_copy(update={"logprobs": [[(t, float("nan")) for t, _ in top] for top in rec.logprobs]})
+
+    eng = Masked()
+    store(tmp_path / "a").get(eng, send(), None)
+    again = store(tmp_path / "a", verify=1.0)
+    again.get(eng, send(), None)
+    assert again.verified == 1
+    other = Masked(salt="another kernel")
+    with pytest.raises(ReferenceMismatch, match="token ids differ"):
+        store(tmp_path / "a", verify=1.0).get(other, send(), None)
+
+
 def test_scorings_are_stored_too(tmp_path):
     eng = SoloEngine()
     tiers = DiskTiers.for_campaign(tmp_path / "a")
