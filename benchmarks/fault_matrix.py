@@ -52,8 +52,11 @@ SINGLE = {"P": "evict_keeps_hash", "Q": "short_hash_lookup", "R": "hit_last_bloc
           "AP": "block_opening_decode_takes_neighbours_token", "AQ": "returning_adapter_skips_its_weights",
           "AR": "preempting_step_drops_first_write", "AS": "finished_output_swaps_with_next",
           "AT": "batched_rows_lose_precision", "AU": "newest_running_left_out", "AV": "rejected_draft_stays_counted"}
-# U needs a small cache to corrupt an output (8 MiB holds a 4096-token request, not 16384).
-EXTRA = {"U": ["--kv-cache-mb", "8", "--max-model-len", "4096"], "AD": ["--model", "embedded:tiny-hybrid"], "AE": LORA, "AM": LORA, "AQ": LORA}
+# U needs a small cache to corrupt an output (8 MiB holds a 4096-token request, not 16384). AV
+# lives on drafting traces, where vanilla 0.32.0 crashes first (docs/findings.md #7, #8): the
+# clean arm holds their fixes.
+EXTRA = {"U": ["--kv-cache-mb", "8", "--max-model-len", "4096"], "AD": ["--model", "embedded:tiny-hybrid"], "AE": LORA,
+         "AM": LORA, "AQ": LORA, "AV": ["--arms", "clean"]}
 PARTNER = {"AD": "clean-hybrid", "AE": "clean-lora", "AM": "clean-lora", "AQ": "clean-lora"}
 PAIRS = ["Y+P", "T+S", "P+S", "T+U", "AJ+AH", "AK+AI", "AK+AJ", "AL+AK", "AL+AI", "AM+AE", "AP+AO", "P+Q"]
 BF16 = ["Y", "AJ", "AS", "AO"]
