@@ -40,30 +40,6 @@ def test_explain_names_what_the_toggle_needs(session, lora_engine_config, toggle
     assert ex.summary().startswith("needs: ")
 
 
-DRIFT_SCRIPT = """
-import importlib, json, sys, tempfile
-from pathlib import Path
-from kvfuzz.driver.session import build_session
-from kvfuzz.driver.settings import SessionSettings
-from kvfuzz.fuzzer.generate import default_engine
-from kvfuzz.traces import At, GenPrompt, SendEvent, Trace
-victim, max_tokens, owner, attr = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
-tmp = Path(tempfile.mkdtemp())
-cfg = default_engine(kv_cache_bytes=8 * 2**20, max_model_len=8000)
-trace = Trace(engine=cfg, events=[SendEvent(request_id=f"r{i}", at=At(step=0), max_tokens=max_tokens,
-                                            prompt=GenPrompt(length=20 + 7 * i, seed=i)) for i in range(2)])
-s = build_session(SessionSettings(profiles_dir=tmp / "profiles"), tmp)
-out = {"fault": s.judge_victim(trace, victim=victim, arm="vanilla", toggles=[]).__dict__}
-h = s.engine_for(cfg).replay(trace, arm="vanilla", run_index=0, toggles=[])
-out["breaks"] = [b.name for b in h.breaks]  # none: the case where a bucket rests on the verdicts
-mod, cls = owner.rsplit(".", 1)
-klass = getattr(importlib.import_module(mod), cls)
-setattr(klass, attr, getattr(klass, attr).__wrapped__)  # the fault undone, same engine
-out["clean"] = s.judge_victim(trace, victim=victim, arm="vanilla", toggles=[]).__dict__
-s.close()
-print("J " + json.dumps(out))
-"""
-
 # Faults whose wrong KV shows in no record of the scheduler's (W breaks only ``worker-slot``,
 # X only ``worker-seq-len``, Y none), in two mechanisms: W writes a decode token's KV into the
 # previous block (r1, 27 prompt tokens, opens its second block at its 6th token); X and Y let a
@@ -79,27 +55,39 @@ NO_BREAK_FAULTS = [
 ]
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # an engine of its own, started under the fault
 @pytest.mark.parametrize("fault,victim,max_tokens,owner,attr,cls", NO_BREAK_FAULTS)
-def test_wrong_kv_that_flips_no_token_is_measured_by_its_drift(fault, victim, max_tokens, owner, attr, cls):
+def test_wrong_kv_that_flips_no_token_is_measured_by_its_drift(fault, victim, max_tokens, owner, attr, cls,
+                                                               tmp_path, monkeypatch):
     """Wrong KV may flip no token: an ablation that only moves the victim off its flip must not
     read as "disappears". On the real engine, W's and X's victims match every reference token
     yet their logprobs drift far past the bound (Y's flips); with the fault undone in the same
     engine each is noise."""
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
+    import importlib
 
-    tests = Path(__file__).parent
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "KVFUZZ_PLUGIN_MODULES": f"unseen_faults.{fault}",
-           "KVFUZZ_REFERENCE_CACHE": "off",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(tests), os.environ.get("PYTHONPATH")]))}
-    p = subprocess.run([sys.executable, "-c", DRIFT_SCRIPT, victim, str(max_tokens), owner, attr], env=env,
-                       capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stderr[-3000:]
-    got = json.loads(next(ln for ln in p.stdout.splitlines() if ln.startswith("J "))[2:])
+    from unseen_faults import faults_on
+
+    from kvfuzz.driver.session import build_session
+    from kvfuzz.driver.settings import SessionSettings
+    from kvfuzz.fuzzer.generate import default_engine
+    from kvfuzz.traces import At, GenPrompt, SendEvent, Trace
+
+    monkeypatch.setenv("KVFUZZ_REFERENCE_CACHE", "off")
+    cfg = default_engine(kv_cache_bytes=8 * 2**20, max_model_len=8000)
+    trace = Trace(engine=cfg, events=[SendEvent(request_id=f"r{i}", at=At(step=0), max_tokens=max_tokens,
+                                                prompt=GenPrompt(length=20 + 7 * i, seed=i)) for i in range(2)])
+    mod, klass = owner.rsplit(".", 1)
+    # A session of its own (its references and bounds are this fault's), on an engine the pool
+    # starts under the fault and closes with it.
+    with faults_on(fault) as on, build_session(SessionSettings(profiles_dir=tmp_path / "profiles"), tmp_path) as s:
+        got = {"fault": s.judge_victim(trace, victim=victim, arm="vanilla", toggles=[]).__dict__}
+        eng = s.engine_for(cfg)
+        h = eng.replay(trace, arm="vanilla", run_index=0, toggles=[])
+        got["breaks"] = [b.name for b in h.breaks]  # none: the case where a bucket rests on the verdicts
+        on.off(fault)  # the fault undone, same engine
+        assert not hasattr(getattr(getattr(importlib.import_module(mod), klass), attr), "__unseen_tag__")
+        got["clean"] = s.judge_victim(trace, victim=victim, arm="vanilla", toggles=[]).__dict__
+        assert s.engine_for(cfg) is eng
     fault_, clean = got["fault"], got["clean"]
     assert fault_["cls"] == cls, got
     if cls == "ok":

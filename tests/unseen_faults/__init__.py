@@ -6,6 +6,11 @@ not written for. Run one, or several separated by commas::
 
     PYTHONPATH=tests KVFUZZ_PLUGIN_MODULES=unseen_faults.evict_keeps_hash kvfuzz run ...
 
+The engine tests switch faults on in their own process instead, and off again exactly
+(``faults_on`` below): every ``install()`` sets its attributes through ``patch``, which records
+what was there, and the engines that run under the faults are started under them and closed
+with them (never pooled).
+
 (docs/benchmarks.md, "Buckets on faults kvfuzz has never seen": the full command and each
 fault's buckets). One entry per module: its letter, the vLLM component it breaks and how, and
 the post-condition (harness/postconditions.py) that names its victims; a fault that breaks none
@@ -120,21 +125,246 @@ where the runner's "device" buffers are its host buffers (``CPUModelRunner`` set
 to ``.cpu``).
 """
 
-from collections.abc import Callable
-from typing import Any
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvfuzz.harness.inprocess import InProcessEngine
+    from kvfuzz.traces import EngineConfig
+
+_ABSENT = object()  # the owner had no entry of its own (the attribute was inherited, or none)
+# Inside ``faults_on``: the patches the ``install()`` being run makes (one list per fault).
+_RECORDING: list[list[Patch]] = []
+
+
+@dataclass(frozen=True)
+class Patch:
+    """``owner.name`` set to ``replacement``; ``before``: the owner's own entry it replaced (the
+    raw one: a staticmethod, classmethod or property object as it was), or ``_ABSENT``."""
+
+    owner: Any
+    name: str
+    before: Any
+    replacement: Any
+
+    def undo(self) -> str | None:
+        """Put back exactly what was there (or delete the entry, when the owner had none); why
+        not, when something replaced the patch since (then it is left as it is)."""
+        now = vars(self.owner).get(self.name, _ABSENT)
+        if now is not self.replacement:
+            return (f"{_qualname(self.owner)}.{self.name} was replaced again while the fault was on "
+                    f"(by {getattr(now, '__qualname__', now)!r}): its patch cannot be undone exactly")
+        if self.before is _ABSENT:
+            delattr(self.owner, self.name)
+        else:
+            setattr(self.owner, self.name, self.before)
+        return None
+
+
+def _qualname(owner: Any) -> str:
+    return getattr(owner, "__qualname__", None) or getattr(owner, "__name__", None) or type(owner).__qualname__
+
+
+def patch(owner: Any, name: str, replacement: Any) -> None:
+    """``owner.name = replacement`` (a class's or a module's attribute). How every fault's
+    ``install()`` changes vLLM: inside ``faults_on`` the change is recorded, and undone exactly
+    when the fault goes off; through ``KVFUZZ_PLUGIN_MODULES`` it stays for the process."""
+    before = vars(owner).get(name, _ABSENT)
+    setattr(owner, name, replacement)
+    if _RECORDING:
+        _RECORDING[-1].append(Patch(owner, name, before, replacement))
 
 
 def wrap(owner: Any, attr: str, tag: str, make: Callable[[Any], Callable[..., Any]]) -> None:
-    """Replace ``owner.attr`` by ``make(original)`` once per process (``install`` runs in every
-    vLLM process and may run twice); the original stays reachable as ``__wrapped__`` (the engine
-    tests undo a fault in the same engine)."""
+    """Replace ``owner.attr`` (a function: a method or a module's function) by
+    ``make(original)`` once (``install`` runs in every vLLM process and may run twice); the
+    original stays reachable as ``__wrapped__``."""
+    raw = vars(owner).get(attr)
+    if isinstance(raw, (staticmethod, classmethod, property)):
+        raise TypeError(f"{_qualname(owner)}.{attr} is a {type(raw).__name__}: wrap a function only")
     original = getattr(owner, attr)
     if getattr(original, "__unseen_tag__", None) == tag:
         return
     patched = make(original)
     patched.__unseen_tag__ = tag  # type: ignore[attr-defined]
     patched.__wrapped__ = original  # type: ignore[attr-defined]
-    setattr(owner, attr, patched)
+    patch(owner, attr, patched)
+
+
+class Faults:
+    """Faults switched on in this process by ``faults_on``, and the engines that run under them.
+
+    An engine that has run under a fault holds state the fault made (block records, hashes,
+    rows, adapter slots), and one started before it may have bound what the fault patches (the
+    scheduler's ``schedule``, bound by the replay's hooks at the engine's start: fault AU). So
+    under the faults every engine that runs was started under them, and each is closed when
+    they go off: ``engine(config)`` starts one, and the process's engine pool (when there is
+    one) hands out only such engines, keeping its own (started before, unused meanwhile) for
+    after. An engine started before that replays under the faults is an error (a ``Session``
+    made before keeps its engine: make one under the faults)."""
+
+    def __init__(self) -> None:
+        self._on: dict[str, list[Patch]] = {}  # fault -> the patches its install made, in order
+        self._guard: list[Patch] = []  # the engine guard's (kvfuzz's engine and pool)
+        self._started: set[InProcessEngine] = set()
+        self._engines: dict[tuple[str, str], InProcessEngine] = {}  # handed out, by configuration
+        self._logs: list[tuple[logging.Logger, list[logging.Handler], int, bool]] = []
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._on)
+
+    def patches(self, name: str) -> list[Patch]:
+        """What the fault ``name`` (on) patched, in order."""
+        return list(self._on[name])
+
+    def on(self, *names: str) -> None:
+        """Install the faults ``names`` (modules of this package) in this process."""
+        for name in names:
+            if name in self._on:
+                continue
+            module = importlib.import_module(f"{__name__}.{name}")
+            _RECORDING.append([])
+            try:
+                module.install()
+            finally:
+                self._on[name] = _RECORDING.pop()
+
+    def off(self, *names: str) -> None:
+        """Switch the faults ``names`` off now (their engines go on, as after a fix in place);
+        raises when one cannot be undone exactly."""
+        problems = [p for name in names for p in self._undo(name)]
+        if problems:
+            raise RuntimeError("; ".join(problems))
+
+    def _undo(self, name: str) -> list[str]:
+        patches = self._on.pop(name)
+        problems = [why for p in reversed(patches) if (why := p.undo())]
+        reset = getattr(importlib.import_module(f"{__name__}.{name}"), "reset", None)
+        if patches and reset is not None:  # state the fault keeps beside its patches (none: it was on already)
+            reset()
+        return [f"fault {name}: {why}" for why in problems]
+
+    def engine(self, config: EngineConfig, *, device: str = "cpu", **options: Any) -> InProcessEngine:
+        """An engine of ``config`` started under the faults (one per configuration and device:
+        asked again, the same), closed when they go off. ``options``: ``InProcessEngine``'s
+        (``log_file``, ``trace_deadline_s``; its defaults otherwise)."""
+        from kvfuzz.harness.inprocess import InProcessEngine
+
+        key = (config.key(), device)
+        engine = self._engines.get(key)
+        if engine is None or engine._llm is None:
+            engine = InProcessEngine(config, device=device, **options)
+            engine.start()
+            self._engines[key] = engine
+        elif "trace_deadline_s" in options:
+            engine.trace_deadline_s = options["trace_deadline_s"]
+        return engine
+
+    def _guard_engines(self) -> None:
+        from kvfuzz.harness.inprocess import InProcessEngine, engine_pool
+        from kvfuzz.harness.logs import ENGINE_LOGGERS
+
+        # An engine start routes the process's vLLM log records to its log file: put them back.
+        for name in ENGINE_LOGGERS:
+            lg = logging.getLogger(name)
+            self._logs.append((lg, list(lg.handlers), lg.level, lg.propagate))
+        _RECORDING.append(self._guard)
+        try:
+            start, replay, score = (vars(InProcessEngine)[n] for n in ("start", "replay", "score"))
+            started, faults = self._started, self
+
+            def start_(engine: InProcessEngine) -> InProcessEngine:
+                fresh = engine._llm is None
+                out = start(engine)
+                if fresh:
+                    started.add(engine)
+                return out
+
+            def guarded(run: Callable[..., Any]) -> Callable[..., Any]:
+                def call(engine: InProcessEngine, *args: Any, **kwargs: Any) -> Any:
+                    if engine not in started:
+                        raise RuntimeError(f"an engine started before the faults {faults.names} runs under them "
+                                           "(its state would carry the fault; use Faults.engine or the pool)")
+                    return run(engine, *args, **kwargs)
+
+                return call
+
+            patch(InProcessEngine, "start", start_)
+            patch(InProcessEngine, "replay", guarded(replay))
+            patch(InProcessEngine, "score", guarded(score))
+            pool = engine_pool()
+            if pool is not None:
+                release, discard = pool.release, pool.discard
+
+                def acquire(config: EngineConfig, *, device: str, log_file: Any, trace_deadline_s: float | None,
+                            keep: Any = None) -> InProcessEngine:
+                    return faults.engine(config, device=device, log_file=log_file, trace_deadline_s=trace_deadline_s)
+
+                def release_(engine: InProcessEngine) -> None:
+                    if engine not in started:
+                        release(engine)  # the faults' own are closed with them
+
+                def discard_(engine: InProcessEngine) -> None:
+                    if engine in started:
+                        engine.close()
+                    else:
+                        discard(engine)
+
+                patch(pool, "acquire", acquire)  # on the instance: undone by deleting the entry
+                patch(pool, "release", release_)
+                patch(pool, "discard", discard_)
+        finally:
+            _RECORDING.pop()
+
+    def close(self) -> None:
+        """Close every engine started under the faults, then switch the faults off and the
+        engine guard with them; raises when something cannot be undone exactly."""
+        problems: list[str] = []
+        try:
+            for engine in list(self._started):
+                try:
+                    engine.close()
+                except Exception as e:  # noqa: BLE001 - every engine is closed, every patch undone
+                    problems.append(f"closing an engine failed: {type(e).__name__}: {e}")
+        finally:
+            self._started.clear()
+            self._engines.clear()
+            for name in reversed(list(self._on)):
+                problems += self._undo(name)
+            problems += [f"engine guard: {why}" for p in reversed(self._guard) if (why := p.undo())]
+            self._guard.clear()
+            for lg, handlers, level, propagate in self._logs:
+                for h in lg.handlers:
+                    if h not in handlers:
+                        h.close()
+                lg.handlers[:] = handlers
+                lg.setLevel(level)
+                lg.propagate = propagate
+            self._logs.clear()
+        if problems:
+            raise RuntimeError("; ".join(problems))
+
+
+@contextlib.contextmanager
+def faults_on(*names: str) -> Iterator[Faults]:
+    """The faults ``names`` (modules of this package, e.g. ``"evict_keeps_hash"``) on in this
+    process for the duration, then off again exactly, the test failed or not: every attribute
+    their ``install()`` patched is as it was, and every engine that ran under them is closed.
+    ``Faults.engine(config)`` gives an engine started under them; so does the engine pool."""
+    faults = Faults()
+    try:
+        faults._guard_engines()
+        faults.on(*names)
+        yield faults
+    finally:
+        faults.close()
 
 
 def attention_metadata(layer: Any) -> Any:

@@ -12,21 +12,21 @@ the schedule — so it needs chunked prefill and other requests sharing the step
 
 from __future__ import annotations
 
+from . import wrap
+
 _TAG = "unseen-fault-append-repeats-first-block"
 
 
-def install() -> None:
-    from vllm.v1.worker.block_table import BlockTable
-
-    original = BlockTable.append_row
-    if getattr(original, "__unseen_tag__", None) == _TAG:
-        return
-
+def _make(original):
     def append_row(self, block_ids, row_idx):
         if len(block_ids) >= 2 and int(self.num_blocks_per_row[row_idx]) > 0:
             block_ids = [block_ids[0], block_ids[0], *block_ids[2:]]  # the bug: the second id is lost
         return original(self, block_ids, row_idx)
 
-    append_row.__unseen_tag__ = _TAG  # type: ignore[attr-defined]
-    append_row.__wrapped__ = original  # type: ignore[attr-defined]
-    BlockTable.append_row = append_row
+    return append_row
+
+
+def install() -> None:
+    from vllm.v1.worker.block_table import BlockTable
+
+    wrap(BlockTable, "append_row", _TAG, _make)

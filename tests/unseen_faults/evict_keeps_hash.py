@@ -12,16 +12,12 @@ round to cached blocks) and prefix caching.
 
 from __future__ import annotations
 
+from . import wrap
+
 _TAG = "unseen-fault-evict-keeps-hash"
 
 
-def install() -> None:
-    from vllm.v1.core.block_pool import BlockPool
-
-    original = BlockPool._maybe_evict_cached_block
-    if getattr(original, "__unseen_tag__", None) == _TAG:
-        return
-
+def _make(original):  # replaced, not called
     def _maybe_evict_cached_block(self, block):
         if self.metrics_collector:
             self.metrics_collector.on_block_evicted(block)
@@ -31,6 +27,10 @@ def install() -> None:
         block.reset_hash()
         return had
 
-    _maybe_evict_cached_block.__unseen_tag__ = _TAG  # type: ignore[attr-defined]
-    _maybe_evict_cached_block.__wrapped__ = original  # type: ignore[attr-defined]
-    BlockPool._maybe_evict_cached_block = _maybe_evict_cached_block
+    return _maybe_evict_cached_block
+
+
+def install() -> None:
+    from vllm.v1.core.block_pool import BlockPool
+
+    wrap(BlockPool, "_maybe_evict_cached_block", _TAG, _make)

@@ -13,16 +13,12 @@ request hitting an earlier one's blocks is enough).
 
 from __future__ import annotations
 
+from . import wrap
+
 _TAG = "unseen-fault-hit-last-block-repeated"
 
 
-def install() -> None:
-    from vllm.v1.core.kv_cache_manager import KVCacheManager
-
-    original = KVCacheManager.get_computed_blocks
-    if getattr(original, "__unseen_tag__", None) == _TAG:
-        return
-
+def _make(original):
     def get_computed_blocks(self, request):
         blocks, n, boundary = original(self, request)
         groups = blocks.blocks
@@ -31,6 +27,10 @@ def install() -> None:
         repeated = tuple([*g[:-1], g[-2]] for g in groups)
         return type(blocks)(repeated), n, boundary
 
-    get_computed_blocks.__unseen_tag__ = _TAG  # type: ignore[attr-defined]
-    get_computed_blocks.__wrapped__ = original  # type: ignore[attr-defined]
-    KVCacheManager.get_computed_blocks = get_computed_blocks
+    return get_computed_blocks
+
+
+def install() -> None:
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    wrap(KVCacheManager, "get_computed_blocks", _TAG, _make)

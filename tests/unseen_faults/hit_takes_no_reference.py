@@ -17,20 +17,15 @@ from __future__ import annotations
 import threading
 from collections import Counter
 
+from . import wrap
+
 _TAG = "unseen-fault-hit-takes-no-reference"
 _CALL = threading.local()
 # (id(manager), request_id, block_id) -> references the fault did not take.
 _MISSING: Counter[tuple[int, str, int]] = Counter()
 
 
-def install() -> None:
-    from vllm.v1.core.block_pool import BlockPool
-    from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
-
-    if getattr(BlockPool.touch, "__unseen_tag__", None) == _TAG:
-        return
-    admit, touch = SingleTypeKVCacheManager.add_local_computed_blocks, BlockPool.touch
-
+def _make_admit(admit):
     def add_local_computed_blocks(self, request_id, *args, **kwargs):
         _CALL.who = (id(self), request_id)
         try:
@@ -38,6 +33,10 @@ def install() -> None:
         finally:
             _CALL.who = None
 
+    return add_local_computed_blocks
+
+
+def _make_touch(touch):
     def touch_(self, blocks):
         who = getattr(_CALL, "who", None)
         blocks = list(blocks)
@@ -46,6 +45,10 @@ def install() -> None:
             blocks = blocks[:-1]
         return touch(self, blocks)
 
+    return touch_
+
+
+def _make_free(original):  # replaced, not called
     def free(self, request_id):
         kept = []
         for b in self.pop_blocks_for_free(request_id):
@@ -56,10 +59,20 @@ def install() -> None:
             kept.append(b)
         self.block_pool.free_blocks(reversed(kept))
 
-    for fn, orig in ((add_local_computed_blocks, admit), (touch_, touch),
-                     (free, SingleTypeKVCacheManager.free)):
-        fn.__unseen_tag__ = _TAG  # type: ignore[attr-defined]
-        fn.__wrapped__ = orig  # type: ignore[attr-defined]
-    SingleTypeKVCacheManager.add_local_computed_blocks = add_local_computed_blocks
-    BlockPool.touch = touch_
-    SingleTypeKVCacheManager.free = free
+    return free
+
+
+def install() -> None:
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
+
+    wrap(SingleTypeKVCacheManager, "add_local_computed_blocks", _TAG, _make_admit)
+    wrap(BlockPool, "touch", _TAG, _make_touch)
+    wrap(SingleTypeKVCacheManager, "free", _TAG, _make_free)
+
+
+def reset() -> None:
+    """Forget the references not taken (``faults_on``, as the fault goes off): keyed by a
+    manager's id, an entry left behind could match a later engine's manager."""
+    _MISSING.clear()
+    _CALL.who = None

@@ -16,17 +16,13 @@ from __future__ import annotations
 
 import threading
 
+from . import wrap
+
 _TAG = "unseen-fault-register-overwrites"
 _CALL = threading.local()
 
 
-def install() -> None:
-    from vllm.v1.core.block_pool import BlockPool
-
-    if getattr(BlockPool._insert_block_hash, "__unseen_tag__", None) == _TAG:
-        return
-    insert, cache = BlockPool._insert_block_hash, BlockPool.cache_full_blocks
-
+def _make_cache(cache):
     def cache_full_blocks(self, *args, **kwargs):
         _CALL.prev = None
         try:
@@ -34,6 +30,10 @@ def install() -> None:
         finally:
             _CALL.prev = None
 
+    return cache_full_blocks
+
+
+def _make_insert(insert):
     def _insert_block_hash(self, block_hash_with_group_id, block, num_tokens):
         insert(self, block_hash_with_group_id, block, num_tokens)
         prev = getattr(_CALL, "prev", None)
@@ -41,8 +41,11 @@ def install() -> None:
         if prev is not None and block_hash_with_group_id[0] % 4 == 0 and prev in self.cached_block_hash_to_block._cache:
             self.cached_block_hash_to_block._cache[prev] = block  # the bug: the older key now finds this block
 
-    for fn, orig in ((_insert_block_hash, insert), (cache_full_blocks, cache)):
-        fn.__unseen_tag__ = _TAG  # type: ignore[attr-defined]
-        fn.__wrapped__ = orig  # type: ignore[attr-defined]
-    BlockPool._insert_block_hash = _insert_block_hash
-    BlockPool.cache_full_blocks = cache_full_blocks
+    return _insert_block_hash
+
+
+def install() -> None:
+    from vllm.v1.core.block_pool import BlockPool
+
+    wrap(BlockPool, "_insert_block_hash", _TAG, _make_insert)
+    wrap(BlockPool, "cache_full_blocks", _TAG, _make_cache)

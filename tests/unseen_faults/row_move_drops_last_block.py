@@ -13,16 +13,12 @@ prefill nor KV pressure.
 
 from __future__ import annotations
 
+from . import wrap
+
 _TAG = "unseen-fault-row-move-drops-last-block"
 
 
-def install() -> None:
-    from vllm.v1.worker.block_table import BlockTable
-
-    original = BlockTable.move_row
-    if getattr(original, "__unseen_tag__", None) == _TAG:
-        return
-
+def _make(original):
     def move_row(self, src: int, tgt: int) -> None:
         num_blocks = int(self.num_blocks_per_row[src])
         if num_blocks < 2:
@@ -33,6 +29,10 @@ def install() -> None:
         table[src, :num_blocks] = 0
         self.num_blocks_per_row[src] = 0
 
-    move_row.__unseen_tag__ = _TAG  # type: ignore[attr-defined]
-    move_row.__wrapped__ = original  # type: ignore[attr-defined]
-    BlockTable.move_row = move_row
+    return move_row
+
+
+def install() -> None:
+    from vllm.v1.worker.block_table import BlockTable
+
+    wrap(BlockTable, "move_row", _TAG, _make)

@@ -10,6 +10,8 @@ prefix cache, where there is nothing to collide with.
 
 from __future__ import annotations
 
+from . import wrap
+
 _TAG = "unseen-fault-short-hash-lookup"
 BITS = 8
 
@@ -18,13 +20,8 @@ def _short(h: bytes) -> int:
     return int.from_bytes(h[:2], "big") >> (16 - BITS)
 
 
-def install() -> None:
-    from vllm.v1.core.block_pool import BlockPool
+def _make(original):
     from vllm.v1.core.kv_cache_utils import get_block_hash, get_group_id
-
-    original = BlockPool.get_cached_block
-    if getattr(original, "__unseen_tag__", None) == _TAG:
-        return
 
     def get_cached_block(self, block_hash, kv_cache_group_ids):
         found = original(self, block_hash, kv_cache_group_ids)
@@ -43,6 +40,10 @@ def install() -> None:
             out.append(hit)
         return out
 
-    get_cached_block.__unseen_tag__ = _TAG  # type: ignore[attr-defined]
-    get_cached_block.__wrapped__ = original  # type: ignore[attr-defined]
-    BlockPool.get_cached_block = get_cached_block
+    return get_cached_block
+
+
+def install() -> None:
+    from vllm.v1.core.block_pool import BlockPool
+
+    wrap(BlockPool, "get_cached_block", _TAG, _make)
