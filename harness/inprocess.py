@@ -1081,12 +1081,14 @@ class EnginePool:
 
     def release(self, engine: InProcessEngine) -> None:
         """Keep ``engine`` for the next acquire (a broken one is closed instead)."""
-        if engine._llm is None or (engine.config.key(), engine.device) not in self._live:
+        if engine._llm is None or self._live.get((engine.config.key(), engine.device)) is not engine:
             engine.close()
 
     def discard(self, engine: InProcessEngine) -> None:
         """Close ``engine`` and forget it (after a crash: its state is suspect)."""
-        self._live.pop((engine.config.key(), engine.device), None)
+        key = (engine.config.key(), engine.device)
+        if self._live.get(key) is engine:  # not another engine of its configuration
+            self._live.pop(key)
         engine.close()
 
     def close(self) -> None:

@@ -188,3 +188,17 @@ def test_the_engine_pool_keeps_engines_while_memory_allows(monkeypatch):
     pool.acquire(configs[3], device="cpu", log_file=None, trace_deadline_s=None)
     assert first[0]._llm is None and first[1]._llm is not None and first[2]._llm is not None
     assert pool.starts == 4
+
+
+def test_discarding_an_engine_the_pool_does_not_hold_leaves_the_pooled_one(monkeypatch):
+    from kvfuzz.harness import inprocess
+
+    monkeypatch.setattr(inprocess.InProcessEngine, "start", lambda self: setattr(self, "_llm", object()) or self)
+    monkeypatch.setattr(inprocess.InProcessEngine, "close", lambda self: setattr(self, "_llm", None))
+    pool = inprocess.EnginePool(4)
+    pooled = pool.acquire(default_engine(), device="cpu", log_file=None, trace_deadline_s=None)
+    own = inprocess.InProcessEngine(default_engine(), device="cpu", log_file=None, trace_deadline_s=None).start()
+    pool.discard(own)
+    pool.release(own)
+    assert own._llm is None and pooled._llm is not None
+    assert pool.acquire(default_engine(), device="cpu", log_file=None, trace_deadline_s=None) is pooled
