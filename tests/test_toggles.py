@@ -16,6 +16,7 @@ from kvfuzz.harness.toggles.builtin import (
     EARLY_HIT,
     EMPTY_TOPK,
     EXPAND_FILLS,
+    EXPAND_UNWRITTEN,
     LORA_BATCH_IDS,
     LORA_CPU_MASK,
     LORA_IDENTITY,
@@ -31,7 +32,7 @@ from kvfuzz.harness.toggles.builtin import (
 from kvfuzz.traces import At, CancelEvent, EngineConfig, GenPrompt, SendEvent, Trace
 
 ALL = [CANCEL_FREES_SHARED, CPU_KERNELS_UNBOUND, CROSS_GROUP_ONE_PHASE, EARLY_HIT, EMPTY_TOPK, EXPAND_FILLS,
-       LORA_BATCH_IDS, LORA_CPU_MASK, LORA_IDENTITY, LORA_NS, MIN_TOKENS_ROWS, PENALTY_IDS, PREEMPT_STALE, ROW_STATE,
+       EXPAND_UNWRITTEN, LORA_BATCH_IDS, LORA_CPU_MASK, LORA_IDENTITY, LORA_NS, MIN_TOKENS_ROWS, PENALTY_IDS, PREEMPT_STALE, ROW_STATE,
        SAME_STEP_GUARD, STALE_TAIL, ZERO_RECYCLED]
 
 
@@ -57,7 +58,8 @@ def test_registry_has_every_named_toggle_with_metadata():
                                                      ZERO_RECYCLED]
     # What changes outputs on CPU, and the clean arm there.
     assert reg.output_changing("cpu") == sorted([CANCEL_FREES_SHARED, CPU_KERNELS_UNBOUND, CROSS_GROUP_ONE_PHASE,
-                                                 EARLY_HIT, EMPTY_TOPK, EXPAND_FILLS, LORA_BATCH_IDS, LORA_CPU_MASK,
+                                                 EARLY_HIT, EMPTY_TOPK, EXPAND_FILLS, EXPAND_UNWRITTEN, LORA_BATCH_IDS,
+                                                 LORA_CPU_MASK,
                                                  LORA_IDENTITY, LORA_NS, MIN_TOKENS_ROWS, PENALTY_IDS, PREEMPT_STALE,
                                                  ROW_STATE])
     assert reg.clean_set("cpu") == sorted([EMPTY_TOPK, EXPAND_FILLS, LORA_BATCH_IDS, LORA_CPU_MASK, LORA_IDENTITY,

