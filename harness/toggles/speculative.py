@@ -180,8 +180,29 @@ register(Toggle(
 ))
 
 _BI = "vllm.v1.sample.logits_processor.builtin"
-# Each request's draft count while the rejection sampler runs: its bonus row comes after them.
-_BONUS_AFTER: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("kvfuzz_bonus_after", default=None)
+# Each request's draft-token count while the rejection sampler runs (None outside it): a
+# request's bonus row comes after its drafts, and a step with none is one 0.30.0 ran without the
+# sampler. One wrapper of ``RejectionSampler.forward`` records it for every toggle that reads it.
+_DRAFTS: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("kvfuzz_drafts", default=None)
+_READ_DRAFTS = "kvfuzz-rejection-sampler-drafts"
+
+
+def _record_drafts() -> None:
+    import vllm.v1.sample.rejection_sampler as rs
+
+    def make(original):
+        def forward(self, metadata, *args, **kwargs):
+            if not (is_active(MIN_TOKENS_ROWS) or is_active(CPU_KERNELS_UNBOUND)):
+                return original(self, metadata, *args, **kwargs)
+            token = _DRAFTS.set(list(metadata.num_draft_tokens))
+            try:
+                return original(self, metadata, *args, **kwargs)
+            finally:
+                _DRAFTS.reset(token)
+
+        return forward
+
+    wrap_method(rs.RejectionSampler, "forward", make, tag=_READ_DRAFTS)
 
 
 def _check_min_tokens() -> str | None:
@@ -206,23 +227,10 @@ def _check_min_tokens() -> str | None:
 def _patch_min_tokens() -> None:
     import torch
     import vllm.v1.sample.logits_processor.builtin as bi
-    import vllm.v1.sample.rejection_sampler as rs
-
-    def make_forward(original):
-        def forward(self, metadata, *args, **kwargs):
-            if not is_active(MIN_TOKENS_ROWS):
-                return original(self, metadata, *args, **kwargs)
-            token = _BONUS_AFTER.set(list(metadata.num_draft_tokens))
-            try:
-                return original(self, metadata, *args, **kwargs)
-            finally:
-                _BONUS_AFTER.reset(token)
-
-        return forward
 
     def make_apply(original):
         def apply(self, logits):
-            drafts = _BONUS_AFTER.get()
+            drafts = _DRAFTS.get()
             # Inside the rejection sampler, apply() sees only the bonus rows (the target rows go
             # through apply_with_spec_decode); elsewhere a row is the next output position.
             if drafts is None or not self.min_toks or not is_active(MIN_TOKENS_ROWS):
@@ -250,7 +258,7 @@ def _patch_min_tokens() -> None:
 
         return apply
 
-    wrap_method(rs.RejectionSampler, "forward", make_forward, tag=MIN_TOKENS_ROWS)
+    _record_drafts()
     wrap_method(bi.MinTokensLogitsProcessor, "apply", make_apply, tag=MIN_TOKENS_ROWS)
 
 
@@ -273,8 +281,6 @@ register(Toggle(
 
 _JIT = "vllm.model_executor.warmup.jit_warmup_triton_helper"
 _DISPATCH = "vllm.triton_utils.dispatcher"
-# Whether the rejection sampler's current step has a draft token (the steps 0.30.0 ran it in).
-_DRAFT_STEP: contextvars.ContextVar[bool] = contextvars.ContextVar("kvfuzz_draft_step", default=False)
 # The rejection sampler's warmup launchers and the kernel each one launches.
 _LAUNCHERS = {"_expand": "expand_kernel", "_rejection_greedy_sample": "rejection_greedy_sample_kernel",
               "_rejection_random_sample": "rejection_random_sample_kernel",
@@ -359,21 +365,10 @@ def _patch_unbound() -> None:
                 return plain.get(kernel)
         return None
 
-    def make_forward(original):
-        def forward(self, metadata, *args, **kwargs):
-            if not is_active(CPU_KERNELS_UNBOUND):
-                return original(self, metadata, *args, **kwargs)
-            token = _DRAFT_STEP.set(sum(metadata.num_draft_tokens) > 0)
-            try:
-                return original(self, metadata, *args, **kwargs)
-            finally:
-                _DRAFT_STEP.reset(token)
-
-        return forward
-
     def make(original):
         def launch(self, launch_spec, inputs):
-            unbound = plain_kernel(self) if is_active(CPU_KERNELS_UNBOUND) and _DRAFT_STEP.get() else None
+            draft_step = sum(_DRAFTS.get() or ()) > 0
+            unbound = plain_kernel(self) if is_active(CPU_KERNELS_UNBOUND) and draft_step else None
             if unbound is None:
                 return original(self, launch_spec, inputs)
             bound = self.__dict__["kernel"]
@@ -387,7 +382,7 @@ def _patch_unbound() -> None:
 
         return launch
 
-    wrap_method(rs.RejectionSampler, "forward", make_forward, tag=CPU_KERNELS_UNBOUND)
+    _record_drafts()
     wrap_method(VllmTritonJitKernel, "launch", make, tag=CPU_KERNELS_UNBOUND)
 
 
