@@ -101,6 +101,10 @@ def summary(out: Path, name: str) -> dict | None:
     if not d.get("complete"):
         return None
     bugs = [b for b in d.get("bug_buckets", {}).values() if b["key"]["class"] == "corruption"]
+    other: Counter[str] = Counter()  # findings of the other classes but near ties
+    for b in d.get("bug_buckets", {}).values():
+        if b["key"]["class"] not in ("corruption", "numeric-near-tie"):
+            other[b["key"]["class"]] += b["count"]
     t = d.get("time") or {}
     return {"traces": d["traces"], "rate": 60 * d["traces"] / max(1.0, d["seconds"]),
             "complete": sorted((b["count"] for b in bugs if not b["key"].get("provisional")), reverse=True),
@@ -108,9 +112,7 @@ def summary(out: Path, name: str) -> dict | None:
             "names": sorted({b["key"].get("broke") or b["key"].get("explained_by") or
                              "needs " + (",".join(m for m, o in b["key"]["verdicts"].items() if o == "disappears")
                                          or "none") for b in bugs if not b["key"].get("provisional")}),
-            "other": ", ".join(f"{c} {n}" for c, n in sorted(Counter(
-                b["key"]["class"] for b in d.get("bug_buckets", {}).values() for _ in range(b["count"])
-                if b["key"]["class"] not in ("corruption", "numeric-near-tie")).items())),
+            "other": ", ".join(f"{c} {n}" for c, n in sorted(other.items())),
             "triage": t.get("triage_s", 0.0) / max(1.0, t.get("wall_s", d["seconds"])),
             "findings": d["findings"]}
 

@@ -4,8 +4,8 @@ The search is pure: given the releases in ascending order and ``probe(version) -
 VersionResult``, it checks both ends, then binary-searches for the transition when they
 disagree (about log2 N + 2 probes). A release that cannot be built ("unavailable") or replayed
 ("error"), or whose every run another crash ended first ("masked"), is never read as good or bad;
-the search steps around it. ``exhaustive`` probes every
-release: what a claim about every release needs, and what can show a non-monotone history.
+the search steps around it. ``exhaustive`` probes every release: what a claim about every
+release needs, and what can show a non-monotone history.
 ``replay_probe`` is one probe: ``kvfuzz replay FILE --vllm V`` in a child process.
 """
 

@@ -202,7 +202,7 @@ class Faults:
 
     An engine that has run under a fault holds state the fault made (block records, hashes,
     rows, adapter slots), and one started before it may have bound what the fault patches (the
-    scheduler's ``schedule``, bound by the replay's hooks at the engine's start: fault AU). So
+    scheduler's ``schedule``, bound by the replay's hooks at the engine's start). So
     under the faults every engine that runs was started under them, and each is closed when
     they go off: ``engine(config)`` starts one, and the process's engine pool (when there is
     one) hands out only such engines, keeping its own (started before, unused meanwhile) for
