@@ -1,15 +1,17 @@
-"""Pure reducers for minimization: set reduction (ProbDD, ddmin), integer shrinking, and the
-k-of-m acceptance rule. No traces, no engines: each takes a ``keeps`` predicate, so they are
-unit-tested on plain lists and numbers (tests/test_reduce.py) and used by triage/minimize.py."""
+"""Pure reducers for minimization: set reduction (ProbDD, ddmin), integer shrinking and the k-of-m
+acceptance rule. Each takes a ``keeps`` predicate: no traces, no engines."""
 
 from __future__ import annotations
 
+import itertools
 import math
+import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
 T = TypeVar("T")
+
 
 @dataclass(frozen=True)
 class Acceptance:
@@ -28,8 +30,7 @@ class Acceptance:
 
 
 def default_acceptance(step_exact: bool) -> Acceptance:
-    # Step-anchored in-process replays are deterministic: one replay decides. Wall-clock
-    # replays vary run to run: keep candidates that reproduce at least half the time.
+    # Step-anchored in-process replays are deterministic (one decides); wall-clock ones must hit half the time.
     return Acceptance(1, 1) if step_exact else Acceptance(4, 2)
 
 
@@ -38,37 +39,22 @@ def accepts(run_once: Callable[[], bool], acc: Acceptance) -> tuple[bool, int]:
     hits = 0
     for done in range(1, acc.repeats + 1):
         hits += bool(run_once())
-        if hits >= acc.min_hits:
-            return True, done
-        if hits + (acc.repeats - done) < acc.min_hits:
-            return False, done
-    return False, acc.repeats  # pragma: no cover - the loop always decides
-
-
-# -- set reduction: ProbDD and ddmin -----------------------------------------------------------
+        if hits >= acc.min_hits or hits + (acc.repeats - done) < acc.min_hits:
+            break
+    return hits >= acc.min_hits, done
 
 
 def probdd(items: Sequence[T], keeps: Callable[[list[T]], bool]) -> list[T]:
-    """Probabilistic delta debugging (Wang et al., FSE 2021): every item has a probability
-    of being needed; each round removes the set with the best expected gain (size x chance
-    that none of it is needed), and a failed removal raises the probabilities of what it
-    tried to remove. Ends when every remaining item has been shown necessary on its own.
-    ``keeps(subset)`` says whether the subset still reproduces."""
-    items = list(items)
-    p = {i: 0.1 for i in range(len(items))}  # the prior chance that an item is needed
+    """Probabilistic delta debugging (Wang et al., FSE 2021): each round removes the items with
+    the best expected gain (size x chance that none is needed); a failed removal raises their
+    chances of being needed. Ends when every remaining item has been shown necessary alone."""
+    p = [0.1] * len(items)  # the prior chance that an item is needed
     alive = list(range(len(items)))
     if alive and keeps([]):
         return []
-    while True:
-        open_ = sorted((i for i in alive if p[i] < 1.0), key=lambda i: (p[i], i))
-        if not open_:
-            break
-        best, best_gain, prod = 0, -1.0, 1.0
-        for n, i in enumerate(open_, start=1):
-            prod *= 1.0 - p[i]
-            if n * prod > best_gain:
-                best, best_gain = n, n * prod
-        drop = set(open_[:best])
+    while open_ := sorted((i for i in alive if p[i] < 1.0), key=lambda i: (p[i], i)):
+        gains = [n * q for n, q in enumerate(itertools.accumulate((1.0 - p[i] for i in open_), operator.mul), 1)]
+        drop = set(open_[:gains.index(max(gains)) + 1])
         rest = [i for i in alive if i not in drop]
         if keeps([items[i] for i in rest]):
             alive = rest
@@ -88,20 +74,15 @@ def ddmin(items: Sequence[T], keeps: Callable[[list[T]], bool]) -> list[T]:
     while len(cur) >= 2:
         size = math.ceil(len(cur) / n)
         chunks = [cur[i:i + size] for i in range(0, len(cur), size)]
-        for c in chunks:
-            if keeps(c):
-                cur, n = c, 2
-                break
+        # Each chunk alone (then start over at 2), else each complement (then one chunk fewer).
+        tries = [(c, 2) for c in chunks] + [([x for x in cur if x not in c], max(n - 1, 2)) for c in chunks]
+        found = next(((c, k) for c, k in tries if keeps(c)), None)
+        if found is not None:
+            cur, n = found
+        elif n >= len(cur):
+            break
         else:
-            for c in chunks:
-                rest = [x for x in cur if x not in c]
-                if keeps(rest):
-                    cur, n = rest, max(n - 1, 2)
-                    break
-            else:
-                if n >= len(cur):
-                    break
-                n = min(len(cur), 2 * n)
+            n = min(len(cur), 2 * n)
     return cur
 
 
@@ -113,13 +94,12 @@ def shrink_int(cur: int, lo: int, keeps: Callable[[int], bool], *, max_tries: in
     if keeps(lo):
         return lo
     lo += 1
-    tries = 1
-    while lo < cur and tries < max_tries:
+    for _ in range(max_tries - 1):
+        if lo >= cur:
+            break
         mid = (lo + cur) // 2
         if keeps(mid):
             cur = mid
         else:
             lo = mid + 1
-        tries += 1
     return cur
-
