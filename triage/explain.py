@@ -3,13 +3,9 @@ campaign): replay a finding with one engine mechanism taken away at a time and r
 removals make the victim's divergence disappear. kvfuzz has no stack to bucket by, but it can
 switch mechanisms off and watch.
 
-The mechanisms (``ABLATIONS``, the table in docs/oracle.md "Causal ablation") are named as
-toggles name what they need (harness/toggles, ``needs``); one the trace does not use is
-``n/a``. Each ablation is one replay judged on the victim (``Replayer.judge_victim``): the
-divergence disappears when the victim no longer diverges as badly, except that a corruption
-victim whose tokens match but whose logprobs drifted past the noise bound still persists (wrong
-KV need not flip a token), and one whose victim is right while another victim of the same cause
-still corrupts is ``moved``: no evidence.
+The mechanisms (``ABLATIONS``; docs/oracle.md "Causal ablation") are named as toggles name what
+they need (harness/toggles, ``needs``); one the trace does not use is ``n/a``. Each ablation is
+one replay judged on the victim (``Replayer.judge_victim``, ``_still_diverges``).
 """
 
 from __future__ import annotations
@@ -87,8 +83,7 @@ def no_adapters(trace: Trace) -> tuple[Trace | None, str]:
     events = [e.model_copy(update={"adapter": None}) if isinstance(e, SendEvent) else e for e in trace.events
               if not isinstance(e, ADAPTER_EVENT_TYPES)]
     lora = trace.engine.lora.model_copy(update={"enabled": False, "adapters": {}})
-    return trace.model_copy(update={"events": events, "engine": trace.engine.model_copy(update={"lora": lora})}), \
-        "every request on the base model, LoRA off"
+    return _engine(trace, lora=lora).model_copy(update={"events": events}), "every request on the base model, LoRA off"
 
 
 def resident_adapters(trace: Trace) -> tuple[Trace | None, str]:
@@ -172,7 +167,10 @@ def explain(replayer: Replayer, finding: Finding, *, victim: str | None = None,
             outcome = "moved"
             detail = f"the victim is right without it, but {', '.join(still)} still corrupt(s): the cause moved"
         done[name] = Ablation(mechanism=name, change=change, victim_class=j.cls, detail=detail, outcome=outcome)
-    _unless_reproducible(replayer, finding, target, me, arm, toggles, done, out)
+    gone = [n for n, a in done.items() if a.outcome == "disappears"]
+    if gone and replayer.step_exact and (why := _unreliable(replayer, finding, target, me, arm, toggles, out)):
+        for n in gone:
+            done[n] = done[n].model_copy(update={"outcome": "flaky", "detail": f"{why}: no evidence"})
     out.ablations = [done[n] for n in names]
     out.seconds = round(time.monotonic() - t0, 1)
     return out
@@ -185,30 +183,20 @@ def _still_diverges(j: Judged, target: Target) -> bool:
     return SEVERITY[j.cls] <= SEVERITY[target.cls] or (target.cls == "corruption" and j.drifted)
 
 
-def _unless_reproducible(replayer: Replayer, finding: Finding, target: Target, me: Divergence | None, arm: str,
-                         toggles: list[str], done: dict[str, Ablation], out: Explanation) -> None:
-    """A removal under which the victim stopped diverging is evidence only if the
-    victim diverges in every replay with nothing removed, on a step-exact engine (where a run
-    that does not is state outside the trace, not timing). Its own runs say so when there were
-    several; after one run, one control replay of the finding as is does. Otherwise each
-    "disappears" is *flaky*: a bug whose trigger depends on state earlier runs left in the
-    engine can diverge in only some runs of its witness, and any removal would seem to cure it."""
-    gone = [n for n, a in done.items() if a.outcome == "disappears"]
-    if not gone or not replayer.step_exact:
-        return  # a wall-clock engine's runs differ anyway (its rates are Wilson intervals)
+def _unreliable(replayer: Replayer, finding: Finding, target: Target, me: Divergence | None, arm: str,
+                toggles: list[str], out: Explanation) -> str | None:
+    """Why each "disappears" is no evidence (flaky), or None. On a step-exact engine (a wall-clock
+    one's runs differ anyway) it is evidence only if the victim diverges in every replay with nothing
+    removed: its own runs say so when there were several, else one control replay does. A trigger
+    that depends on state earlier runs left in the engine diverges in only some runs of its witness,
+    and any removal would seem to cure it."""
     if me is not None and me.runs >= 2:
         if me.runs_diverged >= me.runs:
-            return
-        why = f"the victim diverged in only {me.runs_diverged} of its {me.runs} runs with nothing removed"
-    else:
-        try:
-            j = replayer.judge_victim(_valid(finding.trace), victim=target.victim, arm=arm, toggles=toggles,
-                                      settle=True)
-        except (BadInput, InfraError, ValueError):
-            return  # no control: the removals stand as measured
-        out.replays += 1
-        if _still_diverges(j, target):
-            return
-        why = f"replayed with nothing removed, the victim is {j.cls} too"
-    for n in gone:
-        done[n] = done[n].model_copy(update={"outcome": "flaky", "detail": f"{why}: no evidence"})
+            return None
+        return f"the victim diverged in only {me.runs_diverged} of its {me.runs} runs with nothing removed"
+    try:
+        j = replayer.judge_victim(_valid(finding.trace), victim=target.victim, arm=arm, toggles=toggles, settle=True)
+    except (BadInput, InfraError, ValueError):
+        return None  # no control: the removals stand as measured
+    out.replays += 1
+    return None if _still_diverges(j, target) else f"replayed with nothing removed, the victim is {j.cls} too"
