@@ -18,16 +18,16 @@ import argparse
 import json
 from pathlib import Path
 
-from kvfuzz.oracle.buckets import needs_text, severity_order
-from kvfuzz.present.buckets import broken_counts
+from kvfuzz.present.buckets import broken_counts, needs_text
 from kvfuzz.traces import load_finding
 from kvfuzz.traces.buckets import buckets_from_state, live
+from kvfuzz.traces.finding import SEVERITY
 
 
 def row(out: Path, label: str) -> str:
     d = json.loads((out / "campaign.json").read_text())
     buckets = buckets_from_state(d.get("bug_buckets", {}), str(out / "campaign.json"))
-    alive = severity_order(live(buckets))
+    alive = sorted(live(buckets), key=lambda b: (SEVERITY.get(b.key.cls, 99), -b.count, b.id))
     bugs = [b for b in alive if not b.near_tie]
     ties = [b for b in alive if b.near_tie]
     unbucketed = 0

@@ -11,7 +11,7 @@ from typing import Literal, get_args
 
 from kvfuzz.traces import Divergence, Finding
 from kvfuzz.traces.buckets import KEY_MECHANISMS, Bucket, BucketDescription, BucketKey, Outcome, ReleaseRange
-from kvfuzz.traces.finding import DIVERGENT_CLASSES, MECHANISM_WORDS, SEVERITY, Explanation
+from kvfuzz.traces.finding import DIVERGENT_CLASSES, MECHANISM_WORDS, Explanation
 from kvfuzz.traces.history import SELF_ONLY_BREAKS
 
 # The ablations cheap enough for every unexplained finding (no engine restart).
@@ -161,18 +161,6 @@ def describe(key: BucketKey, finding: Finding) -> BucketDescription:
             needs += f" (not tried: {words(d.not_tried)})"
     d.text = f"{key.label()}; needs: {needs}; {d.requests} request(s) ({', '.join(events)})"
     return d
-
-
-def needs_text(b: Bucket) -> str:
-    """What a bucket needs, for its row: the description's, else the key's."""
-    d = b.description
-    if d.measured:
-        return words(d.needs) or "none of the mechanisms tried"
-    return words(b.key.needs) or "not measured"
-
-
-def severity_order(buckets: Iterable[Bucket]) -> list[Bucket]:
-    return sorted(buckets, key=lambda b: (SEVERITY.get(b.key.cls, 99), -b.count, b.id))
 
 
 def split_by_release(bucket: Bucket, ranges: Mapping[str, ReleaseRange]) -> list[Bucket]:

@@ -192,9 +192,8 @@ class Bucket(_Data):
 
 @dataclass
 class Triaged:
-    """What a campaign's triage returns for one trace (triage/campaign.py): the check, the
-    finding's bucket memberships, and the witness of each bucket it opens (its regression case:
-    minimized to that key's victim)."""
+    """A campaign's triage of one trace (triage/campaign.py): the check, the finding's bucket
+    memberships, and the witness (regression case) of each bucket it opens."""
 
     checked: "Checked"
     buckets: list[BucketMembership] = field(default_factory=list)
@@ -213,10 +212,9 @@ def related(bucket: Bucket, buckets: Iterable[Bucket]) -> list[Bucket]:
 
 
 def buckets_from_state(raw: Mapping[str, Any], source: str = "campaign.json") -> dict[str, Bucket]:
-    """``CampaignState.bug_buckets`` as campaign.json (or a live state) holds them. An older
-    kvfuzz keyed its buckets by text and wrote them without an ``id``: that key cannot be made
-    exact afterwards, so such a file's buckets are not read (one warning naming ``source``). Its
-    findings stay as they are; no command re-buckets them."""
+    """``CampaignState.bug_buckets`` as campaign.json (or a live state) holds them. Buckets an
+    older kvfuzz keyed by text (no ``id``) cannot be made exact: they are not read (one warning
+    naming ``source``); the file's findings stay as they are."""
     if any(isinstance(b, Mapping) and "id" not in b for b in raw.values()):
         log.warning("kvfuzz: warning: %s: its bug buckets were written by an older kvfuzz (text keys) and are not "
                     "read; its findings are kept, its buckets are not carried over", source)

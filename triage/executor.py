@@ -111,11 +111,9 @@ class Executor:
 
     def witness(self, finding: Finding, victim: str | None, *, confirm: bool = False) -> Finding | None:
         """``finding`` minimized to ``victim``, then ablated, within what is left of the budget.
-
-        ``confirm``: the bounded confirmation: at most ``CONFIRM_REPLAYS`` replays, ablated on
-        the key's mechanisms only; None when the victim's signature did not reproduce. Else a new
-        bucket's witness: ablated and with its control arms as far as the budget reaches
-        (unminimized when it does not reproduce)."""
+        ``confirm``: at most ``CONFIRM_REPLAYS`` replays, ablated on the key's mechanisms only; None
+        when the victim's signature did not reproduce. Else a new bucket's witness, with its
+        control arms as far as the budget reaches (unminimized when it does not reproduce)."""
         self.status(f"finding {finding.id}: " + ("confirming (minimize, then ablate)" if confirm
                                                  else "minimizing a new bucket's witness"))
         seconds = max(1.0, min(self.budget.left(), self.settings.minimize_seconds))

@@ -12,10 +12,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvfuzz.oracle.buckets import needs_text
+from kvfuzz.oracle.buckets import words
 from kvfuzz.traces import Finding
 from kvfuzz.traces.buckets import Bucket, BucketMembership, buckets_from_state, live, related
 from kvfuzz.traces.errors import BadInput
+
+
+def needs_text(b: Bucket) -> str:
+    """What a bucket needs, for its row: the description's, else the key's."""
+    if b.description.measured:
+        return words(b.description.needs) or "none of the mechanisms tried"
+    return words(b.key.needs) or "not measured"
 
 
 @dataclass(frozen=True)
