@@ -7,6 +7,7 @@ years later.
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -91,6 +92,8 @@ def classify_run(send: SendEvent, ref: RequestRecord | None, rec: RequestRecord 
     shift = _pair_shift(cmp)
     if shift is None:
         corrupt.append(("margin", "reference margin unknown"))
+    elif math.isnan(shift):  # every token masked: no margin, so no evidence of noise
+        corrupt.append(("margin", "the logprobs at the flip are NaN (no margin to call it noise)"))
     elif shift >= bounds.near_tie:
         parts = f"reference margin {cmp.ref_margin:.3g}" + (
             f" + the run's own margin {cmp.run_margin:.3g}" if cmp.run_margin is not None else "")
@@ -150,7 +153,7 @@ def stop_at_flip(send: SendEvent, request_id: str, ref: RequestRecord, bounds: N
     decided = []
     for i in range(len(tokens)):
         m = margin_at(ref, i)
-        decided.append(m is None or m >= bounds.near_tie)
+        decided.append(m is None or math.isnan(m) or m >= bounds.near_tie)
     stopped = (ref.finish_reason == "stop" and not ref.cancelled and ref.error is None
                and len(tokens) == len(ref.token_ids))
     return StopAtFlip(request=request_id, tokens=tokens, decided=decided, stopped=stopped)

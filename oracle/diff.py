@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -41,6 +42,14 @@ def first_divergence(ref: list[int], got: list[int]) -> int | None:
     return None
 
 
+def gap(a: float, b: float) -> float:
+    """|a - b| for two logprobs. vLLM reports NaN where every token was masked: two NaNs agree,
+    a NaN against a number is as far apart as logprobs can be."""
+    if math.isnan(a) or math.isnan(b):
+        return 0.0 if math.isnan(a) and math.isnan(b) else math.inf
+    return abs(a - b)
+
+
 def margin_at(rec: RequestRecord, i: int) -> float | None:
     if i < len(rec.logprobs) and len(rec.logprobs[i]) >= 2:
         return float(rec.logprobs[i][0][1]) - float(rec.logprobs[i][1][1])
@@ -58,7 +67,7 @@ def logprob_drift(ref: RequestRecord, got: RequestRecord, n: int) -> float | Non
     drift: float | None = None
     for i in range(min(n, len(ref.logprobs), len(got.logprobs))):
         if ref.logprobs[i] and got.logprobs[i] and int(ref.logprobs[i][0][0]) == int(got.logprobs[i][0][0]):
-            d = abs(float(ref.logprobs[i][0][1]) - float(got.logprobs[i][0][1]))
+            d = gap(float(ref.logprobs[i][0][1]), float(got.logprobs[i][0][1]))
             drift = d if drift is None else max(drift, d)
     return drift
 
@@ -112,7 +121,7 @@ def teacher_drifts(rec: RequestRecord, scoring: Scoring) -> list[float]:
         scored_tok, scored_lp = scoring.logprobs[i][0]
         if int(run_tok) != tok or int(scored_tok) != tok:
             continue  # not the same token: the scoring is of another run
-        out.append(abs(float(run_lp) - float(scored_lp)))
+        out.append(gap(float(run_lp), float(scored_lp)))
     return out
 
 
@@ -123,5 +132,5 @@ def prompt_drifts(ref: RequestRecord, rec: RequestRecord) -> list[float]:
     out: list[float] = []
     for a, b in zip(ref.prompt_logprobs or [], rec.prompt_logprobs or []):
         if a and b and int(a[0][0]) == int(b[0][0]):
-            out.append(abs(float(a[0][1]) - float(b[0][1])))
+            out.append(gap(float(a[0][1]), float(b[0][1])))
     return out

@@ -208,6 +208,27 @@ def test_unknown_margin_is_corruption_and_says_so():
     assert v.class_ == "corruption" and v.margin is None and "unknown" in v.detail
 
 
+def _masked_at(r, i):
+    """``r`` as vLLM reports a position where every token was masked: NaN logprobs."""
+    r.logprobs[i] = [(r.token_ids[i], float("nan")), (r.token_ids[i] + 1, float("nan"))]
+    return r
+
+
+def test_a_flip_where_every_token_was_masked_is_not_noise():
+    """NaN logprobs (vLLM's report for a fully masked row) give no margin: no evidence of noise."""
+    ref = _masked_at(rec("r0", [1, 2, 3, 4]), 1)
+    v = verdict([hist([_masked_at(rec("r0", [1, 7, 3, 4]), 1)])], ref=ref)
+    assert v.class_ == "corruption" and "NaN" in v.detail
+
+
+@pytest.mark.parametrize("run_masked, expected", [(True, "numeric-near-tie"), (False, "corruption")])
+def test_nan_logprobs_before_a_near_tie_agree_only_with_nan(run_masked, expected):
+    ref = _masked_at(rec("r0", [1, 2, 3, 4], margins=[1, 0.0005, 1, 1]), 0)
+    run = rec("r0", [1, 7, 3, 4], margins=[1, 0.0003, 1, 1])
+    v = verdict([hist([_masked_at(run, 0) if run_masked else run])], ref=ref)
+    assert v.class_ == expected
+
+
 def test_runner_up_is_named_when_the_run_took_a_third_choice():
     v = verdict([hist([rec("r0", [1, 2, 99, 4])])])  # reference runner-up at 2 is 4 (3 + 1)
     assert v.class_ == "corruption" and "not even the reference's runner-up (4)" in v.detail
