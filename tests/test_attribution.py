@@ -97,7 +97,8 @@ def test_build_arms_vocabulary(toggles_apply):
 
     cpu_clean = ["fix-cpu-expand-fills-output", "fix-lora-batch-keeps-every-adapter-id", "fix-lora-cpu-no-lora-tokens",
                  "fix-lora-reload-prefix-identity", "fix-min-tokens-spec-decode-rows",
-                 "fix-penalties-skip-embeds-positions", "fix-topk-empty-draft-batch"]
+                 "fix-penalties-skip-embeds-positions", "fix-recovered-token-of-masked-row",
+                 "fix-topk-empty-draft-batch"]
     ns = "fault-lora-hash-namespace"
     assert build_arms() == {"vanilla": []}
     assert build_arms(with_=[ns]) == {f"with:{ns}": sorted([*cpu_clean, ns])}
@@ -154,7 +155,8 @@ def test_session_attributes_vanilla_lora_bug_to_the_missing_fix(session, lora_en
     # With several fixes in the clean arm, attribution adds clean-less-one arms to see which one.
     clean = ["fix-cpu-expand-fills-output", "fix-lora-batch-keeps-every-adapter-id", "fix-lora-cpu-no-lora-tokens",
              "fix-lora-reload-prefix-identity", "fix-min-tokens-spec-decode-rows",
-             "fix-penalties-skip-embeds-positions", "fix-topk-empty-draft-batch"]
+             "fix-penalties-skip-embeds-positions", "fix-recovered-token-of-masked-row",
+             "fix-topk-empty-draft-batch"]
     # Only the LoRA fixes alone: this engine takes no prompt embeddings and runs no speculative
     # decoding, so it never reaches the other fixes.
     lora = ["fix-lora-batch-keeps-every-adapter-id", "fix-lora-cpu-no-lora-tokens", "fix-lora-reload-prefix-identity"]

@@ -104,6 +104,7 @@ def test_self_test_plan_skips_what_cannot_change_outputs_here(toggles_apply):
                                                                       "fix-lora-reload-prefix-identity",
                                                                       "fix-min-tokens-spec-decode-rows",
                                                                       "fix-penalties-skip-embeds-positions",
+                                                                      "fix-recovered-token-of-masked-row",
                                                                       "fix-topk-empty-draft-batch"]
     assert cpu[("vllm-38606-lora-thrash", "clean")].toggles == ["fix-cpu-expand-fills-output",
                                                                  "fix-lora-batch-keeps-every-adapter-id",
@@ -111,6 +112,7 @@ def test_self_test_plan_skips_what_cannot_change_outputs_here(toggles_apply):
                                                                  "fix-lora-reload-prefix-identity",
                                                                  "fix-min-tokens-spec-decode-rows",
                                                                  "fix-penalties-skip-embeds-positions",
+                                                                 "fix-recovered-token-of-masked-row",
                                                                  "fix-topk-empty-draft-batch"]
     cuda = {(p.entry.name, p.arm): p for p in self_test_plan(entries, "cuda")}
     assert not cuda[("vllm-39589-concurrent-prefill-128-256", "with:fault-block-table-stale-tail")].skipped

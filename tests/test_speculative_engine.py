@@ -130,3 +130,46 @@ def test_min_tokens_under_speculative_decoding_stops_where_decoding_without_draf
     assert sum(s.accepted_tokens for s in runs["fixed"].steps) > 0
     assert runs["fixed"].requests["r4"].token_ids == ref
     assert runs["unfixed"].requests["r4"].token_ids != ref
+
+
+def test_a_fully_masked_row_under_speculative_decoding_emits_what_decoding_without_drafts_does(session):
+    """r3's children (sampled: n = 3) have every token masked at their second position (allowed
+    297 and 324, bad words 297 and 324 after 324). Decoding without drafts emits token 0 there;
+    with a draft there (460, the prompt's token after 324) vLLM's CPU rejection sampler rejects
+    it and recovers it again. The clean arm's fix recovers token 0 for such a row; a row with a
+    finite probability (the variant whose bad words leave 324) is left to the kernel."""
+    from pathlib import Path
+
+    from kvfuzz.driver.arms import clean_toggles
+    from kvfuzz.harness.toggles.builtin import MASKED_ROW_RECOVERED
+    from kvfuzz.traces import expand, load_trace
+
+    t = load_trace(Path(__file__).parents[1] / "traces" / "regressions" / "vllm-57986-spec-masked-row-emits-draft.json")
+    clean = clean_toggles()
+    arms = {"fixed": clean, "unfixed": [x for x in clean if x != MASKED_ROW_RECOVERED]}
+    children = ["r3", "r3#1", "r3#2"]
+    prompt = expand(t.send("r3").prompt)
+    assert prompt.count(324) == 1
+    draft = prompt[prompt.index(324) + 1]
+
+    checked = session.check(t, runs=1, arms=arms)
+    runs = {h.arm: h for h in checked.recording.histories}
+    for rid in children:
+        ref = checked.recording.references[rid].token_ids  # speculative decoding off
+        assert ref == [324, 0]
+        assert runs["fixed"].requests[rid].token_ids == ref
+        assert runs["unfixed"].requests[rid].token_ids == [324, draft]
+    assert sum(s.draft_tokens for s in runs["unfixed"].steps) > 0
+    bad = {(v.arm, v.request_id, v.first_divergence) for v in divergent(checked.verdicts)}
+    assert bad == {("unfixed", rid, 1) for rid in children}
+
+    # Satisfiable: 324 stays allowed after 324. The same draft is rejected from a finite row.
+    r3 = t.send("r3")
+    sat = t.model_copy(update={"name": "satisfiable", "expect": None, "events": [
+        r3.model_copy(update={"sampling": r3.sampling.model_copy(update={"bad_words": ["<t297>"]})})]})
+    checked = session.check(sat, runs=1, arms=arms)
+    assert not divergent(checked.verdicts), [(v.arm, v.request_id, v.detail) for v in divergent(checked.verdicts)]
+    runs = {h.arm: h for h in checked.recording.histories}
+    assert sum(s.draft_tokens for s in runs["unfixed"].steps) > 0
+    for rid in children:
+        assert runs["fixed"].requests[rid].token_ids == runs["unfixed"].requests[rid].token_ids == [324, 324]

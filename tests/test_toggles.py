@@ -21,6 +21,7 @@ from kvfuzz.harness.toggles.builtin import (
     LORA_CPU_MASK,
     LORA_IDENTITY,
     LORA_NS,
+    MASKED_ROW_RECOVERED,
     MIN_TOKENS_ROWS,
     PENALTY_IDS,
     PREEMPT_STALE,
@@ -32,8 +33,8 @@ from kvfuzz.harness.toggles.builtin import (
 from kvfuzz.traces import At, CancelEvent, EngineConfig, GenPrompt, SendEvent, Trace
 
 ALL = [CANCEL_FREES_SHARED, CPU_KERNELS_UNBOUND, CROSS_GROUP_ONE_PHASE, EARLY_HIT, EMPTY_TOPK, EXPAND_FILLS,
-       EXPAND_UNWRITTEN, LORA_BATCH_IDS, LORA_CPU_MASK, LORA_IDENTITY, LORA_NS, MIN_TOKENS_ROWS, PENALTY_IDS, PREEMPT_STALE, ROW_STATE,
-       SAME_STEP_GUARD, STALE_TAIL, ZERO_RECYCLED]
+       EXPAND_UNWRITTEN, LORA_BATCH_IDS, LORA_CPU_MASK, LORA_IDENTITY, LORA_NS, MASKED_ROW_RECOVERED, MIN_TOKENS_ROWS,
+       PENALTY_IDS, PREEMPT_STALE, ROW_STATE, SAME_STEP_GUARD, STALE_TAIL, ZERO_RECYCLED]
 
 
 def send(rid, step, length, *, group=None, plen=0, seed=0, mt=16, adapter=None):
@@ -54,16 +55,16 @@ def test_registry_has_every_named_toggle_with_metadata():
         assert set(t.backends) <= {"cpu", "cuda"} and t.backends
     kinds = reg.kinds()
     assert [n for n in ALL if kinds[n] == "fix"] == [EMPTY_TOPK, EXPAND_FILLS, LORA_BATCH_IDS, LORA_CPU_MASK,
-                                                     LORA_IDENTITY, MIN_TOKENS_ROWS, PENALTY_IDS, SAME_STEP_GUARD,
-                                                     ZERO_RECYCLED]
+                                                     LORA_IDENTITY, MASKED_ROW_RECOVERED, MIN_TOKENS_ROWS, PENALTY_IDS,
+                                                     SAME_STEP_GUARD, ZERO_RECYCLED]
     # What changes outputs on CPU, and the clean arm there.
     assert reg.output_changing("cpu") == sorted([CANCEL_FREES_SHARED, CPU_KERNELS_UNBOUND, CROSS_GROUP_ONE_PHASE,
                                                  EARLY_HIT, EMPTY_TOPK, EXPAND_FILLS, EXPAND_UNWRITTEN, LORA_BATCH_IDS,
                                                  LORA_CPU_MASK,
-                                                 LORA_IDENTITY, LORA_NS, MIN_TOKENS_ROWS, PENALTY_IDS, PREEMPT_STALE,
-                                                 ROW_STATE])
+                                                 LORA_IDENTITY, LORA_NS, MASKED_ROW_RECOVERED, MIN_TOKENS_ROWS,
+                                                 PENALTY_IDS, PREEMPT_STALE, ROW_STATE])
     assert reg.clean_set("cpu") == sorted([EMPTY_TOPK, EXPAND_FILLS, LORA_BATCH_IDS, LORA_CPU_MASK, LORA_IDENTITY,
-                                           MIN_TOKENS_ROWS, PENALTY_IDS])
+                                           MASKED_ROW_RECOVERED, MIN_TOKENS_ROWS, PENALTY_IDS])
     assert set(reg.clean_set("cuda")) == {EMPTY_TOPK, LORA_BATCH_IDS, LORA_IDENTITY, MIN_TOKENS_ROWS, PENALTY_IDS,
                                           SAME_STEP_GUARD, ZERO_RECYCLED}
 

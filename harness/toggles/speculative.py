@@ -1,4 +1,4 @@
-"""Speculative decoding's rejection sampler: three fixes and a fault.
+"""Speculative decoding's rejection sampler: four fixes and two faults.
 
 ``fix-cpu-expand-fills-output``: the rejection sampler expands each request's temperature,
 top-k and top-p to its draft tokens (``expand_batch_to_tokens``: a fresh ``new_empty`` tensor
@@ -25,6 +25,15 @@ request's k drafts, through the plain ``Sampler``, whose ``MinTokensLogitsProces
 masks every row whose request has L < min_tokens. The bonus token is position L + k, so its stop
 tokens stay masked up to k positions too long: the run cannot stop where decoding without drafts
 does (vLLM #41758). The fix masks the bonus row only while L + k < min_tokens.
+
+``fix-recovered-token-of-masked-row``: a sampled request whose target row masks every token
+(allowed tokens and bad words that together leave none) has an all-NaN row of target
+probabilities. The draft is rejected (NaN is no acceptance probability) and replaced by the
+recovered token, which on CPU (``sample_recovered_tokens_kernel_impl``: the draft's own entry
+zeroed, the best score starting at -1, no NaN above it) is the rejected draft itself, so the
+token emitted depends on the drafter. The sampler without drafts takes the argmax of such a row
+(token 0). The fix recovers that token for rows with no finite probability; other rows keep the
+kernel's choice.
 
 ``fault-cpu-expand-output-unwritten`` models the bug that ``fix-cpu-expand-fills-output`` fixes,
 deterministically: the expansion returns its ``new_empty`` output unwritten, holding one fixed
@@ -57,6 +66,7 @@ EMPTY_TOPK = "fix-topk-empty-draft-batch"
 EXPAND_FILLS = "fix-cpu-expand-fills-output"
 EXPAND_UNWRITTEN = "fault-cpu-expand-output-unwritten"
 MIN_TOKENS_ROWS = "fix-min-tokens-spec-decode-rows"
+MASKED_ROW_RECOVERED = "fix-recovered-token-of-masked-row"
 CPU_KERNELS_UNBOUND = "fault-rejection-sampler-cpu-kernels-unbound"
 _TK = "vllm.v1.sample.ops.topk_topp_sampler"
 _RS = "vllm.v1.sample.rejection_sampler"
@@ -275,6 +285,60 @@ register(Toggle(
                 "the request's draft tokens is below min_tokens, not while the output length alone is.",
     check=_check_min_tokens,
     patch=_patch_min_tokens,
+    needs=("speculative",),
+))
+
+
+def _check_masked_row() -> str | None:
+    return first_problem(
+        expect_params(_RS, "sample_recovered_tokens", "max_spec_len", "num_draft_tokens", "cu_num_draft_tokens",
+                      "draft_token_ids", "draft_probs", "target_probs"),
+        expect_source(_RS, "sample_recovered_tokens", "recovered_token_ids = torch.empty_like(draft_token_ids)",
+                      "return recovered_token_ids"),
+        expect_source(_RS, "rejection_sample", "target_probs = target_logits.softmax(",
+                      "recovered_token_ids = sample_recovered_tokens(", "_rejection_random_sample("),
+        expect_source("vllm.utils.cpu_triton_utils", "_sample_recovered_tokens_kernel_impl",
+                      "torch.ops._C.sample_recovered_tokens_kernel_impl("),
+    )
+
+
+def _patch_masked_row() -> None:
+    import vllm.v1.sample.rejection_sampler as rs
+
+    def make(original):
+        def sample_recovered_tokens(max_spec_len, num_draft_tokens, cu_num_draft_tokens, draft_token_ids,
+                                    draft_probs, target_probs, *args, **kwargs):
+            # The original always runs: it draws the step's random numbers, which the other
+            # requests' recovered tokens depend on.
+            recovered = original(max_spec_len, num_draft_tokens, cu_num_draft_tokens, draft_token_ids,
+                                 draft_probs, target_probs, *args, **kwargs)
+            if not is_active(MASKED_ROW_RECOVERED):
+                return recovered
+            # A row is one draft position; softmax of a row with every logit -inf is all NaN.
+            masked = ~target_probs.isfinite().any(dim=-1)
+            if bool(masked.any()):
+                # torch.argmax of such a row (0), as the sampler without drafts chooses.
+                recovered[masked] = target_probs[masked].argmax(dim=-1).to(recovered.dtype)
+            return recovered
+
+        return sample_recovered_tokens
+
+    wrap_method(rs, "sample_recovered_tokens", make, tag=MASKED_ROW_RECOVERED)  # type: ignore[arg-type]
+
+
+register(Toggle(
+    name=MASKED_ROW_RECOVERED,
+    kind="fix",
+    models="vllm#57986 under speculative decoding: a sampled request's fully masked target row recovers the "
+           "rejected draft on CPU, where decoding without drafts emits token 0",
+    process="worker",
+    target=f"{_RS}.sample_recovered_tokens",
+    backends=("cpu",),
+    versions="0.32",
+    description="For a draft position whose target probabilities are all NaN (every token masked), the recovered "
+                "token is the row's argmax, as the sampler without drafts chooses, not the rejected draft.",
+    check=_check_masked_row,
+    patch=_patch_masked_row,
     needs=("speculative",),
 ))
 
