@@ -82,7 +82,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 # Wall seconds of the longest test files in a CI run (2-core machine, two workers,
 # `--durations=0` summed per file). Only the order of files uses them: a stale figure costs
 # balance, never a result.
-FILE_SECONDS = {"test_server.py": 227, "test_buckets_engine.py": 68, "test_gate.py": 62, "test_postconditions_engine.py": 45,
+FILE_SECONDS = {"test_server.py": 227, "test_buckets_engine.py": 45, "test_gate.py": 62, "test_postconditions_engine.py": 45,
                 "test_explain_engine.py": 40, "test_toggles.py": 35, "test_refengine_engine.py": 31,
                 "test_oracle_campaign.py": 28, "test_liveness_engine.py": 24, "test_speculative_engine.py": 22,
                 "test_reliability_resume.py": 21, "test_minimize_engine.py": 20, "test_request_state_engine.py": 20,

@@ -1,37 +1,38 @@
-"""One bug, one bucket on faults kvfuzz has never seen, on the real CPU engine: a fault injected
-through ``KVFUZZ_PLUGIN_MODULES`` (tests/unseen_faults/, no built-in toggle) gives one complete
-key per class it shows (its provisional findings in a related bucket) and no finding without a
-bucket; ``--resume`` restores the buckets; an unnamed fault's key is completed by the bounded
-confirmation. Each test is a short campaign in its own process (about 2 minutes at load ~20 on
-2 cores, most of it the engine start): marked slow.
-
-Each campaign is its own ``kvfuzz`` process: an unseen fault is always on once installed, so
-it must never reach the test run's shared engines."""
+"""One bug, one bucket on faults kvfuzz has never seen, on the real CPU engine: a test fault
+(tests/unseen_faults/, no built-in toggle) gives one complete key per class it shows (its
+provisional findings in a related bucket) and no finding without a bucket; ``--resume`` restores
+the buckets; an unnamed fault's key is completed by the bounded confirmation. Each test is a
+short ``kvfuzz run`` in this process with the fault on (``faults_on``: on engines started under
+it and closed with it, never the test run's shared ones): marked slow."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from kvfuzz.traces import load_finding
 
-pytestmark = [pytest.mark.engine, pytest.mark.slow]  # a kvfuzz process (engine start) each
+pytestmark = [pytest.mark.engine, pytest.mark.slow]  # an engine started under the fault each
 
-TESTS = Path(__file__).parent
 # Short and small: no controls, the default noise bounds, prompts within 2048 tokens.
 ARGS = ["--runs", "1", "--no-controls", "--no-calibrate", "--max-model-len", "2048", "--minimize-seconds", "30"]
 
 
-def campaign(out: Path, fault: str, traces: int, *extra: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "KVFUZZ_PLUGIN_MODULES": f"unseen_faults.{fault}", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))}
-    return subprocess.run([sys.executable, "-m", "kvfuzz", "run", "--traces", str(traces), "--out", str(out), *ARGS,
-                           *extra], env=env, capture_output=True, text=True, timeout=900)
+@pytest.fixture
+def campaign(kvfuzz_cli, monkeypatch):
+    """``kvfuzz run`` with a test fault on. References too run under it (as a vLLM with the fault
+    would compute them), so none goes to the disk store that other tests read."""
+    from unseen_faults import faults_on
+
+    monkeypatch.setenv("KVFUZZ_REFERENCE_CACHE", "off")
+
+    def run(out: Path, fault: str, traces: int, *extra: str):
+        with faults_on(fault):
+            return kvfuzz_cli("run", "--traces", traces, "--out", out, *ARGS, *extra)
+
+    return run
 
 
 def check_one_bucket(out: Path, broke: str) -> dict:
@@ -56,7 +57,7 @@ def check_one_bucket(out: Path, broke: str) -> dict:
     return state
 
 
-def test_registration_fault_s_gives_one_bucket_and_resume_keeps_it(tmp_path):
+def test_registration_fault_s_gives_one_bucket_and_resume_keeps_it(tmp_path, campaign):
     out = tmp_path / "s"
     p = campaign(out, "register_overwrites", 8, "--seed", "1")
     assert p.returncode == 0, p.stderr[-3000:]
@@ -70,7 +71,7 @@ def test_registration_fault_s_gives_one_bucket_and_resume_keeps_it(tmp_path):
     assert after["findings"] >= before["findings"] and after["traces"] == 11
 
 
-def test_an_unnamed_fault_is_keyed_by_what_its_minimal_witness_needs(tmp_path):
+def test_an_unnamed_fault_is_keyed_by_what_its_minimal_witness_needs(tmp_path, campaign):
     """Fault Y breaks no post-condition (a kernel handed a neighbour's block inside the row's
     length): its key is completed by the bounded confirmation, and the bucket's case is the
     minimal witness that measured it. With the whole budget (``--triage-share 1``) every

@@ -95,7 +95,7 @@ print("VERDICTS " + json.dumps({v.request_id: [v.class_, v.detail] for v in chec
 """
 
 
-@pytest.mark.slow  # a child process with its own engine
+@pytest.mark.slow  # a child process with its own engine: the one test of a fault loaded as a vLLM plugin
 def test_a_scheduler_that_starves_a_request_is_found():
     """Fault AU leaves the newest running request out of every step while another runs: "new"
     gets its prefill at step 2, then nothing until "old" has finished, with the budget almost
