@@ -355,3 +355,7 @@ def test_a_replay_may_stop_where_a_flip_is_corruption_whatever_the_run_records()
     assert stop.reached([9]) and not stop.reached([])
     ended = stop_at_flip(send(), "r0", ref.model_copy(update={"token_ids": [4, 5], "finish_reason": "stop"}), FP32)
     assert ended.stopped and not ended.reached([4, 5]) and ended.reached([4, 5, 6])
+    # Every token masked (vLLM's NaN logprobs): no margin calls a flip there noise.
+    nan = float("nan")
+    masked = ref.model_copy(update={"logprobs": [ref.logprobs[0], [(5, nan), (8, nan)], *ref.logprobs[2:]]})
+    assert stop_at_flip(send(), "r0", masked, FP32).decided == [True, True, True, True]
