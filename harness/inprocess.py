@@ -264,6 +264,14 @@ class InProcessEngine:
             import gc
 
             gc.collect()
+            if _LIVE:
+                # vLLM's shutdown unfroze the heap that each engine start freezes, so that this
+                # engine's objects could go. With other engines alive, freeze what is left again,
+                # as their starts did: otherwise every later full collection (vLLM runs several
+                # per engine start) walks the whole process heap, which in a test process or a
+                # campaign cycling through pooled engines was most of an engine start. (The last
+                # engine leaves the heap unfrozen, so the process exits with it finalized.)
+                gc.freeze()
 
     def __enter__(self) -> "InProcessEngine":
         return self.start()

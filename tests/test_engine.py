@@ -227,7 +227,12 @@ def test_no_token_id_of_a_run_is_left_in_the_persistent_batch(session, lora_engi
 def test_closing_one_engine_leaves_the_others_in_the_process_working(tmp_path):
     """vLLM's EngineCore.shutdown tears down process-wide distributed state; with the engine
     pool's other engines alive, their next step failed ("pipeline model parallel group is not
-    initialized"). harness/inprocess.py keeps that state while other engines are alive."""
+    initialized"). harness/inprocess.py keeps that state while other engines are alive. The
+    closed engine's objects are collected, and the heap its shutdown unfroze is frozen again
+    for the engine still alive, as that engine's start left it."""
+    import gc
+    import weakref
+
     from kvfuzz.fuzzer import default_engine
     from kvfuzz.harness.inprocess import InProcessEngine
 
@@ -237,7 +242,9 @@ def test_closing_one_engine_leaves_the_others_in_the_process_working(tmp_path):
         t = Trace(engine=a.config, events=[SendEvent(request_id="r0", at=At(step=0), max_tokens=4,
                                                      prompt=GenPrompt(length=40, seed=1))])
         before = a.replay(t)
+        gone = weakref.ref(b._llm)
         b.close()
+        assert gone() is None and gc.get_freeze_count() > 0
         after = a.replay(t)
         assert not after.crashed, after.crash_detail
         assert after.requests["r0"].token_ids == before.requests["r0"].token_ids
