@@ -82,12 +82,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 # Wall seconds of the longest test files in a CI run (2-core machine, two workers,
 # `--durations=0` summed per file). Only the order of files uses them: a stale figure costs
 # balance, never a result.
-FILE_SECONDS = {"test_server.py": 227, "test_buckets_engine.py": 45, "test_gate.py": 62, "test_postconditions_engine.py": 45,
-                "test_explain_engine.py": 40, "test_toggles.py": 35, "test_refengine_engine.py": 31,
-                "test_oracle_campaign.py": 28, "test_liveness_engine.py": 24, "test_speculative_engine.py": 22,
-                "test_reliability_resume.py": 21, "test_minimize_engine.py": 20, "test_request_state_engine.py": 20,
-                "test_engine.py": 19, "test_configs_engine.py": 19, "test_cli.py": 19, "test_controls.py": 12,
-                "test_loaders_fuzz.py": 12}
+FILE_SECONDS = {"test_server.py": 189, "test_gate.py": 63, "test_buckets_engine.py": 52, "test_liveness_engine.py": 36,
+                "test_refengine_engine.py": 31, "test_toggles.py": 29, "test_postconditions_engine.py": 26,
+                "test_oracle_campaign.py": 25, "test_cli.py": 20, "test_explain_engine.py": 20, "test_export.py": 19,
+                "test_strategies.py": 18, "test_engine.py": 16, "test_reliability_resume.py": 13, "test_controls.py": 13,
+                "test_loaders_fuzz.py": 12, "test_minimize_engine.py": 11, "test_request_state_engine.py": 10}
 
 
 def pytest_configure(config: pytest.Config) -> None:
