@@ -299,6 +299,44 @@ def test_the_verdict_rules(kvfuzz_cli, tmp_path):
     assert bad and "ENGINE CRASH" in words
 
 
+def test_another_failure_than_the_recorded_one_is_inconclusive(kvfuzz_cli, tmp_path):
+    """A run that another bug ends, as kvfuzz's bisection judges one (triage/bisect.py
+    ``same_bug``): a crash does not reproduce a finding of changed outputs, nor changed outputs
+    or another exception a crash finding: INCONCLUSIVE, exit 4. A trace records no failure, so
+    anything that differs reproduces it."""
+    from kvfuzz.traces import Divergence
+
+    def run(ns, crash, *, ended=True, differs=False):
+        s = next(x for x in ns["sends"]() if x["id"] == "base")
+        ref, o = ns["Outcome"]("base", s), ns["Outcome"]("base", s)
+        ref.tokens, ref.end, ref.finish_reason = [5] * s["max_tokens"], 9, "length"
+        if ended:  # else the crash came first: no token yet
+            o.tokens, o.end, o.finish_reason = [9 if differs else 5] + ref.tokens[1:], 8, "length"
+        return ns["report"](["base"], {"base": o}, {"base": ref}, [("send", "base", 0)], crash)
+
+    raised = "engine step 4 raised KeyError: 3"
+    output = _namespace(_export(kvfuzz_cli, tmp_path, LORA_FINDING))
+    assert output["FINDING"]["failure"] == {"kind": "output"}
+    assert run(output, raised, ended=False) == 4  # the crash came first: another bug
+    assert run(output, raised, differs=True) == 1  # the request ended differing before it
+    assert run(output, None) == 0
+
+    f = load_finding(LORA_FINDING)
+    f.divergences = [Divergence.model_validate({"request_id": "<engine>", "class": "engine-crash", "arm": "vanilla",
+                                                "runs_diverged": 1, "runs": 1, "detail": "engine step 6 raised KeyError: 7"})]
+    save(f, tmp_path / "crash.json")
+    crash = _namespace(_export(kvfuzz_cli, tmp_path, tmp_path / "crash.json"))
+    assert crash["FINDING"]["failure"] == {"kind": "crash", "state": "KeyError: N"}
+    assert run(crash, raised, ended=False) == 1  # the same exception, other numbers
+    assert run(crash, "engine step 4 raised RuntimeError: selected index k out of range", ended=False) == 4
+    assert run(crash, "hang: requests unfinished at engine step 80", ended=False) == 1  # nothing to compare
+    assert run(crash, None, differs=True) == 4  # changed outputs, no crash
+    assert run(crash, None) == 0
+
+    trace = _namespace(_export(kvfuzz_cli, tmp_path, REGRESSIONS / "vllm-42125-lora-reload-same-path.json"))
+    assert trace["FINDING"]["failure"] is None
+
+
 def _finding_in_arm(tmp_path: Path, arm: str, toggles: list[str]) -> Path:
     f = load_finding(LORA_FINDING)
     f.arms = {arm: toggles}

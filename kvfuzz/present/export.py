@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvfuzz.oracle.buckets import crash_state
 from kvfuzz.traces import BadInput, Finding, SendEvent, Trace, expand, load_any
 from kvfuzz.traces.finding import DIVERGENT_CLASSES
 from kvfuzz.traces.foreign import ForeignFinding
@@ -384,7 +385,21 @@ def plan(src: ExportSource) -> dict[str, Any]:
         "victims": list(src.victims),
         "references": references,
         "recorded": recorded,
+        "failure": _failure(src),
     }
+
+
+def _failure(src: ExportSource) -> dict[str, Any] | None:
+    """What went wrong when kvfuzz recorded the finding: a crash (with what it raised, when it
+    names an exception) or changed outputs. None for a trace: anything that differs counts."""
+    f = src.finding
+    if f is None:
+        return None
+    crashes = [d for d in f.divergences if d.arm == src.arm and d.class_ == "engine-crash"]
+    if not crashes:
+        return {"kind": "output"}
+    detail = str(crashes[0].detail or "")
+    return {"kind": "crash", "state": crash_state(detail) if " raised " in detail else None}
 
 
 def _recorded(src: ExportSource) -> dict[str, Any]:
@@ -501,8 +516,11 @@ def _docstring(data: dict[str, Any], src: ExportSource, *, server: bool) -> str:
         "hundredths of a nat or less in 16 bits may be such a tie, not a bug.",
         "",
         "Prints, per request, the expected (reference) and actual tokens, then REPRODUCED (exit 1)",
-        "when any judged request differs from its reference, else NOT REPRODUCED (exit 0). Exit 3:",
-        "the script could not run (an engine failed to start, a model build mismatch).",
+        "when any judged request differs from its reference, else NOT REPRODUCED (exit 0).",
+        "INCONCLUSIVE (exit 4): another failure than the one kvfuzz recorded (a crash where it",
+        "recorded changed outputs, changed outputs or another exception where it recorded a crash):",
+        "another bug hides this one. Exit 3: the script could not run (an engine failed to start, a",
+        "model build mismatch).",
         "",
         f"Usage: python {'repro_server.py [--url http://HOST:PORT]' if server else 'repro.py'} "
         "[--only REQUEST_ID] [--workdir DIR]",
@@ -548,6 +566,10 @@ def render(src: ExportSource, *, server: bool = False) -> str:
         "",
         "",
         export_runtime.COMMON.strip(),
+        "",
+        "",
+        "# -- what a crash raised, its numbers masked (a copy of kvfuzz's oracle/buckets.py) " + "-" * 15,
+        inspect.getsource(crash_state).rstrip(),
         "",
         "",
         *([export_runtime.SERVER.strip()] if server else _inprocess_code(data["speculative"])),

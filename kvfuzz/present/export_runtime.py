@@ -25,6 +25,7 @@ import hashlib
 import http.client
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -274,12 +275,38 @@ def report(victims: list, outcomes: dict, references: dict, applied: list, crash
         if bad:
             differ.append(cid)
     say("=" * 100)
+    other = another_failure(differ, outcomes, crash)
+    if other is not None:
+        say(f"INCONCLUSIVE: {other}")
+        return 4
     if differ:
         say(f"REPRODUCED: {len(differ)} of {len(victims)} judged request(s) differ from their reference "
             f"({', '.join(differ)})")
         return 1
     say(f"NOT REPRODUCED: every judged request ({', '.join(victims)}) matches its reference")
     return 0
+
+
+def another_failure(differ: list, outcomes: dict, crash: str | None):
+    """Why what went wrong is not the failure kvfuzz recorded (None: it is, or nothing did).
+    A finding of changed outputs is not reproduced by a crash that ended the run before a judged
+    request could differ, nor a crash finding by changed outputs or by another exception: that is
+    another bug, which hides whether this one is still there."""
+    failure = FINDING["failure"]
+    if failure is None or not (differ or crash):
+        return None
+    if failure["kind"] == "output":
+        if crash is None or any(cid in outcomes and outcomes[cid].end is not None for cid in differ):
+            return None
+        return (f"the engine crashed ({crash}) before any judged request could differ; kvfuzz recorded "
+                "changed outputs, not a crash: another bug ended the run")
+    if crash is None:
+        return (f"{len(differ)} judged request(s) differ from their reference ({', '.join(differ)}), but kvfuzz "
+                "recorded a crash, which did not happen: another failure")
+    now = crash_state(crash) if " raised " in crash else None
+    if failure["state"] is not None and now is not None and now != failure["state"]:
+        return f"the engine crashed with {now!r}; kvfuzz recorded {failure['state']!r}: another bug"
+    return None
 '''
 
 

@@ -624,7 +624,8 @@ def _reproducer(p: _Page, src: ExportSource, script: str, shown: str) -> None:
     p.para("A standalone script: it imports vLLM and the standard library only (plus torch, numpy and safetensors, "
            "which ship with vLLM), applies the schedule step by step on an in-process engine, runs each judged "
            "request alone on a fresh engine, prints expected and actual tokens per request, and ends with "
-           "REPRODUCED (exit 1) or NOT REPRODUCED (exit 0); exit 3: it could not run. Save it as `repro.py` and run "
+           "REPRODUCED (exit 1) or NOT REPRODUCED (exit 0); INCONCLUSIVE (exit 4): another failure than the one "
+           "recorded; exit 3: it could not run. Save it as `repro.py` and run "
            "it with the vLLM under test:")
     p.add(_fence(f"python repro.py                  # with kvfuzz: kvfuzz export {shown} -o repro.py", "bash"), "")
     for note in src.notes:

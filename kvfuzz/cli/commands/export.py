@@ -29,7 +29,8 @@ def export_cmd(
 ) -> None:
     """Write a standalone Python script that reproduces a finding on vLLM without kvfuzz: it
     builds the engine, applies the schedule, runs each judged request alone on a fresh engine and
-    prints REPRODUCED (exit 1) or NOT REPRODUCED (exit 0)."""
+    prints REPRODUCED (exit 1) or NOT REPRODUCED (exit 0), or INCONCLUSIVE (exit 4) when another
+    failure than the finding's ends the run (a crash where it recorded changed outputs)."""
     from kvfuzz.present.export import export
 
     suffix = ".repro_server.py" if server else ".repro.py"
